@@ -1,0 +1,291 @@
+"""Sky handlers for a Flower ``ClientApp``: benchmark, echo, and the stage protocol.
+
+Register them on your own ClientApp beside your FedAvg handlers::
+
+    app = ClientApp()
+    SkyClient(model_fn=Net, load_data=my_partition).register(app)
+
+Message types served (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
+
+=====================  ===============================================================
+``query.sky_profile``  time this node's own layers (fwd + bwd per micro-batch, median
+                       after warm-up), report memory available and emulation
+``query.sky_echo``     send the payload back (the server times two sizes for latency
+                       and bandwidth)
+``train.sky_setup``    receive this round's stage: layer range, weights, optimizer
+``train.sky_forward``  stage 0: run own batch ``step``; other stages: run the incoming
+                       activations; the last stage also computes the loss, back-
+                       propagates and steps its optimizer
+``train.sky_backward`` recompute forward from the stashed input, back-propagate the
+                       incoming gradient, step the optimizer, return input gradients
+``train.sky_collect``  return the stage's weights at the end of the round
+=====================  ===============================================================
+
+Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
+messages (records only: this also works where each message runs in a fresh process).
+Raw inputs never leave the data owner; labels travel to the last stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from sky_flower.data import Split, batch_indices
+from sky_flower.emulation import Emulation
+from sky_flower.profile import default_optimizer_factory, time_layers
+from sky_flower.stage import (
+    StageExecutor,
+    build_stage,
+    optimizer_from_tensors,
+    optimizer_to_tensors,
+)
+
+STAGE = "sky.stage"
+WEIGHTS = "sky.weights"
+OPTIM = "sky.optim"
+STASH = "sky.stash"
+PROBE = "sky.probe"
+
+
+def _payload_bytes(content: RecordDict) -> int:
+    return sum(rec.count_bytes() for rec in content.values())
+
+
+class SkyClient:
+    """Node side of sky-flower.
+
+    Parameters
+    ----------
+    model_fn : callable
+        ``() -> nn.Sequential``: the same model the server uses (only its structure
+        matters; weights come from the server).
+    load_data : callable
+        ``Context -> Split | None``: this node's local training data, None if the node
+        holds none. Called on the data owner only when it needs a batch.
+    emulation_fn : callable, optional
+        ``Context -> Emulation``: the node's emulated device. Default: native, named by
+        ``node_config["sky-node"]`` or the partition id.
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        load_data: Callable[[Context], Split | None],
+        emulation_fn: Callable[[Context], Emulation] | None = None,
+    ) -> None:
+        self.model_fn = model_fn
+        self.load_data = load_data
+        self.emulation_fn = emulation_fn or default_emulation
+
+    def register(self, app: ClientApp) -> ClientApp:
+        """Add the Sky handlers to ``app`` and return it."""
+        app.query("sky_profile")(self._wrap(self.profile))
+        app.query("sky_echo")(self._wrap(self.echo))
+        app.train("sky_setup")(self._wrap(self.setup))
+        app.train("sky_forward")(self._wrap(self.forward))
+        app.train("sky_backward")(self._wrap(self.backward))
+        app.train("sky_collect")(self._wrap(self.collect))
+        return app
+
+    # --- plumbing --------------------------------------------------------------------
+    def _wrap(
+        self, fn: Callable[[Message, Context, Emulation], RecordDict]
+    ) -> Callable[[Message, Context], Message]:
+        def handler(msg: Message, context: Context) -> Message:
+            torch.set_num_threads(1)
+            emu = self.emulation_fn(context)
+            emu.check_fault(msg.metadata.message_type)
+            content = fn(msg, context, emu)
+            delay = emu.link_delay_s(_payload_bytes(msg.content) + _payload_bytes(content))
+            if delay > 0:
+                time.sleep(delay)
+            return Message(content, reply_to=msg)
+
+        handler.__name__ = fn.__name__
+        return handler
+
+    def _executor(self, context: Context) -> tuple[StageExecutor, ConfigRecord]:
+        cfg = context.state.config_records[STAGE]
+        weights = context.state.array_records[WEIGHTS].to_torch_state_dict()
+        module = build_stage(self.model_fn, int(cfg["first"]), int(cfg["last"]), weights)
+        make_opt = default_optimizer_factory(str(cfg["optimizer"]), float(cfg["lr"]))
+        opt = make_opt([p for p in module.parameters() if p.requires_grad])
+        if OPTIM in context.state.array_records:
+            optimizer_from_tensors(opt, context.state.array_records[OPTIM].to_torch_state_dict())
+        return StageExecutor(module, opt, int(cfg["microbatches"])), cfg
+
+    @staticmethod
+    def _save(context: Context, ex: StageExecutor) -> None:
+        context.state[WEIGHTS] = ArrayRecord(
+            {k: v.detach() for k, v in ex.module.state_dict().items()}
+        )
+        context.state[OPTIM] = ArrayRecord(optimizer_to_tensors(ex.optimizer))
+
+    def _batch(self, context: Context, cfg: ConfigRecord, step: int) -> tuple[Any, Any]:
+        data = self.load_data(context)
+        if data is None:
+            raise RuntimeError("stage 0 was placed on a node that holds no data")
+        bs = int(cfg["batch_size"])
+        per_epoch = len(data) // bs
+        epoch = int(cfg["round"]) * 1000 + step // max(per_epoch, 1)
+        idx = batch_indices(len(data), bs, epoch, int(cfg["seed"]))[step % per_epoch]
+        return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+
+    # --- handlers --------------------------------------------------------------------
+    def profile(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Benchmark this node on the model's own layers."""
+        cfg = msg.content.config_records["config"]
+        shape = [int(s) for s in cfg["input_shape"]]
+        fwd, bwd = time_layers(
+            self.model_fn(),
+            shape,
+            int(cfg["microbatch_size"]),
+            warmup=int(cfg["warmup"]),
+            repeats=int(cfg["repeats"]),
+        )
+        factor = 1.0 + emu.slowdown
+        data = self.load_data(context) if emu.holds_data else None
+        return RecordDict(
+            {
+                "profile": ConfigRecord(
+                    {
+                        "name": emu.name,
+                        "holds_data": emu.holds_data,
+                        "num_examples": len(data) if data is not None else 0,
+                        "memory_bytes": emu.memory_bytes(),
+                        "slowdown": float(emu.slowdown),
+                        "emulation": emu.describe(),
+                        "layer_fwd_s": [t * factor for t in fwd],
+                        "layer_bwd_s": [t * factor for t in bwd],
+                    }
+                )
+            }
+        )
+
+    def echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Return the payload unchanged.
+
+        ``config["store_bytes"] > 0`` first stores a probe array of that size in
+        ``context.state`` (so later messages show what state costs); ``< 0`` removes it.
+        """
+        store = 0
+        if "config" in msg.content.config_records:
+            store = int(msg.content.config_records["config"].get("store_bytes", 0))
+        if store > 0:
+            context.state[PROBE] = ArrayRecord({"p": torch.zeros(store, dtype=torch.uint8)})
+        elif store < 0 and PROBE in context.state:
+            del context.state[PROBE]
+        return RecordDict({"payload": msg.content.array_records["payload"]})
+
+    def setup(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Install this round's stage (layer range, weights, fresh optimizer)."""
+        cfg = msg.content.config_records["config"]
+        context.state[STAGE] = cfg
+        context.state[WEIGHTS] = msg.content.array_records["weights"]
+        for key in (OPTIM, STASH):
+            if key in context.state:
+                del context.state[key]
+        return RecordDict({"metrics": MetricRecord({"ready": 1})})
+
+    def forward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Forward pass of one step (and loss + backward on the last stage)."""
+        ex, cfg = self._executor(context)
+        first, last = bool(cfg["is_first"]), bool(cfg["is_last"])
+        out: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        if first:
+            x, labels = self._batch(context, cfg, int(msg.content.config_records["step"]["step"]))
+            context.state[STASH] = ArrayRecord({"x": x})
+        else:
+            x = msg.content.array_records["act"].to_torch_state_dict()["act"]
+            labels = None
+        if last:
+            if labels is None:
+                labels = msg.content.array_records["labels"].to_torch_state_dict()["labels"]
+            grad, loss, correct = ex.forward_backward_loss(x, labels, input_grad=not first)
+            compute = time.perf_counter() - t0
+            self._save(context, ex)
+            if grad is not None:
+                out["grad"] = ArrayRecord({"grad": grad})
+            out["metrics"] = MetricRecord(
+                {"loss": loss, "correct": correct, "n": int(labels.shape[0]), "compute_s": compute}
+            )
+        else:
+            y = ex.forward(x)
+            compute = time.perf_counter() - t0
+            if not first:
+                context.state[STASH] = ArrayRecord({"x": x})
+            out["act"] = ArrayRecord({"act": y})
+            if first:
+                out["labels"] = ArrayRecord({"labels": labels})
+            out["metrics"] = MetricRecord({"compute_s": compute})
+        emu.after_compute(compute)
+        return RecordDict(out)
+
+    def backward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Backward pass of one step from the stashed input; steps the optimizer."""
+        ex, cfg = self._executor(context)
+        x = context.state.array_records[STASH].to_torch_state_dict()["x"]
+        g = msg.content.array_records["grad"].to_torch_state_dict()["grad"]
+        first = bool(cfg["is_first"])
+        t0 = time.perf_counter()
+        grad = ex.backward(x, g, input_grad=not first)
+        compute = time.perf_counter() - t0
+        self._save(context, ex)
+        emu.after_compute(compute)
+        out: dict[str, Any] = {"metrics": MetricRecord({"compute_s": compute})}
+        if grad is not None:
+            out["grad"] = ArrayRecord({"grad": grad})
+        return RecordDict(out)
+
+    def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Return the stage's weights (end of round)."""
+        return RecordDict({"weights": context.state.array_records[WEIGHTS]})
+
+
+# --- defaults for the simulation engine ------------------------------------------------
+def default_emulation(context: Context) -> Emulation:
+    """A native node named by ``node_config["sky-node"]`` or its partition id."""
+    cfgn = context.node_config
+    name = str(cfgn.get("sky-node", f"node{cfgn.get('partition-id', 0)}"))
+    return Emulation(name=name, holds_data=bool(cfgn.get("sky-holds-data", False)))
+
+
+def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:
+    """Map simulation partition ``i`` to fleet node ``i``."""
+
+    def emulation_fn(context: Context) -> Emulation:
+        pid = int(context.node_config.get("partition-id", 0))
+        if not 0 <= pid < len(fleet):
+            raise ValueError(f"partition-id {pid} has no fleet entry ({len(fleet)} nodes)")
+        return fleet[pid]
+
+    return emulation_fn
+
+
+def owner_data_fn(
+    fleet: list[Emulation], dataset: str = "digits", test_fraction: float = 0.2, seed: int = 0
+) -> Callable[[Context], Split | None]:
+    """Digits partition of this node if it is a data owner (IID across owners)."""
+    from sky_flower.data import load_split, owner_partition
+
+    owners = [n.name for n in fleet if n.holds_data]
+    cache: dict[str, Split] = {}
+
+    def load(context: Context) -> Split | None:
+        emu = fleet_emulation(fleet)(context)
+        if not emu.holds_data:
+            return None
+        if emu.name not in cache:
+            train, _ = load_split(dataset, test_fraction, seed)
+            cache[emu.name] = owner_partition(train, owners.index(emu.name), len(owners), seed)
+        return cache[emu.name]
+
+    return load

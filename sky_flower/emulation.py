@@ -1,0 +1,145 @@
+"""Emulated heterogeneity: make one host's simulated node act as a slower device.
+
+SkyComputing's own emulation (arXiv 2202.11836, Sec. 4.1): after each compute, sleep
+``slowdown x`` that compute's measured time, so the node runs ``1 + slowdown`` times
+slower. A memory cap bounds the memory the node reports; a link latency and bandwidth
+add ``latency + bytes / bandwidth`` of sleep per message. Everything is off unless the
+fleet config sets it, and every node prints what it emulates in the benchmark table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+import psutil
+
+MIB = 1024 * 1024
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a node whose fleet entry sets ``fail_on`` (for failure tests)."""
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """One node of a fleet config (``conf/fleet/*.yaml``).
+
+    Attributes
+    ----------
+    name : str
+        Node name, unique in the fleet; also its place in the pipeline order.
+    holds_data : bool
+        Data owner (runs stage 0 on its own batches).
+    slowdown : float
+        ``s >= 0``: sleep ``s x`` compute time after each compute (0 = native speed).
+    memory_mb : float or None
+        Memory cap in MiB (None = what psutil reports as available).
+    latency_ms : float
+        Added per message (round trip), milliseconds.
+    bandwidth_mb_s : float or None
+        Link bandwidth in MB/s (10^6 bytes/s); None = no bandwidth emulation.
+    fail_on : str
+        Fault injection for tests: raise when a message of this type arrives
+        (e.g. ``"train.sky_forward"``); empty = never.
+    """
+
+    name: str
+    holds_data: bool = False
+    slowdown: float = 0.0
+    memory_mb: float | None = None
+    latency_ms: float = 0.0
+    bandwidth_mb_s: float | None = None
+    fail_on: str = ""
+
+    def __post_init__(self) -> None:
+        if self.slowdown < 0:
+            raise ValueError(f"node {self.name!r}: slowdown must be >= 0, got {self.slowdown}")
+        if self.memory_mb is not None and self.memory_mb <= 0:
+            raise ValueError(f"node {self.name!r}: memory_mb must be > 0, got {self.memory_mb}")
+        if self.latency_ms < 0:
+            raise ValueError(f"node {self.name!r}: latency_ms must be >= 0")
+        if self.bandwidth_mb_s is not None and self.bandwidth_mb_s <= 0:
+            raise ValueError(f"node {self.name!r}: bandwidth_mb_s must be > 0 or null")
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping) -> Emulation:
+        """Build from a fleet-config entry.
+
+        Raises
+        ------
+        ValueError
+            On a missing name or an unknown key (lists the valid keys).
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(
+                f"unknown fleet node key(s) {sorted(unknown)} in {dict(spec)}: valid keys are "
+                f"{sorted(known)}"
+            )
+        if "name" not in spec:
+            raise ValueError(f"fleet node {dict(spec)} has no name")
+        return cls(**dict(spec))
+
+    def to_dict(self) -> dict:
+        """Plain dict (for config records and JSON)."""
+        return asdict(self)
+
+    # --- effects ---------------------------------------------------------------------
+    def after_compute(self, elapsed_s: float) -> None:
+        """Sleep ``slowdown x elapsed_s`` (SkyComputing's emulation)."""
+        if self.slowdown > 0 and elapsed_s > 0:
+            time.sleep(self.slowdown * elapsed_s)
+
+    def link_delay_s(self, nbytes: float) -> float:
+        """Seconds a message of ``nbytes`` (both directions together) takes on the link."""
+        delay = self.latency_ms / 1000.0
+        if self.bandwidth_mb_s:
+            delay += nbytes / (self.bandwidth_mb_s * 1e6)
+        return delay
+
+    def memory_bytes(self) -> int:
+        """Memory available for training: psutil's available memory, capped."""
+        available = int(psutil.virtual_memory().available)
+        if self.memory_mb is None:
+            return available
+        return min(available, int(self.memory_mb * MIB))
+
+    def check_fault(self, message_type: str) -> None:
+        """Raise :class:`FaultInjected` if this node is configured to fail here."""
+        if self.fail_on and self.fail_on == message_type:
+            raise FaultInjected(
+                f"node {self.name!r}: fault injected on {message_type} (fleet fail_on)"
+            )
+
+    def describe(self) -> str:
+        """One-line summary for the benchmark table."""
+        parts = [f"slowdown x{1 + self.slowdown:g}" if self.slowdown else "native speed"]
+        if self.memory_mb is not None:
+            parts.append(f"mem cap {self.memory_mb:g} MiB")
+        if self.latency_ms:
+            parts.append(f"+{self.latency_ms:g} ms")
+        if self.bandwidth_mb_s:
+            parts.append(f"{self.bandwidth_mb_s:g} MB/s")
+        return ", ".join(parts)
+
+
+def parse_fleet(nodes: list[Mapping]) -> list[Emulation]:
+    """Validate a fleet's node list.
+
+    Raises
+    ------
+    ValueError
+        If empty, names repeat, or no node holds data.
+    """
+    fleet = [Emulation.from_mapping(n) for n in nodes]
+    if not fleet:
+        raise ValueError("the fleet has no nodes: list at least one under fleet.nodes")
+    names = [n.name for n in fleet]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fleet node names must be unique, got {names}")
+    if not any(n.holds_data for n in fleet):
+        raise ValueError("no node in the fleet holds data: set holds_data: true on one node")
+    return fleet

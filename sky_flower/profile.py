@@ -1,0 +1,310 @@
+"""Per-layer model profile: FLOPs, parameter, optimizer-state and activation bytes.
+
+Pure PyTorch (no Flower import). A model is an ordered list of layers: an
+``nn.Sequential`` or any list of modules whose composition is the model. Each entry is
+one unit the partitioner may place on a node.
+
+FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` run on the real
+modules; bytes come from the tensors the modules really produce.
+
+Example
+-------
+>>> import torch.nn as nn
+>>> model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+>>> profiles = profile_layers(model, input_shape=(64,), microbatch_size=8)
+>>> [p.name for p in profiles]
+['0:Linear', '1:ReLU', '2:Linear']
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer (one partitionable entry) costs.
+
+    All per-sample figures scale linearly with the micro-batch size.
+
+    Attributes
+    ----------
+    index : int
+        Position in the model, 0-based.
+    name : str
+        ``"<index>:<module class>"``.
+    fwd_flops : float
+        Forward FLOPs per sample (FlopCounterMode convention: one multiply-add = 2).
+    bwd_flops : float
+        Backward FLOPs per sample (input gradient, unless the layer is the first,
+        plus weight gradients).
+    param_bytes : int
+        Bytes of trainable parameters. Gradients take the same again.
+    optimizer_state_bytes : int
+        Bytes of optimizer state after one step of the configured optimizer.
+    act_in_bytes : float
+        Bytes of this layer's input per sample.
+    act_out_bytes : float
+        Bytes of this layer's output per sample (what crosses a stage boundary).
+    """
+
+    index: int
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    param_bytes: int
+    optimizer_state_bytes: int
+    act_in_bytes: float
+    act_out_bytes: float
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of parameter gradients (equal to ``param_bytes``)."""
+        return self.param_bytes
+
+    def to_dict(self) -> dict:
+        """Plain-dict form for JSON."""
+        return asdict(self)
+
+
+def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """Return the ordered list of layers of ``model``.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is neither an ``nn.Sequential`` nor a sequence of modules.
+    ValueError
+        If the model has no layers.
+    """
+    if isinstance(model, nn.Sequential):
+        layers = list(model)
+    elif isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
+        layers = list(model)
+    else:
+        raise TypeError(
+            "model must be an nn.Sequential or a list of nn.Module layers in execution "
+            f"order, got {type(model).__name__}"
+        )
+    if not layers:
+        raise ValueError("model has no layers: pass at least one module")
+    return layers
+
+
+def default_optimizer_factory(
+    name: str = "adam", lr: float = 1e-3
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """Optimizer factory by name (``adam``, ``sgd``, ``sgd_momentum``).
+
+    Raises
+    ------
+    ValueError
+        On an unknown optimizer name.
+    """
+    name = name.lower()
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr)
+    if name == "sgd_momentum":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}: choose one of adam, sgd, sgd_momentum")
+
+
+def _optimizer_state_bytes(layer: nn.Module, make_optimizer: OptimizerFactory) -> int:
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:
+        return 0
+    clone = copy.deepcopy(layer)
+    cparams = [p for p in clone.parameters() if p.requires_grad]
+    opt = make_optimizer(cparams)
+    for p in cparams:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def profile_layers(
+    model: nn.Module | Sequence[nn.Module],
+    input_shape: Sequence[int],
+    microbatch_size: int,
+    make_optimizer: OptimizerFactory | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[LayerProfile]:
+    """Profile every layer of ``model`` on a micro-batch of ``microbatch_size`` samples.
+
+    Parameters
+    ----------
+    model : nn.Sequential or list of nn.Module
+        The model as an ordered list of layers.
+    input_shape : sequence of int
+        Shape of one sample, without the batch dimension (e.g. ``(64,)``).
+    microbatch_size : int
+        Samples per micro-batch used for the measurement (FLOPs are then divided by it).
+    make_optimizer : callable, optional
+        ``params -> torch.optim.Optimizer``; default Adam.
+    dtype : torch.dtype
+        Dtype of the probe input (float32).
+
+    Returns
+    -------
+    list of LayerProfile
+        One entry per layer, in order.
+
+    Raises
+    ------
+    ValueError
+        If ``microbatch_size`` < 1 or the layers do not compose on ``input_shape``.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    layers = as_layers(model)
+    make_optimizer = make_optimizer or default_optimizer_factory()
+    x = torch.randn(microbatch_size, *input_shape, dtype=dtype)
+    profiles: list[LayerProfile] = []
+    for index, layer in enumerate(layers):
+        x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
+        fwd_counter = FlopCounterMode(display=False)
+        try:
+            with fwd_counter:
+                y = layer(x_in)
+        except RuntimeError as err:
+            raise ValueError(
+                f"layer {index} ({type(layer).__name__}) does not accept input of shape "
+                f"{tuple(x_in.shape)}: {err}"
+            ) from err
+        bwd_flops = 0
+        if y.requires_grad:
+            bwd_counter = FlopCounterMode(display=False)
+            with bwd_counter:
+                y.backward(torch.ones_like(y))
+            bwd_flops = bwd_counter.get_total_flops()
+        layer.zero_grad(set_to_none=True)
+        param_bytes = sum(
+            p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad
+        )
+        profiles.append(
+            LayerProfile(
+                index=index,
+                name=f"{index}:{type(layer).__name__}",
+                fwd_flops=fwd_counter.get_total_flops() / microbatch_size,
+                bwd_flops=bwd_flops / microbatch_size,
+                param_bytes=int(param_bytes),
+                optimizer_state_bytes=_optimizer_state_bytes(layer, make_optimizer),
+                act_in_bytes=x_in.numel() * x_in.element_size() / microbatch_size,
+                act_out_bytes=y.numel() * y.element_size() / microbatch_size,
+            )
+        )
+        x = y.detach()
+    return profiles
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """What one node can do, as measured in the benchmark round.
+
+    Attributes
+    ----------
+    name : str
+        Node name from the fleet config (stable across runs, unlike Flower node IDs).
+    layer_fwd_s, layer_bwd_s : tuple of float
+        Seconds per micro-batch for each layer's forward and backward pass, measured on
+        the node itself (median after warm-up), emulated slowdown included.
+    memory_bytes : int
+        Memory available for training on the node (bytes).
+    latency_s : float
+        Seconds per message round trip server <-> node, Flower's per-message overhead
+        included (from echo timing).
+    bandwidth_bps : float
+        Link bandwidth in bytes per second (from echo timing at two payload sizes).
+    state_s_per_byte : float
+        Extra seconds per message per byte the node keeps in ``context.state`` (Flower
+        ships a node's context with every message it handles), from echo timing with
+        and without a probe array stored in the state.
+    holds_data : bool
+        Whether the node is a data owner.
+    slowdown : float
+        Emulated slowdown factor reported by the node (0 = none), for display.
+    node_id : int
+        Flower node ID in the current run (0 when not known).
+    """
+
+    name: str
+    layer_fwd_s: tuple[float, ...]
+    layer_bwd_s: tuple[float, ...]
+    memory_bytes: int
+    latency_s: float = 0.0
+    bandwidth_bps: float = float("inf")
+    state_s_per_byte: float = 0.0
+    holds_data: bool = False
+    slowdown: float = 0.0
+    node_id: int = 0
+
+    def to_dict(self) -> dict:
+        """Plain-dict form for JSON (infinite bandwidth as ``None``)."""
+        d = asdict(self)
+        d["layer_fwd_s"] = list(self.layer_fwd_s)
+        d["layer_bwd_s"] = list(self.layer_bwd_s)
+        if self.bandwidth_bps == float("inf"):
+            d["bandwidth_bps"] = None
+        return d
+
+
+def time_layers(
+    model: nn.Module | Sequence[nn.Module],
+    input_shape: Sequence[int],
+    microbatch_size: int,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> tuple[list[float], list[float]]:
+    """Time each layer's forward and backward pass on this machine.
+
+    Runs every layer on a micro-batch of the configured shape, ``warmup`` untimed
+    passes then ``repeats`` timed ones, and returns the medians.
+
+    Returns
+    -------
+    (fwd_s, bwd_s) : tuple of list of float
+        Seconds per micro-batch, one entry per layer.
+    """
+    import statistics
+    import time
+
+    layers = as_layers(model)
+    x = torch.randn(microbatch_size, *input_shape)
+    fwd_s: list[float] = []
+    bwd_s: list[float] = []
+    for index, layer in enumerate(layers):
+        f_times: list[float] = []
+        b_times: list[float] = []
+        y = None
+        for rep in range(warmup + repeats):
+            x_in = x.detach().requires_grad_(index > 0)
+            t0 = time.perf_counter()
+            y = layer(x_in)
+            t1 = time.perf_counter()
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            t2 = time.perf_counter()
+            if rep >= warmup:
+                f_times.append(t1 - t0)
+                b_times.append(t2 - t1)
+        layer.zero_grad(set_to_none=True)
+        fwd_s.append(statistics.median(f_times))
+        bwd_s.append(statistics.median(b_times))
+        assert y is not None
+        x = y.detach()
+    return fwd_s, bwd_s

@@ -1,0 +1,217 @@
+"""Main job: ``python -m sky_flower.run [allocation=even|heuristic|optimal] [fleet=...]``.
+
+A Hydra app (``conf/config.yaml``; groups ``allocation``, ``fleet``, ``model``,
+``dataset``) that starts Flower's simulation engine with one SuperNode per fleet node,
+runs the Sky strategy (benchmark round, plan, split training) for ``num_rounds``
+rounds, prints the plan and a per-round table, and writes into Hydra's output
+directory: ``benchmark.json``, ``plan.json``, ``results.json`` and ``model.pt`` (the last
+good global model's state dict).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sky_flower.cost import Schedule
+from sky_flower.data import load_split
+from sky_flower.emulation import parse_fleet
+from sky_flower.models import build_model
+from sky_flower.partition import METHODS
+
+
+def _conf_dir() -> str:
+    here = Path(__file__).resolve().parent
+    installed = here / "conf"  # pip install . puts conf/ here (see pyproject)
+    return str(installed if (installed / "config.yaml").exists() else here.parent / "conf")
+
+
+def evaluate_fn_for(
+    model_fn: Callable[[], torch.nn.Module], dataset: Mapping, seed: int
+) -> Callable:
+    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    _, test = load_split(dataset["name"], float(dataset["test_fraction"]), seed)
+    x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = model_fn()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        model.eval()
+        with torch.no_grad():
+            out = model(x)
+            loss = float(torch.nn.functional.cross_entropy(out, y))
+            acc = float((out.argmax(1) == y).float().mean())
+        return MetricRecord({"accuracy": acc, "loss": loss})
+
+    return evaluate
+
+
+def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Run the main job for ``cfg``; write JSON files to ``out_dir``; return results.
+
+    Every setting is validated before Flower starts (unknown allocation, fleet keys,
+    schedule, model), so bad input fails before any node is contacted.
+
+    Raises
+    ------
+    ValueError
+        On invalid configuration.
+    strategies.sky.SkyNodeError
+        If a node fails; ``results.json`` is still written with the rounds done.
+    """
+    from flwr.app import ArrayRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
+    from strategies.sky import SkyStrategy
+
+    method = str(cfg.allocation.method)
+    if method not in METHODS:
+        raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")
+    fleet = parse_fleet(OmegaConf.to_container(cfg.fleet.nodes, resolve=True))  # type: ignore[arg-type]
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    assert isinstance(model_cfg, dict) and isinstance(dataset, dict)
+    model_fn = partial(build_model, model_cfg)
+    model_fn()  # fail early on a bad model config
+    schedule = Schedule(
+        batch_size=int(cfg.schedule.batch_size),
+        microbatches=int(cfg.schedule.microbatches),
+        kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
+        transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("flwr").propagate = False  # Flower prints its own lines once
+
+    def write(name: str, payload: Any) -> None:
+        (out_dir / name).write_text(json.dumps(payload, indent=2, default=str))
+
+    def on_event(kind: str, payload: dict) -> None:
+        if kind in ("benchmark", "plan"):
+            write(f"{kind}.json", payload)
+
+    strategy = SkyStrategy(
+        model_fn=model_fn,
+        input_shape=list(model_cfg["input_shape"]),
+        allocation=method,
+        schedule=schedule,
+        optimizer=str(cfg.train.optimizer),
+        lr=float(cfg.train.lr),
+        local_epochs=float(cfg.train.local_epochs),
+        steps_per_round=int(cfg.train.steps_per_round),
+        node_order=[n.name for n in fleet],
+        min_nodes=len(fleet),
+        milp_time_limit_s=float(cfg.allocation.time_limit_s),
+        benchmark_warmup=int(cfg.benchmark.warmup),
+        benchmark_repeats=int(cfg.benchmark.repeats),
+        echo_bytes=tuple(int(b) for b in cfg.benchmark.echo_bytes),  # type: ignore[arg-type]
+        echo_repeats=int(cfg.benchmark.echo_repeats),
+        echo_jitter_s=float(cfg.benchmark.echo_jitter_s),
+        state_probe_bytes=int(cfg.benchmark.state_probe_mb * 2**20),
+        message_timeout_s=float(cfg.message_timeout_s),
+        seed=int(cfg.seed),
+        on_event=on_event,
+    )
+    evaluate = evaluate_fn_for(model_fn, dataset, int(cfg.seed))
+    torch.manual_seed(int(cfg.seed))
+    initial = ArrayRecord(model_fn().state_dict())
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(
+            grid=grid, initial_arrays=initial, num_rounds=int(cfg.num_rounds), evaluate_fn=evaluate
+        )
+
+    client_app = SkyClient(
+        model_fn=model_fn,
+        load_data=owner_data_fn(
+            fleet, dataset["name"], float(dataset["test_fraction"]), int(cfg.seed)
+        ),
+        emulation_fn=fleet_emulation(fleet),
+    ).register(ClientApp())
+
+    error: str | None = None
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=len(fleet),
+            backend_config={
+                "client_resources": {
+                    "num_cpus": float(cfg.simulation.num_cpus_per_node),
+                    "num_gpus": 0.0,
+                },
+                "init_args": {"num_cpus": os.cpu_count() or 2, "logging_level": "error"},
+            },
+        )
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        cause = err.__cause__ or err
+        error = f"{type(cause).__name__}: {cause}"
+        raise
+    finally:
+        rounds = [
+            {
+                k: r.get(k)
+                for k in (
+                    "round",
+                    "train_loss",
+                    "test_accuracy",
+                    "measured_step_time_s",
+                    "predicted_step_time_s",
+                    "train_accuracy",
+                    "test_loss",
+                    "steps",
+                    "round_time_s",
+                )
+            }
+            for r in strategy.rounds
+        ]
+        results = {
+            "allocation": method,
+            "fleet": str(cfg.fleet.name),
+            "final_test_accuracy": rounds[-1]["test_accuracy"] if rounds else None,
+            "rounds": rounds,
+            "error": error,
+        }
+        write("results.json", results)
+        if strategy.global_arrays is not None:  # last good global model
+            torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
+    return results
+
+
+@hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point."""
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        results = run_job(cfg, out_dir)
+    except Exception as err:  # noqa: BLE001
+        cause = err.__cause__ or err
+        logging.getLogger(__name__).error("sky-flower run failed: %s", cause)
+        print(f"\nsky-flower: run failed: {cause}\n(outputs in {out_dir})", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(
+        f"\nsky-flower [{results['allocation']} on {results['fleet']}]: final test accuracy "
+        f"{results['final_test_accuracy']:.4f}; outputs in {out_dir}"
+    )
+
+
+if __name__ == "__main__":
+    main()

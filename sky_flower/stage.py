@@ -1,0 +1,165 @@
+"""One pipeline stage: a contiguous block of layers, its optimizer, and its step logic.
+
+Pure PyTorch (no Flower import). The relay transport keeps no autograd graph between
+messages, so a stage stashes its input on the forward pass and re-runs its forward
+when the output gradient comes back (activation recomputation, Chen et al. 2016,
+arXiv 1604.06174); results equal those of keeping the graph for deterministic layers.
+
+A batch of ``B`` samples is cut into ``M`` equal micro-batches; the last stage scales
+each micro-batch's mean loss by ``1 / M`` so that accumulated gradients equal those of
+the whole batch's mean loss. Every stage steps its own optimizer once per batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from sky_flower.profile import as_layers
+
+
+def build_stage(
+    model_fn: Callable[[], nn.Module], first: int, last: int, weights: Mapping | None = None
+) -> nn.Sequential:
+    """Layers ``first..last`` (inclusive) of ``model_fn()`` as an ``nn.Sequential``.
+
+    The model is built on the meta device (no weight memory, no init cost), the stage's
+    layers are then materialised and loaded from ``weights`` (a state dict keyed like
+    the full model's, e.g. ``"3.0.weight"``). Without ``weights`` the stage keeps a
+    fresh initialisation of its own layers.
+
+    Raises
+    ------
+    ValueError
+        If the layer range is outside the model.
+    """
+    if weights is None:
+        layers = as_layers(model_fn())
+    else:
+        with torch.device("meta"):
+            layers = as_layers(model_fn())
+    if not 0 <= first <= last < len(layers):
+        raise ValueError(f"layers {first}..{last} outside a model of {len(layers)} layers")
+    stage = nn.Sequential(OrderedDict((str(j), layers[j]) for j in range(first, last + 1)))
+    if weights is not None:
+        stage = stage.to_empty(device="cpu")
+        stage.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=True)
+    return stage
+
+
+def slice_state(full: Mapping, first: int, last: int) -> dict:
+    """The entries of a full-model state dict that belong to layers ``first..last``."""
+    keep = {str(j) for j in range(first, last + 1)}
+    return {k: v for k, v in full.items() if k.split(".", 1)[0] in keep}
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Flatten an optimizer's per-parameter state into ``{"<param>.<name>": tensor}``.
+
+    Hyperparameters are not included: they come from the stage config each time."""
+    flat = {}
+    for pid, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            flat[f"{pid}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return flat
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, flat: Mapping) -> None:
+    """Load state flattened by :func:`optimizer_to_tensors` into ``opt`` (which keeps its
+    own hyperparameters)."""
+    state: dict[int, dict] = {}
+    for key, value in flat.items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = torch.as_tensor(value).clone()
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+class StageExecutor:
+    """Runs one stage's share of a training step.
+
+    Parameters
+    ----------
+    module : nn.Module
+        The stage's layers.
+    optimizer : torch.optim.Optimizer
+        Over ``module``'s parameters.
+    microbatches : int
+        M; the batch dimension of every input must be divisible by it.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, microbatches: int):
+        self.module = module
+        self.optimizer = optimizer
+        self.microbatches = microbatches
+
+    def _chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if t.shape[0] % self.microbatches:
+            raise ValueError(
+                f"batch of {t.shape[0]} is not divisible into {self.microbatches} micro-batches"
+            )
+        return torch.chunk(t, self.microbatches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)``."""
+        with torch.no_grad():
+            return torch.cat([self.module(xm) for xm in self._chunks(x)])
+
+    def backward(
+        self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool
+    ) -> torch.Tensor | None:
+        """Recompute each micro-batch's forward from the stashed input ``x``, back-propagate
+        ``grad_out``, step the optimizer. Returns the input gradient ``(B, ...)`` if
+        ``input_grad`` else None."""
+        grads = []
+        for xm, gm in zip(self._chunks(x), self._chunks(grad_out), strict=True):
+            xm = xm.detach().requires_grad_(input_grad)
+            self.module(xm).backward(gm)
+            if input_grad:
+                grads.append(xm.grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.cat(grads) if input_grad else None
+
+    def forward_backward_loss(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        input_grad: bool,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | None, float, int]:
+        """Last stage: forward, loss (mean per micro-batch / M), backward, optimizer step.
+
+        Returns ``(input_grad or None, batch loss, correct predictions)``.
+        """
+        loss_fn = loss_fn or nn.functional.cross_entropy
+        grads, total, correct = [], 0.0, 0
+        for xm, ym in zip(self._chunks(x), self._chunks(labels), strict=True):
+            xm = xm.detach().requires_grad_(input_grad)
+            out = self.module(xm)
+            loss = loss_fn(out, ym) / self.microbatches
+            loss.backward()
+            total += loss.detach().item()
+            correct += int((out.argmax(dim=1) == ym).sum())
+            if input_grad:
+                grads.append(xm.grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return (torch.cat(grads) if input_grad else None), total, correct
+
+
+def run_split_step(stages: list[StageExecutor], x: torch.Tensor, labels: torch.Tensor) -> float:
+    """One training step through a chain of stages in one process (the relay protocol's
+    logic without the transport): forward through all, loss at the last, backward.
+    Returns the batch loss. Used by tests and as the reference for the transports."""
+    inputs = []
+    h = x
+    for st in stages[:-1]:
+        inputs.append(h)
+        h = st.forward(h)
+    g, loss, _ = stages[-1].forward_backward_loss(h, labels, input_grad=len(stages) > 1)
+    for k in range(len(stages) - 2, -1, -1):
+        g = stages[k].backward(inputs[k], g, input_grad=k > 0)
+    return loss

@@ -1,0 +1,583 @@
+"""Sky: split-model training across heterogeneous Flower nodes, load-balanced.
+
+Reproduces and improves on SkyComputing (Zhu, Li, You, "Sky Computing: Accelerating
+Geo-distributed Computing in Federated Learning", arXiv 2202.11836): a benchmark round
+measures every node on the model's own layers and times its link; a partitioner
+(``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
+sized to what it can do; then every round each node trains its block as one stage of a
+pipeline, activations flowing forward and gradients back through the server (the
+``relay`` transport), and the server reassembles the global model from the stages.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+from torch import nn
+
+from sky_flower.cost import CostModel, Schedule
+from sky_flower.partition import METHODS, Plan, partition
+from sky_flower.profile import LayerProfile, NodeProfile, profile_layers
+from sky_flower.profile import default_optimizer_factory as _opt_factory
+from sky_flower.stage import slice_state
+
+
+class SkyNodeError(RuntimeError):
+    """A node failed to answer, or answered with an error (the message names it)."""
+
+
+class SkyStrategy(Strategy):
+    """Split-model training with a benchmark round and a load-balanced layer plan.
+
+    Parameters
+    ----------
+    model_fn : Callable[[], nn.Sequential]
+        Builds the model as an ordered list of layers (the same function the nodes use).
+    input_shape : Sequence[int]
+        Shape of one input sample, without the batch dimension.
+    allocation : str (default: "heuristic")
+        ``even``, ``heuristic`` or ``optimal`` (see :mod:`sky_flower.partition`).
+    schedule : Schedule (default: Schedule())
+        Batch size, micro-batches (``schedule.microbatches``), schedule kind, transport.
+    optimizer : str (default: "adam")
+        Optimizer every stage uses (``adam``, ``sgd``, ``sgd_momentum``).
+    lr : float (default: 1e-3)
+        Learning rate.
+    local_epochs : float (default: 1.0)
+        Passes over the data owner's data per round (steps = epochs x examples / batch).
+    steps_per_round : int (default: 0)
+        If > 0, overrides ``local_epochs``.
+    node_order : Sequence[str] (default: ())
+        Pipeline order by node name (fleet order); the first data owner is always
+        stage 0. Nodes not listed follow in name order.
+    min_nodes : int (default: 2)
+        Wait for this many connected nodes before the benchmark round.
+    milp_time_limit_s : float (default: 30.0)
+        Time limit of the ``optimal`` MILP.
+    benchmark_warmup, benchmark_repeats : int (default: 2, 5)
+        Untimed and timed passes per layer in the benchmark round.
+    echo_bytes : tuple[int, int] (default: (1 KiB, 1 MiB))
+        The two payload sizes timed for latency and bandwidth.
+    echo_repeats : int (default: 5)
+        Echoes per size (mean taken).
+    echo_jitter_s : float (default: 0.1)
+        Random pause (uniform in [0, echo_jitter_s)) before each echo, so the echoes
+        sample every phase of the nodes' polling tick (0.1 s in the simulation engine).
+    state_probe_bytes : int (default: 32 MiB)
+        Size of the probe array stored in a node's ``context.state`` to time what the
+        state costs per message (0 disables; see :mod:`sky_flower.cost`).
+    message_timeout_s : float (default: 120.0)
+        A node that does not answer within this time fails the round, by name.
+    seed : int (default: 0)
+        Seeds the data owner's batch order.
+    on_event : Callable[[str, dict], None], optional
+        Called with ``("benchmark", ...)``, ``("plan", ...)``, ``("round", ...)`` so a
+        caller can save or print them.
+    """
+
+    def __init__(  # noqa: PLR0913
+        self,
+        model_fn: Callable[[], nn.Module],
+        input_shape: Sequence[int],
+        allocation: str = "heuristic",
+        schedule: Schedule | None = None,
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        local_epochs: float = 1.0,
+        steps_per_round: int = 0,
+        node_order: Sequence[str] = (),
+        min_nodes: int = 2,
+        milp_time_limit_s: float = 30.0,
+        benchmark_warmup: int = 2,
+        benchmark_repeats: int = 5,
+        echo_bytes: tuple[int, int] = (1024, 1024 * 1024),
+        echo_repeats: int = 5,
+        echo_jitter_s: float = 0.1,
+        state_probe_bytes: int = 32 * 1024 * 1024,
+        message_timeout_s: float = 120.0,
+        seed: int = 0,
+        on_event: Callable[[str, dict], None] | None = None,
+    ) -> None:
+        if allocation not in METHODS:
+            raise ValueError(
+                f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}"
+            )
+        _opt_factory(optimizer, lr)  # validates the name early
+        self.model_fn = model_fn
+        self.input_shape = [int(s) for s in input_shape]
+        self.allocation = allocation
+        self.schedule = schedule or Schedule()
+        if self.schedule.kind != "sequential" or self.schedule.transport != "relay":
+            raise ValueError(
+                "only schedule.kind=sequential with transport=relay runs so far; "
+                f"got kind={self.schedule.kind}, transport={self.schedule.transport}"
+            )
+        self.optimizer, self.lr = optimizer, lr
+        self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
+        self.node_order = list(node_order)
+        self.min_nodes = min_nodes
+        self.milp_time_limit_s = milp_time_limit_s
+        self.benchmark_warmup, self.benchmark_repeats = benchmark_warmup, benchmark_repeats
+        self.echo_bytes, self.echo_repeats = echo_bytes, echo_repeats
+        self.state_probe_bytes = state_probe_bytes
+        self.echo_jitter_s = echo_jitter_s
+        self._rng = np.random.default_rng(seed)
+        self.message_timeout_s = message_timeout_s
+        self.seed = seed
+        self.on_event = on_event or (lambda kind, payload: None)
+        self.layer_profiles: list[LayerProfile] = []
+        self.node_profiles: list[NodeProfile] = []
+        self.num_examples = 0
+        self.plan: Plan | None = None
+        self.rounds: list[dict[str, Any]] = []
+        self.global_arrays: ArrayRecord | None = None  # last good global model
+        self._names: dict[int, str] = {}
+        self._ids: dict[str, int] = {}
+
+    # ---------------------------------------------------------------------------------
+    # messaging
+    # ---------------------------------------------------------------------------------
+    def _name(self, node_id: int) -> str:
+        return f"{self._names.get(node_id, '?')!s} (node {node_id})"
+
+    def exchange(
+        self, grid: Grid, messages: list[Message], timeout: float | None = None
+    ) -> list[Message]:
+        """Push ``messages``, poll for the replies, return them in message order.
+
+        Polls ``Grid.pull_messages`` every 2 ms instead of ``send_and_receive``'s 0.1 s.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node(s) that timed out or replied with an error.
+        """
+        timeout = self.message_timeout_s if timeout is None else timeout
+        ids = list(grid.push_messages(messages))
+        if len(ids) != len(messages):
+            raise SkyNodeError(f"only {len(ids)} of {len(messages)} messages could be sent")
+        dst = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)}
+        pending, got = set(ids), {}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for reply in grid.pull_messages(pending):
+                got[reply.metadata.reply_to_message_id] = reply
+                pending.discard(reply.metadata.reply_to_message_id)
+            if pending:
+                time.sleep(0.002)
+        if pending:
+            names = ", ".join(self._name(dst[m]) for m in pending)
+            raise SkyNodeError(f"no reply within {timeout:g} s from {names}")
+        errors = [f"{self._name(dst[m])}: {got[m].error.reason}" for m in ids if got[m].has_error()]
+        if errors:
+            raise SkyNodeError("node replied with an error: " + "; ".join(errors))
+        return [got[m] for m in ids]
+
+    def _msg(self, node_id: int, mtype: str, content: dict, group: str) -> Message:
+        return Message(RecordDict(content), dst_node_id=node_id, message_type=mtype, group_id=group)
+
+    # ---------------------------------------------------------------------------------
+    # benchmark round
+    # ---------------------------------------------------------------------------------
+    def wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
+        """Block until ``min_nodes`` nodes are connected (bounded by ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while len(nodes := sorted(grid.get_node_ids())) < self.min_nodes:
+            if time.monotonic() > deadline:
+                raise SkyNodeError(
+                    f"only {len(nodes)} of {self.min_nodes} nodes connected after {timeout:g} s"
+                )
+            log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), self.min_nodes)
+            time.sleep(0.5)
+        return nodes
+
+    def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
+        """Run the benchmark round: ``query.sky_profile`` per node, then echo timing.
+
+        A node whose reply is an error is left out with a warning; the data owner
+        must answer.
+        """
+        mb = self.schedule.microbatch_size
+        self.layer_profiles = profile_layers(
+            self.model_fn(), self.input_shape, mb, _opt_factory(self.optimizer, self.lr)
+        )
+        cfg = ConfigRecord(
+            {
+                "input_shape": self.input_shape,
+                "microbatch_size": mb,
+                "warmup": self.benchmark_warmup,
+                "repeats": self.benchmark_repeats,
+            }
+        )
+        profiles: dict[int, ConfigRecord] = {}
+        for nid in node_ids:  # one at a time: concurrent timing on shared cores lies
+            try:
+                (reply,) = self.exchange(
+                    grid, [self._msg(nid, "query.sky_profile", {"config": cfg}, "benchmark")]
+                )
+            except SkyNodeError as err:
+                log(WARNING, "Benchmark: leaving node %s out of the plan: %s", nid, err)
+                continue
+            prof = reply.content.config_records["profile"]
+            profiles[nid] = prof
+            self._names[nid] = str(prof["name"])
+        if not any(bool(p["holds_data"]) for p in profiles.values()):
+            raise SkyNodeError("no data owner answered the benchmark round: cannot train")
+        result = []
+        for nid, prof in profiles.items():
+            lat, bw, state_rate = self._time_link(grid, nid)
+            result.append(
+                NodeProfile(
+                    name=str(prof["name"]),
+                    layer_fwd_s=tuple(float(t) for t in prof["layer_fwd_s"]),
+                    layer_bwd_s=tuple(float(t) for t in prof["layer_bwd_s"]),
+                    memory_bytes=int(prof["memory_bytes"]),
+                    latency_s=lat,
+                    bandwidth_bps=bw,
+                    state_s_per_byte=state_rate,
+                    holds_data=bool(prof["holds_data"]),
+                    slowdown=float(prof["slowdown"]),
+                    node_id=nid,
+                )
+            )
+            self._ids[str(prof["name"])] = nid
+        ordered = self._order(result)
+        owners = [n for n in ordered if n.holds_data]
+        self.num_examples = int(profiles[owners[0].node_id]["num_examples"])
+        if len(owners) > 1:
+            log(
+                WARNING,
+                "%d data owners; one pipeline headed by %r is built, the others' data is "
+                "unused (several pipelines are not built yet)",
+                len(owners),
+                owners[0].name,
+            )
+        self.node_profiles = ordered
+        emulation = {str(p["name"]): str(p["emulation"]) for p in profiles.values()}
+        log(INFO, "Benchmark round:\n%s", self.benchmark_table(emulation))
+        self.on_event(
+            "benchmark",
+            {
+                "layers": [lp.to_dict() for lp in self.layer_profiles],
+                "nodes": [
+                    {**n.to_dict(), "emulation": emulation[n.name]} for n in self.node_profiles
+                ],
+            },
+        )
+        return ordered
+
+    def _echo(self, grid: Grid, nid: int, size: int, store_bytes: int = 0) -> float:
+        # A random pause first: Flower's nodes pick up messages on a fixed polling tick,
+        # so back-to-back echoes would all land on the same phase of it and hide both
+        # the tick (half of it on average) and the payload's own cost.
+        if self.echo_jitter_s > 0:
+            time.sleep(self._rng.uniform(0.0, self.echo_jitter_s))
+        payload = ArrayRecord({"p": torch.zeros(size, dtype=torch.uint8)})
+        cfg = ConfigRecord({"store_bytes": store_bytes})
+        t0 = time.perf_counter()
+        self.exchange(
+            grid, [self._msg(nid, "query.sky_echo", {"payload": payload, "config": cfg}, "echo")]
+        )
+        return time.perf_counter() - t0
+
+    def _time_link(self, grid: Grid, nid: int) -> tuple[float, float, float]:
+        """Latency (s per round trip), bandwidth (bytes/s) and context-state cost (s per
+        byte per message) from echoes: two payload sizes, then the small one again with
+        a ``state_probe_bytes`` array stored in the node's ``context.state``."""
+        self._echo(grid, nid, self.echo_bytes[0])  # warm-up, not timed
+        small, big = self.echo_bytes
+        t_small = statistics.fmean(self._echo(grid, nid, small) for _ in range(self.echo_repeats))
+        t_big = statistics.fmean(self._echo(grid, nid, big) for _ in range(self.echo_repeats))
+        dt = t_big - t_small
+        bandwidth = 2.0 * (big - small) / dt if dt > 1e-4 else float("inf")
+        latency = t_small - (2.0 * small / bandwidth if bandwidth != float("inf") else 0.0)
+        state_rate = 0.0
+        if self.state_probe_bytes > 0:
+            self._echo(grid, nid, small, store_bytes=self.state_probe_bytes)
+            t_state = statistics.fmean(
+                self._echo(grid, nid, small) for _ in range(self.echo_repeats)
+            )
+            self._echo(grid, nid, small, store_bytes=-1)
+            state_rate = max(t_state - t_small, 0.0) / self.state_probe_bytes
+        return max(latency, 0.0), bandwidth, state_rate
+
+    def _order(self, nodes: list[NodeProfile]) -> list[NodeProfile]:
+        rank = {name: i for i, name in enumerate(self.node_order)}
+        ordered = sorted(nodes, key=lambda n: (rank.get(n.name, len(rank)), n.name))
+        owner = next(n for n in ordered if n.holds_data)
+        return [owner] + [n for n in ordered if n is not owner]
+
+    def benchmark_table(self, emulation: dict[str, str] | None = None) -> str:
+        """The benchmark round's results as a text table."""
+        emulation = emulation or {}
+        head = (
+            f"{'node':<12} {'data':>4} {'fwd+bwd ms':>10} {'memory MB':>10} "
+            f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MB':>11}  emulation"
+        )
+        rows = [head, "-" * (len(head) + 20)]
+        for n in self.node_profiles:
+            bw = "inf" if n.bandwidth_bps == float("inf") else f"{n.bandwidth_bps / 1e6:.1f}"
+            rows.append(
+                f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} "
+                f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:10.2f} "
+                f"{n.memory_bytes / 2**20:10.1f} {n.latency_s * 1e3:10.1f} {bw:>9} "
+                f"{n.state_s_per_byte * 1e3 * 2**20:11.2f}  "
+                f"{emulation.get(n.name, '')}"
+            )
+        return "\n".join(rows)
+
+    def make_plan(self) -> Plan:
+        """Partition the profiled model over the profiled nodes."""
+        cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
+        self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
+        log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
+        self.on_event("plan", self.plan.to_dict())
+        return self.plan
+
+    # ---------------------------------------------------------------------------------
+    # Strategy interface
+    # ---------------------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One ``train.sky_setup`` message per stage: its layer slice and settings."""
+        assert self.plan is not None, "run the benchmark round and make_plan() first"
+        full = arrays.to_torch_state_dict()
+        num_layers = len(self.layer_profiles)
+        msgs = []
+        for k, st in enumerate(self.plan.stages):
+            cfg = ConfigRecord(
+                {
+                    **dict(config),
+                    "stage": k,
+                    "first": st.first_layer,
+                    "last": st.last_layer,
+                    "is_first": k == 0,
+                    "is_last": st.last_layer == num_layers - 1,
+                    "microbatches": self.schedule.microbatches,
+                    "batch_size": self.schedule.batch_size,
+                    "optimizer": self.optimizer,
+                    "lr": self.lr,
+                    "round": server_round,
+                    "seed": self.seed,
+                }
+            )
+            weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
+            msgs.append(
+                self._msg(
+                    self._ids[st.node],
+                    "train.sky_setup",
+                    {"weights": weights, "config": cfg},
+                    str(server_round),
+                )
+            )
+        return msgs
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Reassemble the global model from the stages' ``weights`` replies.
+
+        Every layer must come back exactly once (one pipeline); a missing or duplicated
+        layer raises ``SkyNodeError``.
+        """
+        merged: dict[str, torch.Tensor] = {}
+        for reply in replies:
+            if reply.has_error():
+                raise SkyNodeError(
+                    f"{self._name(reply.metadata.src_node_id)}: {reply.error.reason}"
+                )
+            for key, value in reply.content.array_records["weights"].to_torch_state_dict().items():
+                if key in merged:
+                    raise SkyNodeError(f"layer tensor {key} returned twice")
+                merged[key] = value
+        expected = set(self.model_fn().state_dict().keys())
+        if set(merged) != expected:
+            missing = sorted(expected - set(merged))
+            raise SkyNodeError(f"stages returned an incomplete model; missing {missing[:5]}")
+        return ArrayRecord(merged), None
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No node-side evaluation: the server evaluates on its held-out test split."""
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """No node-side evaluation."""
+        return None
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        s = self.schedule
+        log(INFO, "\t├── Allocation: %s", self.allocation)
+        log(
+            INFO,
+            "\t├── Schedule: batch %d, %d micro-batch(es), %s, transport %s",
+            s.batch_size,
+            s.microbatches,
+            s.kind,
+            s.transport,
+        )
+        log(INFO, "\t└── Optimizer: %s (lr %g) on every stage", self.optimizer, self.lr)
+
+    # ---------------------------------------------------------------------------------
+    # one training step through the pipeline (relay transport)
+    # ---------------------------------------------------------------------------------
+    def _train_step(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
+        assert self.plan is not None
+        ids = [self._ids[st.node] for st in self.plan.stages]
+        S = len(ids)
+        (reply,) = self.exchange(
+            grid,
+            [self._msg(ids[0], "train.sky_forward", {"step": ConfigRecord({"step": step})}, group)],
+        )
+        if S == 1:
+            m = reply.content.metric_records["metrics"]
+            return float(m["loss"]), int(m["correct"]), int(m["n"])
+        labels = reply.content.array_records["labels"]
+        act = reply.content.array_records["act"]
+        for k in range(1, S):
+            content: dict[str, Any] = {"act": act}
+            if k == S - 1:
+                content["labels"] = labels
+            (reply,) = self.exchange(grid, [self._msg(ids[k], "train.sky_forward", content, group)])
+            if k < S - 1:
+                act = reply.content.array_records["act"]
+        m = reply.content.metric_records["metrics"]
+        grad = reply.content.array_records["grad"]
+        for k in range(S - 2, -1, -1):
+            (reply,) = self.exchange(
+                grid, [self._msg(ids[k], "train.sky_backward", {"grad": grad}, group)]
+            )
+            if k > 0:
+                grad = reply.content.array_records["grad"]
+        return float(m["loss"]), int(m["correct"]), int(m["n"])
+
+    def steps_in_round(self) -> int:
+        """Training steps per round."""
+        if self.steps_per_round > 0:
+            return self.steps_per_round
+        per_epoch = self.num_examples // self.schedule.batch_size
+        if per_epoch < 1:
+            raise ValueError(
+                f"the data owner has {self.num_examples} examples, fewer than one batch of "
+                f"{self.schedule.batch_size}: lower the batch size"
+            )
+        return max(1, int(round(self.local_epochs * per_epoch)))
+
+    # ---------------------------------------------------------------------------------
+    # the whole run
+    # ---------------------------------------------------------------------------------
+    def start(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Benchmark round, plan, then ``num_rounds`` rounds of split training.
+
+        A node that fails during a round ends the run with :class:`SkyNodeError` naming
+        it; ``self.rounds`` and the returned arrays keep the last good global model.
+        """
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        self.summary()
+        t_start = time.time()
+        node_ids = self.wait_for_nodes(grid, timeout=min(timeout, 300.0))
+        self.benchmark(grid, node_ids)
+        self.make_plan()
+        assert self.plan is not None
+        result = Result(arrays=initial_arrays)
+        train_config = train_config or ConfigRecord()
+        if evaluate_fn:
+            res = evaluate_fn(0, initial_arrays)
+            log(INFO, "Initial global evaluation: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        arrays = self.global_arrays = initial_arrays
+        steps = self.steps_in_round()
+        log(
+            INFO,
+            "%5s  %10s  %9s  %13s  %14s  %8s",
+            "round",
+            "train loss",
+            "test acc",
+            "step time (s)",
+            "predicted (s)",
+            "round (s)",
+        )
+        for rnd in range(1, num_rounds + 1):
+            t_round = time.perf_counter()
+            group = str(rnd)
+            try:
+                self.exchange(grid, list(self.configure_train(rnd, arrays, train_config, grid)))
+                losses, correct, seen, step_times = [], 0, 0, []
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    loss, c, n = self._train_step(grid, step, group)
+                    step_times.append(time.perf_counter() - t0)
+                    losses.append(loss)
+                    correct, seen = correct + c, seen + n
+                collect = [
+                    self._msg(self._ids[st.node], "train.sky_collect", {}, group)
+                    for st in self.plan.stages
+                ]
+                new_arrays, _ = self.aggregate_train(rnd, self.exchange(grid, collect))
+            except SkyNodeError as err:
+                log(
+                    WARNING,
+                    "Round %d failed: %s. The global model of round %d is kept.",
+                    rnd,
+                    err,
+                    rnd - 1,
+                )
+                raise SkyNodeError(f"round {rnd} failed: {err}") from err
+            assert new_arrays is not None
+            arrays = result.arrays = self.global_arrays = new_arrays
+            row: dict[str, Any] = {
+                "round": rnd,
+                "train_loss": float(np.mean(losses)),
+                "train_accuracy": correct / max(seen, 1),
+                "measured_step_time_s": float(np.median(step_times)),
+                "predicted_step_time_s": self.plan.predicted_step_time_s,
+                "steps": steps,
+                "round_time_s": time.perf_counter() - t_round,
+            }
+            result.train_metrics_clientapp[rnd] = MetricRecord(
+                {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
+            )
+            if evaluate_fn:
+                res = evaluate_fn(rnd, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[rnd] = res
+                    row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
+            self.rounds.append(row)
+            log(
+                INFO,
+                "%5d  %10.4f  %9s  %13.4f  %14.4f  %8.1f",
+                rnd,
+                row["train_loss"],
+                f"{row['test_accuracy']:.4f}" if "test_accuracy" in row else "-",
+                row["measured_step_time_s"],
+                row["predicted_step_time_s"],
+                row["round_time_s"],
+            )
+            self.on_event("round", row)
+        log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
+        return result

@@ -1,0 +1,45 @@
+"""Helpers for simulation tests: Hydra config composition, leftover-process checks."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+from hydra import compose, initialize_config_dir
+
+from sky_flower.run import _conf_dir
+
+# Small, fast settings for runs in Flower's simulation engine.
+FAST = [
+    "model.hidden_width=256",
+    "model.hidden_layers=5",
+    "schedule.batch_size=128",
+    "train.lr=0.001",
+    "benchmark.repeats=3",
+    "benchmark.echo_repeats=2",
+    "benchmark.state_probe_mb=4",
+]
+
+
+def make_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def ray_processes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "raylet" in text or "gcs_server" in text or "ray::" in text:
+            found.append(proc)
+    return found
+
+
+def wait_no_ray(timeout: float = 30.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := ray_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left

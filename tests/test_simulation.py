@@ -1,0 +1,110 @@
+"""End to end in Flower's simulation engine (Ray): digits, 3 emulated nodes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import open_dict
+from simhelpers import FAST, make_cfg
+
+from sky_flower.data import batch_indices, load_split, owner_partition
+from sky_flower.models import build_model
+from sky_flower.partition import InfeasibleMemoryError
+from sky_flower.run import run_job
+from strategies.sky import SkyNodeError
+
+pytestmark = pytest.mark.simulation
+
+
+@pytest.mark.parametrize("allocation", ["even", "heuristic", "optimal"])
+def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_processes):
+    cfg = make_cfg(
+        [*FAST, "fleet=edge3", f"allocation={allocation}", "num_rounds=1", "train.local_epochs=2"]
+    )
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    assert results["final_test_accuracy"] > 0.9
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["allocation"] == allocation
+    (row,) = saved["rounds"]
+    assert row["measured_step_time_s"] > 0 and row["predicted_step_time_s"] > 0
+    assert row["test_accuracy"] == saved["final_test_accuracy"]
+
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["method"] == allocation
+    layers = [j for s in plan["stages"] for j in range(s["first_layer"], s["last_layer"] + 1)]
+    assert layers == list(range(6))  # 5 hidden blocks + head, each exactly once, in order
+    assert [s["node"] for s in plan["stages"]][0] == "phone"  # the data owner is stage 0
+    assert plan["lower_bound_s"] <= plan["predicted_step_time_s"] + 1e-9
+    assert set(plan) >= {"solve_time_s", "proven_optimal"}
+    bench = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [n["name"] for n in bench["nodes"]] == ["phone", "cloud", "box"]
+
+
+def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
+    """Weights after 3 steps through Flower (3 stages, 2 micro-batches) equal those of
+    the unsplit model trained on the same batches in this process."""
+    cfg = make_cfg(
+        [
+            *FAST,
+            "fleet=uniform3",
+            "allocation=even",
+            "num_rounds=1",
+            "train.steps_per_round=3",
+            "schedule.microbatches=2",
+        ]
+    )
+    run_job(cfg, tmp_path)
+    split = torch.load(tmp_path / "model.pt")
+
+    model_cfg = dict(cfg.model)
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(model_cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
+    train, _ = load_split("digits", 0.2, int(cfg.seed))
+    data = owner_partition(train, 0, 1, int(cfg.seed))
+    bs = int(cfg.schedule.batch_size)
+    for step in range(3):
+        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
+        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / 2).backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_infeasible_memory_is_a_clear_error(tmp_path, no_leftover_processes):
+    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=heuristic", "num_rounds=1"])
+    with open_dict(cfg):
+        for node in cfg.fleet.nodes:
+            node.memory_mb = 0.5
+    with pytest.raises(InfeasibleMemoryError, match=r"infeasible memory budget.*MB"):
+        run_job(cfg, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "infeasible memory budget" in saved["error"]
+    assert saved["rounds"] == []
+
+
+def test_node_error_reply_ends_run_naming_the_node(tmp_path, no_leftover_processes):
+    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=even", "num_rounds=2"])
+    with open_dict(cfg):
+        cfg.fleet.nodes[2].fail_on = "train.sky_forward"
+    with pytest.raises(SkyNodeError, match=r"round 1 failed.*box"):
+        run_job(cfg, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "box" in saved["error"] and saved["rounds"] == []
+    # the last good global model (the initial one) is kept
+    assert (tmp_path / "model.pt").exists()
+
+
+def test_unknown_allocation_refused_before_flower_starts(tmp_path):
+    cfg = make_cfg([*FAST, "allocation.method=fastest"])
+    with pytest.raises(ValueError, match="unknown allocation 'fastest'.*even, heuristic, optimal"):
+        run_job(cfg, tmp_path)
+    assert not (tmp_path / "results.json").exists()
