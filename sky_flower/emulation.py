@@ -41,8 +41,11 @@ class Emulation:
     bandwidth_mb_s : float or None
         Link bandwidth in MB/s (10^6 bytes/s); None = no bandwidth emulation.
     fail_on : str
-        Fault injection for tests: raise when a message of this type arrives
+        Fault injection for tests: misbehave when a message of this type arrives
         (e.g. ``"train.sky_forward"``); empty = never.
+    fail_mode : {"raise", "malformed"}
+        How: raise (Flower turns it into an error reply) or reply with arrays of the
+        wrong shape.
     """
 
     name: str
@@ -52,8 +55,13 @@ class Emulation:
     latency_ms: float = 0.0
     bandwidth_mb_s: float | None = None
     fail_on: str = ""
+    fail_mode: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.fail_mode not in ("raise", "malformed"):
+            raise ValueError(
+                f"node {self.name!r}: fail_mode must be raise or malformed, got {self.fail_mode!r}"
+            )
         if self.slowdown < 0:
             raise ValueError(f"node {self.name!r}: slowdown must be >= 0, got {self.slowdown}")
         if self.memory_mb is not None and self.memory_mb <= 0:
@@ -107,12 +115,16 @@ class Emulation:
             return available
         return min(available, int(self.memory_mb * MIB))
 
-    def check_fault(self, message_type: str) -> None:
-        """Raise :class:`FaultInjected` if this node is configured to fail here."""
+    def check_fault(self, message_type: str) -> bool:
+        """Raise :class:`FaultInjected` if this node is configured to fail here; return
+        True if it should instead send a malformed reply."""
+        if self.fail_on and self.fail_on == message_type and self.fail_mode == "malformed":
+            return True
         if self.fail_on and self.fail_on == message_type:
             raise FaultInjected(
                 f"node {self.name!r}: fault injected on {message_type} (fleet fail_on)"
             )
+        return False
 
     def describe(self) -> str:
         """One-line summary for the benchmark table."""

@@ -11,6 +11,7 @@ pipeline, activations flowing forward and gradients back through the server (the
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,18 @@ from sky_flower.partition import METHODS, Plan, partition
 from sky_flower.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.profile import default_optimizer_factory as _opt_factory
 from sky_flower.stage import slice_state
+
+
+def _short_reason(reason: str, limit: int = 300) -> str:
+    """The useful line of an error reply (Flower wraps the node's exception in layers of
+    traceback): the text after the last ``Message:``, else the last non-empty line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason)
+    if "Message:" in text:
+        text = text.rsplit("Message:", 1)[1]
+    else:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else text
+    return text.strip().strip("'\"<>").strip()[:limit]
 
 
 class SkyNodeError(RuntimeError):
@@ -68,12 +81,12 @@ class SkyStrategy(Strategy):
         Untimed and timed passes per layer in the benchmark round.
     echo_bytes : tuple[int, int] (default: (1 KiB, 1 MiB))
         The two payload sizes timed for latency and bandwidth.
-    echo_repeats : int (default: 5)
-        Echoes per size (mean taken).
+    echo_repeats : int (default: 7)
+        Echoes per size (median taken: robust to a stray slow echo).
     echo_jitter_s : float (default: 0.1)
         Random pause (uniform in [0, echo_jitter_s)) before each echo, so the echoes
         sample every phase of the nodes' polling tick (0.1 s in the simulation engine).
-    state_probe_bytes : int (default: 32 MiB)
+    state_probe_bytes : int (default: 64 MiB)
         Size of the probe array stored in a node's ``context.state`` to time what the
         state costs per message (0 disables; see :mod:`sky_flower.cost`).
     message_timeout_s : float (default: 120.0)
@@ -101,9 +114,9 @@ class SkyStrategy(Strategy):
         benchmark_warmup: int = 2,
         benchmark_repeats: int = 5,
         echo_bytes: tuple[int, int] = (1024, 1024 * 1024),
-        echo_repeats: int = 5,
+        echo_repeats: int = 7,
         echo_jitter_s: float = 0.1,
-        state_probe_bytes: int = 32 * 1024 * 1024,
+        state_probe_bytes: int = 64 * 1024 * 1024,
         message_timeout_s: float = 120.0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
@@ -178,9 +191,13 @@ class SkyStrategy(Strategy):
         if pending:
             names = ", ".join(self._name(dst[m]) for m in pending)
             raise SkyNodeError(f"no reply within {timeout:g} s from {names}")
-        errors = [f"{self._name(dst[m])}: {got[m].error.reason}" for m in ids if got[m].has_error()]
+        errors = [
+            f"{self._name(dst[m])} replied with an error: {_short_reason(got[m].error.reason)}"
+            for m in ids
+            if got[m].has_error()
+        ]
         if errors:
-            raise SkyNodeError("node replied with an error: " + "; ".join(errors))
+            raise SkyNodeError("; ".join(errors))
         return [got[m] for m in ids]
 
     def _msg(self, node_id: int, mtype: str, content: dict, group: str) -> Message:
@@ -296,15 +313,15 @@ class SkyStrategy(Strategy):
         a ``state_probe_bytes`` array stored in the node's ``context.state``."""
         self._echo(grid, nid, self.echo_bytes[0])  # warm-up, not timed
         small, big = self.echo_bytes
-        t_small = statistics.fmean(self._echo(grid, nid, small) for _ in range(self.echo_repeats))
-        t_big = statistics.fmean(self._echo(grid, nid, big) for _ in range(self.echo_repeats))
+        t_small = statistics.median(self._echo(grid, nid, small) for _ in range(self.echo_repeats))
+        t_big = statistics.median(self._echo(grid, nid, big) for _ in range(self.echo_repeats))
         dt = t_big - t_small
         bandwidth = 2.0 * (big - small) / dt if dt > 1e-4 else float("inf")
         latency = t_small - (2.0 * small / bandwidth if bandwidth != float("inf") else 0.0)
         state_rate = 0.0
         if self.state_probe_bytes > 0:
             self._echo(grid, nid, small, store_bytes=self.state_probe_bytes)
-            t_state = statistics.fmean(
+            t_state = statistics.median(
                 self._echo(grid, nid, small) for _ in range(self.echo_repeats)
             )
             self._echo(grid, nid, small, store_bytes=-1)
@@ -436,35 +453,60 @@ class SkyStrategy(Strategy):
     # ---------------------------------------------------------------------------------
     # one training step through the pipeline (relay transport)
     # ---------------------------------------------------------------------------------
+    def _take(self, reply: Message, key: str, shape: tuple[int, ...] | None = None) -> ArrayRecord:
+        """Array record ``key`` of a stage's reply, checked: present, holding array
+        ``key``, of ``shape`` when given (a malformed reply fails the round by name
+        instead of crashing the server)."""
+        node = self._name(reply.metadata.src_node_id)
+        rec = reply.content.array_records.get(key)
+        if rec is None or key not in rec:
+            raise SkyNodeError(f"{node}: reply to {reply.metadata.message_type} lacks {key!r}")
+        if shape is not None and tuple(rec[key].shape) != tuple(shape):
+            raise SkyNodeError(
+                f"{node}: {key!r} has shape {tuple(rec[key].shape)}, expected {tuple(shape)}"
+            )
+        return rec
+
+    def _metrics(self, reply: Message) -> tuple[float, int, int]:
+        m = reply.content.metric_records.get("metrics")
+        if m is None or not {"loss", "correct", "n"} <= set(m):
+            raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks metrics")
+        return float(m["loss"]), int(m["correct"]), int(m["n"])
+
     def _train_step(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
+        """One step through the pipeline: forward hops, loss at the last stage, backward
+        hops. Returns ``(batch loss, correct predictions, samples)``."""
         assert self.plan is not None
         ids = [self._ids[st.node] for st in self.plan.stages]
-        S = len(ids)
+        S, B = len(ids), self.schedule.batch_size
+        step_cfg = ConfigRecord({"step": step})
         (reply,) = self.exchange(
-            grid,
-            [self._msg(ids[0], "train.sky_forward", {"step": ConfigRecord({"step": step})}, group)],
+            grid, [self._msg(ids[0], "train.sky_forward", {"step": step_cfg}, group)]
         )
         if S == 1:
-            m = reply.content.metric_records["metrics"]
-            return float(m["loss"]), int(m["correct"]), int(m["n"])
-        labels = reply.content.array_records["labels"]
-        act = reply.content.array_records["act"]
+            return self._metrics(reply)
+        labels = self._take(reply, "labels", (B,))
+        act = self._take(reply, "act")
+        shapes = [tuple(act["act"].shape)]  # activation shape entering stage k
         for k in range(1, S):
+            if shapes[-1][0] != B:
+                raise SkyNodeError(f"stage {k - 1} sent {shapes[-1][0]} activations, not {B}")
             content: dict[str, Any] = {"act": act}
             if k == S - 1:
                 content["labels"] = labels
             (reply,) = self.exchange(grid, [self._msg(ids[k], "train.sky_forward", content, group)])
             if k < S - 1:
-                act = reply.content.array_records["act"]
-        m = reply.content.metric_records["metrics"]
-        grad = reply.content.array_records["grad"]
+                act = self._take(reply, "act")
+                shapes.append(tuple(act["act"].shape))
+        metrics = self._metrics(reply)
+        grad = self._take(reply, "grad", shapes[-1])
         for k in range(S - 2, -1, -1):
             (reply,) = self.exchange(
                 grid, [self._msg(ids[k], "train.sky_backward", {"grad": grad}, group)]
             )
             if k > 0:
-                grad = reply.content.array_records["grad"]
-        return float(m["loss"]), int(m["correct"]), int(m["n"])
+                grad = self._take(reply, "grad", shapes[k - 1])
+        return metrics
 
     def steps_in_round(self) -> int:
         """Training steps per round."""

@@ -62,7 +62,7 @@ def instances(draw):
     kind = draw(st.sampled_from(["sequential", "gpipe"]))
     transport = draw(st.sampled_from(["relay", "direct"]))
     byte = st.integers(0, 4 * MB)
-    acts = [draw(st.integers(0, 256 * 1024)) for _ in range(n_layers + 1)]
+    acts = [draw(st.integers(0, 64 * 1024)) for _ in range(n_layers + 1)]
     layers = [
         _layer(j, draw(byte), draw(byte), float(acts[j]), float(acts[j + 1]))
         for j in range(n_layers)
@@ -78,16 +78,16 @@ def instances(draw):
         if draw(st.booleans()):
             memory = 2**50  # effectively unlimited
         else:  # tight: a random fraction of what an equal share would need
-            memory = int(need / n * draw(st.floats(0.1, 2.5)))
+            memory = int(need / n * draw(st.floats(0.5, 3.0)))
         nodes.append(
             _node(
                 f"n{i}",
                 [draw(t) for _ in range(n_layers)],
                 [draw(t) for _ in range(n_layers)],
                 memory=memory,
-                latency_s=draw(st.floats(0.0, 0.05)),
-                bandwidth_bps=draw(st.sampled_from([math.inf, 1e6, 1e7, 1e8, 1e9])),
-                state_s_per_byte=draw(st.sampled_from([0.0, 1e-10, 1e-9, 1e-8])),
+                latency_s=draw(st.floats(0.0, 0.2)),
+                bandwidth_bps=draw(st.sampled_from([math.inf, 1e7, 1e8, 1e9])),
+                state_s_per_byte=draw(st.sampled_from([0.0, 1e-9, 1e-8, 1e-7])),
             )
         )
     return CostModel(layers, nodes, schedule)

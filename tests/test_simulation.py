@@ -91,11 +91,17 @@ def test_infeasible_memory_is_a_clear_error(tmp_path, no_leftover_processes):
     assert saved["rounds"] == []
 
 
-def test_node_error_reply_ends_run_naming_the_node(tmp_path, no_leftover_processes):
+@pytest.mark.parametrize(
+    ("fail_mode", "expected"), [("raise", "replied with an error"), ("malformed", "has shape")]
+)
+def test_bad_node_reply_ends_run_naming_the_node(
+    fail_mode, expected, tmp_path, no_leftover_processes
+):
     cfg = make_cfg([*FAST, "fleet=edge3", "allocation=even", "num_rounds=2"])
     with open_dict(cfg):
-        cfg.fleet.nodes[2].fail_on = "train.sky_forward"
-    with pytest.raises(SkyNodeError, match=r"round 1 failed.*box"):
+        cfg.fleet.nodes[2].fail_on = "train.sky_forward"  # box: the last stage
+        cfg.fleet.nodes[2].fail_mode = fail_mode
+    with pytest.raises(SkyNodeError, match=rf"round 1 failed.*box.*{expected}"):
         run_job(cfg, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "box" in saved["error"] and saved["rounds"] == []

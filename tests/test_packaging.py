@@ -1,0 +1,32 @@
+"""`pip install .` ships both packages and every Hydra config the entry point needs."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_contains_packages_and_configs(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("sky_flower-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"sky_flower/run.py", "strategies/sky.py", "sky_flower/conf/config.yaml"} <= names
+    for conf in (ROOT / "conf").rglob("*.yaml"):
+        assert f"sky_flower/conf/{conf.relative_to(ROOT / 'conf').as_posix()}" in names
