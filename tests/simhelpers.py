@@ -38,8 +38,11 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
-def wait_no_ray(timeout: float = 30.0) -> list[psutil.Process]:
+def wait_no_ray(timeout: float = 30.0, ignore: set[int] = frozenset()) -> list[psutil.Process]:
+    """Wait (bounded) until no Ray process but those in ``ignore`` runs; return the rest."""
     deadline = time.monotonic() + timeout
-    while (left := ray_processes()) and time.monotonic() < deadline:
+    while True:
+        left = [p for p in ray_processes() if p.pid not in ignore]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.5)
-    return left
