@@ -358,7 +358,25 @@ class SkyStrategy(Strategy):
         cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
         self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
         log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
-        self.on_event("plan", self.plan.to_dict())
+        # What the other allocations would predict on this same benchmark (a fair
+        # comparison: separate runs measure their own, noisy, profiles).
+        alternatives: dict[str, float | None] = {}
+        for method in METHODS:
+            try:
+                other = self.plan if method == self.allocation else None
+                other = other or partition(cost, method, time_limit_s=self.milp_time_limit_s)
+                alternatives[method] = other.predicted_step_time_s
+            except ValueError:  # e.g. even does not fit memory
+                alternatives[method] = None
+        log(
+            INFO,
+            "Predicted step time on this benchmark: %s",
+            ", ".join(
+                f"{m} {'infeasible' if t is None else f'{t:.4f} s'}"
+                for m, t in alternatives.items()
+            ),
+        )
+        self.on_event("plan", {**self.plan.to_dict(), "alternatives": alternatives})
         return self.plan
 
     # ---------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_proces
     assert [s["node"] for s in plan["stages"]][0] == "phone"  # the data owner is stage 0
     assert plan["lower_bound_s"] <= plan["predicted_step_time_s"] + 1e-9
     assert set(plan) >= {"solve_time_s", "proven_optimal"}
+    alt = plan["alternatives"]  # every method on this run's own benchmark
+    assert alt[allocation] == plan["predicted_step_time_s"]
+    assert alt["optimal"] <= alt["heuristic"] + 1e-9 <= alt["even"] + 2e-9
     bench = json.loads((tmp_path / "benchmark.json").read_text())
     assert [n["name"] for n in bench["nodes"]] == ["phone", "cloud", "box"]
 
