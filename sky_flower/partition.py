@@ -432,60 +432,90 @@ def heuristic(cost: CostModel) -> Plan:
 # optimal (MILP)
 # --------------------------------------------------------------------------------------
 class _Milp:
-    """The partition MILP over variables [x (N*L), s (N*L), r (N*L), z]."""
+    """The partition MILP in cumulative form: O(N L) variables and constraints.
+
+    Binary ``y[i, j] = 1`` iff layer ``j`` sits on a node ``<= i`` (``i < N - 1``; by
+    convention ``y[-1, .] = 0`` and ``y[N-1, .] = 1``). Then
+
+    * ``x[i, j] = y[i, j] - y[i-1, j]``: layer j on node i;
+    * contiguity in node order: ``y[i, j] >= y[i, j+1]`` and ``y[i, j] >= y[i-1, j]``;
+    * node i's last layer is j (and it is not the last stage) iff the cut between nodes
+      ``<= i`` and ``> i`` falls after j: ``send[i, j] = y[i, j] - y[i, j+1]``;
+    * node i's first layer is ``j > 0`` iff ``recv[i, j] = y[i-1, j-1] - y[i-1, j]``
+      (every node holds >= 1 layer, so cuts and stage boundaries coincide).
+
+    Stage times are linear in ``y``; the objective is their sum (sequential) or sum +
+    ``(M - 1) z`` with ``z >= stage_i`` (GPipe). The last variable is ``z``.
+    """
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         N, L = cost.num_nodes, cost.num_layers
         self.N, self.L = N, L
-        nx = N * L
-        self.nvar = 3 * nx + 1
-        X = lambda i, j: i * L + j  # noqa: E731
-        S = lambda i, j: nx + i * L + j  # noqa: E731
-        R = lambda i, j: 2 * nx + i * L + j  # noqa: E731
-        Z = 3 * nx
+        ny = (N - 1) * L
+        self.nvar = ny + 1
+        Z = ny
         gpipe = cost.schedule.kind == "gpipe"
         M = cost.schedule.microbatches
-        # stage-time coefficients per node
-        stage_coef = np.zeros((N, self.nvar))
+        per_layer = cost.compute + cost.state
+
+        def term(row: dict[int, float], i: int, j: int, v: float) -> float:
+            """Add ``v * y[i, j]`` to ``row``; return the constant part."""
+            if i < 0 or v == 0.0:
+                return 0.0
+            if i >= N - 1:
+                return v
+            k = i * L + j
+            row[k] = row.get(k, 0.0) + v
+            return 0.0
+
+        # stage-time rows: coefficients on y and constant offsets
+        stage_rows: list[tuple[dict[int, float], float]] = []
         for i in range(N):
+            row: dict[int, float] = {}
+            const = float(cost.fixed[i])
             for j in range(L):
-                stage_coef[i, X(i, j)] = cost.compute[i, j] + cost.state[i, j]
+                const += term(row, i, j, float(per_layer[i, j]))
+                const += term(row, i - 1, j, -float(per_layer[i, j]))
                 if i < N - 1 and j < L - 1:
-                    stage_coef[i, S(i, j)] = cost.send[i, j]
+                    const += term(row, i, j, float(cost.send[i, j]))
+                    const += term(row, i, j + 1, -float(cost.send[i, j]))
                 if j > 0:
-                    stage_coef[i, R(i, j)] = cost.recv[i, j]
-        self.fixed_total = float(cost.fixed.sum())
-        c = stage_coef.sum(axis=0)
+                    const += term(row, i - 1, j - 1, float(cost.recv[i, j]))
+                    const += term(row, i - 1, j, -float(cost.recv[i, j]))
+            stage_rows.append((row, const))
+        c = np.zeros(self.nvar)
+        self.offset = 0.0
+        for row, const in stage_rows:
+            for k, v in row.items():
+                c[k] += v
+            self.offset += const
         if gpipe:
             c[Z] = M - 1
         self.c = c
+
         rows: list[tuple[dict[int, float], float, float]] = []
-        for j in range(L):  # each layer on exactly one node
-            rows.append(({X(i, j): 1.0 for i in range(N)}, 1.0, 1.0))
-        for i in range(N - 1):  # contiguity: C[i, j] >= C[i, j+1]
-            for j in range(L - 1):
-                row: dict[int, float] = {}
-                for k in range(i + 1):
-                    row[X(k, j)] = row.get(X(k, j), 0.0) + 1.0
-                    row[X(k, j + 1)] = row.get(X(k, j + 1), 0.0) - 1.0
-                rows.append((row, 0.0, np.inf))
+        for i in range(N - 1):
+            for j in range(L - 1):  # y[i, j] >= y[i, j+1]
+                rows.append(({i * L + j: 1.0, i * L + j + 1: -1.0}, 0.0, np.inf))
+            if i > 0:
+                for j in range(L):  # y[i, j] >= y[i-1, j]
+                    rows.append(({i * L + j: 1.0, (i - 1) * L + j: -1.0}, 0.0, np.inf))
         for i in range(N):  # at least one layer; memory
-            rows.append(({X(i, j): 1.0 for j in range(L)}, 1.0, np.inf))
-            rows.append(
-                ({X(i, j): float(cost.memory[j]) for j in range(L)}, -np.inf, cost.capacity[i])
-            )
-        for i in range(N):  # send / receive indicators
+            count: dict[int, float] = {}
+            mem: dict[int, float] = {}
+            c_count = c_mem = 0.0
             for j in range(L):
-                if i < N - 1 and j < L - 1:  # s >= x[i,j] - x[i,j+1]
-                    rows.append(({S(i, j): 1.0, X(i, j): -1.0, X(i, j + 1): 1.0}, 0.0, np.inf))
-                if j > 0:  # r >= x[i,j] - x[i,j-1]
-                    rows.append(({R(i, j): 1.0, X(i, j): -1.0, X(i, j - 1): 1.0}, 0.0, np.inf))
+                c_count += term(count, i, j, 1.0) + term(count, i - 1, j, -1.0)
+                m = float(cost.memory[j])
+                c_mem += term(mem, i, j, m) + term(mem, i - 1, j, -m)
+            rows.append((count, 1.0 - c_count, np.inf))
+            rows.append((mem, -np.inf, float(cost.capacity[i]) - c_mem))
         if gpipe:  # z >= stage time
-            for i in range(N):
-                row = {k: -float(v) for k, v in enumerate(stage_coef[i]) if v}
-                row[Z] = 1.0
-                rows.append((row, float(cost.fixed[i]), np.inf))
+            for row, const in stage_rows:
+                zrow = {k: -v for k, v in row.items()}
+                zrow[Z] = 1.0
+                rows.append((zrow, const, np.inf))
         A = lil_matrix((len(rows), self.nvar))
         lb, ub = np.empty(len(rows)), np.empty(len(rows))
         for r, (row, lo, hi) in enumerate(rows):
@@ -496,10 +526,11 @@ class _Milp:
         upper = np.ones(self.nvar)
         upper[Z] = np.inf
         self.bounds = Bounds(np.zeros(self.nvar), upper)
-        self.integrality = np.zeros(self.nvar)
-        self.integrality[:nx] = 1
+        self.integrality = np.ones(self.nvar)
+        self.integrality[Z] = 0
 
     def solve(self, relax: bool, time_limit_s: float, mip_rel_gap: float):  # noqa: ANN201
+        """Run HiGHS (``relax``: the LP relaxation); ``res.fun + offset`` is step time."""
         return milp(
             self.c,
             constraints=self.constraints,
@@ -508,10 +539,12 @@ class _Milp:
             options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
         )
 
-    def to_bounds(self, x: np.ndarray) -> list[tuple[int, int]]:
-        assign = x[: self.N * self.L].reshape(self.N, self.L).argmax(axis=0)
+    def to_bounds(self, y: np.ndarray) -> list[tuple[int, int]]:
+        """Stage bounds from a (near-)integral solution."""
+        ybin = np.round(y[: (self.N - 1) * self.L]).reshape(self.N - 1, self.L)
+        node_of = (1 - ybin).sum(axis=0).astype(int)  # node index of each layer
         return [
-            (int(np.flatnonzero(assign == i).min()), int(np.flatnonzero(assign == i).max()))
+            (int(np.flatnonzero(node_of == i).min()), int(np.flatnonzero(node_of == i).max()))
             for i in range(self.N)
         ]
 
@@ -521,10 +554,13 @@ def lower_bound(cost: CostModel, time_limit_s: float = 10.0) -> float:
 
     Memory is part of the relaxation, so an infeasible instance may give ``inf``.
     """
-    res = _Milp(cost).solve(relax=True, time_limit_s=time_limit_s, mip_rel_gap=0.0)
+    if cost.num_nodes == 1:
+        return cost.step_time([(0, cost.num_layers - 1)])
+    model = _Milp(cost)
+    res = model.solve(relax=True, time_limit_s=time_limit_s, mip_rel_gap=0.0)
     if res.x is None:
         return float("inf") if res.status == 2 else 0.0
-    return float(res.fun) + float(cost.fixed.sum())
+    return float(res.fun) + model.offset
 
 
 def optimal(cost: CostModel, time_limit_s: float = 30.0, mip_rel_gap: float = 1e-6) -> Plan:
@@ -549,15 +585,17 @@ def optimal(cost: CostModel, time_limit_s: float = 30.0, mip_rel_gap: float = 1e
         If no assignment fits memory.
     """
     t0 = time.perf_counter()
-    feasible_bounds(cost)  # raises a clear error before any solving
+    only = feasible_bounds(cost)  # raises a clear error before any solving
+    if cost.num_nodes == 1:  # one plan only
+        return make_plan(cost, "optimal", only, time.perf_counter() - t0, proven_optimal=True)
     model = _Milp(cost)
     lp = model.solve(relax=True, time_limit_s=time_limit_s, mip_rel_gap=0.0)
-    lb = float(lp.fun) + model.fixed_total if lp.x is not None else 0.0
+    lb = float(lp.fun) + model.offset if lp.x is not None else 0.0
     remaining = max(time_limit_s - (time.perf_counter() - t0), 0.1)
     res = model.solve(relax=False, time_limit_s=remaining, mip_rel_gap=mip_rel_gap)
     dual = getattr(res, "mip_dual_bound", None)
     if dual is not None and np.isfinite(dual):
-        lb = max(lb, float(dual) + model.fixed_total)
+        lb = max(lb, float(dual) + model.offset)
     gap = getattr(res, "mip_gap", None)
     gap = float(gap) if gap is not None and np.isfinite(gap) else None
     if res.status == 0 and res.x is not None:
