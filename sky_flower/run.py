@@ -95,6 +95,16 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
         transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
     )
+    if int(cfg.num_rounds) < 1:
+        raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
+    owners = [n for n in fleet if n.holds_data]
+    train, _ = load_split(dataset["name"], float(dataset["test_fraction"]), int(cfg.seed))
+    smallest = len(train) // len(owners)  # np.array_split: the smallest partition
+    if schedule.batch_size > smallest:
+        raise ValueError(
+            f"schedule.batch_size={schedule.batch_size} is larger than the data owner's "
+            f"{smallest} training examples: lower schedule.batch_size"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     logging.getLogger("flwr").propagate = False  # Flower prints its own lines once
 

@@ -117,3 +117,18 @@ def test_unknown_allocation_refused_before_flower_starts(tmp_path):
     with pytest.raises(ValueError, match="unknown allocation 'fastest'.*even, heuristic, optimal"):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("schedule.batch_size=5000", "larger than the data owner's 1437 training examples"),
+        ("num_rounds=0", "num_rounds must be >= 1"),
+        ("schedule.microbatches=3", "must divide batch_size=128"),
+    ],
+)
+def test_bad_settings_refused_before_flower_starts(override, message, tmp_path):
+    cfg = make_cfg([*FAST, override])
+    with pytest.raises(ValueError, match=message):
+        run_job(cfg, tmp_path)
+    assert not (tmp_path / "results.json").exists()
