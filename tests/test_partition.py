@@ -54,15 +54,17 @@ def _node(name, fwd, bwd, memory=2**50, **kw):
 # random instances
 # --------------------------------------------------------------------------------------
 @st.composite
-def instances(draw):
-    n = draw(st.integers(1, 4))
+def instances(draw, min_nodes=1):
+    n = draw(st.integers(min_nodes, 4))
     n_layers = draw(st.integers(n, 8))
     micro = draw(st.sampled_from([1, 2, 4]))
     batch = micro * draw(st.integers(1, 8))
     kind = draw(st.sampled_from(["sequential", "gpipe"]))
     transport = draw(st.sampled_from(["relay", "direct"]))
     byte = st.integers(0, 4 * MB)
-    acts = [draw(st.integers(0, 64 * 1024)) for _ in range(n_layers + 1)]
+    # activation bytes per sample; the scale sets how much transfers weigh against compute
+    act_scale = draw(st.sampled_from([1024, 16 * 1024, 256 * 1024]))
+    acts = [draw(st.integers(0, act_scale)) for _ in range(n_layers + 1)]
     layers = [
         _layer(j, draw(byte), draw(byte), float(acts[j]), float(acts[j + 1]))
         for j in range(n_layers)
@@ -86,7 +88,7 @@ def instances(draw):
                 [draw(t) for _ in range(n_layers)],
                 memory=memory,
                 latency_s=draw(st.floats(0.0, 0.2)),
-                bandwidth_bps=draw(st.sampled_from([math.inf, 1e7, 1e8, 1e9])),
+                bandwidth_bps=draw(st.sampled_from([math.inf, 1e6, 1e7, 1e8])),
                 state_s_per_byte=draw(st.sampled_from([0.0, 1e-9, 1e-8, 1e-7])),
             )
         )
@@ -148,8 +150,7 @@ def test_plans_are_valid_and_respect_memory(cost):
         if plan is None:
             continue
         _assert_valid_assignment(cost, plan)
-        if method is not even:
-            _assert_fits(cost, plan)
+        _assert_fits(cost, plan)  # even too: it raises rather than overfill a node
         # stage figures and the prediction are the cost model's own
         for i, s in enumerate(plan.stages):
             assert s.compute_s == cost.stage_compute(i, s.first_layer, s.last_layer)
@@ -176,8 +177,9 @@ def test_optimal_le_heuristic_le_even(cost):
         assert _le(o.predicted_step_time_s, e.predicted_step_time_s), (o.bounds, e.bounds)
 
 
-@PROPS
-@given(instances())
+# The sharpest check of the MILP, and cheap: more examples (one node: one plan only).
+@settings(PROPS, max_examples=150)
+@given(instances(min_nodes=2))
 def test_optimal_matches_brute_force(cost):
     bf = _try(brute_force, cost)
     o = _try(optimal, cost)
