@@ -95,6 +95,12 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
         transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
     )
+    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
+    if not 0 < per_node <= cpus:
+        raise ValueError(
+            f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}] (this machine "
+            f"has {cpus} CPUs; Ray could not place a single node)"
+        )
     if int(cfg.num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
     owners = [n for n in fleet if n.holds_data]
@@ -165,10 +171,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             num_supernodes=len(fleet),
             backend_config={
                 "client_resources": {
-                    "num_cpus": float(cfg.simulation.num_cpus_per_node),
+                    "num_cpus": per_node,
                     "num_gpus": 0.0,
                 },
-                "init_args": {"num_cpus": os.cpu_count() or 2, "logging_level": "error"},
+                "init_args": {"num_cpus": cpus, "logging_level": "error"},
             },
         )
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised

@@ -125,6 +125,7 @@ def test_unknown_allocation_refused_before_flower_starts(tmp_path):
         ("schedule.batch_size=5000", "larger than the data owner's 1437 training examples"),
         ("num_rounds=0", "num_rounds must be >= 1"),
         ("schedule.microbatches=3", "must divide batch_size=128"),
+        ("simulation.num_cpus_per_node=1000", "num_cpus_per_node=1000 must be in"),
     ],
 )
 def test_bad_settings_refused_before_flower_starts(override, message, tmp_path):
