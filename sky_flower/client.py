@@ -67,11 +67,14 @@ class SkyClient:
         ``() -> nn.Sequential``: the same model the server uses (only its structure
         matters; weights come from the server).
     load_data : callable
-        ``Context -> Split | None``: this node's local training data, None if the node
-        holds none. Called on the data owner only when it needs a batch.
+        ``Context -> Split | None``: this node's local training data (numpy ``x`` of
+        shape ``(n, *input_shape)``, ``y`` int64 labels of shape ``(n,)``), or None if
+        the node holds none. A node whose loader returns data is a data owner. It is
+        called on every training step of the data owner: cache what it loads.
     emulation_fn : callable, optional
-        ``Context -> Emulation``: the node's emulated device. Default: native, named by
-        ``node_config["sky-node"]`` or the partition id.
+        ``Context -> Emulation``: the node's emulated device (slowdown, memory cap,
+        link). Default: none (native speed), the node named by
+        ``node_config["sky-node"]``, else ``node<partition-id>``.
     """
 
     def __init__(
@@ -155,14 +158,15 @@ class SkyClient:
             repeats=int(cfg["repeats"]),
         )
         factor = 1.0 + emu.slowdown
-        data = self.load_data(context) if emu.holds_data else None
+        data = self.load_data(context)  # a data owner is a node whose loader has data
+        holds_data = data is not None and len(data) > 0
         return RecordDict(
             {
                 "profile": ConfigRecord(
                     {
                         "name": emu.name,
-                        "holds_data": emu.holds_data,
-                        "num_examples": len(data) if data is not None else 0,
+                        "holds_data": holds_data,
+                        "num_examples": len(data) if holds_data else 0,
                         "memory_bytes": emu.memory_bytes(),
                         "slowdown": float(emu.slowdown),
                         "emulation": emu.describe(),
@@ -259,7 +263,7 @@ def default_emulation(context: Context) -> Emulation:
     """A native node named by ``node_config["sky-node"]`` or its partition id."""
     cfgn = context.node_config
     name = str(cfgn.get("sky-node", f"node{cfgn.get('partition-id', 0)}"))
-    return Emulation(name=name, holds_data=bool(cfgn.get("sky-holds-data", False)))
+    return Emulation(name=name)
 
 
 def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:

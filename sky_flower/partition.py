@@ -39,7 +39,7 @@ from scipy.sparse import lil_matrix
 from sky_flower.cost import CostModel
 
 METHODS = ("even", "heuristic", "optimal")
-MB = 1024 * 1024
+MIB = 1024 * 1024
 
 
 class InfeasibleMemoryError(ValueError):
@@ -130,14 +130,14 @@ class Plan:
         }
 
     def table(self) -> str:
-        """The plan as a text table (stage, node, layers, compute s, transfer s, memory MB)."""
+        """The plan as a text table (stage, node, layers, compute s, transfer s, memory MiB)."""
         head = (
             f"{'stage':>5}  {'node':<12} {'layers':>9}  {'compute s':>9}  "
-            f"{'transfer s':>10}  {'memory MB':>15}"
+            f"{'transfer s':>10}  {'memory MiB':>15}"
         )
         rows = [head, "-" * len(head)]
         for k, s in enumerate(self.stages):
-            mem = f"{s.memory_bytes / MB:.1f}/{s.memory_capacity_bytes / MB:.0f}"
+            mem = f"{s.memory_bytes / MIB:.1f}/{s.memory_capacity_bytes / MIB:.0f}"
             rows.append(
                 f"{k:>5}  {s.node:<12} {f'{s.first_layer}-{s.last_layer}':>9}  "
                 f"{s.compute_s:9.4f}  {s.transfer_s:10.4f}  {mem:>15}"
@@ -252,11 +252,12 @@ def _infeasible_message(cost: CostModel) -> str:
     too_big = [j for j in range(L) if cost.memory[j] > cap_max]
     if too_big:
         layers = ", ".join(
-            f"layer {j} ({cost.layers[j].name}) needs {cost.memory[j] / MB:.1f} MB" for j in too_big
+            f"layer {j} ({cost.layers[j].name}) needs {cost.memory[j] / MIB:.1f} MiB"
+            for j in too_big
         )
         return (
             f"infeasible memory budget: {layers}, but the largest node has "
-            f"{cap_max / MB:.1f} MB. Give a node more memory, shrink the layer or split it."
+            f"{cap_max / MIB:.1f} MiB. Give a node more memory, shrink the layer or split it."
         )
     need, have = float(cost.memory.sum()), float(cost.capacity.sum())
     # Greedy fill in node order shows where the layers run out of room.
@@ -267,15 +268,15 @@ def _infeasible_message(cost: CostModel) -> str:
             end += 1
         start = end
     left = f"layers {start}..{L - 1}" if start < L else "no layers"
-    left_mb = cost.stage_memory(start, L - 1) / MB if start < L else 0.0
+    left_mb = cost.stage_memory(start, L - 1) / MIB if start < L else 0.0
     caps = ", ".join(
-        f"{n.name}={c / MB:.1f}" for n, c in zip(cost.nodes, cost.capacity, strict=True)
+        f"{n.name}={c / MIB:.1f}" for n, c in zip(cost.nodes, cost.capacity, strict=True)
     )
     return (
-        f"infeasible memory budget: the model needs {need / MB:.1f} MB (params, grads, "
+        f"infeasible memory budget: the model needs {need / MIB:.1f} MiB (params, grads, "
         f"optimizer state, activations for batch {cost.schedule.batch_size}) against "
-        f"{have / MB:.1f} MB available ({caps} MB). Filling nodes in order leaves {left} "
-        f"({left_mb:.1f} MB) without room (each node needs at least one layer). Add "
+        f"{have / MIB:.1f} MiB available ({caps} MiB). Filling nodes in order leaves {left} "
+        f"({left_mb:.1f} MiB) without room (each node needs at least one layer). Add "
         "memory, add nodes, or lower the batch size."
     )
 
@@ -302,7 +303,7 @@ def even(cost: CostModel) -> Plan:
         if need > cost.capacity[i]:
             raise InfeasibleMemoryError(
                 f"even allocation puts layers {a}..{b} on node {cost.nodes[i].name!r}: "
-                f"{need / MB:.1f} MB needed, {cost.capacity[i] / MB:.1f} MB available. "
+                f"{need / MIB:.1f} MiB needed, {cost.capacity[i] / MIB:.1f} MiB available. "
                 "Use allocation=heuristic or allocation=optimal, which respect memory."
             )
     return make_plan(cost, "even", bounds, time.perf_counter() - t0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sky_flower.cost import Schedule
@@ -57,6 +57,20 @@ def evaluate_fn_for(
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     return evaluate
+
+
+def _one_log_stream() -> None:
+    """Flower's logger has its own console handler and also propagates to the root
+    logger that Hydra set up: drop Flower's console handler so every line prints once
+    and also lands in Hydra's ``run.log``."""
+    flwr_logger = logging.getLogger("flwr")
+    root_handlers = logging.getLogger().handlers
+    if not root_handlers:  # no Hydra logging (e.g. called from a test): keep Flower's
+        return
+    for handler in list(flwr_logger.handlers):
+        if type(handler) is logging.StreamHandler:
+            flwr_logger.removeHandler(handler)
+    flwr_logger.propagate = True
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -112,7 +126,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             f"{smallest} training examples: lower schedule.batch_size"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("flwr").propagate = False  # Flower prints its own lines once
+    _one_log_stream()
 
     def write(name: str, payload: Any) -> None:
         (out_dir / name).write_text(json.dumps(payload, indent=2, default=str))
@@ -142,6 +156,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         message_timeout_s=float(cfg.message_timeout_s),
         seed=int(cfg.seed),
         on_event=on_event,
+    )
+    strategy.precheck(
+        [n.name for n in fleet],
+        [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
     )
     evaluate = evaluate_fn_for(model_fn, dataset, int(cfg.seed))
     torch.manual_seed(int(cfg.seed))
@@ -178,6 +196,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             },
         )
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        strategy.request_stop()  # the ServerApp thread may still be waiting on nodes
         cause = err.__cause__ or err
         error = f"{type(cause).__name__}: {cause}"
         raise
@@ -214,18 +233,25 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 @hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point."""
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    """Hydra entry point. A failed job exits 1; in a multirun it is recorded (its
+    ``results.json`` carries the error) and the sweep goes on."""
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    log = logging.getLogger("sky_flower")
     try:
         results = run_job(cfg, out_dir)
     except Exception as err:  # noqa: BLE001
         cause = err.__cause__ or err
-        logging.getLogger(__name__).error("sky-flower run failed: %s", cause)
-        print(f"\nsky-flower: run failed: {cause}\n(outputs in {out_dir})", file=sys.stderr)
+        log.error("run failed: %s (outputs in %s)", cause, out_dir)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return
         raise SystemExit(1) from None
-    print(
-        f"\nsky-flower [{results['allocation']} on {results['fleet']}]: final test accuracy "
-        f"{results['final_test_accuracy']:.4f}; outputs in {out_dir}"
+    log.info(
+        "[%s on %s]: final test accuracy %.4f; outputs in %s",
+        results["allocation"],
+        results["fleet"],
+        results["final_test_accuracy"],
+        out_dir,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
@@ -27,7 +28,7 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.cost import CostModel, Schedule
-from sky_flower.partition import METHODS, Plan, partition
+from sky_flower.partition import METHODS, Plan, feasible_bounds, partition
 from sky_flower.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.profile import default_optimizer_factory as _opt_factory
 from sky_flower.stage import slice_state
@@ -64,7 +65,7 @@ class SkyStrategy(Strategy):
         Batch size, micro-batches (``schedule.microbatches``), schedule kind, transport.
     optimizer : str (default: "adam")
         Optimizer every stage uses (``adam``, ``sgd``, ``sgd_momentum``).
-    lr : float (default: 1e-3)
+    lr : float (default: 1e-4)
         Learning rate.
     local_epochs : float (default: 1.0)
         Passes over the data owner's data per round (steps = epochs x examples / batch).
@@ -74,12 +75,13 @@ class SkyStrategy(Strategy):
         Pipeline order by node name (fleet order); the first data owner is always
         stage 0. Nodes not listed follow in name order.
     min_nodes : int (default: 2)
-        Wait for this many connected nodes before the benchmark round.
+        Wait for this many connected nodes before the benchmark round (set it to your
+        fleet's size: nodes that connect later are not in the plan).
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
     benchmark_warmup, benchmark_repeats : int (default: 2, 5)
         Untimed and timed passes per layer in the benchmark round.
-    echo_bytes : tuple[int, int] (default: (1 KiB, 1 MiB))
+    echo_bytes : tuple[int, int] (default: (1 KiB, 4 MiB))
         The two payload sizes timed for latency and bandwidth.
     echo_repeats : int (default: 7)
         Echoes per size (median taken: robust to a stray slow echo).
@@ -105,7 +107,7 @@ class SkyStrategy(Strategy):
         allocation: str = "heuristic",
         schedule: Schedule | None = None,
         optimizer: str = "adam",
-        lr: float = 1e-3,
+        lr: float = 1e-4,
         local_epochs: float = 1.0,
         steps_per_round: int = 0,
         node_order: Sequence[str] = (),
@@ -113,7 +115,7 @@ class SkyStrategy(Strategy):
         milp_time_limit_s: float = 30.0,
         benchmark_warmup: int = 2,
         benchmark_repeats: int = 5,
-        echo_bytes: tuple[int, int] = (1024, 1024 * 1024),
+        echo_bytes: tuple[int, int] = (1024, 4 * 1024 * 1024),
         echo_repeats: int = 7,
         echo_jitter_s: float = 0.1,
         state_probe_bytes: int = 64 * 1024 * 1024,
@@ -126,6 +128,13 @@ class SkyStrategy(Strategy):
                 f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}"
             )
         _opt_factory(optimizer, lr)  # validates the name early
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not local_epochs > 0 or steps_per_round < 0:
+            raise ValueError(
+                f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
+                f"(got {steps_per_round}; 0 means: use local_epochs)"
+            )
         self.model_fn = model_fn
         self.input_shape = [int(s) for s in input_shape]
         self.allocation = allocation
@@ -155,11 +164,20 @@ class SkyStrategy(Strategy):
         self.rounds: list[dict[str, Any]] = []
         self.global_arrays: ArrayRecord | None = None  # last good global model
         self._names: dict[int, str] = {}
+        self._stop = threading.Event()
         self._ids: dict[str, int] = {}
 
     # ---------------------------------------------------------------------------------
     # messaging
     # ---------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Make the running strategy stop at its next wait (raises ``SkyNodeError``)."""
+        self._stop.set()
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise SkyNodeError("run stopped by the caller")
+
     def _name(self, node_id: int) -> str:
         return f"{self._names.get(node_id, '?')!s} (node {node_id})"
 
@@ -183,6 +201,7 @@ class SkyStrategy(Strategy):
         pending, got = set(ids), {}
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
+            self._check_stop()
             for reply in grid.pull_messages(pending):
                 got[reply.metadata.reply_to_message_id] = reply
                 pending.discard(reply.metadata.reply_to_message_id)
@@ -210,6 +229,7 @@ class SkyStrategy(Strategy):
         """Block until ``min_nodes`` nodes are connected (bounded by ``timeout``)."""
         deadline = time.monotonic() + timeout
         while len(nodes := sorted(grid.get_node_ids())) < self.min_nodes:
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise SkyNodeError(
                     f"only {len(nodes)} of {self.min_nodes} nodes connected after {timeout:g} s"
@@ -218,6 +238,39 @@ class SkyStrategy(Strategy):
             time.sleep(0.5)
         return nodes
 
+    def profile_model(self) -> list[LayerProfile]:
+        """Per-layer FLOPs and bytes of the model (computed once, on the server)."""
+        if not self.layer_profiles:
+            self.layer_profiles = profile_layers(
+                self.model_fn(),
+                self.input_shape,
+                self.schedule.microbatch_size,
+                _opt_factory(self.optimizer, self.lr),
+            )
+        return self.layer_profiles
+
+    def precheck(self, names: Sequence[str], memory_caps: Sequence[float | None]) -> None:
+        """Fail before any node is contacted if the known memory caps (bytes; None =
+        unknown) already make every plan infeasible, or the fleet has more nodes than
+        the model has layers.
+
+        Raises
+        ------
+        InfeasibleMemoryError, ValueError
+            As :func:`sky_flower.partition.feasible_bounds`.
+        """
+        layers = self.profile_model()
+        nodes = [
+            NodeProfile(
+                name=name,
+                layer_fwd_s=(0.0,) * len(layers),
+                layer_bwd_s=(0.0,) * len(layers),
+                memory_bytes=int(cap) if cap is not None else 2**62,
+            )
+            for name, cap in zip(names, memory_caps, strict=True)
+        ]
+        feasible_bounds(CostModel(layers, nodes, self.schedule))
+
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
         """Run the benchmark round: ``query.sky_profile`` per node, then echo timing.
 
@@ -225,9 +278,7 @@ class SkyStrategy(Strategy):
         must answer.
         """
         mb = self.schedule.microbatch_size
-        self.layer_profiles = profile_layers(
-            self.model_fn(), self.input_shape, mb, _opt_factory(self.optimizer, self.lr)
-        )
+        self.profile_model()
         cfg = ConfigRecord(
             {
                 "input_shape": self.input_shape,
@@ -338,8 +389,8 @@ class SkyStrategy(Strategy):
         """The benchmark round's results as a text table."""
         emulation = emulation or {}
         head = (
-            f"{'node':<12} {'data':>4} {'fwd+bwd ms':>10} {'memory MB':>10} "
-            f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MB':>11}  emulation"
+            f"{'node':<12} {'data':>4} {'fwd+bwd ms':>10} {'memory MiB':>10} "
+            f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MiB':>12}  emulation"
         )
         rows = [head, "-" * (len(head) + 20)]
         for n in self.node_profiles:
@@ -348,7 +399,7 @@ class SkyStrategy(Strategy):
                 f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} "
                 f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:10.2f} "
                 f"{n.memory_bytes / 2**20:10.1f} {n.latency_s * 1e3:10.1f} {bw:>9} "
-                f"{n.state_s_per_byte * 1e3 * 2**20:11.2f}  "
+                f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
                 f"{emulation.get(n.name, '')}"
             )
         return "\n".join(rows)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from sky_flower.cost import CostModel, Schedule
 from sky_flower.partition import (
-    MB,
+    MIB,
     InfeasibleMemoryError,
     _speed_proportional,
     brute_force,
@@ -61,7 +61,7 @@ def instances(draw, min_nodes=1):
     batch = micro * draw(st.integers(1, 8))
     kind = draw(st.sampled_from(["sequential", "gpipe"]))
     transport = draw(st.sampled_from(["relay", "direct"]))
-    byte = st.integers(0, 4 * MB)
+    byte = st.integers(0, 4 * MIB)
     # activation bytes per sample; the scale sets how much transfers weigh against compute
     act_scale = draw(st.sampled_from([1024, 16 * 1024, 256 * 1024]))
     acts = [draw(st.integers(0, act_scale)) for _ in range(n_layers + 1)]
@@ -216,44 +216,44 @@ def test_lower_bound_below_every_plan(cost):
 # --------------------------------------------------------------------------------------
 def _uniform(n_layers, n_nodes, memories, layer_kw=None, t=0.01):
     layer_kw = layer_kw or {}
-    layers = [_layer(j, **layer_kw.get(j, {"param": MB})) for j in range(n_layers)]
+    layers = [_layer(j, **layer_kw.get(j, {"param": MIB})) for j in range(n_layers)]
     nodes = [_node(f"n{i}", [t] * n_layers, [t] * n_layers, memories[i]) for i in range(n_nodes)]
     return CostModel(layers, nodes, Schedule(batch_size=4))
 
 
 def test_layer_bigger_than_every_node():
-    # layer 2: 2 * 3 MB params + 4 MB optimizer = 10 MB; other layers 2 * 1 MB = 2 MB
-    cost = _uniform(4, 2, [6 * MB, 8 * MB], {2: {"param": 3 * MB, "opt": 4 * MB}})
+    # layer 2: 2 * 3 MIB params + 4 MIB optimizer = 10 MIB; other layers 2 * 1 MIB = 2 MIB
+    cost = _uniform(4, 2, [6 * MIB, 8 * MIB], {2: {"param": 3 * MIB, "opt": 4 * MIB}})
     for method in (heuristic, optimal, brute_force, feasible_bounds):
         with pytest.raises(InfeasibleMemoryError) as info:
             method(cost)
         msg = str(info.value)
         assert "layer 2 (2:Fake)" in msg, msg
-        assert "10.0 MB" in msg and "8.0 MB" in msg, msg  # needed, largest node available
+        assert "10.0 MiB" in msg and "8.0 MiB" in msg, msg  # needed, largest node available
         assert "layer 0" not in msg and "layer 1 " not in msg
-    with pytest.raises(InfeasibleMemoryError, match=r"layer 2 \(2:Fake\) needs 10\.0 MB"):
+    with pytest.raises(InfeasibleMemoryError, match=r"layer 2 \(2:Fake\) needs 10\.0 MiB"):
         partition(cost, "optimal")
-    with pytest.raises(InfeasibleMemoryError, match=r"largest node has 8\.0 MB"):
+    with pytest.raises(InfeasibleMemoryError, match=r"largest node has 8\.0 MiB"):
         partition(cost, "heuristic")
-    # even puts layers 0..1 on n0 (4 MB fits) and 2..3 on n1: 10 + 2 = 12 MB > 8 MB
-    with pytest.raises(InfeasibleMemoryError, match=r"2\.\.3 on node 'n1': 12\.0 MB needed"):
+    # even puts layers 0..1 on n0 (4 MIB fits) and 2..3 on n1: 10 + 2 = 12 MIB > 8 MIB
+    with pytest.raises(InfeasibleMemoryError, match=r"2\.\.3 on node 'n1': 12\.0 MiB needed"):
         even(cost)
 
 
 def test_globally_infeasible():
-    # 5 layers of 2 MB each = 10 MB; nodes have 3 + 4 = 7 MB; every layer fits a node alone
-    cost = _uniform(5, 2, [3 * MB, 4 * MB])
+    # 5 layers of 2 MIB each = 10 MIB; nodes have 3 + 4 = 7 MIB; every layer fits a node alone
+    cost = _uniform(5, 2, [3 * MIB, 4 * MIB])
     for method in (heuristic, optimal, brute_force, feasible_bounds):
         with pytest.raises(InfeasibleMemoryError) as info:
             method(cost)
         msg = str(info.value)
-        assert re.search(r"needs 10\.0 MB .* against 7\.0 MB available", msg), msg
+        assert re.search(r"needs 10\.0 MiB .* against 7\.0 MiB available", msg), msg
         assert "n0=3.0" in msg and "n1=4.0" in msg, msg
 
 
 def test_infeasible_only_because_every_node_needs_a_layer():
-    # 3 layers of 2 MB; node 0 could hold all of them (6 MB) but node 1 has only 1 MB
-    cost = _uniform(3, 2, [6 * MB, 1 * MB])
+    # 3 layers of 2 MIB; node 0 could hold all of them (6 MIB) but node 1 has only 1 MIB
+    cost = _uniform(3, 2, [6 * MIB, 1 * MIB])
     for method in (heuristic, optimal, brute_force):
         with pytest.raises(InfeasibleMemoryError, match="at least one layer"):
             method(cost)
@@ -310,7 +310,7 @@ def _boundary_instance(cut_bytes):
     cutting after layer c sends act_out[c] (and receives it as act_in[c + 1]).
     """
     acts = [64.0, *cut_bytes, 4.0]  # act_in[0], act_out[0..4] = cut_bytes, act_out[5]
-    layers = [_layer(j, param=MB, act_in=acts[j], act_out=acts[j + 1]) for j in range(6)]
+    layers = [_layer(j, param=MIB, act_in=acts[j], act_out=acts[j + 1]) for j in range(6)]
     nodes = [_node(f"n{i}", [0.01] * 6, [0.02] * 6, bandwidth_bps=1e6) for i in range(2)]
     return CostModel(layers, nodes, Schedule(batch_size=8, transport="direct"))
 
@@ -339,10 +339,10 @@ def test_heuristic_moves_boundary_both_ways(cut_bytes, expected):
 
 
 def test_heuristic_respects_memory_over_speed():
-    # node 0 is 10x faster but can hold only one 2 MB layer: heuristic must not overfill it
-    layers = [_layer(j, param=MB) for j in range(4)]
+    # node 0 is 10x faster but can hold only one 2 MIB layer: heuristic must not overfill it
+    layers = [_layer(j, param=MIB) for j in range(4)]
     nodes = [
-        _node("fast", [0.001] * 4, [0.002] * 4, memory=int(2.5 * MB)),
+        _node("fast", [0.001] * 4, [0.002] * 4, memory=int(2.5 * MIB)),
         _node("slow", [0.01] * 4, [0.02] * 4),
     ]
     cost = CostModel(layers, nodes, Schedule(batch_size=4))
