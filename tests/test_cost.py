@@ -3,22 +3,12 @@
 import math
 
 import pytest
+from factories import fake_layer
 
 from sky_flower.cost import CostModel, Schedule
-from sky_flower.profile import LayerProfile, NodeProfile
+from sky_flower.profile import NodeProfile
 
-
-def _layer(index, param, opt, act_in, act_out):
-    return LayerProfile(
-        index=index,
-        name=f"{index}:Fake",
-        fwd_flops=0.0,
-        bwd_flops=0.0,
-        param_bytes=param,
-        optimizer_state_bytes=opt,
-        act_in_bytes=act_in,
-        act_out_bytes=act_out,
-    )
+_layer = fake_layer
 
 
 # layer   param  optimizer  act_in  act_out   (bytes; act per sample)

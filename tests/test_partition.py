@@ -4,6 +4,7 @@ import math
 import re
 
 import pytest
+from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,7 @@ from sky_flower.partition import (
     optimal,
     partition,
 )
-from sky_flower.profile import LayerProfile, NodeProfile
+from sky_flower.profile import NodeProfile
 
 REL = 1e-6  # relative tolerance (MILP stops at mip_rel_gap=1e-6)
 ABS = 1e-9  # seconds
@@ -31,17 +32,7 @@ def _le(a, b):
     return a <= b + REL * abs(b) + ABS
 
 
-def _layer(index, param=0, opt=0, act_in=0.0, act_out=0.0):
-    return LayerProfile(
-        index=index,
-        name=f"{index}:Fake",
-        fwd_flops=0.0,
-        bwd_flops=0.0,
-        param_bytes=param,
-        optimizer_state_bytes=opt,
-        act_in_bytes=act_in,
-        act_out_bytes=act_out,
-    )
+_layer = fake_layer
 
 
 def _node(name, fwd, bwd, memory=2**50, **kw):

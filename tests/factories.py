@@ -1,0 +1,17 @@
+"""Hand-made profiles for pure planner tests (no torch model needed)."""
+
+from sky_flower.profile import LayerProfile
+
+
+def fake_layer(index, param=0, opt=0, act_in=0.0, act_out=0.0):
+    """A layer with the given bytes (FLOPs are irrelevant to the planner)."""
+    return LayerProfile(
+        index=index,
+        name=f"{index}:Fake",
+        fwd_flops=0.0,
+        bwd_flops=0.0,
+        param_bytes=param,
+        optimizer_state_bytes=opt,
+        act_in_bytes=act_in,
+        act_out_bytes=act_out,
+    )
