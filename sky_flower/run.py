@@ -60,17 +60,19 @@ def evaluate_fn_for(
 
 
 def _one_log_stream() -> None:
-    """Flower's logger has its own console handler and also propagates to the root
-    logger that Hydra set up: drop Flower's console handler so every line prints once
-    and also lands in Hydra's ``run.log``."""
+    """Flower's logger prints to the console itself; also send its lines to the job's
+    ``run.log`` (Hydra's file handler on the root logger) without printing them twice."""
     flwr_logger = logging.getLogger("flwr")
-    root_handlers = logging.getLogger().handlers
-    if not root_handlers:  # no Hydra logging (e.g. called from a test): keep Flower's
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:  # no Hydra logging (e.g. called from a test): leave Flower as it is
         return
-    for handler in list(flwr_logger.handlers):
-        if type(handler) is logging.StreamHandler:
+    flwr_logger.propagate = False
+    for handler in list(flwr_logger.handlers):  # a previous multirun job's file
+        if isinstance(handler, logging.FileHandler) and handler not in files:
             flwr_logger.removeHandler(handler)
-    flwr_logger.propagate = True
+    for handler in files:
+        if handler not in flwr_logger.handlers:
+            flwr_logger.addHandler(handler)
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:

@@ -288,27 +288,32 @@ class SkyStrategy(Strategy):
             }
         )
         profiles: dict[int, ConfigRecord] = {}
+        result: list[NodeProfile] = []
+        num_examples: dict[int, int] = {}
+        num_layers = len(self.layer_profiles)
         for nid in node_ids:  # one at a time: concurrent timing on shared cores lies
             try:
                 (reply,) = self.exchange(
                     grid, [self._msg(nid, "query.sky_profile", {"config": cfg}, "benchmark")]
                 )
-            except SkyNodeError as err:
-                log(WARNING, "Benchmark: leaving node %s out of the plan: %s", nid, err)
-                continue
-            prof = reply.content.config_records["profile"]
-            profiles[nid] = prof
-            self._names[nid] = str(prof["name"])
-        if not any(bool(p["holds_data"]) for p in profiles.values()):
-            raise SkyNodeError("no data owner answered the benchmark round: cannot train")
-        result = []
-        for nid, prof in profiles.items():
-            lat, bw, state_rate = self._time_link(grid, nid)
-            result.append(
-                NodeProfile(
-                    name=str(prof["name"]),
-                    layer_fwd_s=tuple(float(t) for t in prof["layer_fwd_s"]),
-                    layer_bwd_s=tuple(float(t) for t in prof["layer_bwd_s"]),
+                prof = reply.content.config_records["profile"]
+                name = str(prof["name"])
+                if name in self._ids:
+                    raise SkyNodeError(f"node name {name!r} is already taken by another node")
+                self._names[nid] = name
+                fwd = tuple(float(t) for t in prof["layer_fwd_s"])
+                bwd = tuple(float(t) for t in prof["layer_bwd_s"])
+                if len(fwd) != num_layers or len(bwd) != num_layers:
+                    raise SkyNodeError(
+                        f"reported times for {len(fwd)}/{len(bwd)} layers, the model has "
+                        f"{num_layers}: is it running the same model_fn?"
+                    )
+                examples = int(prof["num_examples"])
+                lat, bw, state_rate = self._time_link(grid, nid)
+                node = NodeProfile(
+                    name=name,
+                    layer_fwd_s=fwd,
+                    layer_bwd_s=bwd,
                     memory_bytes=int(prof["memory_bytes"]),
                     latency_s=lat,
                     bandwidth_bps=bw,
@@ -317,11 +322,23 @@ class SkyStrategy(Strategy):
                     slowdown=float(prof["slowdown"]),
                     node_id=nid,
                 )
-            )
-            self._ids[str(prof["name"])] = nid
+            except (SkyNodeError, KeyError, TypeError, ValueError) as err:
+                log(
+                    WARNING,
+                    "Benchmark: leaving %s out of the plan: %s",
+                    self._name(nid),
+                    err,
+                )
+                continue
+            profiles[nid] = prof
+            num_examples[nid] = examples
+            result.append(node)
+            self._ids[name] = nid
+        if not any(n.holds_data for n in result):
+            raise SkyNodeError("no data owner answered the benchmark round: cannot train")
         ordered = self._order(result)
         owners = [n for n in ordered if n.holds_data]
-        self.num_examples = int(profiles[owners[0].node_id]["num_examples"])
+        self.num_examples = num_examples[owners[0].node_id]
         if len(owners) > 1:
             log(
                 WARNING,
@@ -331,7 +348,7 @@ class SkyStrategy(Strategy):
                 owners[0].name,
             )
         self.node_profiles = ordered
-        emulation = {str(p["name"]): str(p["emulation"]) for p in profiles.values()}
+        emulation = {str(p["name"]): str(p.get("emulation", "")) for p in profiles.values()}
         log(INFO, "Benchmark round:\n%s", self.benchmark_table(emulation))
         self.on_event(
             "benchmark",

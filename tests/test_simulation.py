@@ -137,3 +137,13 @@ def test_bad_settings_refused_before_flower_starts(override, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()
+
+
+def test_node_failing_the_benchmark_is_left_out(tmp_path, no_leftover_processes):
+    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=optimal", "num_rounds=1"])
+    with open_dict(cfg):
+        cfg.fleet.nodes[2].fail_on = "query.sky_profile"  # box
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None and results["final_test_accuracy"] > 0.5
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [s["node"] for s in plan["stages"]] == ["phone", "cloud"]
