@@ -1,0 +1,8 @@
+"""sky-flower: load-balanced split-model training on heterogeneous Flower nodes.
+
+Planning (``profile``, ``cost``, ``partition``, ``stage``) is pure PyTorch / SciPy;
+Flower appears only in ``client`` (ClientApp handlers), ``run`` (Hydra entry point) and
+the ``strategies`` package (``strategies.sky.SkyStrategy``).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Flower strategies of sky-flower (``strategies.sky.SkyStrategy``)."""
