@@ -196,6 +196,19 @@ def make_plan(
     )
 
 
+def _cuts_to_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
+    """Stages from ``cuts`` (the last layer of every stage but the last)."""
+    return _counts_to_bounds(
+        [c - p for p, c in zip([-1, *cuts], [*cuts, num_layers - 1], strict=True)]
+    )
+
+
+def _even_bounds(num_layers: int, num_nodes: int) -> list[tuple[int, int]]:
+    """Equal layer counts; the first ``L mod N`` stages take one more."""
+    L, N = num_layers, num_nodes
+    return _counts_to_bounds([L // N + (1 if i < L % N else 0) for i in range(N)])
+
+
 def _counts_to_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
     bounds, start = [], 0
     for c in counts:
@@ -296,8 +309,7 @@ def even(cost: CostModel) -> Plan:
     """
     t0 = time.perf_counter()
     _check_sizes(cost)
-    L, N = cost.num_layers, cost.num_nodes
-    bounds = _counts_to_bounds([L // N + (1 if i < L % N else 0) for i in range(N)])
+    bounds = _even_bounds(cost.num_layers, cost.num_nodes)
     for i, (a, b) in enumerate(bounds):
         need = cost.stage_memory(a, b)
         if need > cost.capacity[i]:
@@ -356,9 +368,7 @@ def _repair_memory(cost: CostModel, bounds: list[tuple[int, int]]) -> list[tuple
                 changed = True
         if not changed:
             break
-    return _counts_to_bounds(
-        [c - p for p, c in zip([-1, *cuts], [*cuts, cost.num_layers - 1], strict=True)]
-    )
+    return _cuts_to_bounds(cuts, cost.num_layers)
 
 
 def _local_search(cost: CostModel, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -421,8 +431,7 @@ def heuristic(cost: CostModel) -> Plan:
     starts = []
     pre = _repair_memory(cost, _speed_proportional(cost))
     starts.append(pre if cost.fits(pre) else fallback)
-    L, N = cost.num_layers, cost.num_nodes
-    ev = _counts_to_bounds([L // N + (1 if i < L % N else 0) for i in range(N)])
+    ev = _even_bounds(cost.num_layers, cost.num_nodes)
     if cost.fits(ev):
         starts.append(ev)
     best = min((_local_search(cost, s) for s in starts), key=cost.step_time)
@@ -650,9 +659,7 @@ def brute_force(cost: CostModel) -> Plan:
     L, N = cost.num_layers, cost.num_nodes
     best, best_t = None, float("inf")
     for cuts in combinations(range(L - 1), N - 1):  # cut after these layers
-        bounds = _counts_to_bounds(
-            [c - p for p, c in zip([-1, *cuts], [*cuts, L - 1], strict=True)]
-        )
+        bounds = _cuts_to_bounds(cuts, L)
         if not cost.fits(bounds):
             continue
         t = cost.step_time(bounds)
