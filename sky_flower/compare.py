@@ -77,28 +77,34 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def summarise(sweep_dir: Path) -> str:
-    """Write ``summary.csv`` into ``sweep_dir`` and return the table."""
+def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Collect the jobs of ``sweep_dir``, write them to its ``summary.csv``, return them."""
     rows = collect(sweep_dir)
     with open(sweep_dir / "summary.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    return table(rows)
+    return rows
 
 
 class SweepSummary(Callback):
-    """Hydra callback: print and save the comparison when a multirun ends."""
+    """Hydra callback: print and save the comparison when a multirun ends; exit 1 if
+    any job failed."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Summarise ``hydra.sweep.dir``."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if sweep_dir.exists():
-            print(f"\nsky-flower sweep summary ({sweep_dir / 'summary.csv'}):")
-            print(summarise(sweep_dir))
+        if not sweep_dir.exists():
+            return
+        rows = summarise(sweep_dir)
+        print(f"\nsky-flower sweep summary ({sweep_dir / 'summary.csv'}):")
+        print(table(rows))
+        failed = [r["job"] for r in rows if r["error"]]
+        if failed:  # the sweep went on past them; its exit status still says so
+            raise SystemExit(f"{len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m sky_flower.compare <multirun sweep directory>")
-    print(summarise(Path(sys.argv[1])))
+    print(table(summarise(Path(sys.argv[1]))))

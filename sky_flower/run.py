@@ -245,6 +245,16 @@ def main(cfg: DictConfig) -> None:
     except Exception as err:  # noqa: BLE001
         cause = err.__cause__ or err
         log.error("run failed: %s (outputs in %s)", cause, out_dir)
+        if not (out_dir / "results.json").exists():  # refused before it started
+            out_dir.mkdir(parents=True, exist_ok=True)
+            failed = {
+                "allocation": str(cfg.allocation.get("method")),
+                "fleet": str(cfg.fleet.get("name")),
+                "final_test_accuracy": None,
+                "rounds": [],
+                "error": f"{type(cause).__name__}: {cause}",
+            }
+            (out_dir / "results.json").write_text(json.dumps(failed, indent=2))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return
         raise SystemExit(1) from None

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from omegaconf import OmegaConf
 
 from sky_flower.compare import SweepSummary, collect
@@ -36,7 +37,8 @@ def test_summary_rows_and_csv(tmp_path, capsys):
     assert rows[0]["measured_step_time_s"] == 1.5  # median of the rounds
     assert rows[2]["measured_step_time_s"] is None and rows[2]["error"]
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    SweepSummary().on_multirun_end(cfg)
+    with pytest.raises(SystemExit, match="1 of 3 jobs failed: 2"):
+        SweepSummary().on_multirun_end(cfg)
     out = capsys.readouterr().out
     assert "heuristic" in out and "error: SkyNodeError" in out
     lines = (tmp_path / "summary.csv").read_text().splitlines()
