@@ -118,13 +118,11 @@ class Emulation:
     def check_fault(self, message_type: str) -> bool:
         """Raise :class:`FaultInjected` if this node is configured to fail here; return
         True if it should instead send a malformed reply."""
-        if self.fail_on and self.fail_on == message_type and self.fail_mode == "malformed":
+        if not self.fail_on or self.fail_on != message_type:
+            return False
+        if self.fail_mode == "malformed":
             return True
-        if self.fail_on and self.fail_on == message_type:
-            raise FaultInjected(
-                f"node {self.name!r}: fault injected on {message_type} (fleet fail_on)"
-            )
-        return False
+        raise FaultInjected(f"node {self.name!r}: fault injected on {message_type} (fleet fail_on)")
 
     def describe(self) -> str:
         """One-line summary for the benchmark table."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sky_flower.cost import Schedule
-from sky_flower.data import load_split
+from sky_flower.data import Split, load_split
 from sky_flower.emulation import parse_fleet
 from sky_flower.models import build_model
 from sky_flower.partition import METHODS
@@ -37,13 +37,10 @@ def _conf_dir() -> str:
     return str(installed if (installed / "config.yaml").exists() else here.parent / "conf")
 
 
-def evaluate_fn_for(
-    model_fn: Callable[[], torch.nn.Module], dataset: Mapping, seed: int
-) -> Callable:
+def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
     from flwr.app import ArrayRecord, MetricRecord
 
-    _, test = load_split(dataset["name"], float(dataset["test_fraction"]), seed)
     x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -57,6 +54,22 @@ def evaluate_fn_for(
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     return evaluate
+
+
+def write_results(
+    out_dir: Path, allocation: str, fleet: str, rounds: list[dict], error: str | None
+) -> dict[str, Any]:
+    """Write ``results.json`` (also for a job refused before it started) and return it."""
+    results = {
+        "allocation": allocation,
+        "fleet": fleet,
+        "final_test_accuracy": rounds[-1]["test_accuracy"] if rounds else None,
+        "rounds": rounds,
+        "error": error,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
 
 
 def _one_log_stream() -> None:
@@ -120,7 +133,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     if int(cfg.num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
     owners = [n for n in fleet if n.holds_data]
-    train, _ = load_split(dataset["name"], float(dataset["test_fraction"]), int(cfg.seed))
+    train, test = load_split(dataset["name"], float(dataset["test_fraction"]), int(cfg.seed))
     smallest = len(train) // len(owners)  # np.array_split: the smallest partition
     if schedule.batch_size > smallest:
         raise ValueError(
@@ -163,7 +176,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
     )
-    evaluate = evaluate_fn_for(model_fn, dataset, int(cfg.seed))
+    evaluate = evaluate_fn_for(model_fn, test)
     torch.manual_seed(int(cfg.seed))
     initial = ArrayRecord(model_fn().state_dict())
 
@@ -220,14 +233,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             }
             for r in strategy.rounds
         ]
-        results = {
-            "allocation": method,
-            "fleet": str(cfg.fleet.name),
-            "final_test_accuracy": rounds[-1]["test_accuracy"] if rounds else None,
-            "rounds": rounds,
-            "error": error,
-        }
-        write("results.json", results)
+        results = write_results(out_dir, method, str(cfg.fleet.name), rounds, error)
         if strategy.global_arrays is not None:  # last good global model
             torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
     return results
@@ -246,15 +252,10 @@ def main(cfg: DictConfig) -> None:
         cause = err.__cause__ or err
         log.error("run failed: %s (outputs in %s)", cause, out_dir)
         if not (out_dir / "results.json").exists():  # refused before it started
-            out_dir.mkdir(parents=True, exist_ok=True)
-            failed = {
-                "allocation": str(cfg.allocation.get("method")),
-                "fleet": str(cfg.fleet.get("name")),
-                "final_test_accuracy": None,
-                "rounds": [],
-                "error": f"{type(cause).__name__}: {cause}",
-            }
-            (out_dir / "results.json").write_text(json.dumps(failed, indent=2))
+            error = f"{type(cause).__name__}: {cause}"
+            write_results(
+                out_dir, str(cfg.allocation.get("method")), str(cfg.fleet.get("name")), [], error
+            )
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return
         raise SystemExit(1) from None
