@@ -1,0 +1,419 @@
+"""Discrete-event simulation of one pipelined training step (pure: numpy only).
+
+The cost model (:mod:`sky_flower.cost`) predicts a step from closed forms; this module
+plays the executed schedule op by op and is the reference those closed forms are checked
+against.
+
+Model
+-----
+A step pushes ``M`` identical micro-batches through ``S`` stages. The resources are
+
+* ``"stage{k}"`` for each stage ``k``: runs one op at a time, the forward ``F`` and
+  backward ``B`` of each micro-batch, in the schedule's fixed per-stage order (below);
+* ``"link{k}>{k+1}"``: carries activations forward (op kind ``SF``), one micro-batch at a
+  time, first in first out in the order they become ready (ties by micro-batch);
+* ``"link{k+1}>{k}"``: carries gradients back (op kind ``SB``), likewise. The two
+  directions of a link are separate resources (full duplex).
+
+Compute and communication overlap: a stage starts its next op while its sends are in
+flight, as with the asynchronous ``isend``/``irecv`` of ``torch.distributed.pipelining``.
+An op starts at the later of "its resource is free" and "its inputs have arrived":
+
+* ``F(m)`` on stage ``k > 0`` needs ``SF(m)`` on link ``k-1>k`` finished;
+* ``SF(m)`` on link ``k>k+1`` needs ``F(m)`` on stage ``k``; ``SB(m)`` on link ``k+1>k``
+  needs ``B(m)`` on stage ``k+1``;
+* ``B(m)`` on stage ``k`` needs ``F(m)`` on stage ``k`` and, for ``k < S-1``, ``SB(m)``
+  on link ``k+1>k``; the last stage computes the loss inside its ``F``, so its ``B(m)``
+  follows its own ``F(m)``.
+
+Every schedule below runs each stage's forwards, and each stage's backwards, in
+micro-batch order, so transfers become ready on every link in micro-batch order and FIFO
+service is service in micro-batch order. With all orders fixed the step is a longest path
+through a DAG; :func:`simulate` walks it with a work list in ``O(S M)`` op visits.
+
+Schedules (``kind``), as per-stage op orders:
+
+* ``"sequential"``: ``F0 B0 F1 B1 ...`` on every stage, so micro-batch ``m + 1`` enters
+  stage 0 only once ``m`` has come all the way back: no overlap at all. This is
+  SkyComputing's execution and the relay transport's (``M = 1``: one batch).
+* ``"gpipe"`` (Huang et al. 2019, arXiv 1811.06965; ``ScheduleGPipe`` in
+  ``torch.distributed.pipelining``): ``F0 .. F(M-1)`` then ``B0 .. B(M-1)`` on every
+  stage; every stage stashes the activations of all ``M`` micro-batches.
+* ``"1f1b"`` (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503; torch's
+  ``Schedule1F1B``): stage ``k`` runs ``W = min(S - k - 1, M)`` warm-up forwards
+  ``F0 .. F(W-1)``, then ``F(W+i) B(i)`` for ``i`` in ``range(M - W)``, then the
+  cool-down ``B(M-W) .. B(M-1)``; at most ``min(S - k, M)`` micro-batches are in flight
+  on stage ``k``. torch counts the warm-up as ``min(M, S - k)`` forwards (one more) and
+  then loops "one B, one F" instead of "one F, one B": the per-stage op sequence is
+  identical, and that sequence is what this module follows. (torch 2.13 requires
+  ``M >= S`` for ``Schedule1F1B``; here any ``M >= 1`` is accepted.)
+
+Where torch differs from the model: in its 1F1B loop a stage waits for its forward send
+to complete together with the next gradient receive, and before each later send for the
+previous one, so a link slower than the stages stalls the sender a little more than here.
+The model charges each link direction as its own FIFO server and lets compute run on.
+
+Closed forms. :func:`gpipe_step_time` is exact for the ``"gpipe"`` order, not an
+approximation: the forward phase is a flow shop of identical jobs over the resources
+``stage0, link0>1, stage1, ..., stage(S-1)``, whose makespan is ``sum + (M-1) max`` of
+the per-job times; the last stage's ``B0`` starts the moment its ``F(M-1)`` ends (the
+loss is local, the stage is free); every other stage has finished its forwards before the
+first gradient can reach it, and the backward links are resources of their own, so the
+backward phase is again a clean flow shop with every job released at that moment.
+:func:`steady_state_time` is the busiest resource's work per micro-batch; ``M`` times it
+is a lower bound on every kind's step time.
+
+Units: seconds throughout (per micro-batch for the inputs, absolute from the start of the
+step for op times).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+PipelineKind = Literal["sequential", "gpipe", "1f1b"]
+KINDS: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One event of the simulated timeline.
+
+    Attributes
+    ----------
+    resource : str
+        ``"stage{k}"``, ``"link{k}>{k+1}"`` (activations forward) or ``"link{k+1}>{k}"``
+        (gradients back).
+    kind : str
+        ``"F"`` forward, ``"B"`` backward, ``"SF"`` send activations, ``"SB"`` send
+        gradients.
+    microbatch : int
+        Index of the micro-batch, ``0 .. M-1``.
+    start_s, end_s : float
+        Seconds from the start of the step.
+    """
+
+    resource: str
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of :func:`simulate`.
+
+    Attributes
+    ----------
+    step_time_s : float
+        End of the last op (seconds): the step's makespan.
+    busy_s : dict[str, float]
+        Seconds each resource spends working, keyed by resource name; every stage and
+        both directions of every link appear, idle ones with ``0.0``.
+    peak_inflight : list[int]
+        Length ``S``: per stage, the most micro-batches whose activations are stashed at
+        once (``F`` done, ``B`` not yet), i.e. the activation memory the schedule needs
+        in units of one micro-batch's activations.
+    ops : list[Op]
+        Every op (``S M`` computes of each kind, ``(S-1) M`` transfers of each kind),
+        sorted by start time.
+    """
+
+    step_time_s: float
+    busy_s: dict[str, float]
+    peak_inflight: list[int]
+    ops: list[Op]
+
+
+def _times(name: str, values: Sequence[float] | np.ndarray, length: int) -> list[float]:
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise ValueError(f"{name} must be a 1-D sequence of length {length}, got shape {arr.shape}")
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{i}] = {float(arr[i])!r}: times must be finite and >= 0 seconds")
+    return [float(x) for x in arr]
+
+
+def _validate(
+    fwd_s: Sequence[float] | np.ndarray,
+    bwd_s: Sequence[float] | np.ndarray,
+    fwd_link_s: Sequence[float] | np.ndarray,
+    bwd_link_s: Sequence[float] | np.ndarray,
+    microbatches: int,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    arr = np.asarray(fwd_s, dtype=float)
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(
+            f"fwd_s must be a non-empty 1-D sequence (one entry per stage), got shape {arr.shape}"
+        )
+    n = arr.shape[0]
+    f = _times("fwd_s", fwd_s, n)
+    b = _times("bwd_s", bwd_s, n)
+    fl = _times("fwd_link_s", fwd_link_s, n - 1)
+    bl = _times("bwd_link_s", bwd_link_s, n - 1)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int | np.integer):
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    return f, b, fl, bl
+
+
+def stage_order(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """Per-stage op order of a schedule.
+
+    Parameters
+    ----------
+    kind : {"sequential", "gpipe", "1f1b"}
+        Schedule (see the module docstring).
+    stages : int
+        Number of stages ``S >= 1``.
+    microbatches : int
+        Number of micro-batches ``M >= 1``.
+
+    Returns
+    -------
+    list[list[tuple[str, int]]]
+        Length ``S``; entry ``k`` lists stage ``k``'s ops in execution order as
+        ``("F" | "B", microbatch)``, ``2 M`` of them.
+
+    Raises
+    ------
+    ValueError
+        Unknown ``kind``, or ``stages`` / ``microbatches`` below 1.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"need stages >= 1 and microbatches >= 1, got {stages}, {microbatches}")
+    m_all = range(microbatches)
+    orders = []
+    for k in range(stages):
+        if kind == "sequential":
+            order = [(c, m) for m in m_all for c in ("F", "B")]
+        elif kind == "gpipe":
+            order = [("F", m) for m in m_all] + [("B", m) for m in m_all]
+        else:
+            w = min(stages - k - 1, microbatches)
+            order = [("F", m) for m in range(w)]
+            for i in range(microbatches - w):
+                order += [("F", w + i), ("B", i)]
+            order += [("B", m) for m in range(microbatches - w, microbatches)]
+        orders.append(order)
+    return orders
+
+
+def simulate(
+    fwd_s: Sequence[float] | np.ndarray,
+    bwd_s: Sequence[float] | np.ndarray,
+    fwd_link_s: Sequence[float] | np.ndarray,
+    bwd_link_s: Sequence[float] | np.ndarray,
+    microbatches: int,
+    kind: str = "gpipe",
+) -> SimResult:
+    """Play one training step of a pipeline schedule, op by op.
+
+    Parameters
+    ----------
+    fwd_s, bwd_s : sequence of float, shape (S,)
+        Seconds per micro-batch of each stage's forward and backward (``S >= 1``).
+    fwd_link_s, bwd_link_s : sequence of float, shape (S-1,)
+        Seconds to move one micro-batch's activations from stage ``k`` to ``k+1``, and its
+        gradients from ``k+1`` back to ``k``.
+    microbatches : int
+        Micro-batches per step, ``M >= 1``.
+    kind : {"sequential", "gpipe", "1f1b"}, default "gpipe"
+        Schedule; see the module docstring for each one's per-stage order and source.
+
+    Returns
+    -------
+    SimResult
+        Step time (seconds), per-resource busy seconds, per-stage peak micro-batches in
+        flight, and the full op timeline.
+
+    Raises
+    ------
+    ValueError
+        Wrong lengths, a negative or non-finite time, ``microbatches < 1`` or not an int,
+        or an unknown ``kind``.
+
+    Examples
+    --------
+    >>> simulate([1.0, 1.0], [2.0, 2.0], [0.0], [0.0], microbatches=4).step_time_s
+    15.0
+    """
+    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches)
+    s, mb = len(f), microbatches
+    orders = stage_order(kind, s, mb)
+
+    nan = math.nan
+    # act_in[k][m]: activation of m available on stage k (after link k-1>k); stage 0 has
+    # its inputs at t = 0. grad_in[k][m]: gradient of m available on stage k (k < S-1).
+    act_in = [[0.0] * mb] + [[nan] * mb for _ in range(s - 1)]
+    grad_in = [[nan] * mb for _ in range(s)]
+    f_end = [[nan] * mb for _ in range(s)]
+    stage_free = [0.0] * s
+    fwd_link_free = [0.0] * max(s - 1, 0)
+    bwd_link_free = [0.0] * max(s - 1, 0)
+    ptr = [0] * s
+    # records: (start, end, resource code, kind code, microbatch); resource code encodes
+    # stage k as (0, k), forward link k>k+1 as (1, k), backward link k+1>k as (2, k).
+    rec: list[tuple[float, float, int, int, str, int]] = []
+
+    work = list(range(s - 1, -1, -1))  # pop() takes stage 0 first
+    while work:
+        k = work.pop()
+        order = orders[k]
+        while ptr[k] < len(order):
+            c, m = order[ptr[k]]
+            if c == "F":
+                ready = act_in[k][m]
+                if ready != ready:  # NaN: not arrived yet
+                    break
+                start = max(stage_free[k], ready)
+                end = start + f[k]
+                f_end[k][m] = end
+                rec.append((start, end, 0, k, "F", m))
+                stage_free[k] = end
+                if k < s - 1:
+                    t0 = max(fwd_link_free[k], end)
+                    t1 = t0 + fl[k]
+                    fwd_link_free[k] = t1
+                    act_in[k + 1][m] = t1
+                    rec.append((t0, t1, 1, k, "SF", m))
+                    work.append(k + 1)
+            else:
+                if k < s - 1:
+                    ready = grad_in[k][m]
+                    if ready != ready:
+                        break
+                else:
+                    ready = f_end[k][m]
+                start = max(stage_free[k], ready, f_end[k][m])
+                end = start + b[k]
+                rec.append((start, end, 0, k, "B", m))
+                stage_free[k] = end
+                if k > 0:
+                    t0 = max(bwd_link_free[k - 1], end)
+                    t1 = t0 + bl[k - 1]
+                    bwd_link_free[k - 1] = t1
+                    grad_in[k - 1][m] = t1
+                    rec.append((t0, t1, 2, k - 1, "SB", m))
+                    work.append(k - 1)
+            ptr[k] += 1
+    stuck = [k for k in range(s) if ptr[k] < len(orders[k])]
+    if stuck:  # cannot happen for the orders above; guards future kinds
+        k = stuck[0]
+        raise RuntimeError(f"schedule {kind!r} deadlocks at stage {k}, op {orders[k][ptr[k]]}")
+
+    stage_names = [f"stage{k}" for k in range(s)]
+    fwd_names = [f"link{k}>{k + 1}" for k in range(s - 1)]
+    bwd_names = [f"link{k + 1}>{k}" for k in range(s - 1)]
+    names = (stage_names, fwd_names, bwd_names)
+    busy = {n: 0.0 for n in stage_names}
+    for k in range(s - 1):
+        busy[fwd_names[k]] = 0.0
+        busy[bwd_names[k]] = 0.0
+    rec.sort()
+    ops = []
+    for start, end, code, k, c, m in rec:
+        name = names[code][k]
+        busy[name] += end - start
+        ops.append(Op(name, c, m, start, end))
+
+    peak = []
+    for order in orders:
+        live = top = 0
+        for c, _ in order:
+            live += 1 if c == "F" else -1
+            top = max(top, live)
+        peak.append(top)
+    step = max(stage_free) if s else 0.0
+    return SimResult(step_time_s=step, busy_s=busy, peak_inflight=peak, ops=ops)
+
+
+def gpipe_step_time(
+    fwd_s: Sequence[float] | np.ndarray,
+    bwd_s: Sequence[float] | np.ndarray,
+    fwd_link_s: Sequence[float] | np.ndarray,
+    bwd_link_s: Sequence[float] | np.ndarray,
+    microbatches: int,
+) -> float:
+    """Closed-form GPipe step time for identical micro-batches.
+
+    ``T = (sum Fr + (M-1) max Fr) + (sum Br + (M-1) max Br)`` where ``Fr`` are the
+    forward resources' per-micro-batch times (every stage's forward and every forward
+    link) and ``Br`` the backward ones (every stage's backward and every backward link).
+    Equal to ``simulate(..., kind="gpipe").step_time_s`` up to rounding (the module
+    docstring gives the argument; the tests check it on random instances).
+
+    Parameters
+    ----------
+    fwd_s, bwd_s : sequence of float, shape (S,)
+        Seconds per micro-batch of each stage's forward and backward.
+    fwd_link_s, bwd_link_s : sequence of float, shape (S-1,)
+        Seconds per micro-batch on each link, forward and backward direction.
+    microbatches : int
+        Micro-batches per step, ``M >= 1``.
+
+    Returns
+    -------
+    float
+        Step time in seconds.
+
+    Raises
+    ------
+    ValueError
+        As :func:`simulate`.
+
+    References
+    ----------
+    Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+    Parallelism", NeurIPS 2019, arXiv 1811.06965.
+    """
+    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches)
+    fwd = f + fl
+    bwd = b + bl
+    m1 = microbatches - 1
+    return (math.fsum(fwd) + m1 * max(fwd)) + (math.fsum(bwd) + m1 * max(bwd))
+
+
+def steady_state_time(
+    fwd_s: Sequence[float] | np.ndarray,
+    bwd_s: Sequence[float] | np.ndarray,
+    fwd_link_s: Sequence[float] | np.ndarray,
+    bwd_link_s: Sequence[float] | np.ndarray,
+) -> float:
+    """Per-micro-batch period of the busiest resource.
+
+    ``max(max_k (fwd_s[k] + bwd_s[k]), max_k max(fwd_link_s[k], bwd_link_s[k]))``: each
+    resource must do ``M`` times its per-micro-batch work in a step, so ``M`` times this
+    is a lower bound on the step time of every kind, and the period that sets a long
+    pipeline's throughput.
+
+    Parameters
+    ----------
+    fwd_s, bwd_s : sequence of float, shape (S,)
+        Seconds per micro-batch of each stage's forward and backward.
+    fwd_link_s, bwd_link_s : sequence of float, shape (S-1,)
+        Seconds per micro-batch on each link, forward and backward direction.
+
+    Returns
+    -------
+    float
+        Seconds per micro-batch.
+
+    Raises
+    ------
+    ValueError
+        Wrong lengths or a negative or non-finite time.
+    """
+    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, 1)
+    return max([x + y for x, y in zip(f, b, strict=True)] + fl + bl)
