@@ -45,8 +45,9 @@ Schedules (``kind``), as per-stage op orders:
   cool-down ``B(M-W) .. B(M-1)``; at most ``min(S - k, M)`` micro-batches are in flight
   on stage ``k``. torch counts the warm-up as ``min(M, S - k)`` forwards (one more) and
   then loops "one B, one F" instead of "one F, one B": the per-stage op sequence is
-  identical, and that sequence is what this module follows. (torch 2.13 requires
-  ``M >= S`` for ``Schedule1F1B``; here any ``M >= 1`` is accepted.)
+  identical, and that sequence is what this module follows. (torch's own schedule IR,
+  ``Schedule1F1B._get_pipeline_order``, counts ``S - k - 1`` warm-ups as here. torch 2.13
+  requires ``M >= S`` for ``Schedule1F1B``; here any ``M >= 1`` is accepted.)
 
 Where torch differs from the model: in its 1F1B loop a stage waits for its forward send
 to complete together with the next gradient receive, and before each later send for the
@@ -335,7 +336,7 @@ def simulate(
             live += 1 if c == "F" else -1
             top = max(top, live)
         peak.append(top)
-    step = max(stage_free) if s else 0.0
+    step = max(stage_free)  # every schedule ends with a backward on a stage
     return SimResult(step_time_s=step, busy_s=busy, peak_inflight=peak, ops=ops)
 
 
