@@ -10,10 +10,12 @@ fleet config sets it, and every node prints what it emulates in the benchmark ta
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import psutil
+
+from sky_flower.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 
 MIB = 1024 * 1024
 
@@ -153,3 +155,78 @@ def parse_fleet(nodes: list[Mapping]) -> list[Emulation]:
     if not any(n.holds_data for n in fleet):
         raise ValueError("no node in the fleet holds data: set holds_data: true on one node")
     return fleet
+
+
+GENERATED_FLEET_KEYS = (
+    "name",
+    "nodes",
+    "seed",
+    "flops_per_s",
+    "memory_mb",
+    "latency_ms",
+    "bandwidth_mb_s",
+)
+
+
+def expand_fleet(fleet_cfg: Mapping) -> list[Emulation]:
+    """Nodes of a fleet config, listed or generated.
+
+    ``nodes`` is either a list of node entries (checked by :func:`parse_fleet`) or an
+    integer ``N``: SkyComputing's emulated fleet (``conf/fleet/skycomputing.yaml``),
+    ``node0 .. node{N-1}`` with the slowdowns of
+    :func:`sky_flower.fleets.skycomputing_slowdowns` (``seed``, default 35), ``node0``
+    the data owner, and the fleet's ``memory_mb``, ``latency_ms`` and ``bandwidth_mb_s``
+    on every node. ``flops_per_s`` is for the planner only (the training job measures
+    real compute) and is ignored here. An integer ``nodes`` makes ``fleet.nodes=4,8,16``
+    a Hydra sweep.
+
+    Parameters
+    ----------
+    fleet_cfg : mapping
+        The ``fleet`` config group as a plain dict.
+
+    Returns
+    -------
+    list of Emulation
+        In pipeline order (the data owner first for a generated fleet).
+
+    Raises
+    ------
+    ValueError
+        On a missing ``nodes``, a non-positive count, an unknown key next to an integer
+        ``nodes``, or whatever :func:`parse_fleet` / :class:`Emulation` refuse.
+    """
+    if "nodes" not in fleet_cfg:
+        raise ValueError(
+            "the fleet config has no nodes: set fleet.nodes to a list of nodes or a count"
+        )
+    nodes = fleet_cfg["nodes"]
+    if isinstance(nodes, bool) or not isinstance(nodes, int):
+        if isinstance(nodes, Sequence) and not isinstance(nodes, str):
+            return parse_fleet(list(nodes))
+        raise ValueError(f"fleet.nodes must be a list of nodes or a node count, got {nodes!r}")
+    if nodes < 1:
+        raise ValueError(f"fleet.nodes must be >= 1, got {nodes}")
+    unknown = set(fleet_cfg) - set(GENERATED_FLEET_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {sorted(unknown)} in a fleet with a node count: valid keys are "
+            f"{list(GENERATED_FLEET_KEYS)}"
+        )
+    seed = fleet_cfg.get("seed", SKYCOMPUTING_SEED)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"fleet.seed must be an integer, got {seed!r}")
+    slowdowns = skycomputing_slowdowns(nodes, seed)
+    return parse_fleet(
+        [
+            {
+                "name": f"node{i}",
+                "holds_data": i == 0,
+                "slowdown": float(s),
+                "memory_mb": fleet_cfg.get("memory_mb"),
+                "latency_ms": float(fleet_cfg.get("latency_ms") or 0.0),
+                "bandwidth_mb_s": fleet_cfg.get("bandwidth_mb_s"),
+            }
+            for i, s in enumerate(slowdowns)
+        ]
+    )

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sky_flower.cost import Schedule
 from sky_flower.data import Split, load_split
-from sky_flower.emulation import parse_fleet
+from sky_flower.emulation import expand_fleet
 from sky_flower.models import build_model
 from sky_flower.partition import METHODS
 
@@ -112,10 +112,16 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     method = str(cfg.allocation.method)
     if method not in METHODS:
         raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")
-    fleet = parse_fleet(OmegaConf.to_container(cfg.fleet.nodes, resolve=True))  # type: ignore[arg-type]
+    fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     assert isinstance(model_cfg, dict) and isinstance(dataset, dict)
+    if model_cfg.get("planning_only"):  # e.g. bert_large: profiled from shapes, never built
+        raise ValueError(
+            f"model {model_cfg.get('name')!r} is for planning only (planning_only: true) and "
+            "cannot be trained by sky_flower.run: use `python -m sky_flower.plan "
+            f"model={model_cfg.get('name')}` instead"
+        )
     model_fn = partial(build_model, model_cfg)
     model_fn()  # fail early on a bad model config
     schedule = Schedule(
