@@ -5,6 +5,9 @@ SkyComputing's own emulation (arXiv 2202.11836, Sec. 4.1): after each compute, s
 slower. A memory cap bounds the memory the node reports; a link latency and bandwidth
 add ``latency + bytes / bandwidth`` of sleep per message. Everything is off unless the
 fleet config sets it, and every node prints what it emulates in the benchmark table.
+
+A fleet config lists its nodes, or gives a node count (``conf/fleet/skycomputing.yaml``):
+:func:`expand_fleet` then generates SkyComputing's emulated fleet.
 """
 
 from __future__ import annotations
