@@ -1,5 +1,6 @@
 """The planner app: `python -m sky_flower.plan` (no Flower, no Ray)."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -137,3 +138,47 @@ def test_cli_infeasible_memory_exits_nonzero(tmp_path):
     assert "InfeasibleMemoryError" in proc.stderr + proc.stdout
     assert "infeasible memory budget" in proc.stderr + proc.stdout
 
+
+def test_cli_multirun_writes_csv_and_png(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _cli(
+        [
+            "-m",
+            "fleet.nodes=4,8",
+            "model.num_layers=4",
+            "allocation=even,heuristic",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert str(sweep / "plan_sweep.csv") in proc.stdout
+    rows = list(csv.DictReader((sweep / "plan_sweep.csv").open()))
+    assert len(rows) == 4
+    assert {(r["nodes"], r["allocation"]) for r in rows} == {
+        ("4", "even"),
+        ("4", "heuristic"),
+        ("8", "even"),
+        ("8", "heuristic"),
+    }
+    assert all(r["status"] == "ok" and r["entries"] == "15" for r in rows)
+    for r in rows:
+        assert float(r["predicted_step_time_s"]) >= float(r["lower_bound_s"]) * (1 - 1e-9)
+    png = (sweep / "plan_sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    for job in range(4):  # each job's own plan, not a previous job's
+        plan = json.loads((sweep / str(job) / "plan.json").read_text())
+        assert plan["method"] == rows[job]["allocation"]
+        assert len(plan["problem"]["nodes"]) == int(rows[job]["nodes"])
+
+
+def test_cli_multirun_infeasible_job_is_a_row_and_the_sweep_goes_on(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _cli(
+        ["-m", *SMALL, "fleet.memory_mb=1,8192", f"hydra.sweep.dir={sweep}"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]  # infeasible is a result, not a crash
+    rows = list(csv.DictReader((sweep / "plan_sweep.csv").open()))
+    assert [r["status"] for r in rows] == ["infeasible", "ok"]
+    assert "infeasible memory budget" in rows[0]["error"]
