@@ -1,41 +1,47 @@
 """Cost model of the split-training step that actually runs (pure, no Flower import).
 
-A plan puts nodes ``0..N-1`` (in configured order, the data owner first) on contiguous
-blocks of layers: node ``i`` holds layers ``[a_i, b_i]``. The predicted time of one
-training step (one batch of ``B`` samples cut into ``M`` micro-batches) is built from
-per-stage times, each the sum of
+A plan is a list of **stages** ``(node, first, last)`` in pipeline order: node ``node``
+holds layers ``first..last`` (inclusive), the stages cover every layer once, in order,
+and stage 0 is the data owner (raw inputs never leave it). The planner chooses the node
+order; nodes that appear in no stage are idle.
 
-* **compute**: ``M x sum_j (r_i * fwd[i][j] + bwd[i][j])`` with ``fwd``/``bwd`` the
-  node's own measured seconds per micro-batch for layer ``j``. On the ``relay``
-  transport every stage but the last re-runs its forward pass when the gradient comes
-  back (activation recomputation: Flower keeps no autograd graph between messages),
-  so ``r_i = 2`` there and ``1`` on the last stage; on ``direct`` ``r_i = 1``.
-* **transfer**: each message costs the node's measured round-trip latency (Flower's
-  per-message overhead included) plus bytes / bandwidth. A non-last stage gets two
-  messages per step (forward, backward), the last stage one (forward + loss +
-  backward). Bytes: the activations of the stage's last layer go out and their
-  gradients come back (``2 B act_out[b]``); a stage that does not start at layer 0 gets
-  its input activations and returns their gradients (``2 B act_in[a]``); labels
+Per stage ``k`` (node ``i``, layers ``a..b``) and per micro-batch of ``B / M`` samples:
+
+* **forward** ``f_k = sum_j fwd[i, j]`` and **backward** ``b_k = sum_j bwd[i, j]``, from
+  the node's own measured seconds per micro-batch. On the ``relay`` transport every
+  stage but the last re-runs its forward when the gradient comes back (Flower keeps no
+  autograd graph between messages), so ``b_k`` also carries ``f_k`` there.
+* **link** to stage ``k + 1`` (node ``i'``), once forward (activations) and once back
+  (their gradients), ``bytes = (B / M) act_out[b]``:
+  ``relay``: ``bytes / bw_i + bytes / bw_i'`` (up to the server, down to the next node);
+  ``direct``: ``(lat_i + lat_i') / 2 + bytes / min(bw_i, bw_i')`` (peer to peer).
+* **overhead** per step (``relay`` only): each Flower message costs the node's measured
+  latency plus ``state_s_per_byte x`` the bytes it keeps in ``context.state`` (weights
+  and optimizer state); a non-last stage handles two messages, the last one; labels
   (``B x 8`` bytes) leave the data owner and reach the last stage.
-* **state**: Flower ships a node's ``context.state`` with every message it handles, and
-  a stage keeps its weights and optimizer state there; each message therefore costs
-  ``state_s_per_byte[i] x (param + optimizer-state bytes of the stage)``, measured per
-  node in the benchmark round. (In the simulation engine this is the largest
-  per-message cost after Flower's polling latency.)
 
-Step time by schedule kind:
+Step time by ``schedule.kind`` (stages and link directions are resources; see
+:mod:`sky_flower.simulate`, the discrete-event reference):
 
-* ``sequential`` (what the relay transport runs: the ``M`` micro-batches go one after
-  another inside each stage's message): ``T = sum_i stage_i``.
-* ``gpipe`` (micro-batches overlap, GPipe, Huang et al. 2019): with per-micro-batch
-  stage times ``t_i``, ``T = sum_i t_i + (M - 1) max_i t_i``.
+* ``sequential``: one micro-batch at a time through the whole pipeline (SkyComputing's
+  execution; M = 1 is one batch): ``M (sum_k (f_k + b_k) + 2 sum_links)``.
+* ``gpipe`` (Huang et al. 2019, arXiv 1811.06965): all forwards, then all backwards;
+  with identical micro-batches each phase is a flow shop, so exactly
+  ``sum F-resources + (M - 1) max F-resource + sum B-resources + (M - 1) max B-resource``.
+* ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503): no closed form;
+  the simulator gives it.
 
-Memory of a stage (bytes) = parameters + gradients + optimizer state + the activations
-of every layer for the whole batch (all micro-batches in flight; an upper bound for
-the relay transport, which keeps only stage inputs between messages).
+plus the per-step relay overhead. The **steady-state period** (seconds per micro-batch
+once the pipeline is full, which sets throughput) is
+``max(max_k (f_k + b_k), max_links link)``.
 
-Every coefficient is exposed as an array so that the MILP in
-:mod:`sky_flower.partition` minimises exactly the same function.
+Memory of stage ``k`` (bytes) = parameters + gradients + optimizer state + the
+activations stashed for the micro-batches in flight: ``relay`` keeps the whole batch,
+``sequential`` one micro-batch, ``gpipe`` all ``M``, ``1f1b`` ``min(S - k, M)``
+(``S`` stages). A layer's stash per sample is what autograd saves for its backward pass
+(``LayerProfile.stash_bytes``: e.g. a Linear's input and a ReLU's output), or its output
+``act_out_bytes`` when that was not measured. :func:`sky_flower.memory.measure_stage_peak`
+measures the real peak this predicts (``tests/test_memory.py`` states the tolerance).
 """
 
 from __future__ import annotations
@@ -50,8 +56,12 @@ from sky_flower.profile import LayerProfile, NodeProfile
 
 LABEL_BYTES_PER_SAMPLE = 8  # int64 class index
 
-ScheduleKind = Literal["sequential", "gpipe"]
+ScheduleKind = Literal["sequential", "gpipe", "1f1b"]
 Transport = Literal["relay", "direct"]
+SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")
+TRANSPORTS = ("relay", "direct")
+
+Stage = tuple[int, int, int]  # (node index, first layer, last layer)
 
 
 @dataclass(frozen=True)
@@ -64,10 +74,11 @@ class Schedule:
         Samples per training step (B).
     microbatches : int
         Micro-batches per step (M); must divide ``batch_size``. 1 = whole batch.
-    kind : {"sequential", "gpipe"}
+    kind : {"sequential", "gpipe", "1f1b"}
         Execution order of the micro-batches (see module docstring).
     transport : {"relay", "direct"}
-        ``relay``: every hop is a Flower message through the server.
+        ``relay``: every hop is a Flower message through the server; ``direct``: peer to
+        peer.
     """
 
     batch_size: int = 64
@@ -86,9 +97,11 @@ class Schedule:
                 f"schedule.microbatches={self.microbatches} must divide "
                 f"batch_size={self.batch_size}: pick a divisor"
             )
-        if self.kind not in ("sequential", "gpipe"):
-            raise ValueError(f"unknown schedule kind {self.kind!r}: use sequential or gpipe")
-        if self.transport not in ("relay", "direct"):
+        if self.kind not in SCHEDULE_KINDS:
+            raise ValueError(
+                f"unknown schedule kind {self.kind!r}: use one of {', '.join(SCHEDULE_KINDS)}"
+            )
+        if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}: use relay or direct")
 
     @property
@@ -97,35 +110,46 @@ class Schedule:
         return self.batch_size // self.microbatches
 
 
+@dataclass(frozen=True)
+class StageTerms:
+    """Per-stage and per-link times of a plan (seconds; arrays in pipeline order).
+
+    ``fwd``, ``bwd``: shape (S,), per micro-batch. ``link``: shape (S - 1,), one way, per
+    micro-batch (the same forward and back). ``overhead``: shape (S,), per step.
+    """
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    link: np.ndarray
+    overhead: np.ndarray
+
+
 class CostModel:
-    """Predicted step time and memory of any contiguous, in-order assignment.
+    """Predicted step time and memory of any plan (stages in a chosen node order).
 
     Parameters
     ----------
     layers : sequence of LayerProfile
         L layer profiles, in model order.
     nodes : sequence of NodeProfile
-        N node profiles in pipeline order (node 0 is the data owner, stage 0). Each
-        must carry L per-layer times.
+        N node profiles. Each must carry L per-layer times (seconds per micro-batch of
+        ``schedule.microbatch_size`` samples). The data owner is the first node with
+        ``holds_data`` (node 0 if none says so).
     schedule : Schedule
         Batch, micro-batches, schedule kind and transport.
 
     Raises
     ------
     ValueError
-        If there are no nodes, or a node's per-layer times do not match the layers.
+        If there are no nodes or layers, or a node's per-layer times do not match the
+        layers.
 
     Notes
     -----
-    Arrays (all seconds, per step for ``sequential``, per micro-batch for ``gpipe``):
-
-    * ``compute[i, j]``: layer j on node i;
-    * ``state[i, j]``: shipping layer j's weights and optimizer state with node i's
-      messages;
-    * ``send[i, j]``: node i's last layer is j and it is not the last stage;
-    * ``recv[i, j]``: node i's first layer is j > 0;
-    * ``fixed[i]``: per-message latencies and label bytes of node i;
-    * ``memory[j]`` bytes of layer j; ``capacity[i]`` bytes of node i.
+    Arrays: ``fwd``, ``bwd`` (N, L) seconds per micro-batch; ``memory_static`` (L,)
+    bytes of parameters + gradients + optimizer state; ``stash`` (L,) bytes of stashed
+    activations per sample (``stash_bytes``, else ``act_out_bytes``); ``act_out`` (L,)
+    bytes per sample leaving layer j; ``capacity`` (N,) bytes.
     """
 
     def __init__(
@@ -149,102 +173,252 @@ class CostModel:
         self.nodes = list(nodes)
         self.schedule = schedule
         self.num_layers, self.num_nodes = L, N
-        M = schedule.microbatches
-        gpipe = schedule.kind == "gpipe"
-        # Units: per step (sequential) or per micro-batch (gpipe).
-        reps = 1 if gpipe else M
-        samples = schedule.microbatch_size if gpipe else schedule.batch_size
-        fwd = np.array([n.layer_fwd_s for n in nodes], dtype=float)
-        bwd = np.array([n.layer_bwd_s for n in nodes], dtype=float)
-        recompute = np.full((N, 1), 2.0 if schedule.transport == "relay" else 1.0)
-        recompute[N - 1] = 1.0
-        self.compute = reps * (recompute * fwd + bwd)
-        inv_bw = np.array(
+        self.owner = next((i for i, n in enumerate(nodes) if n.holds_data), 0)
+        self.relay = schedule.transport == "relay"
+        self.fwd = np.array([n.layer_fwd_s for n in nodes], dtype=float)
+        self.bwd = np.array([n.layer_bwd_s for n in nodes], dtype=float)
+        self.inv_bw = np.array(
             [0.0 if n.bandwidth_bps == float("inf") else 1.0 / n.bandwidth_bps for n in nodes]
         )
-        act_out = np.array([lp.act_out_bytes for lp in layers])
-        act_in = np.array([lp.act_in_bytes for lp in layers])
-        self.send = 2.0 * samples * np.outer(inv_bw, act_out)
-        self.recv = 2.0 * samples * np.outer(inv_bw, act_in)
-        self.recv[:, 0] = 0.0
-        latency = np.array([n.latency_s for n in nodes])
-        messages = np.full(N, 2.0)
-        messages[N - 1] = 1.0
-        self.fixed = messages * latency
-        label_bytes = LABEL_BYTES_PER_SAMPLE * samples
-        self.fixed[0] += label_bytes * inv_bw[0]
-        self.fixed[N - 1] += label_bytes * inv_bw[N - 1]
-        if N == 1:
-            self.fixed[0] = latency[0]
-            messages[0] = 1.0
-        state_bytes = np.array([lp.param_bytes + lp.optimizer_state_bytes for lp in layers])
-        state_rate = np.array([n.state_s_per_byte for n in nodes])
-        self.state = np.outer(messages * state_rate, state_bytes)
-        self.memory = np.array(
-            [
-                2 * lp.param_bytes
-                + lp.optimizer_state_bytes
-                + schedule.batch_size * lp.act_out_bytes
-                for lp in layers
-            ],
+        self.latency = np.array([n.latency_s for n in nodes], dtype=float)
+        self.state_rate = np.array([n.state_s_per_byte for n in nodes], dtype=float)
+        self.act_out = np.array([lp.act_out_bytes for lp in layers], dtype=float)
+        self.state_bytes = np.array(
+            [lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
+        )
+        self.memory_static = np.array(
+            [2 * lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
+        )
+        self.stash = np.array(
+            [getattr(lp, "stash_bytes", None) or lp.act_out_bytes for lp in layers],
             dtype=float,
         )
         self.capacity = np.array([n.memory_bytes for n in nodes], dtype=float)
-        self._compute_prefix = np.concatenate([np.zeros((N, 1)), np.cumsum(self.compute, 1)], 1)
-        self._state_prefix = np.concatenate([np.zeros((N, 1)), np.cumsum(self.state, 1)], 1)
-        self._memory_prefix = np.concatenate([[0.0], np.cumsum(self.memory)])
+        zero = np.zeros((N, 1))
+        self.fwd_prefix = np.concatenate([zero, np.cumsum(self.fwd, 1)], 1)
+        self.bwd_prefix = np.concatenate([zero, np.cumsum(self.bwd, 1)], 1)
+        self.static_prefix = np.concatenate([[0.0], np.cumsum(self.memory_static)])
+        self.stash_prefix = np.concatenate([[0.0], np.cumsum(self.stash)])
+        self.state_prefix = np.concatenate([[0.0], np.cumsum(self.state_bytes)])
 
     # --- per-stage terms -------------------------------------------------------------
-    def stage_compute(self, node: int, first: int, last: int) -> float:
-        """Compute seconds of node ``node`` holding layers ``first..last`` (inclusive)."""
-        return float(self._compute_prefix[node, last + 1] - self._compute_prefix[node, first])
+    def stage_fwd(self, node: int, first: int, last: int) -> float:
+        """Forward seconds per micro-batch of ``node`` holding ``first..last``."""
+        return float(self.fwd_prefix[node, last + 1] - self.fwd_prefix[node, first])
 
-    def stage_transfer(self, node: int, first: int, last: int) -> float:
-        """Message seconds (latency + bytes / bandwidth + context state) of that stage."""
-        t = float(self.fixed[node])
-        t += float(self._state_prefix[node, last + 1] - self._state_prefix[node, first])
-        if first > 0:
-            t += float(self.recv[node, first])
-        if last < self.num_layers - 1:
-            t += float(self.send[node, last])
+    def stage_bwd(self, node: int, first: int, last: int, is_last: bool) -> float:
+        """Backward seconds per micro-batch (relay recomputation included if not last)."""
+        t = float(self.bwd_prefix[node, last + 1] - self.bwd_prefix[node, first])
+        if self.relay and not is_last:
+            t += self.stage_fwd(node, first, last)
         return t
 
-    def stage_time(self, node: int, first: int, last: int) -> float:
-        """Compute + transfer seconds of that stage."""
-        return self.stage_compute(node, first, last) + self.stage_transfer(node, first, last)
+    def link_time(self, sender: int, receiver: int, last_layer: int) -> float:
+        """One-way seconds per micro-batch to move layer ``last_layer``'s output (or its
+        gradient) between two stages' nodes."""
+        nbytes = self.schedule.microbatch_size * self.act_out[last_layer]
+        if self.relay:
+            return float(nbytes * (self.inv_bw[sender] + self.inv_bw[receiver]))
+        lat = 0.5 * (self.latency[sender] + self.latency[receiver])
+        return float(lat + nbytes * max(self.inv_bw[sender], self.inv_bw[receiver]))
 
-    def stage_memory(self, first: int, last: int) -> float:
-        """Bytes needed to hold layers ``first..last`` (inclusive)."""
-        return float(self._memory_prefix[last + 1] - self._memory_prefix[first])
+    def stage_overhead(self, node: int, first: int, last: int, k: int, num_stages: int) -> float:
+        """Per-step relay overhead of stage ``k``: message latency, ``context.state``
+        shipping and label bytes (0 on ``direct``)."""
+        if not self.relay:
+            return 0.0
+        messages = 1 if k == num_stages - 1 else 2
+        state = float(self.state_prefix[last + 1] - self.state_prefix[first])
+        t = messages * (float(self.latency[node]) + float(self.state_rate[node]) * state)
+        if num_stages > 1 and (k == 0 or k == num_stages - 1):
+            t += LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size * float(self.inv_bw[node])
+        return t
+
+    def inflight(self, k: int, num_stages: int) -> int:
+        """Micro-batches whose activations stage ``k`` stashes at its peak."""
+        M = self.schedule.microbatches
+        if self.relay or self.schedule.kind == "gpipe":
+            return M
+        if self.schedule.kind == "1f1b":
+            return min(num_stages - k, M)
+        return 1
+
+    def stage_memory(self, first: int, last: int, inflight: int | None = None) -> float:
+        """Bytes needed to hold layers ``first..last`` with ``inflight`` micro-batches
+        stashed (default: all ``M``, the most any schedule keeps)."""
+        n = self.schedule.microbatches if inflight is None else inflight
+        static = self.static_prefix[last + 1] - self.static_prefix[first]
+        stash = self.stash_prefix[last + 1] - self.stash_prefix[first]
+        return float(static + n * self.schedule.microbatch_size * stash)
 
     # --- whole plans -----------------------------------------------------------------
-    def combine(self, stage_times: Sequence[float]) -> float:
-        """Step time from per-stage times (see module docstring)."""
-        total = float(sum(stage_times))
-        if self.schedule.kind == "gpipe":
-            total += (self.schedule.microbatches - 1) * float(max(stage_times))
-        return total
+    def as_stages(self, plan: Sequence[Sequence[int]]) -> list[Stage]:
+        """Stages from ``(node, first, last)`` triples, or from ``(first, last)`` pairs
+        meaning node ``k`` holds stage ``k`` (configured order, every node used)."""
+        if isinstance(plan, np.ndarray) and plan.ndim == 2 and plan.shape[1] == 3:
+            return [tuple(int(v) for v in row) for row in plan]  # type: ignore[misc]
+        out = []
+        for k, s in enumerate(plan):
+            if len(s) == 2:
+                out.append((k, int(s[0]), int(s[1])))
+            else:
+                out.append((int(s[0]), int(s[1]), int(s[2])))
+        return out
 
-    def check_bounds(self, bounds: Sequence[tuple[int, int]]) -> None:
-        """Raise ``ValueError`` unless ``bounds`` (one ``(first, last)`` per node, in node
-        order) covers every layer exactly once, contiguously, one block per node."""
-        if len(bounds) != self.num_nodes:
-            raise ValueError(f"{len(bounds)} stages for {self.num_nodes} nodes")
+    def check_stages(self, plan: Sequence[Sequence[int]]) -> None:
+        """Raise ``ValueError`` unless the stages cover every layer once, contiguously,
+        in order, each node at most once, with the data owner as stage 0."""
+        stages = self.as_stages(plan)
+        if not stages:
+            raise ValueError("a plan needs at least one stage")
         expected = 0
-        for i, (first, last) in enumerate(bounds):
+        seen: set[int] = set()
+        for k, (i, first, last) in enumerate(stages):
+            if not 0 <= i < self.num_nodes:
+                raise ValueError(f"stage {k} names node {i}; the fleet has {self.num_nodes}")
+            if i in seen:
+                raise ValueError(f"node {self.nodes[i].name!r} holds two stages")
+            seen.add(i)
             if first != expected or last < first:
                 raise ValueError(
-                    f"stage {i} covers layers {first}..{last}; expected it to start at "
+                    f"stage {k} covers layers {first}..{last}; expected it to start at "
                     f"{expected} and hold at least one layer"
                 )
             expected = last + 1
         if expected != self.num_layers:
             raise ValueError(f"stages cover {expected} of {self.num_layers} layers")
+        if stages[0][0] != self.owner:
+            raise ValueError(
+                f"stage 0 is on {self.nodes[stages[0][0]].name!r}, but the data owner "
+                f"{self.nodes[self.owner].name!r} must run stage 0"
+            )
 
-    def step_time(self, bounds: Sequence[tuple[int, int]]) -> float:
-        """Predicted seconds per training step of an assignment."""
-        return self.combine([self.stage_time(i, a, b) for i, (a, b) in enumerate(bounds)])
+    # Backwards-compatible name.
+    check_bounds = check_stages
 
-    def fits(self, bounds: Sequence[tuple[int, int]]) -> bool:
+    def terms(self, plan: Sequence[Sequence[int]]) -> StageTerms:
+        """Per-stage forward, backward, link and overhead times of a plan."""
+        st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)
+        return self.terms_arrays(st[:, 0], st[:, 1], st[:, 2])
+
+    def terms_arrays(self, i: np.ndarray, a: np.ndarray, b: np.ndarray) -> StageTerms:
+        """:meth:`terms` from arrays of node index, first and last layer (shape (S,))."""
+        S = len(i)
+        fwd = self.fwd_prefix[i, b + 1] - self.fwd_prefix[i, a]
+        bwd = self.bwd_prefix[i, b + 1] - self.bwd_prefix[i, a]
+        if self.relay and S > 1:
+            bwd = bwd.copy()
+            bwd[:-1] += fwd[:-1]  # recomputation on every stage but the last
+        snd, rcv, cut = i[:-1], i[1:], b[:-1]
+        link = self.link_arrays(snd, rcv, cut)
+        if self.relay:
+            messages = np.full(S, 2.0)
+            messages[-1] = 1.0
+            state = self.state_prefix[b + 1] - self.state_prefix[a]
+            over = messages * (self.latency[i] + self.state_rate[i] * state)
+            if S > 1:
+                label = LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size
+                over[0] += label * self.inv_bw[i[0]]
+                over[-1] += label * self.inv_bw[i[-1]]
+        else:
+            over = np.zeros(S)
+        return StageTerms(fwd, bwd, link, over)
+
+    def link_arrays(self, snd: np.ndarray, rcv: np.ndarray, cut: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`link_time` (arrays of sender, receiver, cut layer)."""
+        nbytes = self.schedule.microbatch_size * self.act_out[cut]
+        if self.relay:
+            return nbytes * (self.inv_bw[snd] + self.inv_bw[rcv])
+        lat = 0.5 * (self.latency[snd] + self.latency[rcv])
+        return lat + nbytes * np.maximum(self.inv_bw[snd], self.inv_bw[rcv])
+
+    def memory_arrays(self, a: np.ndarray, b: np.ndarray, inflight: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`stage_memory` (bytes)."""
+        static = self.static_prefix[b + 1] - self.static_prefix[a]
+        stash = self.stash_prefix[b + 1] - self.stash_prefix[a]
+        return static + inflight * self.schedule.microbatch_size * stash
+
+    def step_time_of(self, t: StageTerms) -> float:
+        """Step time (seconds) from stage terms, for ``schedule.kind``."""
+        M = self.schedule.microbatches
+        kind = self.schedule.kind
+        if kind == "sequential":
+            core = M * float(t.fwd.sum() + t.bwd.sum() + 2.0 * t.link.sum())
+        elif kind == "gpipe":
+            f_max = max(float(t.fwd.max()), float(t.link.max()) if len(t.link) else 0.0)
+            b_max = max(float(t.bwd.max()), float(t.link.max()) if len(t.link) else 0.0)
+            core = float(t.fwd.sum() + t.bwd.sum() + 2.0 * t.link.sum())
+            core += (M - 1) * (f_max + b_max)
+        else:
+            from sky_flower.simulate import simulate
+
+            core = simulate(t.fwd, t.bwd, t.link, t.link, M, kind).step_time_s
+        return core + float(t.overhead.sum())
+
+    def step_time(self, plan: Sequence[Sequence[int]]) -> float:
+        """Predicted seconds per training step of a plan."""
+        return self.step_time_of(self.terms(plan))
+
+    def period(self, plan: Sequence[Sequence[int]]) -> float:
+        """Steady-state seconds per micro-batch: the slowest resource (a stage's forward
+        + backward, or a link), which sets pipeline throughput."""
+        t = self.terms(plan)
+        return float(max((t.fwd + t.bwd).max(), t.link.max() if len(t.link) else 0.0))
+
+    def objective(self, plan: Sequence[Sequence[int]], objective: str = "step") -> float:
+        """``step``: :meth:`step_time`; ``throughput``: :meth:`period`."""
+        return self.period(plan) if objective == "throughput" else self.step_time(plan)
+
+    def stage_memories(self, plan: Sequence[Sequence[int]]) -> list[float]:
+        """Bytes each stage needs (schedule's in-flight micro-batches included)."""
+        st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)
+        S = len(st)
+        inflight = np.array([self.inflight(k, S) for k in range(S)])
+        return self.memory_arrays(st[:, 1], st[:, 2], inflight).tolist()
+
+    def fits(self, plan: Sequence[Sequence[int]]) -> bool:
         """Whether every stage fits its node's memory."""
-        return all(self.stage_memory(a, b) <= self.capacity[i] for i, (a, b) in enumerate(bounds))
+        st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)
+        mems = np.array(self.stage_memories(st))
+        return bool((mems <= self.capacity[st[:, 0]]).all())
+
+    # --- bounds ----------------------------------------------------------------------
+    def period_lower_bound(self) -> float:
+        """Lower bound on :meth:`period` of any plan (seconds per micro-batch).
+
+        In time ``T`` node ``i`` does at most ``T max_j (w_j / c_ij)`` units of work
+        ``w`` (``c_ij = fwd + bwd`` of layer j on node i; ``w_j`` = the mean over nodes),
+        so ``T >= sum_j w_j / sum_i max_j (w_j / c_ij)`` (total work over total speed,
+        exact for nodes that differ by a speed factor); and ``T >= max_j min_i c_ij``.
+        """
+        c = self.fwd + self.bwd
+        w = c.mean(axis=0)
+        pos = w > 0
+        if not pos.any():
+            return 0.0
+        rate = (w[pos][None, :] / np.maximum(c[:, pos], 1e-300)).max(axis=1)
+        return float(max(w.sum() / rate.sum(), c.min(axis=0).max()))
+
+    def step_lower_bound(self) -> float:
+        """Lower bound on :meth:`step_time` of any plan (seconds).
+
+        One micro-batch must pass every layer: ``C1 = sum_j min_i c_ij`` (no faster node,
+        no transfer); the busiest resource works ``M x`` the period bound ``P``.
+        ``sequential``: ``M C1``; ``gpipe``: ``C1 + (M - 1) P`` (its two terms bound the
+        closed form's two terms); ``1f1b``: ``max(C1, M P)``.
+        """
+        c = self.fwd + self.bwd
+        c1 = float(c.min(axis=0).sum())
+        M = self.schedule.microbatches
+        P = self.period_lower_bound()
+        if self.schedule.kind == "sequential":
+            return M * c1
+        if self.schedule.kind == "gpipe":
+            return c1 + (M - 1) * P
+        return max(c1, M * P)
+
+    def lower_bound(self, objective: str = "step") -> float:
+        """:meth:`step_lower_bound` or :meth:`period_lower_bound`."""
+        if objective == "throughput":
+            return self.period_lower_bound()
+        return self.step_lower_bound()

@@ -1,24 +1,40 @@
 """Load-balanced layer partitioner: ``even``, ``heuristic``, ``optimal`` (pure, no Flower).
 
 Layer profiles + node profiles + schedule in (a :class:`~sky_flower.cost.CostModel`), a
-:class:`Plan` out. Nodes keep their configured order (the data owner is stage 0) and
-every node holds one contiguous block of at least one layer. All three methods are
-scored by the same :meth:`CostModel.step_time`, the time of the schedule that runs,
-transfers included.
+:class:`Plan` out. A plan is a list of stages ``(node, first, last)``: the data owner
+runs stage 0, the planner chooses the order of the other nodes, and a node may be left
+idle when the pipeline is faster without it (the plan lists idle nodes). Every method is
+scored by the same cost model, for one of two objectives:
 
-* ``even``: equal layer counts (the first ``L mod N`` nodes take one more).
-* ``heuristic``: SkyComputing's two stages (Zhu, Li, You, "Sky Computing", arXiv
-  2202.11836, Sec. 3.3): pre-allocate layers in proportion to node speed and repair
-  it until every node fits its memory; then move boundary layers between neighbouring
-  stages, in **both** directions, while the predicted step time improves. The search
-  also starts from ``even`` when that fits, so it is never worse than ``even``.
-* ``optimal``: a mixed-integer program solved by HiGHS through
-  :func:`scipy.optimize.milp`; binary ``x[i, j]`` = layer j on node i, contiguity in
-  node order via cumulative sums, per-stage send/receive indicators for the transfers,
-  memory rows per node, and for GPipe an epigraph variable for the slowest stage.
+* ``step``: :meth:`CostModel.step_time`, the time of one step of the schedule that runs
+  (``sequential``, ``gpipe`` or ``1f1b`` with ``M`` micro-batches, transfers included);
+* ``throughput``: :meth:`CostModel.period`, the slowest resource's time per
+  micro-batch, which sets a full pipeline's throughput.
 
-Every plan carries a lower bound: the LP relaxation of that same program (and, for
-``optimal``, HiGHS's dual bound if tighter).
+Methods:
+
+* ``even``: equal layer counts over every node in configured order (the first
+  ``L mod N`` take one more): SkyComputing's baseline.
+* ``heuristic``: SkyComputing's two stages (Zhu, Li, You, arXiv 2202.11836, Sec. 3.3)
+  made fast and order-aware. For a cap ``T`` on a stage's time per micro-batch, nodes
+  fill greedily in an order (data owner first, then fastest first; also configured
+  order and largest memory first): each takes the longest block that fits ``T`` and its
+  memory (binary search on prefix sums; a node that fits nothing stays idle). A
+  bisection finds the least feasible ``T`` (the throughput plan); for the step objective
+  a grid of larger ``T`` (fewer, fuller stages) is scored too. The best candidate, and
+  ``even`` and SkyComputing's speed-proportional start, are then polished by moving
+  boundary layers in both directions while the objective improves. O(N log L) per fill.
+* ``optimal``: exact. Small instances are enumerated (every order, idle set and cut).
+  Otherwise a MILP solved by HiGHS (:func:`scipy.optimize.milp`) over pipeline *slots*
+  and node *kinds* (nodes with identical profiles are interchangeable, so the model
+  chooses how many of each kind and where, not which one; this removes the symmetry
+  that stalls node-indexed models): binary ``y[k, j]`` = layer j in slots ``<= k``,
+  binary ``z[k, t]`` = slot k runs a node of kind t, continuous ``x[k, j, t]`` = layer j
+  in slot k of kind t. The MILP needs the ``direct`` transport and links that are the
+  same for every node pair (otherwise the heuristic's plan is returned, with a note).
+
+Every plan carries a lower bound (:meth:`CostModel.lower_bound`: total work over total
+speed, and one micro-batch's critical path; for ``optimal`` also HiGHS's dual bound).
 
 Example
 -------
@@ -28,18 +44,24 @@ Example
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
+from scipy.sparse import coo_matrix
 
-from sky_flower.cost import CostModel
+from sky_flower.cost import CostModel, Stage
 
 METHODS = ("even", "heuristic", "optimal")
+OBJECTIVES = ("step", "throughput")
 MIB = 1024 * 1024
+ENUMERATION_LIMIT = 20_000  # plans; above this ``optimal`` solves the MILP
+DP_STATE_LIMIT = 100_000  # node-kind count vectors for the exact throughput programme
+MILP_VARIABLE_LIMIT = 60_000  # slot x layer x kind variables
 
 
 class InfeasibleMemoryError(ValueError):
@@ -72,21 +94,30 @@ class Plan:
     Attributes
     ----------
     method : str
-        ``even``, ``heuristic`` or ``optimal``.
+        ``even``, ``heuristic``, ``optimal`` (or ``brute_force`` in tests).
     stages : list of StagePlan
-        In pipeline order; stage 0 is the data owner.
+        In pipeline order; stage 0 is the data owner. ``compute_s`` is forward +
+        backward seconds per micro-batch; ``transfer_s`` the outgoing link's seconds per
+        micro-batch plus the stage's per-step overhead.
     predicted_step_time_s : float
-        :meth:`CostModel.step_time` of this assignment (seconds per step).
+        :meth:`CostModel.step_time` of this plan (seconds per step).
     lower_bound_s : float
-        A lower bound on the step time of any valid assignment (seconds).
+        A lower bound on the plan's objective over all valid plans (seconds per step for
+        ``step``, per micro-batch for ``throughput``).
     solve_time_s : float
         Wall time the method took (seconds).
     proven_optimal : bool
-        True only when the MILP proved optimality (within ``mip_gap``).
+        True only when ``optimal`` proved optimality (enumeration or MILP).
     mip_gap : float or None
-        Relative gap reported by HiGHS (``optimal`` only).
+        Relative gap reported by HiGHS (``optimal`` by MILP only).
     note : str
         What happened (fallbacks, time limits).
+    period_s : float
+        :meth:`CostModel.period`: steady-state seconds per micro-batch.
+    objective : str
+        ``step`` or ``throughput``.
+    idle_nodes : list of str
+        Nodes that hold no stage.
     """
 
     method: str
@@ -98,16 +129,30 @@ class Plan:
     mip_gap: float | None = None
     note: str = ""
     schedule: dict = field(default_factory=dict)
+    period_s: float = 0.0
+    objective: str = "step"
+    idle_nodes: list[str] = field(default_factory=list)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
         """``(first_layer, last_layer)`` per stage."""
         return [(s.first_layer, s.last_layer) for s in self.stages]
 
+    @property
+    def spec(self) -> list[Stage]:
+        """``(node index, first layer, last layer)`` per stage."""
+        return [(s.node_index, s.first_layer, s.last_layer) for s in self.stages]
+
+    @property
+    def objective_value_s(self) -> float:
+        """The value the plan was chosen for (step time or period)."""
+        return self.period_s if self.objective == "throughput" else self.predicted_step_time_s
+
     def to_dict(self) -> dict:
         """JSON form (``plan.json``)."""
         return {
             "method": self.method,
+            "objective": self.objective,
             "stages": [
                 {
                     "node": s.node,
@@ -120,7 +165,9 @@ class Plan:
                 }
                 for s in self.stages
             ],
+            "idle_nodes": list(self.idle_nodes),
             "predicted_step_time_s": self.predicted_step_time_s,
+            "period_s": self.period_s,
             "lower_bound_s": self.lower_bound_s,
             "solve_time_s": self.solve_time_s,
             "proven_optimal": self.proven_optimal,
@@ -130,7 +177,7 @@ class Plan:
         }
 
     def table(self) -> str:
-        """The plan as a text table (stage, node, layers, compute s, transfer s, memory MiB)."""
+        """The plan as a text table (stage, node, layers, compute s, transfer s, memory)."""
         head = (
             f"{'stage':>5}  {'node':<12} {'layers':>9}  {'compute s':>9}  "
             f"{'transfer s':>10}  {'memory MiB':>15}"
@@ -144,10 +191,13 @@ class Plan:
             )
         gap = f", gap {self.mip_gap:.2e}" if self.mip_gap is not None else ""
         rows.append(
-            f"{self.method}: predicted step {self.predicted_step_time_s:.4f} s, lower bound "
+            f"{self.method}: predicted step {self.predicted_step_time_s:.4f} s, period "
+            f"{self.period_s:.4f} s/micro-batch, lower bound ({self.objective}) "
             f"{self.lower_bound_s:.4f} s, solved in {self.solve_time_s * 1e3:.1f} ms"
             f"{', proven optimal' if self.proven_optimal else ''}{gap}"
         )
+        if self.idle_nodes:
+            rows.append(f"idle: {', '.join(self.idle_nodes)}")
         if self.note:
             rows.append(f"note: {self.note}")
         return "\n".join(rows)
@@ -156,35 +206,48 @@ class Plan:
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------
+def _check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+
+
 def make_plan(
     cost: CostModel,
     method: str,
-    bounds: Sequence[tuple[int, int]],
+    stages: Sequence[Sequence[int]],
     solve_time_s: float,
     lower_bound_s: float | None = None,
+    objective: str = "step",
     **extra: object,
 ) -> Plan:
-    """Build a :class:`Plan` for ``bounds`` scored by ``cost``."""
-    cost.check_bounds(bounds)
-    stages = [
+    """Build a :class:`Plan` for ``stages`` (triples, or pairs = configured order)."""
+    spec = cost.as_stages(stages)
+    cost.check_stages(spec)
+    t = cost.terms(spec)
+    S = len(spec)
+    link_out = np.concatenate([t.link, [0.0]])
+    mems = cost.stage_memories(spec)
+    plans = [
         StagePlan(
             node=cost.nodes[i].name,
             node_index=i,
             first_layer=a,
             last_layer=b,
-            compute_s=cost.stage_compute(i, a, b),
-            transfer_s=cost.stage_transfer(i, a, b),
-            memory_bytes=cost.stage_memory(a, b),
+            compute_s=float(t.fwd[k] + t.bwd[k]),
+            transfer_s=float(link_out[k] + t.overhead[k]),
+            memory_bytes=mems[k],
             memory_capacity_bytes=float(cost.capacity[i]),
         )
-        for i, (a, b) in enumerate(bounds)
+        for k, (i, a, b) in enumerate(spec)
     ]
+    used = {i for i, _, _ in spec}
     sched = cost.schedule
+    lb = cost.lower_bound(objective) if lower_bound_s is None else lower_bound_s
     return Plan(
         method=method,
-        stages=stages,
-        predicted_step_time_s=cost.step_time(bounds),
-        lower_bound_s=lower_bound(cost) if lower_bound_s is None else lower_bound_s,
+        stages=plans,
+        predicted_step_time_s=cost.step_time_of(t),
+        lower_bound_s=lb,
         solve_time_s=solve_time_s,
         schedule={
             "batch_size": sched.batch_size,
@@ -192,113 +255,65 @@ def make_plan(
             "kind": sched.kind,
             "transport": sched.transport,
         },
+        period_s=float(max((t.fwd + t.bwd).max(), t.link.max() if S > 1 else 0.0)),
+        objective=objective,
+        idle_nodes=[n.name for i, n in enumerate(cost.nodes) if i not in used],
         **extra,  # type: ignore[arg-type]
     )
 
 
-def _cuts_to_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
-    """Stages from ``cuts`` (the last layer of every stage but the last)."""
-    return _counts_to_bounds(
-        [c - p for p, c in zip([-1, *cuts], [*cuts, num_layers - 1], strict=True)]
-    )
+def _counts_to_stages(order: Sequence[int], counts: Sequence[int]) -> list[Stage]:
+    stages, start = [], 0
+    for i, c in zip(order, counts, strict=True):
+        stages.append((int(i), start, start + int(c) - 1))
+        start += int(c)
+    return stages
 
 
-def _even_bounds(num_layers: int, num_nodes: int) -> list[tuple[int, int]]:
-    """Equal layer counts; the first ``L mod N`` stages take one more."""
-    L, N = num_layers, num_nodes
-    return _counts_to_bounds([L // N + (1 if i < L % N else 0) for i in range(N)])
+def _configured_order(cost: CostModel) -> list[int]:
+    return [cost.owner] + [i for i in range(cost.num_nodes) if i != cost.owner]
 
 
-def _counts_to_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c - 1))
-        start += c
-    return bounds
-
-
-def _check_sizes(cost: CostModel) -> None:
-    if cost.num_layers < cost.num_nodes:
-        raise ValueError(
-            f"the model has {cost.num_layers} layers but the fleet has {cost.num_nodes} "
-            "nodes and every node holds at least one layer: use a fleet with at most "
-            f"{cost.num_layers} nodes or split the model into more layers"
-        )
-
-
-def feasible_bounds(cost: CostModel) -> list[tuple[int, int]]:
-    """Some assignment that fits every node's memory (in node order, >= 1 layer each).
-
-    Dynamic programme over (node, first layer); O(N L^2) worst case.
-
-    Raises
-    ------
-    InfeasibleMemoryError
-        With the layers that do not fit and memory needed against memory available.
-    """
-    _check_sizes(cost)
+def _even_stages(cost: CostModel) -> list[Stage]:
     L, N = cost.num_layers, cost.num_nodes
-    # parent[i][a] = start of node i-1 when node i can start at layer a
-    parent: list[dict[int, int]] = [dict() for _ in range(N + 1)]
-    parent[0][0] = -1
-    for i in range(N):
-        for a in sorted(parent[i]):
-            last_allowed = L - (N - i)  # leave one layer for every later node
-            for b in range(a, last_allowed + 1):
-                if cost.stage_memory(a, b) > cost.capacity[i]:
-                    break
-                parent[i + 1].setdefault(b + 1, a)
-    if L not in parent[N]:
-        raise InfeasibleMemoryError(_infeasible_message(cost))
-    bounds: list[tuple[int, int]] = []
-    end = L
-    for i in range(N, 0, -1):
-        a = parent[i][end]
-        bounds.append((a, end - 1))
-        end = a
-    return bounds[::-1]
+    return _counts_to_stages(
+        _configured_order(cost), [L // N + (1 if i < L % N else 0) for i in range(N)]
+    )
 
 
 def _infeasible_message(cost: CostModel) -> str:
     L = cost.num_layers
     cap_max = float(cost.capacity.max())
-    too_big = [j for j in range(L) if cost.memory[j] > cap_max]
+    one = np.array([cost.stage_memory(j, j) for j in range(L)])
+    too_big = [j for j in range(L) if one[j] > cap_max]
+    sched = cost.schedule
     if too_big:
         layers = ", ".join(
-            f"layer {j} ({cost.layers[j].name}) needs {cost.memory[j] / MIB:.1f} MiB"
-            for j in too_big
+            f"layer {j} ({cost.layers[j].name}) needs {one[j] / MIB:.1f} MiB" for j in too_big[:5]
         )
         return (
             f"infeasible memory budget: {layers}, but the largest node has "
-            f"{cap_max / MIB:.1f} MiB. Give a node more memory, shrink the layer or split it."
+            f"{cap_max / MIB:.1f} MiB. Give a node more memory, lower the batch size "
+            f"(now {sched.batch_size}), or split the layer."
         )
-    need, have = float(cost.memory.sum()), float(cost.capacity.sum())
-    # Greedy fill in node order shows where the layers run out of room.
-    start = 0
-    for i in range(cost.num_nodes):
-        end = start
-        while end < L and cost.stage_memory(start, end) <= cost.capacity[i]:
-            end += 1
-        start = end
-    left = f"layers {start}..{L - 1}" if start < L else "no layers"
-    left_mb = cost.stage_memory(start, L - 1) / MIB if start < L else 0.0
+    need, have = cost.stage_memory(0, L - 1), float(cost.capacity.sum())
     caps = ", ".join(
-        f"{n.name}={c / MIB:.1f}" for n, c in zip(cost.nodes, cost.capacity, strict=True)
+        f"{n.name}={c / MIB:.1f}" for n, c in zip(cost.nodes[:8], cost.capacity, strict=False)
     )
     return (
         f"infeasible memory budget: the model needs {need / MIB:.1f} MiB (params, grads, "
-        f"optimizer state, activations for batch {cost.schedule.batch_size}) against "
-        f"{have / MIB:.1f} MiB available ({caps} MiB). Filling nodes in order leaves {left} "
-        f"({left_mb:.1f} MiB) without room (each node needs at least one layer). Add "
-        "memory, add nodes, or lower the batch size."
+        f"optimizer state, activations of {sched.microbatches} micro-batch(es) of "
+        f"{sched.microbatch_size}) against {have / MIB:.1f} MiB available over "
+        f"{cost.num_nodes} nodes ({caps}{', ...' if cost.num_nodes > 8 else ''} MiB), and "
+        "no contiguous split fits every node. Add memory or nodes, or lower the batch size."
     )
 
 
 # --------------------------------------------------------------------------------------
 # even
 # --------------------------------------------------------------------------------------
-def even(cost: CostModel) -> Plan:
-    """Equal layer counts in configured node order.
+def even(cost: CostModel, objective: str = "step") -> Plan:
+    """Equal layer counts over every node, in configured order (data owner first).
 
     Raises
     ------
@@ -307,373 +322,926 @@ def even(cost: CostModel) -> Plan:
     ValueError
         If there are fewer layers than nodes.
     """
+    _check_objective(objective)
     t0 = time.perf_counter()
-    _check_sizes(cost)
-    bounds = _even_bounds(cost.num_layers, cost.num_nodes)
-    for i, (a, b) in enumerate(bounds):
-        need = cost.stage_memory(a, b)
+    if cost.num_layers < cost.num_nodes:
+        raise ValueError(
+            f"even allocation needs at least one layer per node: the model has "
+            f"{cost.num_layers} layers, the fleet {cost.num_nodes} nodes. Use "
+            "allocation=heuristic or allocation=optimal, which may leave nodes idle."
+        )
+    stages = _even_stages(cost)
+    mems = cost.stage_memories(stages)
+    for (i, a, b), need in zip(stages, mems, strict=True):
         if need > cost.capacity[i]:
             raise InfeasibleMemoryError(
                 f"even allocation puts layers {a}..{b} on node {cost.nodes[i].name!r}: "
                 f"{need / MIB:.1f} MiB needed, {cost.capacity[i] / MIB:.1f} MiB available. "
                 "Use allocation=heuristic or allocation=optimal, which respect memory."
             )
-    return make_plan(cost, "even", bounds, time.perf_counter() - t0)
+    return make_plan(cost, "even", stages, time.perf_counter() - t0, objective=objective)
 
 
 # --------------------------------------------------------------------------------------
 # heuristic
 # --------------------------------------------------------------------------------------
-def _speed_proportional(cost: CostModel) -> list[tuple[int, int]]:
-    """SkyComputing's pre-allocation: layer work shared in proportion to node speed."""
+class _Filler:
+    """Greedy fills under a per-stage time cap ``T`` (seconds per micro-batch)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        r = 2.0 if cost.relay else 1.0  # relay: assume recomputation (not the last stage)
+        c = r * cost.fwd + cost.bwd
+        self.time_prefix = np.concatenate([np.zeros((cost.num_nodes, 1)), np.cumsum(c, 1)], 1)
+        self._mem: dict[int, np.ndarray] = {}
+
+    def mem_prefix(self, inflight: int) -> np.ndarray:
+        if inflight not in self._mem:
+            cost = self.cost
+            mb = cost.schedule.microbatch_size
+            self._mem[inflight] = cost.static_prefix + inflight * mb * cost.stash_prefix
+        return self._mem[inflight]
+
+    def fill(self, order: Sequence[int], T: float, owner_max: int | None = None) -> list | None:
+        """Stages of the greedy fill, or None if layers are left over."""
+        cost = self.cost
+        L, n = cost.num_layers, len(order)
+        a, stages = 0, []
+        for pos, i in enumerate(order):
+            if a >= L:
+                break
+            tp = self.time_prefix[i]
+            end_t = int(np.searchsorted(tp, tp[a] + T * (1 + 1e-12), side="right")) - 1
+            mp = self.mem_prefix(cost.inflight(pos, n))
+            end_m = int(np.searchsorted(mp, mp[a] + cost.capacity[i], side="right")) - 1
+            end = min(end_t, end_m, L)
+            if pos == 0 and owner_max is not None:
+                end = min(end, a + owner_max)
+            if end <= a:
+                if pos == 0:
+                    return None  # the data owner must run stage 0
+                continue  # idle
+            stages.append((int(i), a, end - 1))
+            a = end
+        return stages if a == L else None
+
+    def least_cap(self, order: Sequence[int], owner_max: int | None = None) -> tuple:
+        """Bisection for the least ``T`` whose fill succeeds: ``(T, stages)`` or None."""
+        stages = self.fill(order, math.inf, owner_max)
+        if stages is None:
+            return None
+        lo = self.cost.period_lower_bound() * (1 - 1e-9)
+        hi = max(self.time_prefix[i, b + 1] - self.time_prefix[i, a] for i, a, b in stages)
+        best = stages
+        for _ in range(60):
+            if hi - lo <= 1e-7 * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            s = self.fill(order, mid, owner_max)
+            if s is None:
+                lo = mid
+            else:
+                hi, best = mid, s
+        return hi, best
+
+
+def _orders(cost: CostModel) -> list[list[int]]:
+    others = [i for i in range(cost.num_nodes) if i != cost.owner]
+    speed = cost.fwd.sum(1) + cost.bwd.sum(1)
+    by_speed = sorted(others, key=lambda i: (speed[i], i))
+    by_memory = sorted(others, key=lambda i: (-cost.capacity[i], speed[i], i))
+    out: list[list[int]] = []
+    for o in (by_speed, others, by_memory):
+        cand = [cost.owner, *o]
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def _speed_proportional(cost: CostModel) -> list[Stage] | None:
+    """SkyComputing's pre-allocation: layer work shared in proportion to node speed, in
+    configured order, every node used (None if the model has fewer layers than nodes)."""
     L, N = cost.num_layers, cost.num_nodes
-    speed = 1.0 / np.maximum(cost.compute.sum(axis=1), 1e-12)
-    share = np.cumsum(speed / speed.sum())
-    work = cost.compute.mean(axis=0)
-    cum = np.cumsum(work) / max(work.sum(), 1e-12)
+    if L < N:
+        return None
+    c = cost.fwd + cost.bwd
+    speed = 1.0 / np.maximum(c.sum(axis=1), 1e-300)
+    order = _configured_order(cost)
+    share = np.cumsum(speed[order] / speed.sum())
+    work = c.mean(axis=0)
+    cum = np.cumsum(work) / max(work.sum(), 1e-300)
     counts, start = [], 0
-    for i in range(N):
-        if i == N - 1:
+    for k in range(N):
+        if k == N - 1:
             end = L
         else:
-            end = int(np.searchsorted(cum, share[i] - 1e-12)) + 1
-            end = min(max(end, start + 1), L - (N - 1 - i))
+            end = int(np.searchsorted(cum, share[k] - 1e-12)) + 1
+            end = min(max(end, start + 1), L - (N - 1 - k))
         counts.append(end - start)
         start = end
-    return _counts_to_bounds(counts)
+    return _counts_to_stages(order, counts)
 
 
-def _repair_memory(cost: CostModel, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Move boundary layers off over-full stages onto neighbours with room."""
-    cuts = [b for _, b in bounds[:-1]]  # last layer of stages 0..N-2
-    N = cost.num_nodes
-
-    def over(i: int) -> bool:
-        a = 0 if i == 0 else cuts[i - 1] + 1
-        b = cost.num_layers - 1 if i == N - 1 else cuts[i]
-        return cost.stage_memory(a, b) > cost.capacity[i]
-
-    for _ in range(cost.num_layers * N):
-        changed = False
-        for i in range(N):
-            if not over(i):
-                continue
-            a = 0 if i == 0 else cuts[i - 1] + 1
-            b = cost.num_layers - 1 if i == N - 1 else cuts[i]
-            if i < N - 1 and b > a:
-                cuts[i] -= 1  # give last layer to the next stage
-                changed = True
-            elif i > 0 and b > a:
-                cuts[i - 1] += 1  # give first layer to the previous stage
-                changed = True
-        if not changed:
-            break
-    return _cuts_to_bounds(cuts, cost.num_layers)
+def _excl_max(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``max(x[j] for j not in lo..hi)`` for each pair (``-inf`` if none)."""
+    n = len(x)
+    pre = np.concatenate([[-np.inf], np.maximum.accumulate(x)]) if n else np.array([-np.inf])
+    suf = np.concatenate([np.maximum.accumulate(x[::-1])[::-1], [-np.inf]])
+    return np.maximum(pre[lo], suf[np.minimum(hi + 1, n)])
 
 
-def _local_search(cost: CostModel, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Move one boundary layer at a time, either way, while the step time improves."""
-    N, L = cost.num_nodes, cost.num_layers
-    cuts = [b for _, b in bounds[:-1]]
+def _polish(
+    cost: CostModel, stages: list[Stage], objective: str, max_moves: int = 5000
+) -> list[Stage]:
+    """Move one boundary layer at a time, either way, while the objective improves.
 
-    def stage_bounds(i: int, c: list[int]) -> tuple[int, int]:
-        return (0 if i == 0 else c[i - 1] + 1, L - 1 if i == N - 1 else c[i])
+    All ``2 (S - 1)`` moves are scored at once (vectorised, O(S) per round); the best
+    improving move is made (ties broken by the sum of squared stage times, so stages
+    even out). For ``1f1b`` the GPipe closed form stands in for the objective.
+    """
+    st = np.asarray(stages, dtype=int).reshape(-1, 3)
+    node, a, b = st[:, 0].copy(), st[:, 1].copy(), st[:, 2].copy()
+    S = len(node)
+    if S < 2:
+        return [tuple(int(v) for v in r) for r in st]
+    M = cost.schedule.microbatches
+    seq = cost.schedule.kind == "sequential"
+    inflight = np.array([cost.inflight(k, S) for k in range(S)])
+    cap = cost.capacity[node]
+    ks = np.arange(S - 1)
+    is_last = np.zeros(S, dtype=bool)
+    is_last[-1] = True
 
-    times = [cost.stage_time(i, *stage_bounds(i, cuts)) for i in range(N)]
+    def stage_terms(k: np.ndarray, aa: np.ndarray, bb: np.ndarray) -> tuple:
+        i = node[k]
+        f = cost.fwd_prefix[i, bb + 1] - cost.fwd_prefix[i, aa]
+        bw = cost.bwd_prefix[i, bb + 1] - cost.bwd_prefix[i, aa]
+        if cost.relay:
+            bw = bw + np.where(is_last[k], 0.0, f)
+            msgs = np.where(is_last[k], 1.0, 2.0)
+            state = cost.state_prefix[bb + 1] - cost.state_prefix[aa]
+            over = msgs * (cost.latency[i] + cost.state_rate[i] * state)
+        else:
+            over = np.zeros(len(k))
+        return f, bw, over
 
-    def key(ts: list[float]) -> tuple:
+    f, bw, over = stage_terms(np.arange(S), a, b)
+    link = cost.link_arrays(node[:-1], node[1:], b[:-1])
+
+    def value(f, bw, link, over):  # noqa: ANN001, ANN202
+        c = f + bw
+        if objective == "throughput":
+            return max(c.max(), link.max())
+        if seq:
+            return M * (c.sum() + 2 * link.sum()) + over.sum()
         return (
-            round(cost.combine(ts), 12),
-            tuple(sorted((round(t, 12) for t in ts), reverse=True)),
+            c.sum()
+            + 2 * link.sum()
+            + over.sum()
+            + (M - 1) * (max(f.max(), link.max()) + max(bw.max(), link.max()))
         )
 
-    best_key = key(times)
-    for _ in range(4 * L * N + 10):
-        best_move = None
-        for k in range(N - 1):  # boundary between stage k and k+1
-            for delta in (-1, +1):  # -1: stage k gives its last layer away; +1: takes one
-                trial = cuts.copy()
-                trial[k] += delta
-                ak, bk = stage_bounds(k, trial)
-                a1, b1 = stage_bounds(k + 1, trial)
-                if bk < ak or b1 < a1:
-                    continue
-                if cost.stage_memory(ak, bk) > cost.capacity[k]:
-                    continue
-                if cost.stage_memory(a1, b1) > cost.capacity[k + 1]:
-                    continue
-                ts = times.copy()
-                ts[k] = cost.stage_time(k, ak, bk)
-                ts[k + 1] = cost.stage_time(k + 1, a1, b1)
-                kk = key(ts)
-                if kk < best_key:
-                    best_key, best_move = kk, (trial, ts)
-        if best_move is None:
+    best = (float(value(f, bw, link, over)), float(((f + bw) ** 2).sum()))
+    for _ in range(max_moves):
+        c = f + bw
+        top = None
+        for delta in (-1, 1):
+            nb, na1 = b[:-1] + delta, a[1:] + delta
+            ok = (nb >= a[:-1]) & (na1 <= b[1:])
+            k = ks[ok]
+            if len(k) == 0:
+                continue
+            k1 = k + 1
+            f0, b0, o0 = stage_terms(k, a[k], nb[ok])
+            f1, b1, o1 = stage_terms(k1, na1[ok], b[k1])
+            mem0 = cost.memory_arrays(a[k], nb[ok], inflight[k])
+            mem1 = cost.memory_arrays(na1[ok], b[k1], inflight[k1])
+            fits = (mem0 <= cap[k]) & (mem1 <= cap[k1])
+            if not fits.any():
+                continue
+            k, k1 = k[fits], k1[fits]
+            f0, b0, o0, f1, b1, o1 = (v[fits] for v in (f0, b0, o0, f1, b1, o1))
+            lk = cost.link_arrays(node[k], node[k1], b[k] + delta)
+            c0, c1 = f0 + b0, f1 + b1
+            csum = c.sum() - c[k] - c[k1] + c0 + c1
+            lsum = link.sum() - link[k] + lk
+            osum = over.sum() - over[k] - over[k1] + o0 + o1
+            l_max = np.maximum(_excl_max(link, k, k), lk)
+            if objective == "throughput":
+                v = np.maximum(np.maximum(_excl_max(c, k, k1), np.maximum(c0, c1)), l_max)
+            elif seq:
+                v = M * (csum + 2 * lsum) + osum
+            else:
+                fm = np.maximum(_excl_max(f, k, k1), np.maximum(f0, f1))
+                bm = np.maximum(_excl_max(bw, k, k1), np.maximum(b0, b1))
+                v = csum + 2 * lsum + osum
+                v = v + (M - 1) * (np.maximum(fm, l_max) + np.maximum(bm, l_max))
+            sq = (c * c).sum() - c[k] ** 2 - c[k1] ** 2 + c0**2 + c1**2
+            v = np.round(v, 12)
+            j = int(np.lexsort((sq, v))[0])
+            cand = ((float(v[j]), float(sq[j])), int(k[j]), delta)
+            if top is None or cand < top:
+                top = cand
+        if top is None or top[0] >= best:
             break
-        cuts, times = best_move
-    return [stage_bounds(i, cuts) for i in range(N)]
+        best, k, delta = top
+        b[k] += delta
+        a[k + 1] += delta
+        kk = np.array([k, k + 1])
+        f[kk], bw[kk], over[kk] = stage_terms(kk, a[kk], b[kk])
+        link[k] = cost.link_arrays(node[k : k + 1], node[k + 1 : k + 2], b[k : k + 1])[0]
+    return [(int(i), int(x), int(y)) for i, x, y in zip(node, a, b, strict=True)]
 
 
-def heuristic(cost: CostModel) -> Plan:
-    """SkyComputing-style two-stage heuristic with moves in both directions.
+def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
+    """Fast order-aware greedy with bisection on the stage-time cap, then polishing.
 
-    Stage 1 pre-allocates by speed and repairs memory; stage 2 moves boundary layers
-    between neighbours while :meth:`CostModel.step_time` improves. Also searched from
-    ``even`` when ``even`` fits; the better result is returned.
+    See the module docstring. Never worse than :func:`even` when ``even`` fits (it is
+    one of the polished candidates).
+
+    Parameters
+    ----------
+    cost : CostModel
+    objective : {"step", "throughput"}
+    grid : int
+        Caps scored between the least feasible one and one stage per node (``step``).
 
     Raises
     ------
     InfeasibleMemoryError
         If no assignment fits memory.
     """
+    _check_objective(objective)
     t0 = time.perf_counter()
-    fallback = feasible_bounds(cost)
-    starts = []
-    pre = _repair_memory(cost, _speed_proportional(cost))
-    starts.append(pre if cost.fits(pre) else fallback)
-    ev = _even_bounds(cost.num_layers, cost.num_nodes)
-    if cost.fits(ev):
-        starts.append(ev)
-    best = min((_local_search(cost, s) for s in starts), key=cost.step_time)
-    return make_plan(cost, "heuristic", best, time.perf_counter() - t0)
+    filler = _Filler(cost)
+    cands: list[list[Stage]] = []
+    score = {}
+
+    def consider(s: list[Stage] | None) -> None:
+        if s is not None and cost.fits(s):
+            cands.append(s)
+            score[len(cands) - 1] = cost.objective(s, objective)
+
+    for order in _orders(cost):
+        for owner_max in (None, 1) if objective == "step" else (None,):
+            found = filler.least_cap(order, owner_max)
+            if found is None:
+                continue
+            T, stages = found
+            consider(stages)
+            if objective == "step" and cost.num_nodes > 1:
+                one = filler.fill(order, math.inf, owner_max)
+                top = max(
+                    filler.time_prefix[i, b + 1] - filler.time_prefix[i, a] for i, a, b in one
+                )
+                for T2 in np.geomspace(T, max(top, T), grid)[1:]:
+                    consider(filler.fill(order, float(T2), owner_max))
+    if cost.num_layers >= cost.num_nodes:
+        consider(_even_stages(cost))
+        consider(_speed_proportional(cost))
+    if not cands:
+        raise InfeasibleMemoryError(_infeasible_message(cost))
+    ranked = sorted(score, key=score.get)
+    # unpolished too: for 1F1B polishing scores GPipe's closed form, a stand-in
+    polished = [cands[r] for r in ranked[:2]]
+    polished += [_polish(cost, cands[r], objective) for r in ranked[:2]]
+    if cost.num_layers >= cost.num_nodes:
+        ev = _even_stages(cost)
+        if cost.fits(ev):
+            polished += [ev, _polish(cost, ev, objective)]
+    best = min(polished, key=lambda s: cost.objective(s, objective))
+    return make_plan(cost, "heuristic", best, time.perf_counter() - t0, objective=objective)
 
 
 # --------------------------------------------------------------------------------------
-# optimal (MILP)
+# optimal: enumeration (small) or the slot/kind MILP
 # --------------------------------------------------------------------------------------
-class _Milp:
-    """The partition MILP in cumulative form: O(N L) variables and constraints.
+def _count_plans(N: int, L: int) -> int:
+    """Plans with the owner first: ordered choices of the other nodes x cut positions."""
+    total = 0
+    for s in range(min(N, L)):  # s other stages
+        total += math.perm(N - 1, s) * math.comb(L - 1, s)
+        if total > 10 * ENUMERATION_LIMIT:
+            break
+    return total
 
-    Binary ``y[i, j] = 1`` iff layer ``j`` sits on a node ``<= i`` (``i < N - 1``; by
-    convention ``y[-1, .] = 0`` and ``y[N-1, .] = 1``). Then
 
-    * ``x[i, j] = y[i, j] - y[i-1, j]``: layer j on node i;
-    * contiguity in node order: ``y[i, j] >= y[i, j+1]`` and ``y[i, j] >= y[i-1, j]``;
-    * node i's last layer is j (and it is not the last stage) iff the cut between nodes
-      ``<= i`` and ``> i`` falls after j: ``send[i, j] = y[i, j] - y[i, j+1]``;
-    * node i's first layer is ``j > 0`` iff ``recv[i, j] = y[i-1, j-1] - y[i-1, j]``
-      (every node holds >= 1 layer, so cuts and stage boundaries coincide).
+def _kinds(cost: CostModel) -> list[int]:
+    """Kind label per node: nodes with identical profiles share a label; the data owner
+    is always its own kind."""
+    labels: dict[tuple, int] = {}
+    out = []
+    for i in range(cost.num_nodes):
+        if i == cost.owner:
+            out.append(-1)
+            continue
+        key = (
+            cost.fwd[i].tobytes(),
+            cost.bwd[i].tobytes(),
+            cost.capacity[i],
+            cost.latency[i],
+            cost.inv_bw[i],
+            cost.state_rate[i],
+        )
+        out.append(labels.setdefault(key, len(labels)))
+    return out
 
-    Stage times are linear in ``y``; the objective is their sum (sequential) or sum +
-    ``(M - 1) z`` with ``z >= stage_i`` (GPipe). The last variable is ``z``.
+
+def _enumerate(cost: CostModel, objective: str) -> list[Stage] | None:
+    """Best plan over every order (identical nodes deduplicated), idle set and cut."""
+    L = cost.num_layers
+    kinds = _kinds(cost)
+    others = [i for i in range(cost.num_nodes) if i != cost.owner]
+    best, best_v = None, math.inf
+    for s in range(min(len(others), L - 1) + 1):
+        seen: set[tuple] = set()
+        for perm in itertools.permutations(others, s):
+            sig = tuple(kinds[i] for i in perm)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            order = [cost.owner, *perm]
+            for cuts in itertools.combinations(range(1, L), s):
+                counts = np.diff([0, *cuts, L])
+                stages = _counts_to_stages(order, counts)
+                if not cost.fits(stages):
+                    continue
+                v = cost.objective(stages, objective)
+                if v < best_v:
+                    best, best_v = stages, v
+    return best
+
+
+class _SlotMilp:
+    """The slot/kind MILP (``direct`` transport, the same link between every pair).
+
+    Slots ``k = 0..K-1`` in pipeline order (slot 0: the data owner); used slots come
+    first. Variables: binary ``y[k, j]`` (k < K-1; layer j in slots <= k), binary
+    ``z[k, t]`` (k >= 1; slot k runs a node of kind t), continuous ``x[k, j, t]`` (layer j
+    in slot k, of kind t), then the objective's epigraph variables. Rows: ``y``
+    monotone in j and k; ``sum_t x[k, j, t] = y[k, j] - y[k-1, j]``; ``x <= z``;
+    ``sum_t z[k, t] <= 1`` and non-increasing in k; a used slot holds a layer; at most
+    ``n_t`` slots of kind t; memory per slot. Link after slot k at layer j costs
+    ``link_j (y[k, j] - y[k, j+1])``. Objectives: ``throughput``: ``min P``, ``P >=``
+    every stage's ``F + B`` and every link; ``step``: the closed form of the schedule
+    (``sequential``: ``M sum``; ``gpipe``/``1f1b``: GPipe's ``sum + (M-1)(PF + PB)``,
+    for ``1f1b`` a surrogate, re-scored by the simulator).
     """
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, objective: str) -> None:
         self.cost = cost
-        N, L = cost.num_nodes, cost.num_layers
-        self.N, self.L = N, L
-        ny = (N - 1) * L
-        self.nvar = ny + 1
-        Z = ny
-        gpipe = cost.schedule.kind == "gpipe"
+        L = cost.num_layers
+        K = min(cost.num_nodes, L)
+        kinds = _kinds(cost)
+        kind_ids = sorted(set(kinds) - {-1})
+        self.rep = {t: kinds.index(t) for t in kind_ids}  # a representative node per kind
+        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in kind_ids}
+        T = len(kind_ids)
+        self.K, self.L, self.T, self.kind_ids = K, L, T, kind_ids
+        ny = max(K - 1, 0) * L
+        nz = (K - 1) * T
+        nx = (K - 1) * L * T
+        self.oy, self.oz, self.ox = 0, ny, ny + nz
+        oe = ny + nz + nx
+        step = objective == "step"
+        kind = cost.schedule.kind
         M = cost.schedule.microbatches
-        per_layer = cost.compute + cost.state
-
-        def term(row: dict[int, float], i: int, j: int, v: float) -> float:
-            """Add ``v * y[i, j]`` to ``row``; return the constant part."""
-            if i < 0 or v == 0.0:
-                return 0.0
-            if i >= N - 1:
-                return v
-            k = i * L + j
-            row[k] = row.get(k, 0.0) + v
-            return 0.0
-
-        # stage-time rows: coefficients on y and constant offsets
-        stage_rows: list[tuple[dict[int, float], float]] = []
-        for i in range(N):
-            row: dict[int, float] = {}
-            const = float(cost.fixed[i])
-            for j in range(L):
-                const += term(row, i, j, float(per_layer[i, j]))
-                const += term(row, i - 1, j, -float(per_layer[i, j]))
-                if i < N - 1 and j < L - 1:
-                    const += term(row, i, j, float(cost.send[i, j]))
-                    const += term(row, i, j + 1, -float(cost.send[i, j]))
-                if j > 0:
-                    const += term(row, i - 1, j - 1, float(cost.recv[i, j]))
-                    const += term(row, i - 1, j, -float(cost.recv[i, j]))
-            stage_rows.append((row, const))
+        n_epi = 2 if (step and kind != "sequential") else (1 if not step else 0)
+        self.nvar = oe + n_epi
+        self.oe = oe
+        mb = cost.schedule.microbatch_size
+        owner = cost.owner
+        lat = float(cost.latency[owner])
+        link = lat + mb * cost.act_out * float(cost.inv_bw.max())  # link after layer j
         c = np.zeros(self.nvar)
-        self.offset = 0.0
-        for row, const in stage_rows:
-            for k, v in row.items():
-                c[k] += v
-            self.offset += const
-        if gpipe:
-            c[Z] = M - 1
-        self.c = c
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        r = 0
 
-        rows: list[tuple[dict[int, float], float, float]] = []
-        for i in range(N - 1):
-            for j in range(L - 1):  # y[i, j] >= y[i, j+1]
-                rows.append(({i * L + j: 1.0, i * L + j + 1: -1.0}, 0.0, np.inf))
-            if i > 0:
-                for j in range(L):  # y[i, j] >= y[i-1, j]
-                    rows.append(({i * L + j: 1.0, (i - 1) * L + j: -1.0}, 0.0, np.inf))
-        for i in range(N):  # at least one layer; memory
-            count: dict[int, float] = {}
-            mem: dict[int, float] = {}
-            c_count = c_mem = 0.0
+        def add(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
+            nonlocal r
+            for col, v in entries:
+                rows.append(r)
+                cols.append(col)
+                vals.append(v)
+            lo.append(lb)
+            hi.append(ub)
+            r += 1
+
+        def Y(k: int, j: int) -> int:
+            return self.oy + k * L + j
+
+        def Z(k: int, t: int) -> int:
+            return self.oz + (k - 1) * T + t
+
+        def X(k: int, j: int, t: int) -> int:
+            return self.ox + ((k - 1) * L + j) * T + t
+
+        def y_terms(k: int, j: int, v: float) -> tuple[list[tuple[int, float]], float]:
+            """``v * y[k, j]`` as (entries, constant)."""
+            if k < 0:
+                return [], 0.0
+            if k >= K - 1:
+                return [], v
+            return [(Y(k, j), v)], 0.0
+
+        # monotone y
+        for k in range(K - 1):
+            for j in range(L - 1):
+                add([(Y(k, j), 1.0), (Y(k, j + 1), -1.0)], 0.0, np.inf)
+            if k > 0:
+                for j in range(L):
+                    add([(Y(k, j), 1.0), (Y(k - 1, j), -1.0)], 0.0, np.inf)
+        # x decomposition, x <= z
+        for k in range(1, K):
             for j in range(L):
-                c_count += term(count, i, j, 1.0) + term(count, i - 1, j, -1.0)
-                m = float(cost.memory[j])
-                c_mem += term(mem, i, j, m) + term(mem, i - 1, j, -m)
-            rows.append((count, 1.0 - c_count, np.inf))
-            rows.append((mem, -np.inf, float(cost.capacity[i]) - c_mem))
-        if gpipe:  # z >= stage time
-            for row, const in stage_rows:
-                zrow = {k: -v for k, v in row.items()}
-                zrow[Z] = 1.0
-                rows.append((zrow, const, np.inf))
-        A = lil_matrix((len(rows), self.nvar))
-        lb, ub = np.empty(len(rows)), np.empty(len(rows))
-        for r, (row, lo, hi) in enumerate(rows):
-            for k, v in row.items():
-                A[r, k] = v
-            lb[r], ub[r] = lo, hi
-        self.constraints = LinearConstraint(A.tocsr(), lb, ub)
-        upper = np.ones(self.nvar)
-        upper[Z] = np.inf
-        self.bounds = Bounds(np.zeros(self.nvar), upper)
-        self.integrality = np.ones(self.nvar)
-        self.integrality[Z] = 0
+                e = [(X(k, j, t), 1.0) for t in range(T)]
+                e1, c1 = y_terms(k, j, -1.0)
+                e2, c2 = y_terms(k - 1, j, 1.0)
+                add(e + e1 + e2, -(c1 + c2), -(c1 + c2))  # sum_t x - y_k + y_(k-1) = 0
+                for t in range(T):
+                    add([(Z(k, t), 1.0), (X(k, j, t), -1.0)], 0.0, np.inf)
+        # slot use
+        for k in range(1, K):
+            add([(Z(k, t), 1.0) for t in range(T)], -np.inf, 1.0)
+            if k + 1 < K:
+                add(
+                    [(Z(k, t), 1.0) for t in range(T)] + [(Z(k + 1, t), -1.0) for t in range(T)],
+                    0.0,
+                    np.inf,
+                )
+            # a used slot holds a layer: sum_j x[k, j, .] >= sum_t z[k, t]
+            add(
+                [(X(k, j, t), 1.0) for j in range(L) for t in range(T)]
+                + [(Z(k, t), -1.0) for t in range(T)],
+                0.0,
+                np.inf,
+            )
+        for ti, t in enumerate(kind_ids):
+            add([(Z(k, ti), 1.0) for k in range(1, K)], -np.inf, float(len(self.members[t])))
+        # memory
+        for k in range(K):
+            n_in = cost.inflight(k, K)
+            mem = cost.memory_static + n_in * mb * cost.stash
+            if k == 0:
+                e = []
+                const = 0.0
+                for j in range(L):
+                    ee, cc = y_terms(0, j, float(mem[j]))
+                    e += ee
+                    const += cc
+                add(e, -np.inf, min(float(cost.capacity[owner]), float(mem.sum()) + 1) - const)
+            else:
+                e = [(X(k, j, t), float(mem[j])) for j in range(L) for t in range(T)]
+                # a capacity above the whole model's need is vacuous; clipping it keeps
+                # coefficients in HiGHS's range (it refuses |a| > 1e15)
+                e += [
+                    (Z(k, t), -min(float(cost.capacity[self.rep[tid]]), float(mem.sum()) + 1))
+                    for t, tid in enumerate(kind_ids)
+                ]
+                add(e, -np.inf, 0.0)
+        # stage compute F_k, B_k as linear expressions
+        fwd, bwd = cost.fwd, cost.bwd
 
-    def solve(self, relax: bool, time_limit_s: float, mip_rel_gap: float):  # noqa: ANN201
-        """Run HiGHS (``relax``: the LP relaxation); ``res.fun + offset`` is step time."""
+        def stage_expr(k: int, which: np.ndarray) -> tuple[list[tuple[int, float]], float]:
+            if k == 0:
+                e, const = [], 0.0
+                for j in range(L):
+                    ee, cc = y_terms(0, j, float(which[owner, j]))
+                    e += ee
+                    const += cc
+                return e, const
+            return [
+                (X(k, j, t), float(which[self.rep[tid], j]))
+                for j in range(L)
+                for t, tid in enumerate(kind_ids)
+            ], 0.0
+
+        def link_expr(k: int) -> tuple[list[tuple[int, float]], float]:
+            e, const = [], 0.0
+            for j in range(L - 1):
+                e1, c1 = y_terms(k, j, float(link[j]))
+                e2, c2 = y_terms(k, j + 1, -float(link[j]))
+                e += e1 + e2
+                const += c1 + c2
+            return e, const
+
+        self.offset = 0.0
+        exprs_f = [stage_expr(k, fwd) for k in range(K)]
+        exprs_b = [stage_expr(k, bwd) for k in range(K)]
+        exprs_l = [link_expr(k) for k in range(K - 1)]
+
+        def to_obj(expr: tuple[list[tuple[int, float]], float], w: float) -> None:
+            for col, v in expr[0]:
+                c[col] += w * v
+            self.offset += w * expr[1]
+
+        def epi(var: int, expr: tuple[list[tuple[int, float]], float]) -> None:
+            # var >= expr  <=>  var - expr_terms >= const
+            add([(var, 1.0)] + [(col, -v) for col, v in expr[0]], expr[1], np.inf)
+
+        if not step:  # throughput: min P
+            P = oe
+            c[P] = 1.0
+            for k in range(K):
+                e = (exprs_f[k][0] + exprs_b[k][0], exprs_f[k][1] + exprs_b[k][1])
+                epi(P, e)
+            for k in range(K - 1):
+                epi(P, exprs_l[k])
+        else:
+            w = float(M) if kind == "sequential" else 1.0
+            for k in range(K):
+                to_obj(exprs_f[k], w)
+                to_obj(exprs_b[k], w)
+            for k in range(K - 1):
+                to_obj(exprs_l[k], 2.0 * w)
+            if kind != "sequential":
+                PF, PB = oe, oe + 1
+                c[PF] = c[PB] = M - 1
+                for k in range(K):
+                    epi(PF, exprs_f[k])
+                    epi(PB, exprs_b[k])
+                for k in range(K - 1):
+                    epi(PF, exprs_l[k])
+                    epi(PB, exprs_l[k])
+        self.c = c
+        A = coo_matrix((vals, (rows, cols)), shape=(r, self.nvar)).tocsr()
+        self.constraints = LinearConstraint(A, np.array(lo), np.array(hi))
+        lower = np.zeros(self.nvar)
+        upper = np.ones(self.nvar)
+        upper[oe:] = np.inf
+        if K > 1:
+            lower[Y(0, 0)] = 1.0  # the data owner holds layer 0
+        self.bounds = Bounds(lower, upper)
+        self.integrality = np.zeros(self.nvar)
+        self.integrality[: self.ox] = 1
+
+    def solve(self, time_limit_s: float, mip_rel_gap: float):  # noqa: ANN201
+        """Run HiGHS; ``res.fun + offset`` is the objective."""
         return milp(
             self.c,
             constraints=self.constraints,
-            integrality=np.zeros(self.nvar) if relax else self.integrality,
+            integrality=self.integrality,
             bounds=self.bounds,
             options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
         )
 
-    def to_bounds(self, y: np.ndarray) -> list[tuple[int, int]]:
-        """Stage bounds from a (near-)integral solution."""
-        ybin = np.round(y[: (self.N - 1) * self.L]).reshape(self.N - 1, self.L)
-        node_of = (1 - ybin).sum(axis=0).astype(int)  # node index of each layer
-        return [
-            (int(np.flatnonzero(node_of == i).min()), int(np.flatnonzero(node_of == i).max()))
-            for i in range(self.N)
-        ]
+    def to_stages(self, sol: np.ndarray) -> list[Stage]:
+        """Stages from a solution: slot kinds mapped to distinct nodes of that kind."""
+        K, L, T = self.K, self.L, self.T
+        y = np.ones((K, L))
+        if K > 1:
+            y[: K - 1] = np.round(sol[: (K - 1) * L]).reshape(K - 1, L)
+        z = np.round(sol[self.oz : self.ox]).reshape(K - 1, T) if K > 1 else np.zeros((0, T))
+        slot_of = (1 - y).sum(axis=0).astype(int)  # slot index of each layer
+        pool = {t: list(m) for t, m in self.members.items()}
+        stages = []
+        for k in range(K):
+            js = np.flatnonzero(slot_of == k)
+            if len(js) == 0:
+                continue
+            if k == 0:
+                node = self.cost.owner
+            else:
+                t = int(np.argmax(z[k - 1]))
+                node = pool[self.kind_ids[t]].pop(0)
+            stages.append((node, int(js.min()), int(js.max())))
+        return stages
 
 
-def lower_bound(cost: CostModel, time_limit_s: float = 10.0) -> float:
-    """LP-relaxation lower bound on the step time of any valid assignment (seconds).
+class _PeriodDP:
+    """Exact minimum period (``throughput``) when every pair of nodes has the same link.
 
-    Memory is part of the relaxation, so an infeasible instance may give ``inf``.
+    For a cap ``T`` on every stage's ``F + B`` and every link, a dynamic programme over
+    how many nodes of each kind are in use (not which: identical nodes are
+    interchangeable) keeps the furthest layer the pipeline can reach. Reaching further
+    is never worse: the rest of the model from a later layer is a suffix, and every
+    block of a plan for the longer suffix shrinks (less compute, less memory, the same
+    cut positions). So each node, appended as the next stage, takes the longest block
+    that fits ``T``, its memory, and ends at a cut whose link fits ``T``. ``T`` is
+    feasible iff some state reaches the last layer. States: ``prod_t (n_t + 1)``.
+    :meth:`solve` descends from the heuristic's period; the run that finds nothing
+    faster proves the best plan optimal.
     """
-    if cost.num_nodes == 1:
-        return cost.step_time([(0, cost.num_layers - 1)])
-    model = _Milp(cost)
-    res = model.solve(relax=True, time_limit_s=time_limit_s, mip_rel_gap=0.0)
-    if res.x is None:
-        return float("inf") if res.status == 2 else 0.0
-    return float(res.fun) + model.offset
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        kinds = _kinds(cost)
+        self.kind_ids = sorted(set(kinds) - {-1})
+        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
+        self.counts = [len(self.members[t]) for t in self.kind_ids]
+        self.num_states = math.prod(n + 1 for n in self.counts)
+        L, N = cost.num_layers, cost.num_nodes
+        r = 2.0 if cost.relay else 1.0
+        zero = np.zeros((N, 1))
+        self.tp = np.concatenate([zero, np.cumsum(r * cost.fwd + cost.bwd, 1)], 1)
+        self.tp_last = np.concatenate([zero, np.cumsum(cost.fwd + cost.bwd, 1)], 1)
+        self.mem = {}
+        for k in range(N):
+            n = cost.inflight(k, N)
+            if n not in self.mem:
+                self.mem[n] = cost.static_prefix + n * cost.schedule.microbatch_size * (
+                    cost.stash_prefix
+                )
+        i0 = cost.owner
+        j = min(1, N - 1)
+        other = j if j != i0 else 0
+        cuts = np.arange(L - 1)
+        self.links = cost.link_arrays(
+            np.full(L - 1, i0), np.full(L - 1, other), cuts
+        )  # the same for every pair
+
+    def _extend(self, node: int, p: int, k: int, T: float, ok_prev: np.ndarray) -> int:
+        cost = self.cost
+        L = cost.num_layers
+        tp = self.tp[node]
+        e = int(np.searchsorted(tp, tp[p] + T, side="right")) - 1
+        mp = self.mem[cost.inflight(k, cost.num_nodes)]
+        e = min(e, int(np.searchsorted(mp, mp[p] + cost.capacity[node], side="right")) - 1, L)
+        if e < L and cost.relay:  # as the last stage it does not recompute
+            tl = self.tp_last[node]
+            if tl[L] - tl[p] <= T and mp[L] - mp[p] <= cost.capacity[node]:
+                e = L
+        if e < L:
+            e = int(ok_prev[e])  # the furthest cut <= e whose link fits T
+        return e
+
+    def feasible(self, T: float) -> list[Stage] | None:
+        """A plan with every stage and link <= ``T``, or None."""
+        cost = self.cost
+        L = cost.num_layers
+        ok = np.append(np.append([True], self.links <= T), True)  # cut at e: link e-1
+        ok_prev = np.where(ok, np.arange(L + 1), -1)
+        ok_prev = np.maximum.accumulate(ok_prev)
+        e0 = self._extend(cost.owner, 0, 0, T, ok_prev)
+        if e0 <= 0:
+            return None
+        if e0 == L:
+            return [(cost.owner, 0, L - 1)]
+        radix = [n + 1 for n in self.counts]
+        strides = [math.prod(radix[t + 1 :]) for t in range(len(radix))]
+        total = self.num_states
+        digits = np.indices(radix).reshape(len(radix), -1).T.tolist() if radix else [[]]
+        reach = [-1] * total
+        parent: list[tuple[int, int, int] | None] = [None] * total
+        reach[0] = e0
+        reps = [self.members[t][0] for t in self.kind_ids]
+        for idx in range(1, total):
+            d = digits[idx]
+            k = sum(d)
+            best, bp = -1, None
+            for t, dt in enumerate(d):
+                if dt == 0:
+                    continue
+                prev = idx - strides[t]
+                p = reach[prev]
+                if p <= 0:
+                    continue
+                e = self._extend(reps[t], p, k, T, ok_prev)
+                if e > p and e > best:
+                    best, bp = e, (prev, t, p)
+            reach[idx] = best
+            parent[idx] = bp
+            if best == L:
+                steps = []
+                while idx != 0:
+                    prev, t, p = parent[idx]  # type: ignore[misc]
+                    steps.append((t, p, reach[idx]))
+                    idx = prev
+                pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
+                stages = [(cost.owner, 0, e0 - 1)]
+                for t, p, e in reversed(steps):
+                    stages.append((pool[t].pop(0), p, e - 1))
+                return stages
+        return None
+
+    def solve(self, upper: float, deadline: float) -> tuple:
+        """``(stages, proven)``: the least-period plan found before ``deadline``.
+
+        Descends from ``upper`` (the heuristic's period): each run asks for a plan
+        strictly faster than the best so far; the first run that finds none proves the
+        best optimal. A run that finds a plan stops early, so only the last run visits
+        every state.
+        """
+        best = self.feasible(upper * (1 + 1e-12))
+        if best is None:
+            return None, False
+        while time.perf_counter() < deadline:
+            s = self.feasible(self.cost.period(best) * (1 - 1e-9))
+            if s is None:
+                return best, True
+            best = s
+        return best, False
 
 
-def optimal(cost: CostModel, time_limit_s: float = 30.0, mip_rel_gap: float = 1e-6) -> Plan:
-    """Minimum predicted step time by MILP (HiGHS via ``scipy.optimize.milp``).
+def _milp_ok(cost: CostModel) -> str | None:
+    """None if the MILP models this cost exactly, else why not."""
+    if cost.relay:
+        return "the MILP models the direct transport (relay adds per-message terms)"
+    if len(set(cost.inv_bw.tolist())) > 1 or len(set(cost.latency.tolist())) > 1:
+        return "the MILP needs the same link between every pair of nodes"
+    return None
+
+
+def optimal(
+    cost: CostModel,
+    objective: str = "step",
+    time_limit_s: float = 30.0,
+    mip_rel_gap: float = 1e-6,
+    solver: str = "auto",
+) -> Plan:
+    """Minimum objective over every plan (order, idle nodes, cuts), proven.
+
+    Enumeration when there are at most ``ENUMERATION_LIMIT`` plans, otherwise the
+    slot/kind MILP (module docstring) solved by HiGHS. Never worse than
+    :func:`heuristic`: if HiGHS stops at the time limit, the better of its incumbent
+    and the heuristic's plan is returned, with a note.
 
     Parameters
     ----------
+    objective : {"step", "throughput"}
     time_limit_s : float
         HiGHS time limit (seconds).
     mip_rel_gap : float
         Relative gap at which HiGHS may stop and call the solution optimal.
-
-    Returns
-    -------
-    Plan
-        ``proven_optimal`` is True when HiGHS proved optimality within ``mip_rel_gap``.
-        Otherwise the better of the incumbent and the heuristic, with a note.
+    solver : {"auto", "enumerate", "milp", "dp"}
+        ``auto``: enumeration up to ``ENUMERATION_LIMIT`` plans; else, for
+        ``throughput`` with one link for every pair, the exact programme over node kinds
+        (``dp``, up to ``DP_STATE_LIMIT`` states); else the MILP.
 
     Raises
     ------
     InfeasibleMemoryError
         If no assignment fits memory.
+    ValueError
+        On an unknown solver.
     """
+    _check_objective(objective)
+    if solver not in ("auto", "enumerate", "milp", "dp"):
+        raise ValueError(f"unknown solver {solver!r}: use auto, enumerate, milp or dp")
     t0 = time.perf_counter()
-    only = feasible_bounds(cost)  # raises a clear error before any solving
-    if cost.num_nodes == 1:  # one plan only
-        return make_plan(cost, "optimal", only, time.perf_counter() - t0, proven_optimal=True)
-    model = _Milp(cost)
-    lp = model.solve(relax=True, time_limit_s=time_limit_s, mip_rel_gap=0.0)
-    lb = float(lp.fun) + model.offset if lp.x is not None else 0.0
-    remaining = max(time_limit_s - (time.perf_counter() - t0), 0.1)
-    res = model.solve(relax=False, time_limit_s=remaining, mip_rel_gap=mip_rel_gap)
-    dual = getattr(res, "mip_dual_bound", None)
-    if dual is not None and np.isfinite(dual):
-        lb = max(lb, float(dual) + model.offset)
-    gap = getattr(res, "mip_gap", None)
-    gap = float(gap) if gap is not None and np.isfinite(gap) else None
-    if res.status == 0 and res.x is not None:
-        bounds = model.to_bounds(res.x)
+    h = heuristic(cost, objective)  # raises a clear error before any solving
+    lb = cost.lower_bound(objective)
+    small = _count_plans(cost.num_nodes, cost.num_layers) <= ENUMERATION_LIMIT
+    if solver == "enumerate" or (solver == "auto" and small):
+        best = _enumerate(cost, objective)
+        v = cost.objective(best, objective)
         return make_plan(
             cost,
             "optimal",
-            bounds,
+            best,
             time.perf_counter() - t0,
-            lower_bound_s=min(lb, cost.step_time(bounds)),
+            lower_bound_s=min(lb, v),
+            objective=objective,
             proven_optimal=True,
-            mip_gap=gap,
+            note="exhaustive enumeration",
         )
-    h = heuristic(cost)
-    if res.x is not None:
-        bounds = model.to_bounds(res.x)
-        if cost.step_time(bounds) <= h.predicted_step_time_s:
-            note = f"time limit {time_limit_s:g} s reached: MILP incumbent (beats heuristic)"
-        else:
-            bounds, note = (
-                h.bounds,
-                (f"time limit {time_limit_s:g} s reached: heuristic beats the MILP incumbent"),
+    uniform = len(set(cost.inv_bw.tolist())) == 1 and len(set(cost.latency.tolist())) == 1
+    if objective == "throughput" and uniform and solver in ("auto", "dp"):
+        dp = _PeriodDP(cost)
+        if dp.num_states <= DP_STATE_LIMIT:
+            deadline = t0 + time_limit_s
+            stages, proven = dp.solve(h.period_s, deadline)
+            if stages is None or cost.period(stages) > h.period_s:
+                stages = h.spec
+            one_f = cost.schedule.kind == "1f1b" and not cost.relay
+            proven = proven and not one_f
+            v = cost.period(stages)
+            note = "exact dynamic programme over node kinds"
+            if one_f:
+                note += " (1F1B memory charged for N stages: not proven)"
+            elif not proven:
+                note += f": time limit {time_limit_s:g} s reached"
+            return make_plan(
+                cost,
+                "optimal",
+                stages,
+                time.perf_counter() - t0,
+                lower_bound_s=v if proven else lb,
+                objective=objective,
+                proven_optimal=proven,
+                mip_gap=0.0 if proven else None,
+                note=note,
             )
+    why = _milp_ok(cost)
+    if why is None and objective == "throughput" and solver == "auto":
+        why = (
+            f"the exact programme has {_PeriodDP(cost).num_states} node-kind states "
+            f"(limit {DP_STATE_LIMIT}) and the MILP's bound is too weak for throughput"
+        )
+    if why is None:
+        n_kinds = len(set(_kinds(cost)) - {-1})
+        size = min(cost.num_nodes, cost.num_layers) * cost.num_layers * max(n_kinds, 1)
+        if size > MILP_VARIABLE_LIMIT:
+            why = f"the MILP would have {size} variables (limit {MILP_VARIABLE_LIMIT})"
+    if why is not None:
+        return make_plan(
+            cost,
+            "optimal",
+            h.spec,
+            time.perf_counter() - t0,
+            lower_bound_s=lb,
+            objective=objective,
+            note=f"{why}: heuristic plan, not proven",
+        )
+    model = _SlotMilp(cost, objective)
+    remaining = max(time_limit_s - (time.perf_counter() - t0), 0.1)
+    res = model.solve(remaining, mip_rel_gap)
+    dual = getattr(res, "mip_dual_bound", None)
+    surrogate = objective == "step" and cost.schedule.kind == "1f1b"
+    if dual is not None and np.isfinite(dual) and not surrogate:
+        lb = max(lb, float(dual) + model.offset)
+    gap = getattr(res, "mip_gap", None)
+    gap = float(gap) if gap is not None and np.isfinite(gap) else None
+    h_v = h.objective_value_s
+    if res.x is not None:
+        stages = model.to_stages(res.x)
+        v = cost.objective(stages, objective)
+        if res.status == 0 and not surrogate:
+            # proven within mip_rel_gap; the heuristic may match it within that gap
+            if h_v < v:
+                stages, v = h.spec, h_v
+            return make_plan(
+                cost,
+                "optimal",
+                stages,
+                time.perf_counter() - t0,
+                lower_bound_s=min(lb, v),
+                objective=objective,
+                proven_optimal=True,
+                mip_gap=gap,
+            )
+        if v <= h_v:
+            note = (
+                "MILP minimised GPipe's closed form as a surrogate for 1F1B"
+                if surrogate
+                else f"time limit {time_limit_s:g} s reached: MILP incumbent (beats heuristic)"
+            )
+        else:
+            stages, note = h.spec, "heuristic beats the MILP's plan"
+            if res.status != 0:
+                note = f"time limit {time_limit_s:g} s reached: " + note
     else:
-        bounds = h.bounds
+        stages = h.spec
         note = f"MILP found no solution in {time_limit_s:g} s ({res.message}): heuristic plan"
     return make_plan(
         cost,
         "optimal",
-        bounds,
+        stages,
         time.perf_counter() - t0,
         lower_bound_s=lb,
+        objective=objective,
         proven_optimal=False,
         mip_gap=gap,
         note=note,
     )
 
 
-def brute_force(cost: CostModel) -> Plan:
-    """Exhaustive search over all in-order contiguous assignments (tiny instances only).
+def brute_force(cost: CostModel, objective: str = "step") -> Plan:
+    """Exhaustive search over every plan (tiny instances only; for tests).
 
     Raises
     ------
     InfeasibleMemoryError
         If none fits memory.
     """
-    from itertools import combinations
-
     t0 = time.perf_counter()
-    _check_sizes(cost)
-    L, N = cost.num_layers, cost.num_nodes
-    best, best_t = None, float("inf")
-    for cuts in combinations(range(L - 1), N - 1):  # cut after these layers
-        bounds = _cuts_to_bounds(cuts, L)
-        if not cost.fits(bounds):
-            continue
-        t = cost.step_time(bounds)
-        if t < best_t:
-            best, best_t = bounds, t
+    best = _enumerate(cost, objective)
     if best is None:
         raise InfeasibleMemoryError(_infeasible_message(cost))
-    return make_plan(cost, "brute_force", best, time.perf_counter() - t0, proven_optimal=True)
+    return make_plan(
+        cost,
+        "brute_force",
+        best,
+        time.perf_counter() - t0,
+        objective=objective,
+        proven_optimal=True,
+    )
+
+
+def feasible_stages(cost: CostModel) -> list[Stage]:
+    """Some plan that fits every node's memory (greedy fill by memory, largest first).
+
+    Raises
+    ------
+    InfeasibleMemoryError
+        With the layers that do not fit and memory needed against memory available.
+    """
+    filler = _Filler(cost)
+    for order in _orders(cost):
+        s = filler.fill(order, math.inf)
+        if s is not None and cost.fits(s):
+            return s
+    raise InfeasibleMemoryError(_infeasible_message(cost))
+
+
+feasible_bounds = feasible_stages  # former name
 
 
 def partition(
     cost: CostModel,
     method: str,
     *,
+    objective: str = "step",
     time_limit_s: float = 30.0,
     mip_rel_gap: float = 1e-6,
 ) -> Plan:
@@ -682,14 +1250,15 @@ def partition(
     Raises
     ------
     ValueError
-        On an unknown method (lists the valid ones).
+        On an unknown method or objective (lists the valid ones).
     InfeasibleMemoryError
         If the layers cannot fit the nodes' memory.
     """
+    _check_objective(objective)
     if method == "even":
-        return even(cost)
+        return even(cost, objective)
     if method == "heuristic":
-        return heuristic(cost)
+        return heuristic(cost, objective)
     if method == "optimal":
-        return optimal(cost, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap)
+        return optimal(cost, objective, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap)
     raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")

@@ -251,8 +251,8 @@ class SkyStrategy(Strategy):
 
     def precheck(self, names: Sequence[str], memory_caps: Sequence[float | None]) -> None:
         """Fail before any node is contacted if the known memory caps (bytes; None =
-        unknown) already make every plan infeasible, or the fleet has more nodes than
-        the model has layers.
+        unknown) already make every plan infeasible, or ``even`` allocation meets a
+        fleet with more nodes than the model has layers.
 
         Raises
         ------
@@ -270,6 +270,12 @@ class SkyStrategy(Strategy):
             for name, cap in zip(names, memory_caps, strict=True)
         ]
         feasible_bounds(CostModel(layers, nodes, self.schedule))
+        if self.allocation == "even" and len(layers) < len(nodes):
+            raise ValueError(
+                f"even allocation needs at least one layer per node: the model has "
+                f"{len(layers)} layers, the fleet {len(nodes)} nodes. Use "
+                "allocation=heuristic or allocation=optimal, which may leave nodes idle."
+            )
 
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
         """Run the benchmark round: ``query.sky_profile`` per node, then echo timing.
