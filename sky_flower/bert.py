@@ -26,7 +26,8 @@ says.
 FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` on real modules of each
 entry type, built once per type on the meta device (no memory is allocated, so a
 160-layer model profiles in milliseconds; every encoder layer reuses its type's counts).
-Bytes come from shapes.
+Bytes come from shapes; each entry's ``stash_bytes`` (what autograd saves for the backward
+pass) from the tensors the meta forward saves (:func:`bert_stash_bytes`).
 
 Simplifications, all standard for a planner:
 
@@ -422,7 +423,8 @@ def bert_layer_profiles(
         docstring); ``param_bytes = numel x dtype_bytes``; ``act_in_bytes`` /
         ``act_out_bytes`` are per sample (embedding input: ``seq_len`` int64 ids;
         intermediate output: ``seq_len x (intermediate + hidden)`` including the
-        residual; pooler output ``hidden``; classifier output ``num_classes``).
+        residual; pooler output ``hidden``; classifier output ``num_classes``);
+        ``stash_bytes`` per sample as :func:`bert_stash_bytes` measures it.
 
     Raises
     ------
@@ -461,6 +463,7 @@ def bert_layer_profiles(
                 optimizer_state_bytes=copies * c.params * dtype_bytes,
                 act_in_bytes=float(c.in_elems * in_bytes),
                 act_out_bytes=float(c.out_elems * dtype_bytes),
+                stash_bytes=c.stash_bytes,
             )
         )
     return profiles

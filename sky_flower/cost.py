@@ -190,7 +190,7 @@ class CostModel:
             [2 * lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
         )
         self.stash = np.array(
-            [getattr(lp, "stash_bytes", None) or lp.act_out_bytes for lp in layers],
+            [lp.act_out_bytes if lp.stash_bytes is None else lp.stash_bytes for lp in layers],
             dtype=float,
         )
         self.capacity = np.array([n.memory_bytes for n in nodes], dtype=float)

@@ -5,7 +5,8 @@ Pure PyTorch (no Flower import). A model is an ordered list of layers: an
 one unit the partitioner may place on a node.
 
 FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` run on the real
-modules; bytes come from the tensors the modules really produce.
+modules; bytes come from the tensors the modules really produce, and the stash (what
+autograd keeps for the backward pass) from the tensors their forward really saves.
 
 Example
 -------
@@ -54,6 +55,11 @@ class LayerProfile:
         Bytes of this layer's input per sample.
     act_out_bytes : float
         Bytes of this layer's output per sample (what crosses a stage boundary).
+    stash_bytes : float or None
+        Bytes per sample that autograd keeps for this layer's backward pass: every
+        distinct storage its forward saves (e.g. a Linear's input, a ReLU's output),
+        parameters and buffers excluded, views counted once. ``None`` = not measured;
+        :class:`sky_flower.cost.CostModel` then falls back to ``act_out_bytes``.
     """
 
     index: int
@@ -64,6 +70,7 @@ class LayerProfile:
     optimizer_state_bytes: int
     act_in_bytes: float
     act_out_bytes: float
+    stash_bytes: float | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -137,6 +144,24 @@ def _optimizer_state_bytes(layer: nn.Module, make_optimizer: OptimizerFactory) -
     return total
 
 
+def _saved_storages_hooks(
+    layer: nn.Module, saved: dict[int, int]
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks that record ``{storage data_ptr: nbytes}`` of every tensor autograd saves
+    during a forward of ``layer``, its parameters and buffers excluded (a view records its
+    base's storage, so a storage counts once however many views of it are saved)."""
+    own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in own:
+            saved[ptr] = storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 def profile_layers(
     model: nn.Module | Sequence[nn.Module],
     input_shape: Sequence[int],
@@ -162,7 +187,8 @@ def profile_layers(
     Returns
     -------
     list of LayerProfile
-        One entry per layer, in order.
+        One entry per layer, in order. ``stash_bytes`` is measured with
+        :class:`torch.autograd.graph.saved_tensors_hooks` on the same forward pass.
 
     Raises
     ------
@@ -178,8 +204,9 @@ def profile_layers(
     for index, layer in enumerate(layers):
         x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         fwd_counter = FlopCounterMode(display=False)
+        saved: dict[int, int] = {}
         try:
-            with fwd_counter:
+            with fwd_counter, _saved_storages_hooks(layer, saved):
                 y = layer(x_in)
         except RuntimeError as err:
             raise ValueError(
@@ -206,6 +233,7 @@ def profile_layers(
                 optimizer_state_bytes=_optimizer_state_bytes(layer, make_optimizer),
                 act_in_bytes=x_in.numel() * x_in.element_size() / microbatch_size,
                 act_out_bytes=y.numel() * y.element_size() / microbatch_size,
+                stash_bytes=sum(saved.values()) / microbatch_size,
             )
         )
         x = y.detach()
