@@ -60,7 +60,7 @@ METHODS = ("even", "heuristic", "optimal")
 OBJECTIVES = ("step", "throughput")
 MIB = 1024 * 1024
 ENUMERATION_LIMIT = 20_000  # plans; above this ``optimal`` solves the MILP
-DP_STATE_LIMIT = 100_000  # node-kind count vectors for the exact throughput programme
+DP_STATE_LIMIT = 5_000_000  # node-kind count vectors for the exact throughput programme
 MILP_VARIABLE_LIMIT = 60_000  # slot x layer x kind variables
 
 
@@ -930,6 +930,7 @@ class _PeriodDP:
         self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
         self.counts = [len(self.members[t]) for t in self.kind_ids]
         self.num_states = math.prod(n + 1 for n in self.counts)
+        self._levels: list[np.ndarray] | None = None
         L, N = cost.num_layers, cost.num_nodes
         r = 2.0 if cost.relay else 1.0
         zero = np.zeros((N, 1))
@@ -965,52 +966,80 @@ class _PeriodDP:
             e = int(ok_prev[e])  # the furthest cut <= e whose link fits T
         return e
 
+    def _extend_many(self, t: int, p: np.ndarray, k: int, T: float, ok_prev: np.ndarray):  # noqa: ANN202
+        """Vectorised :meth:`_extend` for a node of kind ``t`` at slot ``k``."""
+        cost = self.cost
+        L = cost.num_layers
+        node = self.members[self.kind_ids[t]][0]
+        tp = self.tp[node]
+        e = np.searchsorted(tp, tp[p] + T, side="right") - 1
+        mp = self.mem[cost.inflight(k, cost.num_nodes)]
+        e = np.minimum(e, np.searchsorted(mp, mp[p] + cost.capacity[node], side="right") - 1)
+        if cost.relay:  # as the last stage it does not recompute
+            tl = self.tp_last[node]
+            last_ok = (tl[L] - tl[p] <= T) & (mp[L] - mp[p] <= cost.capacity[node])
+            e = np.where(last_ok, L, e)
+        e = np.minimum(e, L)
+        return np.where(e < L, ok_prev[e], e)
+
     def feasible(self, T: float) -> list[Stage] | None:
-        """A plan with every stage and link <= ``T``, or None."""
+        """A plan with every stage and link <= ``T``, or None.
+
+        States are processed level by level (``k`` nodes in use), vectorised over the
+        states of a level.
+        """
         cost = self.cost
         L = cost.num_layers
         ok = np.append(np.append([True], self.links <= T), True)  # cut at e: link e-1
-        ok_prev = np.where(ok, np.arange(L + 1), -1)
-        ok_prev = np.maximum.accumulate(ok_prev)
+        ok_prev = np.maximum.accumulate(np.where(ok, np.arange(L + 1), -1))
         e0 = self._extend(cost.owner, 0, 0, T, ok_prev)
         if e0 <= 0:
             return None
         if e0 == L:
             return [(cost.owner, 0, L - 1)]
-        radix = [n + 1 for n in self.counts]
-        strides = [math.prod(radix[t + 1 :]) for t in range(len(radix))]
-        total = self.num_states
-        digits = np.indices(radix).reshape(len(radix), -1).T.tolist() if radix else [[]]
-        reach = [-1] * total
-        parent: list[tuple[int, int, int] | None] = [None] * total
+        if self._levels is None:
+            radix = [n + 1 for n in self.counts]
+            self._strides = [math.prod(radix[t + 1 :]) for t in range(len(radix))]
+            self._digits = np.indices(radix).reshape(len(radix), -1).T.astype(np.int16)
+            level = self._digits.sum(axis=1)
+            self._levels = [np.flatnonzero(level == k) for k in range(int(level.max()) + 1)]
+        digits, strides = self._digits, self._strides
+        reach = np.full(self.num_states, -1, dtype=np.int64)
+        via = np.full(self.num_states, -1, dtype=np.int64)
         reach[0] = e0
-        reps = [self.members[t][0] for t in self.kind_ids]
-        for idx in range(1, total):
-            d = digits[idx]
-            k = sum(d)
-            best, bp = -1, None
-            for t, dt in enumerate(d):
-                if dt == 0:
+        for k in range(1, len(self._levels)):
+            idx = self._levels[k]
+            best = np.full(len(idx), -1, dtype=np.int64)
+            best_t = np.full(len(idx), -1, dtype=np.int64)
+            for t in range(len(strides)):
+                has = digits[idx, t] > 0
+                if not has.any():
                     continue
-                prev = idx - strides[t]
-                p = reach[prev]
-                if p <= 0:
+                rows = np.flatnonzero(has)
+                p = reach[idx[rows] - strides[t]]
+                live = p > 0
+                if not live.any():
                     continue
-                e = self._extend(reps[t], p, k, T, ok_prev)
-                if e > p and e > best:
-                    best, bp = e, (prev, t, p)
+                rows, p = rows[live], p[live]
+                e = self._extend_many(t, p, k, T, ok_prev)
+                better = (e > p) & (e > best[rows])
+                best[rows[better]] = e[better]
+                best_t[rows[better]] = t
             reach[idx] = best
-            parent[idx] = bp
-            if best == L:
+            via[idx] = best_t
+            done = np.flatnonzero(best == L)
+            if len(done):
+                node_idx = int(idx[done[0]])
                 steps = []
-                while idx != 0:
-                    prev, t, p = parent[idx]  # type: ignore[misc]
-                    steps.append((t, p, reach[idx]))
-                    idx = prev
+                while node_idx != 0:
+                    t = int(via[node_idx])
+                    prev = node_idx - strides[t]
+                    steps.append((t, int(reach[prev]), int(reach[node_idx])))
+                    node_idx = prev
                 pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
                 stages = [(cost.owner, 0, e0 - 1)]
-                for t, p, e in reversed(steps):
-                    stages.append((pool[t].pop(0), p, e - 1))
+                for t, p0, e in reversed(steps):
+                    stages.append((pool[t].pop(0), p0, e - 1))
                 return stages
         return None
 
