@@ -1,0 +1,1 @@
+"""Benchmarks of sky-flower (``python -m sky_flower.bench.decentralized``)."""
