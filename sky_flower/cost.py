@@ -405,17 +405,22 @@ class CostModel:
         One micro-batch must pass every layer: ``C1 = sum_j min_i c_ij`` (no faster node,
         no transfer); the busiest resource works ``M x`` the period bound ``P``.
         ``sequential``: ``M C1``; ``gpipe``: ``C1 + (M - 1) P`` (its two terms bound the
-        closed form's two terms); ``1f1b``: ``max(C1, M P)``.
+        closed form's two terms); ``1f1b``: ``max(C1, M P)``. On ``relay`` add the
+        per-step overhead no plan avoids: one message's latency and every layer's state
+        shipped once, at the cheapest node's rates.
         """
         c = self.fwd + self.bwd
         c1 = float(c.min(axis=0).sum())
         M = self.schedule.microbatches
         P = self.period_lower_bound()
+        relay = 0.0
+        if self.relay:  # at least one message, and every layer's state ships once
+            relay = float(self.latency.min() + self.state_rate.min() * self.state_bytes.sum())
         if self.schedule.kind == "sequential":
-            return M * c1
+            return M * c1 + relay
         if self.schedule.kind == "gpipe":
-            return c1 + (M - 1) * P
-        return max(c1, M * P)
+            return c1 + (M - 1) * P + relay
+        return max(c1, M * P) + relay
 
     def lower_bound(self, objective: str = "step") -> float:
         """:meth:`step_lower_bound` or :meth:`period_lower_bound`."""

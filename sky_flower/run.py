@@ -1,5 +1,8 @@
 """Main job: ``python -m sky_flower.run [allocation=even|heuristic|optimal] [fleet=...]``.
 
+``strategy=dpsgd|d2|dsgt|detag`` runs a decentralized strategy instead
+(:mod:`sky_flower.run_decentralized`); the default ``strategy=sky`` is the job below.
+
 A Hydra app (``conf/config.yaml``; groups ``allocation``, ``fleet``, ``model``,
 ``dataset``) that starts Flower's simulation engine with one SuperNode per fleet node,
 runs the Sky strategy (benchmark round, plan, split training) for ``num_rounds``
@@ -109,6 +112,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
     from strategies.sky import SkyStrategy
 
+    if _decentralized(cfg):  # strategy=dpsgd|d2|dsgt|detag: sky_flower/run_decentralized.py
+        from sky_flower.run_decentralized import run_decentralized_job
+
+        return run_decentralized_job(cfg, out_dir)
     method = str(cfg.allocation.method)
     if method not in METHODS:
         raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")
@@ -245,12 +252,21 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return results
 
 
+def _decentralized(cfg: DictConfig) -> bool:
+    """True for ``strategy=dpsgd|d2|dsgt|detag`` (see ``sky_flower.run_decentralized``)."""
+    return str(OmegaConf.select(cfg, "strategy.name", default="sky")) != "sky"
+
+
 @hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point. A failed job exits 1; in a multirun it is recorded (its
     ``results.json`` carries the error) and the sweep goes on."""
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
+    if _decentralized(cfg):
+        from sky_flower.run_decentralized import main_decentralized
+
+        return main_decentralized(cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
     log = logging.getLogger("sky_flower")
     try:
         results = run_job(cfg, out_dir)

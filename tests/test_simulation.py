@@ -89,7 +89,7 @@ def test_infeasible_memory_refused_before_flower_starts(tmp_path):
             node.memory_mb = 0.5
     with pytest.raises(
         InfeasibleMemoryError,
-        match=r"infeasible memory budget: layer 1 .* needs 1\.1 MiB.*largest node has 0\.5 MiB",
+        match=r"infeasible memory budget: layer 1 .* needs 1\.3 MiB.*largest node has 0\.5 MiB",
     ):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()  # nothing ran

@@ -1,1 +1,2 @@
-"""Benchmarks that print figures (``python -m sky_flower.bench.<name>``); not tests."""
+"""Benchmarks that print figures (``python -m sky_flower.bench.<name>``: ``planner``,
+``decentralized``); not tests."""

@@ -1,0 +1,197 @@
+"""The decentralized job of the entry point: ``python -m sky_flower.run strategy=detag``.
+
+Runs D-PSGD, D2, DSGT or DeTAG (``strategy=dpsgd|d2|dsgt|detag``; settings under
+``strategy.*``, see ``conf/decentralized.yaml``) in Flower's simulation engine with one
+SuperNode per node of the gossip matrix; each node holds its part of the digits train
+split (sorted-shuffle heterogeneity ``strategy.homogeneity``) and computes gradients on
+it, the server applies the gossip matrix and evaluates the averaged model on the held-out
+test split. Writes ``results.json`` into the job's output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from sky_flower.data import load_split
+from sky_flower.decentral import FlatModel, node_splits
+from strategies.gossip import gossip_matrix
+
+log = logging.getLogger("sky_flower")
+
+
+def write_decentralized_results(
+    out_dir: Path, cfg: DictConfig, network: dict | None, rounds: list[dict], error: str | None
+) -> dict[str, Any]:
+    """Write ``results.json`` (also for a job refused before it started) and return it."""
+    s = cfg.strategy
+    results = {
+        "strategy": str(s.name),
+        "topology": str(s.topology),
+        "spectral_gap_setting": s.get("spectral_gap"),
+        "homogeneity": s.get("homogeneity"),
+        "num_nodes": s.get("num_nodes"),
+        "lr": s.get("lr"),
+        "network": network,
+        "final_test_accuracy": rounds[-1].get("test_accuracy") if rounds else None,
+        "final_loss": rounds[-1].get("loss") if rounds else None,
+        "rounds": rounds,
+        "error": error,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Run the decentralized job for ``cfg``; write ``results.json``; return the results.
+
+    ``results.json``: the settings, ``network`` (topology, nodes, lambda_2, lambda_min,
+    spectral gap), ``rounds`` (one row per step: ``round`` = gossip rounds so far,
+    ``loss`` = training loss of the averaged model over all nodes' data,
+    ``node_loss``, ``test_accuracy`` / ``test_loss`` of the averaged model,
+    ``consensus_distance``), ``final_test_accuracy``, ``final_loss``, ``error``.
+
+    Raises
+    ------
+    ValueError
+        On a bad setting (unknown strategy or topology, gap outside (0, 1], D2 with
+        lambda_min <= -1/3, fewer than 2 nodes, ...), before Flower starts.
+    strategies.decentralized.DecentralizedNodeError
+        If a node fails; ``results.json`` is still written with the rounds done.
+    """
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from sky_flower.decentral_client import (
+        DecentralizedClient,
+        heterogeneous_data_fn,
+        vector_record,
+    )
+    from sky_flower.run import _one_log_stream
+    from strategies.decentralized import STRATEGIES
+
+    s = cfg.strategy
+    name = str(s.name)
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"unknown decentralized strategy {name!r}: choose one of {list(STRATEGIES)}"
+        )
+    n, seed = int(s.num_nodes), int(cfg.seed)
+    gap = None if s.spectral_gap is None else float(s.spectral_gap)
+    gossip = gossip_matrix(
+        str(s.topology), n, gap, edge_probability=float(s.edge_probability), seed=seed
+    )
+    model = FlatModel(int(s.hidden_width))
+    test_fraction = float(cfg.dataset.test_fraction)
+    train, test = load_split("digits", test_fraction, seed)
+    local = len(node_splits(train, n, float(s.homogeneity), seed)[0])
+    if not 1 <= int(s.batch_size) <= local:
+        raise ValueError(
+            f"strategy.batch_size={s.batch_size} must be in [1, {local}] (examples per node)"
+        )
+    strategy = STRATEGIES[name](
+        gossip=gossip,
+        lr=float(s.lr),
+        batch_size=int(s.batch_size),
+        phase_rounds=int(s.phase_rounds),
+        seed=seed,
+        message_timeout_s=float(cfg.message_timeout_s),
+    )
+    steps_per = strategy.algorithm.rounds_per_step
+    if int(s.rounds) < steps_per:
+        raise ValueError(f"strategy.rounds={s.rounds} is shorter than one phase ({steps_per})")
+    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
+    if not 0 < per_node <= cpus:
+        raise ValueError(f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}]")
+
+    def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
+        res = model.evaluate(arrays["x"].numpy(), test)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    x0 = model.initial(seed)
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(
+            grid=grid,
+            initial_arrays=vector_record("x", x0),
+            num_rounds=int(s.rounds),
+            evaluate_fn=evaluate,
+        )
+
+    _one_log_stream()
+    load = heterogeneous_data_fn(n, float(s.homogeneity), test_fraction, seed)
+    client_app = DecentralizedClient(model, load).register(ClientApp())
+    log.info(
+        "%s on %s (%d nodes, spectral gap %.4g, lambda_min %.4g), homogeneity %s%%",
+        name,
+        gossip.topology,
+        n,
+        gossip.spectral_gap,
+        gossip.lambda_min,
+        s.homogeneity,
+    )
+    error: str | None = None
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=n,
+            backend_config={
+                "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
+                "init_args": {"num_cpus": cpus, "logging_level": "error"},
+            },
+        )
+        if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(
+            r["loss"] is None for r in strategy.rounds
+        ):
+            raise RuntimeError(
+                f"the ServerApp stopped after {len(strategy.rounds) - 1} of "
+                f"{int(s.rounds) // steps_per} steps (see the log above)"
+            )
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        cause = err.__cause__ or err
+        error = f"{type(cause).__name__}: {cause}"
+        raise
+    finally:
+        rows = [{k: _plain(v) for k, v in r.items()} for r in strategy.rounds]
+        results = write_decentralized_results(out_dir, cfg, gossip.describe(), rows, error)
+    return results
+
+
+def _plain(v: Any) -> Any:
+    return float(v) if isinstance(v, np.floating) else v
+
+
+def main_decentralized(cfg: DictConfig, out_dir: Path, multirun: bool) -> None:
+    """What ``sky_flower.run.main`` does for a decentralized strategy: run the job, log the
+    outcome; a failed job exits 1 (in a multirun it is recorded and the sweep goes on)."""
+    try:
+        results = run_decentralized_job(cfg, out_dir)
+    except Exception as err:  # noqa: BLE001
+        cause = err.__cause__ or err
+        log.error("run failed: %s (outputs in %s)", cause, out_dir)
+        if not (out_dir / "results.json").exists():  # refused before it started
+            write_decentralized_results(out_dir, cfg, None, [], f"{type(cause).__name__}: {cause}")
+        if multirun:
+            return
+        raise SystemExit(1) from None
+    log.info(
+        "[%s, %s, homogeneity %s%%]: final loss %.4f, test accuracy %.4f; outputs in %s",
+        results["strategy"],
+        results["network"]["topology"],
+        results["homogeneity"],
+        results["final_loss"],
+        results["final_test_accuracy"],
+        out_dir,
+    )

@@ -1,0 +1,364 @@
+"""Decentralized training as Flower strategies: D-PSGD, D2, DSGT, DeTAG.
+
+Flower has no peer-to-peer channel, so the server plays the network: it holds every
+node's model (and tracker) as a row of the ``(n, d)`` stack of the gossip core
+(:mod:`strategies.gossip`) and applies the gossip matrix; each node (a SuperNode running
+:class:`sky_flower.decentral_client.DecentralizedClient`) computes stochastic gradients on
+its own data. One *step* of an algorithm is one Flower message per node
+(``train.dec_grad``) and costs ``rounds_per_step`` gossip rounds (DeTAG: a phase of
+``R``; the others: 1). ``num_rounds`` in :meth:`DecentralizedStrategy.start` counts
+gossip (communication) rounds, so the algorithms are compared at equal communication.
+
+Usage (ServerApp side)::
+
+    gossip = gossip_matrix("ring", 8)
+    strategy = DeTAGStrategy(gossip=gossip, lr=0.05, batch_size=16)
+    strategy.start(grid=grid, initial_arrays=vector_record("x", x0), num_rounds=100,
+                   evaluate_fn=central_evaluate)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+from flwr.supercore import log
+
+from sky_flower.decentral_client import vector_record
+from strategies.gossip import DecentralizedAlgorithm, GossipMatrix, make_algorithm
+
+
+class DecentralizedNodeError(RuntimeError):
+    """A node failed, timed out, or replied with something malformed (named in the text)."""
+
+
+class DecentralizedStrategy(Strategy):
+    """Base of the decentralized strategies; subclasses pick the update rule.
+
+    Parameters
+    ----------
+    gossip : GossipMatrix
+        The network: ``n`` nodes and their ``(n, n)`` gossip matrix. Node ``i`` of the
+        matrix is the SuperNode whose ``query.dec_hello`` reports position ``i``.
+    lr : float (default: 0.05)
+        Step size ``alpha`` (> 0).
+    batch_size : int (default: 16)
+        Examples per mini-batch on each node.
+    phase_rounds : int (default: 0)
+        DeTAG only: gossip rounds per phase ``R`` (0: ``round(1 / sqrt(gap))``).
+    seed : int (default: 0)
+        Seeds the nodes' mini-batch draws.
+    message_timeout_s : float (default: 120.0)
+        A node silent for longer fails the run, by position.
+    on_event : Callable[[str, dict], None], optional
+        Called with ``("round", row)`` after each step.
+
+    Raises
+    ------
+    ValueError
+        On a bad setting (``lr``, ``batch_size``, D2's ``lambda_min``), at construction,
+        before any node is contacted.
+    """
+
+    algorithm_name: ClassVar[str] = ""
+
+    def __init__(  # noqa: PLR0913
+        self,
+        gossip: GossipMatrix,
+        lr: float = 0.05,
+        batch_size: int = 16,
+        phase_rounds: int = 0,
+        seed: int = 0,
+        message_timeout_s: float = 120.0,
+        on_event: Callable[[str, dict], None] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.gossip = gossip
+        self.algorithm: DecentralizedAlgorithm = make_algorithm(
+            self.algorithm_name, gossip, lr, phase_rounds
+        )
+        self.batch_size, self.seed = int(batch_size), int(seed)
+        self.message_timeout_s = float(message_timeout_s)
+        self.on_event = on_event or (lambda kind, payload: None)
+        self.rounds: list[dict[str, Any]] = []
+        self._ids: list[int] = []  # node id of each gossip-matrix position
+
+    # --- messaging -------------------------------------------------------------------
+    def _exchange(self, grid: Grid, messages: list[Message]) -> list[Message]:
+        """Push ``messages``; return the replies in message order (polls every 2 ms).
+
+        Raises
+        ------
+        DecentralizedNodeError
+            Naming the position(s) that timed out or replied with an error.
+        """
+        ids = list(grid.push_messages(messages))
+        where = {mid: self._where(m.metadata.dst_node_id) for mid, m in zip(ids, messages)}  # noqa: B905
+        pending, got = set(ids), {}
+        deadline = time.monotonic() + self.message_timeout_s
+        while pending and time.monotonic() < deadline:
+            for reply in grid.pull_messages(pending):
+                got[reply.metadata.reply_to_message_id] = reply
+                pending.discard(reply.metadata.reply_to_message_id)
+            if pending:
+                time.sleep(0.002)
+        if pending or len(ids) != len(messages):
+            names = ", ".join(where[m] for m in pending) or "some nodes"
+            raise DecentralizedNodeError(f"no reply within {self.message_timeout_s:g} s: {names}")
+        errors = [f"{where[m]}: {got[m].error.reason}" for m in ids if got[m].has_error()]
+        if errors:
+            raise DecentralizedNodeError("node error: " + "; ".join(errors))
+        return [got[m] for m in ids]
+
+    def _where(self, node_id: int) -> str:
+        pos = self._ids.index(node_id) if node_id in self._ids else "?"
+        return f"node {node_id} (position {pos})"
+
+    def connect(self, grid: Grid) -> list[int]:
+        """Wait for ``n`` nodes, ask each its position; return node ids by position.
+
+        Raises
+        ------
+        DecentralizedNodeError
+            Positions that are not exactly ``0..n-1``.
+        """
+        n = self.gossip.n
+        node_ids, _ = sample_nodes(grid, n, n)
+        hello = [
+            Message(RecordDict(), dst_node_id=nid, message_type="query.dec_hello")
+            for nid in node_ids
+        ]
+        by_pos: dict[int, int] = {}
+        for reply in self._exchange(grid, hello):
+            pos = int(reply.content.metric_records["metrics"]["position"])
+            by_pos[pos] = reply.metadata.src_node_id
+        if sorted(by_pos) != list(range(n)):
+            raise DecentralizedNodeError(
+                f"nodes reported positions {sorted(by_pos)}, expected 0..{n - 1}"
+            )
+        self._ids = [by_pos[i] for i in range(n)]
+        return self._ids
+
+    # --- Strategy interface ----------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One ``train.dec_grad`` per node: its own model row and the averaged model
+        (``arrays``); ``config`` carries ``step``."""
+        alg = self.algorithm
+        cfg = ConfigRecord(
+            {
+                "step": int(config["step"]),
+                "batches": alg.batches_per_step,
+                "batch_size": self.batch_size,
+                "seed": self.seed,
+            }
+        )
+        xbar = vector_record("xbar", arrays["x"].numpy())
+        return [
+            Message(
+                RecordDict({"x": vector_record("x", alg.x[i]), "xbar": xbar, "cfg": cfg}),
+                dst_node_id=nid,
+                message_type="train.dec_grad",
+                group_id=str(server_round),
+            )
+            for i, nid in enumerate(self._ids)
+        ]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Stack the gradients by position, take one step of the algorithm; return the new
+        averaged model and ``{"node_loss", "avg_model_loss"}`` (the latter of the model the
+        gradients were taken at)."""
+        replies = list(replies)
+        grads = np.zeros(self.algorithm.x.shape)
+        losses, avg_losses = [], []
+        for reply in replies:
+            pos = self._ids.index(reply.metadata.src_node_id)
+            rec = reply.content.array_records.get("grad")
+            if rec is None or "grad" not in rec or rec["grad"].shape != (grads.shape[1],):
+                raise DecentralizedNodeError(
+                    f"{self._where(reply.metadata.src_node_id)}: malformed gradient reply"
+                )
+            grads[pos] = rec["grad"].numpy()
+            metrics = reply.content.metric_records["metrics"]
+            losses.append(float(metrics["loss"]))
+            avg_losses.append(float(metrics["avg_model_loss"]))
+        self.algorithm.step(grads)
+        metrics = MetricRecord(
+            {"node_loss": float(np.mean(losses)), "avg_model_loss": float(np.mean(avg_losses))}
+        )
+        return vector_record("x", self.algorithm.average), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """``query.dec_eval`` to every node: training loss of the averaged model."""
+        xbar = vector_record("xbar", arrays["x"].numpy())
+        return [
+            Message(RecordDict({"xbar": xbar}), dst_node_id=nid, message_type="query.dec_eval")
+            for nid in self._ids
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Mean of the nodes' local losses of the averaged model (equal-size partitions)."""
+        vals = [float(r.content.metric_records["metrics"]["avg_model_loss"]) for r in replies]
+        return MetricRecord({"avg_model_loss": float(np.mean(vals))})
+
+    def summary(self) -> None:
+        """Log the network and the algorithm."""
+        g, alg = self.gossip, self.algorithm
+        log(INFO, "\t├── Algorithm: %s (lr %g, batch %d)", alg.name, alg.lr, self.batch_size)
+        log(INFO, "\t├── Network: %s, %d nodes, spectral gap %.4g", g.topology, g.n, g.spectral_gap)
+        log(INFO, "\t└── Gossip rounds per step: %d", alg.rounds_per_step)
+
+    # --- the run ---------------------------------------------------------------------
+    def start(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 100,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` gossip rounds (``num_rounds // rounds_per_step`` steps).
+
+        ``initial_arrays`` holds ``"x"``: the initial flat model ``(d,)``, the same on
+        every node. ``evaluate_fn(round, vector_record("x", xbar))`` evaluates the averaged
+        model (e.g. test accuracy). ``self.rounds`` gets one row per step and one for the
+        start: ``round`` (gossip rounds so far), ``loss`` (training loss of the averaged
+        model over all nodes' data), ``node_loss`` (mean mini-batch loss of the step that
+        led there), ``consensus_distance``, and ``test_*`` from ``evaluate_fn``.
+
+        Raises
+        ------
+        ValueError
+            ``num_rounds`` shorter than one step.
+        DecentralizedNodeError
+            A node failed; ``self.rounds`` keeps the rows done.
+        """
+        alg = self.algorithm
+        steps = num_rounds // alg.rounds_per_step
+        if steps < 1:
+            raise ValueError(
+                f"num_rounds={num_rounds} is shorter than one {alg.name} step of "
+                f"{alg.rounds_per_step} gossip rounds"
+            )
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        self.summary()
+        t_start = time.time()
+        self.connect(grid)
+        alg.reset(initial_arrays["x"].numpy())
+        result = Result(arrays=initial_arrays)
+
+        def record(step: int, node_loss: float | None) -> None:
+            xbar = vector_record("x", alg.average)
+            row: dict[str, Any] = {
+                "round": step * alg.rounds_per_step,
+                "loss": None,  # filled in from the next step's replies
+                "node_loss": node_loss,
+                "consensus_distance": alg.consensus_distance(),
+            }
+            if evaluate_fn is not None and (res := evaluate_fn(step, xbar)) is not None:
+                result.evaluate_metrics_serverapp[step] = res
+                row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
+            self.rounds.append(row)
+
+        record(0, None)
+        log(INFO, "%6s %10s %10s %10s %12s", "round", "loss", "node loss", "test acc", "consensus")
+        for step in range(steps):
+            xbar = vector_record("x", alg.average)
+            msgs = list(self.configure_train(step + 1, xbar, ConfigRecord({"step": step}), grid))
+            arrays, metrics = self.aggregate_train(step + 1, self._exchange(grid, msgs))
+            assert arrays is not None and metrics is not None
+            self.rounds[-1]["loss"] = float(metrics["avg_model_loss"])  # type: ignore[arg-type]
+            self._log(self.rounds[-1])
+            self.on_event("round", self.rounds[-1])
+            result.arrays = arrays
+            result.train_metrics_clientapp[step + 1] = metrics
+            record(step + 1, float(metrics["node_loss"]))  # type: ignore[arg-type]
+        final = self.aggregate_evaluate(
+            steps,
+            self._exchange(
+                grid, list(self.configure_evaluate(steps, result.arrays, ConfigRecord(), grid))
+            ),
+        )
+        assert final is not None
+        self.rounds[-1]["loss"] = float(final["avg_model_loss"])  # type: ignore[arg-type]
+        self._log(self.rounds[-1])
+        self.on_event("round", self.rounds[-1])
+        log(
+            INFO,
+            "%s finished %d gossip rounds in %.1f s",
+            alg.name,
+            steps * alg.rounds_per_step,
+            time.time() - t_start,
+        )
+        return result
+
+    @staticmethod
+    def _log(row: dict[str, Any]) -> None:
+        acc = row.get("test_accuracy")
+        log(
+            INFO,
+            "%6d %10.4f %10s %10s %12.3e",
+            row["round"],
+            row["loss"],
+            "-" if row["node_loss"] is None else f"{row['node_loss']:.4f}",
+            "-" if acc is None else f"{acc:.4f}",
+            row["consensus_distance"],
+        )
+
+
+class DPSGDStrategy(DecentralizedStrategy):
+    """D-PSGD (Lian et al., "Can Decentralized Algorithms Outperform Centralized
+    Algorithms?", NeurIPS 2017, Algorithm 1): ``x_i <- sum_j W_ij x_j - alpha g_i(x_i)``.
+    One gossip round per step. See :class:`DecentralizedStrategy` for the parameters."""
+
+    algorithm_name = "dpsgd"
+
+
+class D2Strategy(DecentralizedStrategy):
+    """D2 (Tang et al., "D^2: Decentralized Training over Decentralized Data", ICML 2018,
+    Algorithm 1): ``X_{t+1} = W (2 X_t - X_{t-1} - alpha G_t + alpha G_{t-1})``.
+
+    Raises ``ValueError`` at construction if ``lambda_min(W) <= -1/3`` (e.g. the
+    Metropolis-Hastings ring of an even number of nodes)."""
+
+    algorithm_name = "d2"
+
+
+class DSGTStrategy(DecentralizedStrategy):
+    """DSGT (Pu and Nedic, "Distributed stochastic gradient tracking methods", Math.
+    Programming 2021): ``y_t = W y_{t-1} + g_t - g_{t-1}``, ``x_{t+1} = W (x_t - alpha
+    y_t)``. The server keeps the trackers ``y_i`` beside the models."""
+
+    algorithm_name = "dsgt"
+
+
+class DeTAGStrategy(DecentralizedStrategy):
+    """DeTAG (Lu and De Sa, "Optimal Complexity in Decentralized Training", ICML 2021,
+    Algorithm 2): gradient tracking, accelerated gossip over a phase of ``R`` rounds
+    (``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``), the gradient accumulated over
+    ``R`` mini-batches per phase (each node gets one message per phase, asking for ``R``
+    mini-batches). See :class:`strategies.gossip.DeTAG`."""
+
+    algorithm_name = "detag"
+
+
+STRATEGIES: dict[str, type[DecentralizedStrategy]] = {
+    cls.algorithm_name: cls for cls in (DPSGDStrategy, D2Strategy, DSGTStrategy, DeTAGStrategy)
+}

@@ -1,0 +1,87 @@
+"""Decentralized strategies end to end in Flower's simulation engine, checked against the
+benchmark's one-process fast path; bad settings refused before Flower starts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from simhelpers import make_cfg
+
+from sky_flower.bench.decentralized import simulate
+from sky_flower.data import load_split
+from sky_flower.decentral import FlatModel, node_splits
+from sky_flower.run import run_job
+from strategies.gossip import gossip_matrix
+
+SMALL = [
+    "strategy.num_nodes=4",
+    "strategy.topology=ring",
+    "strategy.homogeneity=0",
+    "strategy.hidden_width=8",
+    "strategy.lr=0.2",
+    "simulation.num_cpus_per_node=0.5",
+]
+
+
+@pytest.mark.simulation
+def test_detag_in_flower_equals_the_fast_path(tmp_path, no_leftover_processes):
+    """4 SuperNodes on a ring, fully sorted data, DeTAG with phases of 2 rounds: the rows
+    Flower produces (loss of the averaged model from the nodes' own data, consensus
+    distance, test accuracy) are those of the benchmark's fast path."""
+    cfg = make_cfg(["strategy=detag", *SMALL, "strategy.phase_rounds=2", "strategy.rounds=8"])
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["strategy"] == "detag" and saved["network"]["nodes"] == 4
+    rows = saved["rounds"]
+    assert [r["round"] for r in rows] == [0, 2, 4, 6, 8]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
+    assert rows[0]["consensus_distance"] == 0 and rows[-1]["consensus_distance"] > 0
+
+    train, test = load_split("digits", 0.2, 0)
+    expected = simulate(
+        "detag",
+        gossip_matrix("ring", 4),
+        FlatModel(8),
+        node_splits(train, 4, 0.0, 0),
+        test,
+        rounds=8,
+        lr=0.2,
+        phase_rounds=2,
+    )
+    for key in ("loss", "test_accuracy", "consensus_distance"):
+        np.testing.assert_allclose(
+            [r[key] for r in rows], [r[key] for r in expected], rtol=1e-4, atol=1e-6, err_msg=key
+        )
+    np.testing.assert_allclose(
+        [r["node_loss"] for r in rows[1:]], [r["node_loss"] for r in expected[1:]], rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=d2"], r"D2 needs lambda_min\(W\) > -1/3.*ring.*-0\.3333"),
+        (["strategy=dpsgd", "strategy.topology=mesh"], "unknown topology 'mesh'"),
+        (["strategy=dsgt", "strategy.spectral_gap=0"], r"spectral_gap must be in \(0, 1\]"),
+        (["strategy=dsgt", "strategy.num_nodes=1"], "at least 2 nodes"),
+        (["strategy=dsgt", "strategy.homogeneity=120"], r"homogeneity must be in \[0, 100\]"),
+        (["strategy=detag", "strategy.rounds=1", "strategy.phase_rounds=3"], "shorter than one"),
+        (["strategy=dsgt", "strategy.batch_size=1000"], "examples per node"),
+        (["strategy=dsgt", "strategy.lr=-1"], "lr must be > 0"),
+    ],
+)
+def test_bad_settings_refused_before_flower_starts(overrides, message, tmp_path):
+    cfg = make_cfg([*SMALL, *overrides])
+    with pytest.raises(ValueError, match=message):
+        run_job(cfg, tmp_path)
+    assert not (tmp_path / "results.json").exists()  # nothing ran
+
+
+def test_default_strategy_is_sky():
+    cfg = make_cfg([])
+    assert cfg.strategy.name == "sky"
+    detag = make_cfg(["strategy=detag"])
+    assert detag.strategy.topology == "exponential" and detag.strategy.phase_rounds == 0

@@ -1,0 +1,209 @@
+"""The pure gossip core: gossip matrices, gossip, and the four algorithms on quadratics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies.gossip import (
+    ALGORITHMS,
+    D2,
+    TOPOLOGIES,
+    DeTAG,
+    accelerated_gossip,
+    acceleration_eta,
+    consensus_distance,
+    gossip_matrix,
+    make_algorithm,
+    plain_gossip,
+    torus_shape,
+)
+
+
+def _valid(topology, n):
+    return topology != "torus" or any(n % r == 0 for r in range(2, math.isqrt(n) + 1))
+
+
+topo_n = st.tuples(st.sampled_from(TOPOLOGIES), st.integers(2, 24)).filter(lambda t: _valid(*t))
+
+
+@settings(max_examples=60, deadline=None)
+@given(topo_n, st.integers(0, 2**16))
+def test_gossip_matrix_is_symmetric_doubly_stochastic_with_graph_support(tn, seed):
+    topology, n = tn
+    g = gossip_matrix(topology, n, seed=seed)
+    W = g.W
+    assert W.shape == (n, n)
+    np.testing.assert_allclose(W, W.T, atol=1e-12)
+    np.testing.assert_allclose(W.sum(0), 1.0, atol=1e-12)
+    assert (W >= -1e-12).all()
+    assert 0.0 < g.spectral_gap <= 1.0
+    assert g.eigenvalues[0] == pytest.approx(1.0)
+    if topology == "ring" and n > 3:
+        assert ((W > 0).sum(1) == 3).all()  # self + two neighbours
+    if topology == "complete":
+        assert g.spectral_gap == pytest.approx(1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(topo_n, st.integers(1, 30), st.floats(-5, 5), st.integers(0, 2**16))
+def test_gossip_keeps_constants_and_preserves_the_average(tn, rounds, c, seed):
+    topology, n = tn
+    g = gossip_matrix(topology, n, seed=seed)
+    eta = acceleration_eta(g.mixing_rate)
+    const = np.full((n, 3), c)
+    X = np.random.default_rng(seed).normal(size=(n, 3))
+    for op in (
+        lambda A: plain_gossip(A, g.W, rounds),
+        lambda A: accelerated_gossip(A, g.W, rounds, eta),
+    ):
+        np.testing.assert_allclose(op(const), const, atol=1e-9)
+        np.testing.assert_allclose(op(X).mean(0), X.mean(0), atol=1e-9)
+
+
+@pytest.mark.parametrize(("topology", "n"), [("ring", 10), ("torus", 16), ("star", 9)])
+def test_consensus_error_decays_at_the_rate_the_spectral_gap_predicts(topology, n):
+    g = gossip_matrix(topology, n)
+    lam = 1.0 - g.spectral_gap
+    X = np.random.default_rng(1).normal(size=(n, 4))
+    d0, dists = consensus_distance(X), []
+    for _ in range(60):
+        X = g.W @ X
+        dists.append(consensus_distance(X))
+    # never slower than the bound lambda^(2k) (the distance is squared)...
+    for k, d in enumerate(dists, start=1):
+        assert d <= lam ** (2 * k) * d0 * (1 + 1e-9)
+    # ...and asymptotically exactly that rate
+    rate = (dists[-1] / dists[-21]) ** (1 / 20)
+    assert rate == pytest.approx(lam**2, rel=0.02)
+
+
+@pytest.mark.parametrize("gap", [1.0, 0.3, 0.1, 0.05, 0.01])
+def test_spectral_gap_set_exactly(gap):
+    g = gossip_matrix("complete", 8, spectral_gap=gap)
+    assert g.spectral_gap == pytest.approx(gap, abs=1e-12)
+    np.testing.assert_allclose(g.W, gap * np.ones((8, 8)) / 8 + (1 - gap) * np.eye(8), atol=1e-12)
+    ring = gossip_matrix("ring", 8, spectral_gap=gap / 10)  # sparse, same exact gap
+    assert ring.spectral_gap == pytest.approx(gap / 10, abs=1e-12)
+    assert ((ring.W > 0).sum(1) == 3).all()
+
+
+def test_accelerated_gossip_beats_plain_gossip_on_a_ring():
+    g = gossip_matrix("ring", 32)
+    eta = acceleration_eta(g.mixing_rate)
+    X0 = np.random.default_rng(0).normal(size=(32, 2))
+    d0 = consensus_distance(X0)
+
+    def rounds_to(op, target=1e-6):
+        X_prev = X = X0
+        for k in range(1, 5000):
+            X_prev, X = X, op(X, X_prev)
+            if consensus_distance(X) < target * d0:
+                return k
+        return 5000
+
+    plain = rounds_to(lambda X, _: g.W @ X)
+    accel = rounds_to(lambda X, P: (1 + eta) * (g.W @ X) - eta * P)
+    assert accel * 3 < plain, (accel, plain)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"topology": "hypercube", "n": 8}, "unknown topology 'hypercube'"),
+        ({"topology": "ring", "n": 1}, "at least 2 nodes"),
+        ({"topology": "ring", "n": 8, "spectral_gap": 0.0}, r"spectral_gap must be in \(0, 1\]"),
+        ({"topology": "ring", "n": 8, "spectral_gap": 1.5}, r"spectral_gap must be in \(0, 1\]"),
+        ({"topology": "ring", "n": 8, "spectral_gap": 0.5}, "out of reach of the ring"),
+        ({"topology": "torus", "n": 7}, "7 nodes has none"),
+        ({"topology": "erdos_renyi", "n": 8, "edge_probability": 0}, "edge_probability"),
+    ],
+)
+def test_bad_network_refused(kwargs, message):
+    kw = dict(kwargs)
+    with pytest.raises(ValueError, match=message):
+        gossip_matrix(kw.pop("topology"), kw.pop("n"), **kw)
+
+
+def test_torus_shape_is_most_square():
+    assert torus_shape(16) == (4, 4) and torus_shape(8) == (2, 4) and torus_shape(12) == (3, 4)
+
+
+def test_d2_refuses_lambda_min_at_or_below_minus_a_third():
+    ring = gossip_matrix("ring", 8)  # Metropolis-Hastings ring of even n: lambda_min = -1/3
+    assert ring.lambda_min == pytest.approx(-1 / 3)
+    with pytest.raises(ValueError, match=r"D2 needs lambda_min\(W\) > -1/3.*-0\.3333"):
+        D2(ring, lr=0.1)
+    D2(gossip_matrix("ring", 9), lr=0.1)  # odd ring: lambda_min = -0.29, accepted
+
+
+# --- convergence on a quadratic with heterogeneous local optima ------------------------
+N, D = 8, 6
+
+
+def _quadratic(seed=0):
+    """f_i(x) = 1/2 (x - c_i)^T H_i (x - c_i); optimum of the average: (sum H)^-1 sum H c."""
+    rng = np.random.default_rng(seed)
+    H = np.stack([np.diag(rng.uniform(0.5, 2.0, D)) for _ in range(N)])
+    C = rng.normal(0.0, 3.0, (N, D))  # local optima far apart: heterogeneous
+    x_star = np.linalg.solve(H.sum(0), np.einsum("nij,nj->i", H, C))
+    return (lambda X: np.einsum("nij,nj->ni", H, X - C)), x_star
+
+
+def _run(name, g, lr, rounds=4000):
+    grad, x_star = _quadratic()
+    alg = make_algorithm(name, g, lr)
+    alg.reset(np.zeros(D))
+    for _ in range(rounds // alg.rounds_per_step):
+        alg.step(grad(alg.x))
+    return np.abs(alg.x - x_star).max(), alg
+
+
+@pytest.mark.parametrize("name", ["d2", "dsgt", "detag"])
+@pytest.mark.parametrize(("topology", "gap"), [("exponential", None), ("complete", 0.05)])
+def test_tracking_methods_converge_exactly(name, topology, gap):
+    err, alg = _run(name, gossip_matrix(topology, N, spectral_gap=gap), lr=0.05)
+    assert err < 1e-8
+    assert alg.consensus_distance() < 1e-16
+
+
+def test_dsgt_and_detag_converge_exactly_on_a_ring():
+    g = gossip_matrix("ring", N)
+    for name in ("dsgt", "detag"):
+        err, _ = _run(name, g, lr=0.05)
+        assert err < 1e-8, name
+
+
+def test_dpsgd_with_a_constant_step_reaches_only_a_neighbourhood_shrinking_with_the_step():
+    g = gossip_matrix("ring", N)
+    errs = [_run("dpsgd", g, lr)[0] for lr in (0.04, 0.02, 0.01)]
+    assert errs[0] > 1e-2  # biased: heterogeneous local optima pull the nodes apart
+    assert errs[0] < 5.0  # but bounded
+    for big, small in zip(errs, errs[1:], strict=False):
+        assert small == pytest.approx(big / 2, rel=0.25)  # the bias is O(alpha)
+
+
+def test_detag_phase_length_and_momentum():
+    g = gossip_matrix("complete", N, spectral_gap=0.01)
+    alg = DeTAG(g, lr=0.1)
+    assert alg.rounds_per_step == 10 and alg.batches_per_step == 10
+    lam = 0.99
+    assert alg.eta == pytest.approx((1 - math.sqrt(1 - lam**2)) / (1 + math.sqrt(1 - lam**2)))
+    assert DeTAG(g, lr=0.1, phase_rounds=3, accumulate=False).batches_per_step == 1
+
+
+def test_bad_algorithm_settings_refused():
+    g = gossip_matrix("ring", N)
+    with pytest.raises(ValueError, match="unknown algorithm 'adam'"):
+        make_algorithm("adam", g, 0.1)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        make_algorithm("dpsgd", g, 0.0)
+    alg = make_algorithm("dsgt", g, 0.1)
+    alg.reset(np.zeros(3))
+    with pytest.raises(ValueError, match=r"gradients have shape \(8, 2\), expected \(8, 3\)"):
+        alg.step(np.zeros((8, 2)))
+    assert set(ALGORITHMS) == {"dpsgd", "d2", "dsgt", "detag"}
