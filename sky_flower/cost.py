@@ -194,6 +194,7 @@ class CostModel:
             dtype=float,
         )
         self.capacity = np.array([n.memory_bytes for n in nodes], dtype=float)
+        self._lp_bound: float | None = None
         zero = np.zeros((N, 1))
         self.fwd_prefix = np.concatenate([zero, np.cumsum(self.fwd, 1)], 1)
         self.bwd_prefix = np.concatenate([zero, np.cumsum(self.bwd, 1)], 1)
@@ -403,14 +404,15 @@ class CostModel:
         """Lower bound on :meth:`step_time` of any plan (seconds).
 
         One micro-batch must pass every layer: ``C1 = sum_j min_i c_ij`` (no faster node,
-        no transfer); the busiest resource works ``M x`` the period bound ``P``.
+        no transfer), or better :meth:`memory_lp_bound` (the fastest nodes can only hold
+        so much); the busiest resource works ``M x`` the period bound ``P``.
         ``sequential``: ``M C1``; ``gpipe``: ``C1 + (M - 1) P`` (its two terms bound the
         closed form's two terms); ``1f1b``: ``max(C1, M P)``. On ``relay`` add the
         per-step overhead no plan avoids: one message's latency and every layer's state
         shipped once, at the cheapest node's rates.
         """
         c = self.fwd + self.bwd
-        c1 = float(c.min(axis=0).sum())
+        c1 = max(float(c.min(axis=0).sum()), self.memory_lp_bound())
         M = self.schedule.microbatches
         P = self.period_lower_bound()
         relay = 0.0
@@ -421,6 +423,46 @@ class CostModel:
         if self.schedule.kind == "gpipe":
             return c1 + (M - 1) * P + relay
         return max(c1, M * P) + relay
+
+    def memory_lp_bound(self, max_variables: int = 200_000) -> float:
+        """Least ``sum_k (f_k + b_k)`` of one micro-batch when every node holds only what
+        fits its memory: the LP ``min sum_ij c_ij x_ij`` s.t. ``sum_i x_ij = 1``,
+        ``sum_j m_j x_ij <= capacity_i``, ``0 <= x <= 1`` (HiGHS via
+        :func:`scipy.optimize.linprog`), a relaxation of every plan (contiguity, order
+        and transfers dropped; ``m_j`` with the fewest micro-batches any stage keeps).
+        0 when the LP has more than ``max_variables`` variables or fails (seconds)."""
+        if self._lp_bound is not None:
+            return self._lp_bound
+        N, L = self.num_nodes, self.num_layers
+        value = 0.0
+        if N * L <= max_variables:
+            from scipy.optimize import linprog
+            from scipy.sparse import csr_matrix, eye, kron
+
+            fewest = 1 if (not self.relay and self.schedule.kind != "gpipe") else None
+            mem = (
+                self.memory_static
+                + (self.schedule.microbatches if fewest is None else fewest)
+                * self.schedule.microbatch_size
+                * self.stash
+            )
+            c = (self.fwd + self.bwd).ravel()  # x[i, j] at i * L + j
+            a_eq = kron(csr_matrix(np.ones((1, N))), eye(L), format="csr")
+            a_ub = kron(eye(N), csr_matrix(mem[None, :]), format="csr")
+            cap = np.minimum(self.capacity, mem.sum() + 1.0)
+            res = linprog(
+                c,
+                A_ub=a_ub,
+                b_ub=cap,
+                A_eq=a_eq,
+                b_eq=np.ones(L),
+                bounds=(0.0, 1.0),
+                method="highs",
+            )
+            if res.status == 0:
+                value = float(res.fun) * (1 - 1e-9)
+        self._lp_bound = value
+        return value
 
     def lower_bound(self, objective: str = "step") -> float:
         """:meth:`step_lower_bound` or :meth:`period_lower_bound`."""
