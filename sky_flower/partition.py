@@ -25,10 +25,14 @@ Methods:
   ``even`` and SkyComputing's speed-proportional start, are then polished by moving
   boundary layers in both directions while the objective improves. O(N log L) per fill.
 * ``optimal``: exact. Small instances are enumerated (every order, idle set and cut).
-  Otherwise a MILP solved by HiGHS (:func:`scipy.optimize.milp`) over pipeline *slots*
-  and node *kinds* (nodes with identical profiles are interchangeable, so the model
-  chooses how many of each kind and where, not which one; this removes the symmetry
-  that stalls node-indexed models): binary ``y[k, j]`` = layer j in slots ``<= k``,
+  With one link for every pair of nodes, two dynamic programmes over how many nodes of
+  each kind are in use (identical nodes are interchangeable) prove the optimum:
+  :class:`_PeriodDP` for ``throughput``, :class:`_SumDP` for a one-pass step
+  (``sequential`` or M = 1, ``direct``). Otherwise a MILP solved by HiGHS
+  (:func:`scipy.optimize.milp`) over pipeline *slots* and node *kinds* (nodes with
+  identical profiles are interchangeable, so the model chooses how many of each kind
+  and where, not which one; this removes the symmetry that stalls node-indexed
+  models): binary ``y[k, j]`` = layer j in slots ``<= k``,
   binary ``z[k, t]`` = slot k runs a node of kind t, continuous ``x[k, j, t]`` = layer j
   in slot k of kind t. The MILP needs the ``direct`` transport and links that are the
   same for every node pair (otherwise the heuristic's plan is returned, with a note).
@@ -62,6 +66,7 @@ MIB = 1024 * 1024
 ENUMERATION_LIMIT = 20_000  # plans; above this ``optimal`` solves the MILP
 DP_STATE_LIMIT = 5_000_000  # node-kind count vectors for the exact throughput programme
 MILP_VARIABLE_LIMIT = 60_000  # slot x layer x kind variables
+SUM_DP_WORK_LIMIT = 3_000_000_000  # states x kinds x (L + 1)^2 for the one-pass programme
 
 
 class InfeasibleMemoryError(ValueError):
@@ -1062,6 +1067,93 @@ class _PeriodDP:
         return best, False
 
 
+class _SumDP:
+    """Exact minimum step for one pass (``sequential``, or any schedule with M = 1) on
+    the ``direct`` transport when every pair of nodes has the same link.
+
+    The step is then ``M (sum_k (f_k + b_k) + 2 sum links)``: a sum over stages, so a
+    dynamic programme over (how many nodes of each kind are in use, layers covered)
+    keeps the least cost; appending a node of kind t that takes ``[p, e)`` is a min-plus
+    product with that kind's block-cost matrix (infinite where the block does not fit
+    memory). Cost ``prod_t (n_t + 1) x kinds x L^2``.
+    """
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        kinds = _kinds(cost)
+        self.kind_ids = sorted(set(kinds) - {-1})
+        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
+        self.counts = [len(self.members[t]) for t in self.kind_ids]
+        self.num_states = math.prod(n + 1 for n in self.counts)
+        L = cost.num_layers
+        self.work = self.num_states * max(len(self.kind_ids), 1) * (L + 1) ** 2
+
+    def _blocks(self, node: int, k: int) -> np.ndarray:
+        """(L+1, L+1) cost of ``node`` as stage ``k`` holding ``[p, e)``; inf if not."""
+        cost = self.cost
+        L = cost.num_layers
+        M = cost.schedule.microbatches
+        c = cost.fwd_prefix[node] + cost.bwd_prefix[node]
+        p, e = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+        block = c[e] - c[p]
+        links = np.zeros(L + 1)
+        if L > 1:
+            links[1:L] = 2.0 * cost.link_arrays(
+                np.full(L - 1, node), np.full(L - 1, node), np.arange(L - 1)
+            )
+        block = M * (block + links[e])
+        n_in = cost.inflight(k, cost.num_nodes)
+        mp = cost.static_prefix + n_in * cost.schedule.microbatch_size * cost.stash_prefix
+        bad = (e <= p) | (mp[e] - mp[p] > cost.capacity[node])
+        return np.where(bad, np.inf, block)
+
+    def solve(self) -> list[Stage] | None:
+        """The least-step plan, or None if nothing fits memory."""
+        cost = self.cost
+        L = cost.num_layers
+        radix = [n + 1 for n in self.counts]
+        strides = [math.prod(radix[t + 1 :]) for t in range(len(radix))]
+        digits = np.indices(radix).reshape(len(radix), -1).T if radix else np.zeros((1, 0))
+        level = digits.sum(axis=1) if radix else np.zeros(1, dtype=int)
+        D = np.full((self.num_states, L + 1), np.inf)
+        arg_p = np.full((self.num_states, L + 1), -1, dtype=np.int64)
+        arg_t = np.full((self.num_states, L + 1), -1, dtype=np.int64)
+        D[0] = self._blocks(cost.owner, 0)[0]
+        reps = [self.members[t][0] for t in self.kind_ids]
+        cache: dict[tuple[int, int], np.ndarray] = {}
+        for k in range(1, int(level.max()) + 1 if radix else 1):
+            for idx in np.flatnonzero(level == k):
+                for t, dt in enumerate(digits[idx]):
+                    if dt == 0:
+                        continue
+                    prev = idx - strides[t]
+                    if not np.isfinite(D[prev]).any():
+                        continue
+                    key = (t, cost.inflight(k, cost.num_nodes))
+                    if key not in cache:
+                        cache[key] = self._blocks(reps[t], k)
+                    cand = D[prev][:, None] + cache[key]
+                    p_best = cand.argmin(axis=0)
+                    v = cand[p_best, np.arange(L + 1)]
+                    better = v < D[idx]
+                    D[idx][better] = v[better]
+                    arg_p[idx][better] = p_best[better]
+                    arg_t[idx][better] = t
+        best_idx = int(np.argmin(D[:, L]))
+        if not np.isfinite(D[best_idx, L]):
+            return None
+        steps, idx, e = [], best_idx, L
+        while idx != 0:
+            t, p = int(arg_t[idx, e]), int(arg_p[idx, e])
+            steps.append((t, p, e))
+            idx, e = idx - strides[t], p
+        pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
+        stages = [(cost.owner, 0, e - 1)]
+        for t, p, e2 in reversed(steps):
+            stages.append((pool[t].pop(0), p, e2 - 1))
+        return stages
+
+
 def _milp_ok(cost: CostModel) -> str | None:
     """None if the MILP models this cost exactly, else why not."""
     if cost.relay:
@@ -1150,6 +1242,35 @@ def optimal(
                 proven_optimal=proven,
                 mip_gap=0.0 if proven else None,
                 note=note,
+            )
+    one_pass = cost.schedule.kind == "sequential" or cost.schedule.microbatches == 1
+    if (
+        objective == "step"
+        and one_pass
+        and uniform
+        and not cost.relay
+        and solver
+        in (
+            "auto",
+            "dp",
+        )
+    ):
+        dp2 = _SumDP(cost)
+        if dp2.work <= SUM_DP_WORK_LIMIT:
+            stages = dp2.solve()
+            if stages is None or cost.step_time(stages) > h.predicted_step_time_s:
+                stages = h.spec
+            v = cost.step_time(stages)
+            return make_plan(
+                cost,
+                "optimal",
+                stages,
+                time.perf_counter() - t0,
+                lower_bound_s=v,
+                objective=objective,
+                proven_optimal=True,
+                mip_gap=0.0,
+                note="exact dynamic programme over node kinds and layers (one pass)",
             )
     why = _milp_ok(cost)
     if why is None and objective == "throughput" and solver == "auto":

@@ -274,6 +274,23 @@ def test_period_dp_matches_brute_force(cost):
     _assert_fits(cost, o)
 
 
+# The exact one-pass (sequential or M = 1) step programme, forced, against brute force.
+@settings(PROPS, max_examples=100)
+@given(milp_instances())
+def test_one_pass_dp_matches_brute_force(cost):
+    bf = _try(brute_force, cost, objective="step")
+    o = _try(optimal, cost, objective="step", solver="dp")
+    if bf is None:
+        assert o is None
+        return
+    one_pass = cost.schedule.kind == "sequential" or cost.schedule.microbatches == 1
+    if one_pass:
+        assert o.proven_optimal and "one pass" in o.note, o.note
+    assert o.predicted_step_time_s == pytest.approx(bf.predicted_step_time_s, rel=REL, abs=ABS)
+    _assert_valid(cost, o)
+    _assert_fits(cost, o)
+
+
 @PROPS
 @given(instances(), st.sampled_from(["step", "throughput"]))
 def test_lower_bound_below_every_plan(cost, objective):
