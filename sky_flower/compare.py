@@ -104,7 +104,24 @@ class SweepSummary(Callback):
             raise SystemExit(f"{len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Command line: print the table and write ``summary.csv``; 1 (writing nothing) when the
+    directory holds no sweep jobs."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m sky_flower.compare <multirun sweep directory>", file=sys.stderr)
+        return 1
+    sweep_dir = Path(args[0])
+    if not sweep_dir.is_dir() or not collect(sweep_dir):
+        print(
+            f"error: no sweep jobs found in {sweep_dir} (expected Hydra multirun job folders "
+            "with results.json)",
+            file=sys.stderr,
+        )
+        return 1
+    print(table(summarise(sweep_dir)))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m sky_flower.compare <multirun sweep directory>")
-    print(table(summarise(Path(sys.argv[1]))))
+    sys.exit(main())

@@ -215,8 +215,24 @@ class PlanSweepSummary(Callback):
             raise SystemExit(f"{len(errors)} of {len(rows)} jobs failed: {', '.join(errors)}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write the CSV and figure, print :func:`report`; 1 (writing nothing)
+    when the directory holds no sweep jobs."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m sky_flower.plan_sweep <multirun sweep directory>", file=sys.stderr)
+        return 1
+    sweep_dir = Path(args[0])
+    if not sweep_dir.is_dir() or not collect(sweep_dir):
+        print(
+            f"error: no sweep jobs found in {sweep_dir} (expected Hydra multirun job folders "
+            f"with {ROW_FILE})",
+            file=sys.stderr,
+        )
+        return 1
+    print(report(summarise(sweep_dir), sweep_dir))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m sky_flower.plan_sweep <multirun sweep directory>")
-    directory = Path(sys.argv[1])
-    print(report(summarise(directory), directory))
+    sys.exit(main())

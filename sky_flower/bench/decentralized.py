@@ -37,7 +37,13 @@ import torch
 
 from sky_flower.data import Split, load_split
 from sky_flower.decentral import FlatModel, minibatch_indices, node_splits
-from strategies.gossip import ALGORITHMS, GossipMatrix, gossip_matrix, make_algorithm
+from strategies.gossip import (
+    ALGORITHMS,
+    TOPOLOGIES,
+    GossipMatrix,
+    gossip_matrix,
+    make_algorithm,
+)
 
 
 @dataclass(frozen=True)
@@ -168,34 +174,160 @@ def plot(
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command line (see the module docstring)."""
+FULL_DEFAULTS: dict[str, Any] = {
+    "homogeneity": [0.0, 25.0, 50.0, 100.0],
+    "gaps": [1.0, 0.1, 0.05, 0.01],
+    "rounds": 300,
+    "lrs": [0.1, 0.2, 0.4, 0.8, 1.6],
+}
+"""The grid without ``--quick`` (``--gaps`` on a sparse ``--topology``: its own gap)."""
+QUICK_DEFAULTS: dict[str, Any] = {
+    "homogeneity": [0.0, 100.0],
+    "gaps": [1.0, 0.05],
+    "rounds": 150,
+    "lrs": [0.4],
+}
+"""The grid with ``--quick``; flags given explicitly win over it."""
+
+
+def _g(values: list[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's argument parser; the grid flags default to None, filled in by
+    :func:`parse_args` from :data:`FULL_DEFAULTS` or :data:`QUICK_DEFAULTS`."""
+    full, quick = FULL_DEFAULTS, QUICK_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m sky_flower.bench.decentralized")
-    p.add_argument("--nodes", type=int, nargs="+", default=[8])
-    p.add_argument("--homogeneity", type=float, nargs="+", default=[0, 25, 50, 100])
-    p.add_argument("--gaps", type=float, nargs="+", default=[1.0, 0.1, 0.05, 0.01])
-    p.add_argument("--topology", default="complete", help="graph the gap is set on")
+    p.add_argument("--nodes", type=int, nargs="+", default=[8], help=">= 2 each (default: 8)")
+    p.add_argument(
+        "--homogeneity",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"X in [0, 100], percent shuffled (default: {_g(full['homogeneity'])}; "
+        f"--quick: {_g(quick['homogeneity'])})",
+    )
+    p.add_argument(
+        "--gaps",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"spectral gaps in (0, 1] (default: {_g(full['gaps'])}, on a sparse --topology "
+        f"its own gap; --quick: {_g(quick['gaps'])})",
+    )
+    p.add_argument(
+        "--topology",
+        default="complete",
+        choices=list(TOPOLOGIES),
+        help="graph the gap is set on (default: complete)",
+    )
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
-    p.add_argument("--rounds", type=int, default=300, help="communication rounds per run")
-    p.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.8, 1.6])
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--hidden-width", type=int, default=32)
-    p.add_argument("--target-loss", type=float, default=0.5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"communication rounds per run, >= 1 (default: {full['rounds']}; "
+        f"--quick: {quick['rounds']})",
+    )
+    p.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"step sizes > 0 (default: {_g(full['lrs'])}; --quick: {_g(quick['lrs'])})",
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="per node, >= 1 (default: 16)")
+    p.add_argument("--hidden-width", type=int, default=32, help="0: logistic (default: 32)")
+    p.add_argument("--target-loss", type=float, default=0.5, help="> 0 (default: 0.5)")
     p.add_argument("--phase-rounds", type=int, default=0, help="DeTAG's R (0: 1/sqrt(gap))")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help=">= 0 (default: 0)")
     p.add_argument("--out", type=Path, default=None, help="default: outputs/bench_<time>")
-    p.add_argument("--quick", action="store_true", help="X 0, 100; gaps 1, 0.05; 150 rounds")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small grid for the flags not given: X 0, 100; gaps 1, 0.05; 150 rounds; lr 0.4",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line (see the module docstring), every value checked before any run.
+
+    A bad value exits with an argparse usage error (status 2), and so does a grid that the
+    gossip core or the data split refuses (a gap out of the topology's reach, D2 on a
+    matrix with ``lambda_min <= -1/3``, a batch larger than a node's data).
+    """
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.quick:
-        args.homogeneity, args.gaps, args.rounds, args.lrs = [0, 100], [1.0, 0.05], 150, [0.4]
-    for gap in args.gaps:
-        if not 0 < gap <= 1:
-            p.error(f"--gaps: spectral gap must be in (0, 1], got {gap}")
-    if min(args.nodes) < 2:
-        p.error("--nodes: at least 2 nodes")
+    if args.gaps is None and args.topology != "complete":
+        args.gaps = [None]  # the sparse topology's own gap
+    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    _check_values(p, args)
+    _check_grid(p, args)
     if args.out is None:
         args.out = Path("outputs") / time.strftime("bench_%Y-%m-%d_%H-%M-%S")
     return args
+
+
+def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Ranges of the single flags (NaN fails every check)."""
+    if min(args.nodes) < 2:
+        p.error(f"--nodes: at least 2 nodes, got {min(args.nodes)}")
+    for x in args.homogeneity:
+        if not 0.0 <= x <= 100.0:
+            p.error(f"--homogeneity: X must be in [0, 100] (percent shuffled), got {x:g}")
+    for gap in args.gaps:
+        if gap is not None and not 0.0 < gap <= 1.0:
+            p.error(f"--gaps: spectral gap must be in (0, 1], got {gap:g}")
+    for lr in args.lrs:
+        if not (lr > 0.0 and math.isfinite(lr)):
+            p.error(f"--lrs: step sizes must be > 0, got {lr:g}")
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1 communication round, got {args.rounds}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size: at least 1 example per node, got {args.batch_size}")
+    if args.hidden_width < 0:
+        p.error(f"--hidden-width: must be >= 0 (0: logistic regression), got {args.hidden_width}")
+    if not (args.target_loss > 0.0 and math.isfinite(args.target_loss)):
+        p.error(f"--target-loss: must be > 0, got {args.target_loss:g}")
+    if args.phase_rounds < 0:
+        p.error(f"--phase-rounds: must be >= 0 (0: automatic), got {args.phase_rounds}")
+    if args.seed < 0:
+        p.error(f"--seed: must be >= 0, got {args.seed}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out: {args.out} exists and is not a directory")
+
+
+def _check_grid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Build every setting's data split, gossip matrix and algorithm once (cheap) and turn
+    the library's ValueError into a usage error, in command-line terms."""
+    train, _ = load_split("digits", 0.2, args.seed)
+    try:
+        for n, x in itertools.product(args.nodes, args.homogeneity):
+            smallest = min(len(s) for s in node_splits(train, n, x, args.seed))
+            if args.batch_size > smallest:
+                p.error(
+                    f"--batch-size: {args.batch_size} is more than the {smallest} training "
+                    f"examples a node holds with --nodes {n}"
+                )
+        for n, gap in itertools.product(args.nodes, args.gaps):
+            network = gossip_matrix(args.topology, n, gap, seed=args.seed)
+            for name, lr in itertools.product(args.algorithms, args.lrs):
+                make_algorithm(name, network, lr, args.phase_rounds)
+    except ValueError as err:
+        p.error(_cli_terms(str(err)))
+
+
+def _cli_terms(message: str) -> str:
+    """A library message with its Hydra-style ``key=value`` advice as flags."""
+    return (
+        message.replace("use topology=complete", "use --topology complete")
+        .replace("set spectral_gap", "set --gaps")
+        .replace("spectral_gap=", "--gaps ")
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -210,12 +342,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         Setting(n, x, g, args.topology)
         for n, x, g in itertools.product(args.nodes, args.homogeneity, args.gaps)
     ]
-    # validate every setting before any run
-    networks = {
+    networks = {  # parse_args built each of these once already: no ValueError here
         s: gossip_matrix(s.topology, s.nodes, s.spectral_gap, seed=args.seed) for s in settings
     }
-    for s in settings:
-        node_splits(train, s.nodes, s.homogeneity, args.seed)
     t0, table, everything = time.time(), [], []
     for s in settings:
         splits = node_splits(train, s.nodes, s.homogeneity, args.seed)
@@ -264,9 +393,18 @@ def _cell(rounds: int | None, limit: int) -> str:
     return f">{limit}" if rounds is None else str(rounds)
 
 
+def _loss(loss: float) -> str:
+    """A final loss for the table; inf/nan (the run stopped on divergence): "diverged"."""
+    return f"{loss:.3f}" if math.isfinite(loss) else "diverged"
+
+
 def format_row(row: dict[str, Any], algorithms: list[str], limit: int) -> str:
     """One progress line."""
-    cells = "  ".join(f"{a} {_cell(row[f'{a}_rounds'], limit):>5}" for a in algorithms)
+    cells = "  ".join(
+        f"{a} {_cell(row[f'{a}_rounds'], limit):>5}"
+        + ("" if math.isfinite(row[f"{a}_final_loss"]) else " (diverged)")
+        for a in algorithms
+    )
     gap = row["spectral_gap"]
     return f"n={row['nodes']:<3} X={row['homogeneity']:<5g} gap={gap if gap else '-':<5}  {cells}"
 
@@ -278,14 +416,16 @@ def markdown_table(
     head = "| nodes | X (%) | gap | " + " | ".join(algorithms) + " | fastest |"
     lines = [
         f"Communication rounds to reach training loss {target:g} (final loss after {limit} "
-        "rounds in brackets; the best of the step sizes tried)",
+        "rounds in brackets; the best of the step sizes tried; diverged: the loss blew up "
+        "(inf/nan) and the run stopped)",
         "",
         head,
         "|" + "---|" * (len(algorithms) + 4),
     ]
     for row in table:
         cells = [
-            f"{_cell(row[f'{a}_rounds'], limit)} ({row[f'{a}_final_loss']:.3f})" for a in algorithms
+            f"{_cell(row[f'{a}_rounds'], limit)} ({_loss(row[f'{a}_final_loss'])})"
+            for a in algorithms
         ]
         hits = {a: row[f"{a}_rounds"] for a in algorithms if row[f"{a}_rounds"] is not None}
         fastest = ", ".join(a for a in hits if hits[a] == min(hits.values())) if hits else "-"

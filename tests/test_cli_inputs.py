@@ -1,0 +1,213 @@
+"""Bad command-line input ends in a clean error, not a traceback (and writes nothing).
+
+The command lines run as subprocesses (``sys.executable -m ...``); the bench's refusals
+run side by side to keep this file fast.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from sky_flower import compare, plan_sweep
+from sky_flower.bench import decentralized as bench
+
+BENCH = "sky_flower.bench.decentralized"
+
+
+def _run(module, *args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+# ------------------------------------------------------------------------------------
+# python -m sky_flower.bench.decentralized
+
+BAD_BENCH = {  # the rest of the review's cases run in process, below
+    "--homogeneity 150": "--homogeneity: X must be in [0, 100]",
+    "--topology ring --gaps 0.5": "use --topology complete",
+    "--rounds 0": "--rounds: at least 1",
+}
+
+
+def test_bench_bad_flags_are_usage_errors(tmp_path):
+    procs = {
+        flags: subprocess.Popen(
+            [sys.executable, "-m", BENCH, *flags.split(), "--out", str(tmp_path / "out")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags in BAD_BENCH
+    }
+    for flags, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (flags, err)
+        assert "Traceback" not in err, (flags, err)
+        assert err.startswith("usage: python -m sky_flower.bench.decentralized"), (flags, err)
+        assert BAD_BENCH[flags] in err.splitlines()[-1], (flags, err)
+        assert out == ""
+    assert "topology=complete" not in "".join(BAD_BENCH)
+    assert not (tmp_path / "out").exists()  # refused before any run
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--lrs -1", "--lrs: step sizes must be > 0"),
+        ("--topology bogus", "argument --topology: invalid choice: 'bogus'"),
+        ("--batch-size 0", "--batch-size: at least 1"),
+        ("--nodes 1", "--nodes: at least 2"),
+        ("--homogeneity -5", "--homogeneity"),
+        ("--homogeneity nan", "--homogeneity"),
+        ("--gaps 0", "--gaps: spectral gap must be in (0, 1]"),
+        ("--gaps 1.5", "--gaps: spectral gap must be in (0, 1]"),
+        ("--lrs 0", "--lrs"),
+        ("--lrs inf", "--lrs"),
+        ("--batch-size 1000", "--batch-size: 1000 is more than the"),
+        ("--hidden-width -1", "--hidden-width"),
+        ("--target-loss 0", "--target-loss"),
+        ("--target-loss nan", "--target-loss"),
+        ("--phase-rounds -1", "--phase-rounds"),
+        ("--seed -1", "--seed"),
+        ("--nodes 4000", "training examples"),
+        ("--topology ring --algorithms d2", "set --gaps"),
+        ("--topology ring --gaps 0.5 --quick", "--gaps 0.5 is out of reach"),
+        ("--quick --rounds 0", "--rounds"),
+        ("--algorithms sgd", "invalid choice"),
+    ],
+)
+def test_bench_refusals_in_process(flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(flags.split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:")
+    assert message in err
+    assert "topology=" not in err and "spectral_gap=" not in err
+
+
+def test_bench_out_must_be_a_directory(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--out", str(tmp_path / "file")])
+    assert "--out" in capsys.readouterr().err
+
+
+def test_quick_changes_only_the_flags_not_given(tmp_path):
+    out = str(tmp_path)
+    quick = bench.parse_args(["--quick", "--out", out])
+    assert quick.homogeneity == [0, 100] and quick.gaps == [1.0, 0.05]
+    assert quick.rounds == 150 and quick.lrs == [0.4]
+    mixed = bench.parse_args(
+        ["--quick", "--gaps", "0.5", "--homogeneity", "30", "--lrs", "0.2", "0.3", "--out", out]
+    )
+    assert mixed.gaps == [0.5] and mixed.homogeneity == [30] and mixed.lrs == [0.2, 0.3]
+    assert mixed.rounds == 150  # not given: the quick grid's
+    full = bench.parse_args(["--rounds", "7", "--out", out])
+    assert full.rounds == 7 and full.homogeneity == [0, 25, 50, 100]
+    assert full.gaps == [1.0, 0.1, 0.05, 0.01] and len(full.lrs) == 5
+    # a sparse topology without --gaps: its own gap (no default gap out of its reach)
+    assert bench.parse_args(["--topology", "ring", "--algorithms", "dpsgd", "--out", out]).gaps == [
+        None
+    ]
+
+
+def test_diverged_losses_in_the_table():
+    row = {
+        "nodes": 8,
+        "homogeneity": 0.0,
+        "spectral_gap": 1.0,
+        "dpsgd_rounds": None,
+        "dpsgd_final_loss": math.inf,
+        "d2_rounds": 3,
+        "d2_final_loss": 0.25,
+    }
+    md = bench.markdown_table([row], ["dpsgd", "d2"], 10, 0.5)
+    assert "| >10 (diverged) | 3 (0.250) |" in md and "(inf)" not in md
+    assert "(diverged)" in bench.format_row(row, ["dpsgd", "d2"], 10)
+
+
+def test_bench_quick_run_honours_given_flags(tmp_path):
+    out = tmp_path / "bench"
+    proc = _run(
+        BENCH,
+        *("--quick", "--rounds", "2", "--homogeneity", "50", "--gaps", "0.5"),
+        *("--algorithms", "dpsgd", "--lrs", "1000", "--out", out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    args = json.loads((out / "results.json").read_text())["args"]
+    assert args["homogeneity"] == [50] and args["gaps"] == [0.5] and args["rounds"] == 2
+    md = (out / "table.md").read_text()
+    assert "| 8 | 50 | 0.5 | >2 (diverged) |" in md  # lr 1000 blows the loss up
+
+
+# ------------------------------------------------------------------------------------
+# python -m sky_flower.compare / python -m sky_flower.plan_sweep
+
+
+SWEEP_CLIS = {
+    "sky_flower.compare": (compare, "summary.csv", "results.json"),
+    "sky_flower.plan_sweep": (plan_sweep, "plan_sweep.csv", "plan_row.json"),
+}
+
+
+def _no_jobs(sweep_dir, expected):
+    return (
+        f"error: no sweep jobs found in {sweep_dir} "
+        f"(expected Hydra multirun job folders with {expected})"
+    )
+
+
+@pytest.mark.parametrize("module", list(SWEEP_CLIS))
+def test_sweep_summaries_refuse_a_missing_dir(tmp_path, module):
+    missing = tmp_path / "no_such_dir"
+    proc = _run(module, missing)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == _no_jobs(missing, SWEEP_CLIS[module][2])
+    assert proc.stdout == "" and not missing.exists()
+
+
+@pytest.mark.parametrize("module", list(SWEEP_CLIS))
+def test_sweep_summaries_refuse_a_dir_without_jobs(tmp_path, module, capsys):
+    cli, written, expected = SWEEP_CLIS[module]
+    (tmp_path / "0").mkdir()  # a job folder without its file is no job
+    (tmp_path / "notes.txt").write_text("")
+    assert cli.main([str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip() == _no_jobs(tmp_path, expected) and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "notes.txt"]  # nothing written
+    assert cli.main([str(tmp_path / "notes.txt")]) == 1  # a file is no sweep either
+    assert cli.main([]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"usage: python -m {module} " + (
+        "<multirun sweep directory>"
+    )
+
+
+def test_compare_cli_on_a_sweep(tmp_path, capsys):
+    job = tmp_path / "0"
+    job.mkdir()
+    (job / "results.json").write_text(
+        json.dumps({"allocation": "even", "fleet": "edge4", "final_test_accuracy": 0.9})
+    )
+    assert compare.main([str(tmp_path)]) == 0
+    assert "even" in capsys.readouterr().out and (tmp_path / "summary.csv").exists()
+
+
+def test_plan_sweep_cli_on_a_sweep(tmp_path, capsys):
+    job = tmp_path / "0"
+    job.mkdir()
+    (job / "plan_row.json").write_text(
+        json.dumps({"status": "refused", "error": "even: more nodes than layers", "nodes": 8})
+    )
+    assert plan_sweep.main([str(tmp_path)]) == 0
+    assert "1 jobs (1 refused)" in capsys.readouterr().out
+    assert (tmp_path / "plan_sweep.csv").exists()
