@@ -202,7 +202,12 @@ class Plan:
             f"{', proven optimal' if self.proven_optimal else ''}{gap}"
         )
         if self.idle_nodes:
-            rows.append(f"idle: {', '.join(self.idle_nodes)}")
+            shown = ", ".join(self.idle_nodes[:12])
+            more = len(self.idle_nodes) - 12
+            rows.append(
+                f"idle ({len(self.idle_nodes)}): {shown}"
+                + (f", ... {more} more" if more > 0 else "")
+            )
         if self.note:
             rows.append(f"note: {self.note}")
         return "\n".join(rows)
@@ -300,6 +305,15 @@ def _infeasible_message(cost: CostModel) -> str:
             f"infeasible memory budget: {layers}, but the largest node has "
             f"{cap_max / MIB:.1f} MiB. Give a node more memory, lower the batch size "
             f"(now {sched.batch_size}), or split the layer."
+        )
+    owner = cost.nodes[cost.owner]
+    first = cost.stage_memory(0, 0, cost.inflight(0, cost.num_nodes))
+    if first > cost.capacity[cost.owner]:
+        return (
+            f"infeasible memory budget: the data owner {owner.name!r} must run stage 0 (raw "
+            f"inputs never leave it), but layer 0 ({cost.layers[0].name}) alone needs "
+            f"{first / MIB:.1f} MiB and it has {cost.capacity[cost.owner] / MIB:.1f} MiB. "
+            f"Give {owner.name!r} more memory or lower the batch size (now {sched.batch_size})."
         )
     need, have = cost.stage_memory(0, L - 1), float(cost.capacity.sum())
     caps = ", ".join(

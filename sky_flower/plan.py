@@ -59,6 +59,8 @@ from sky_flower.run import _conf_dir
 
 MIB = 2**20
 ROW_FILE = "plan_row.json"
+MAX_PLAN_NODES = 10_000  # nodes in a planned fleet
+MAX_TIMED_MICROBATCH = 8192  # samples per micro-batch when profiling a built model here
 log = logging.getLogger("sky_flower.plan")
 
 
@@ -116,6 +118,12 @@ def _model_layers(
             raise ValueError(f"bad model config for {name}: {err}") from err
     if model_cfg.get("planning_only"):
         raise ValueError(f"model {name!r} is planning_only but the planner cannot profile it")
+    if schedule.microbatch_size > MAX_TIMED_MICROBATCH:
+        raise ValueError(
+            f"micro-batches of {schedule.microbatch_size} samples are too large to profile "
+            f"on this host (at most {MAX_TIMED_MICROBATCH}): lower schedule.batch_size or "
+            "raise schedule.microbatches"
+        )
     model = build_model(model_cfg)
     if "input_shape" not in model_cfg:
         raise ValueError(f"model {name!r} needs input_shape (one sample's shape) to be profiled")
@@ -142,8 +150,11 @@ def _fleet_nodes(
     if rate is not None and (not float(rate) > 0 or math.isinf(float(rate))):
         raise ValueError(f"fleet.flops_per_s must be a positive finite rate, got {rate}")
     if isinstance(nodes, int) and not isinstance(nodes, bool) and rate is not None:
-        if nodes < 1:
-            raise ValueError(f"fleet.nodes must be >= 1, got {nodes}")
+        if not 1 <= nodes <= MAX_PLAN_NODES:
+            raise ValueError(
+                f"fleet.nodes must be in [1, {MAX_PLAN_NODES}], got {nodes} (the planner "
+                "keeps per-node arrays of every layer's time)"
+            )
         if fleet_cfg.get("memory_mb") is None:
             raise ValueError("fleet.memory_mb must be set (MiB per node) to plan this fleet")
         bandwidth = fleet_cfg.get("bandwidth_mb_s")

@@ -145,6 +145,19 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         )
     if int(cfg.num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
+    if not float(cfg.allocation.get("time_limit_s", 30.0)) > 0:
+        raise ValueError(
+            f"allocation.time_limit_s must be > 0 seconds, got {cfg.allocation.time_limit_s}"
+        )
+    max_nodes = int(cfg.simulation.get("max_nodes", 16))
+    if len(fleet) > max_nodes:
+        raise ValueError(
+            f"the fleet has {len(fleet)} nodes; this job simulates every node in Flower's "
+            f"simulation engine on {cpus} CPUs and benchmarks them one at a time, which "
+            f"allows at most simulation.max_nodes={max_nodes}. Use a smaller fleet (e.g. "
+            "fleet.nodes=8), preview large fleets with `python -m sky_flower.plan`, or "
+            "raise simulation.max_nodes"
+        )
     owners = [n for n in fleet if n.holds_data]
     train, test = load_split(dataset["name"], float(dataset["test_fraction"]), int(cfg.seed))
     smallest = len(train) // len(owners)  # np.array_split: the smallest partition

@@ -343,6 +343,14 @@ def test_globally_infeasible():
         assert "n0=3.0" in msg and "n1=4.0" in msg, msg
 
 
+def test_data_owner_too_small_for_layer_0_is_named():
+    # n1 could hold everything, but the data owner n0 must run stage 0 (layer 0: 2 MiB)
+    cost = _uniform(3, 2, [1 * MIB, 2**40])
+    for method in (heuristic, optimal, feasible_stages):
+        with pytest.raises(InfeasibleMemoryError, match=r"data owner 'n0' must run stage 0"):
+            method(cost)
+
+
 def test_a_node_too_small_for_any_layer_is_left_idle():
     # 3 layers of 2 MIB; node 0 holds them all (6 MIB); node 1 has only 1 MIB
     cost = _uniform(3, 2, [6 * MIB, 1 * MIB])

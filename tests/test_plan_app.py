@@ -121,6 +121,10 @@ def test_bad_input_is_refused_before_work(tmp_path):
         plan_job(_cfg([*SMALL, "objective=fast"]), tmp_path)
     with pytest.raises(ValueError, match="flops_per_s"):
         plan_job(_cfg(["fleet=edge4", "model.num_layers=2"]), tmp_path)
+    with pytest.raises(ValueError, match=r"fleet.nodes must be in \[1, 10000\]"):
+        plan_job(_cfg([*SMALL, "fleet.nodes=1000000000"]), tmp_path)
+    with pytest.raises(ValueError, match="too large to profile"):
+        plan_job(_cfg(["model=mlp", "fleet=edge4", "schedule.batch_size=100000"]), tmp_path)
 
 
 def test_infeasible_memory_in_process(tmp_path):

@@ -128,6 +128,8 @@ def test_unknown_allocation_refused_before_flower_starts(tmp_path):
         ("schedule.microbatches=3", "must divide batch_size=128"),
         ("simulation.num_cpus_per_node=1000", "num_cpus_per_node=1000 must be in"),
         ("train.lr=-1", "lr must be > 0"),
+        ("fleet=skycomputing", "the fleet has 64 nodes.*simulation.max_nodes=16"),
+        ("allocation.time_limit_s=-5", "time_limit_s must be > 0"),
         ("train.local_epochs=0", "local_epochs must be > 0"),
     ],
 )
