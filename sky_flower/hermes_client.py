@@ -175,11 +175,17 @@ class HermesClient:
 
     # --- handlers ----------------------------------------------------------------------
     def hello(self, msg: Message, context: Context) -> Message:
-        """Position, pool size and emulated slowdown; holds the worker for ``hold_s``
-        seconds when the message asks (the server's readiness barrier)."""
+        """Position, pool size and emulated slowdown. When the message asks (the server's
+        readiness barrier), first warm up (one gradient and one evaluation: the first
+        ``torch.func`` call in a fresh process costs seconds) and hold for ``hold_s``."""
         emu = self.emulation_fn(context)
         cfg = msg.content.config_records.get("cfg")
         if cfg is not None and float(cfg["hold_s"]) > 0:  # type: ignore[arg-type]
+            torch.set_num_threads(1)
+            pool = self.load_data().pool
+            vec = np.zeros(self.model.dim)
+            self.model.loss_and_grad(vec, pool.x[:8], pool.y[:8])
+            self.model.evaluate(vec, pool)
             time.sleep(float(cfg["hold_s"]))  # type: ignore[arg-type]
         metrics = MetricRecord(
             {

@@ -237,11 +237,11 @@ class AsyncStrategy(Strategy):
         self.wait_until_ready(grid)
 
     def wait_until_ready(self, grid: Grid, hold_s: float = 1.0, limit_s: float = 120.0) -> float:
-        """Readiness barrier before the clock starts: ask every worker to hold for
-        ``hold_s`` at once, until all answer within ``1.6 x hold_s`` (so all ran in one
-        wave, in parallel: every simulated worker's process is up). Without it the first rounds
-        would pay the simulation engine's start-up (importing torch in 8 processes on 2
-        cores: tens of seconds) and whichever method ran first would be charged for it.
+        """Readiness barrier before the clock starts: ask every worker to warm up and hold
+        for ``hold_s`` at once, until all answer within ``1.6 x hold_s`` (so all ran in one
+        wave, in parallel, already warm). Without it the first rounds would pay the
+        simulation engine's start-up (8 fresh processes making their first torch calls
+        on 2 cores: about 30 s here), charged to whichever worker and method came first.
         Returns the seconds spent."""
         t0 = time.monotonic()
         cfg = ConfigRecord({"hold_s": hold_s})
