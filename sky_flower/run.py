@@ -1,7 +1,8 @@
 """Main job: ``python -m sky_flower.run [allocation=even|heuristic|optimal] [fleet=...]``.
 
 ``strategy=dpsgd|d2|dsgt|detag`` runs a decentralized strategy instead
-(:mod:`sky_flower.run_decentralized`); the default ``strategy=sky`` is the job below.
+(:mod:`sky_flower.run_decentralized`), ``strategy=hermes|bsp|asp|ssp`` Hermes or its
+baselines (:mod:`sky_flower.run_hermes`); the default ``strategy=sky`` is the job below.
 
 A Hydra app (``conf/config.yaml``; groups ``allocation``, ``fleet``, ``model``,
 ``dataset``) that starts Flower's simulation engine with one SuperNode per fleet node,
@@ -112,6 +113,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
     from strategies.sky import SkyStrategy
 
+    if _hermes(cfg):  # strategy=hermes|bsp|asp|ssp: sky_flower/run_hermes.py
+        from sky_flower.run_hermes import run_hermes_job
+
+        return run_hermes_job(cfg, out_dir)
     if _decentralized(cfg):  # strategy=dpsgd|d2|dsgt|detag: sky_flower/run_decentralized.py
         from sky_flower.run_decentralized import run_decentralized_job
 
@@ -267,7 +272,14 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 def _decentralized(cfg: DictConfig) -> bool:
     """True for ``strategy=dpsgd|d2|dsgt|detag`` (see ``sky_flower.run_decentralized``)."""
-    return str(OmegaConf.select(cfg, "strategy.name", default="sky")) != "sky"
+    return str(OmegaConf.select(cfg, "strategy.name", default="sky")) != "sky" and not _hermes(cfg)
+
+
+def _hermes(cfg: DictConfig) -> bool:
+    """True for ``strategy=hermes|bsp|asp|ssp`` (see ``sky_flower.run_hermes``)."""
+    from sky_flower.run_hermes import is_hermes
+
+    return is_hermes(cfg)
 
 
 @hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
@@ -276,6 +288,10 @@ def main(cfg: DictConfig) -> None:
     ``results.json`` carries the error) and the sweep goes on."""
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
+    if _hermes(cfg):
+        from sky_flower.run_hermes import main_hermes
+
+        return main_hermes(cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
     if _decentralized(cfg):
         from sky_flower.run_decentralized import main_decentralized
 

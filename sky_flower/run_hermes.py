@@ -1,0 +1,292 @@
+"""The Hermes job of the entry point: ``python -m sky_flower.run strategy=hermes``.
+
+Runs Hermes or a baseline (``strategy=hermes|bsp|asp|ssp``; settings under
+``strategy.*``, see ``conf/hermes.yaml``) in Flower's simulation engine with one SuperNode
+per fleet node (default ``fleet=skycomputing8``: SkyComputing's slowdowns 1-6 on 8
+workers). Every worker holds a data partition of digits (data-parallel); the server keeps
+a validation split (Hermes' aggregation losses) and the held-out test split (reported
+accuracy only). Writes into the job's output directory, like the main job:
+``benchmark.json`` (Hermes' benchmark round; baselines have none), ``plan.json`` (each
+worker's share and batch, the target round time), ``results.json`` and ``model.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sky_flower.data import load_split
+from sky_flower.decentral import FlatModel
+from sky_flower.emulation import expand_fleet
+from strategies.hermes_core import validate_settings
+
+log = logging.getLogger("sky_flower")
+NAMES = ("hermes", "bsp", "asp", "ssp")
+
+
+def is_hermes(cfg: DictConfig) -> bool:
+    """True for ``strategy=hermes|bsp|asp|ssp``."""
+    return str(OmegaConf.select(cfg, "strategy.name", default="sky")) in NAMES
+
+
+def write_hermes_results(out_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write ``results.json`` (also for a job refused before it started) and return it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_plain))
+    return payload
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
+
+
+@contextmanager
+def concurrent_messages(n: int) -> Iterator[None]:
+    """Let Flower's simulation engine handle ``n`` messages at once.
+
+    Flower 1.42's engine runs its message workers in a ``ThreadPoolExecutor()`` with the
+    default size, ``cpu_count + 4``: 6 on a 2-core machine, so 2 of 8 emulated workers
+    would always wait for a free thread however many Ray actors there are. The emulated
+    workers mostly sleep, so here the pool is widened to ``n`` for the duration of the job
+    (``flwr.server.superlink.fleet.vce.vce_api.ThreadPoolExecutor``, restored after).
+    """
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    original = vce_api.ThreadPoolExecutor
+    default = min(32, (os.cpu_count() or 1) + 4)
+    vce_api.ThreadPoolExecutor = partial(original, max_workers=max(n, default))  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        vce_api.ThreadPoolExecutor = original  # type: ignore[misc]
+
+
+def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
+    """Run Hermes or a baseline for ``cfg``; write the output files; return the results.
+
+    ``results.json``: ``strategy``, ``fleet``, ``target_accuracy``, ``time_to_target_s``
+    (server wall time to the first global model at or above the target; null if never),
+    ``wall_time_s``, ``final_test_accuracy``, ``updates_sent`` (per worker),
+    ``updates_sent_total``, ``minor_rounds`` (per worker), ``ready_s`` (the readiness
+    barrier before the clock starts), Hermes' ``straggler_events`` and ``searches`` per
+    worker, ``workers`` (slowdown, share,
+    batch, rounds, updates sent, minor rounds, median round time), ``timeline`` (one row
+    per change of the global model: ``time_s``, ``test_accuracy``, ``test_loss``,
+    ``updates_applied``, ``worker_rounds``, ``event``), ``settings``, ``error``.
+
+    Raises
+    ------
+    ValueError
+        On a bad setting (gate threshold > 0, window < 2, beta outside (0, 1), staleness
+        < 0, target accuracy outside (0, 1], batch larger than a share, ...), before
+        Flower starts.
+    strategies.hermes.HermesNodeError
+        If a worker fails; ``results.json`` is still written.
+    """
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from sky_flower.client import fleet_emulation
+    from sky_flower.decentral_client import vector_record
+    from sky_flower.hermes_client import HermesClient, NominalDevice, hermes_data
+    from sky_flower.run import _one_log_stream
+    from strategies.hermes import STRATEGIES, HermesStrategy
+
+    s = cfg.strategy
+    name = str(s.name)
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}: choose one of {list(STRATEGIES)}")
+    validate_settings(
+        window=int(s.window),
+        threshold=float(s.threshold),
+        patience=int(s.patience),
+        relax=float(s.relax),
+        staleness=int(s.staleness),
+        target_accuracy=float(s.target_accuracy),
+    )
+    fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
+    n, seed = len(fleet), int(cfg.seed)
+    if n < 2:
+        raise ValueError(f"data-parallel training needs at least 2 workers, got {n}")
+    test_fraction = float(cfg.dataset.test_fraction)
+    train, test = load_split(str(cfg.dataset.name), test_fraction, seed)
+    layout = hermes_data(
+        train, n, seed, float(s.server_val_fraction), worker_val_size=int(s.worker_val_size)
+    )
+    model = FlatModel(int(s.hidden_width))
+    cpus = os.cpu_count() or 1
+    per_worker = float(s.num_cpus_per_worker or cpus / n)
+    if not 0 < per_worker <= cpus:
+        raise ValueError(f"strategy.num_cpus_per_worker={per_worker:g} must be in (0, {cpus}]")
+    device = NominalDevice(float(s.device.overhead_ms) / 1e3, float(s.device.per_sample_ms) / 1e3)
+    if device.overhead_s < 0 or device.per_sample_s < 0:
+        raise ValueError("strategy.device times must be >= 0")
+
+    def val_loss(vec: np.ndarray) -> float:
+        return model.evaluate(vec, layout.server_val)["loss"]
+
+    common: dict[str, Any] = {
+        "model": model,
+        "num_workers": n,
+        "pool_size": len(layout.pool),
+        "lr": float(s.lr),
+        "batch_size": int(s.batch_size),
+        "target_accuracy": float(s.target_accuracy),
+        "stop_at_target": bool(s.stop_at_target),
+        "max_time_s": float(s.max_time_s),
+        "staleness": int(s.staleness),
+        "seed": seed,
+        "message_timeout_s": float(cfg.message_timeout_s),
+    }
+    if name == "hermes":
+        strategy = HermesStrategy(
+            **common,
+            val_loss_fn=val_loss,
+            window=int(s.window),
+            threshold=float(s.threshold),
+            patience=int(s.patience),
+            relax=float(s.relax),
+            profile_batches=tuple(int(b) for b in s.profile_batches),
+            profile_repeats=int(s.profile_repeats),
+            batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
+            min_data=int(s.min_data),
+            straggler_tolerance=float(s.straggler_tolerance),
+        )
+    else:
+        strategy = STRATEGIES[name](**common)
+
+    def evaluate(k: int, arrays: ArrayRecord) -> MetricRecord:
+        res = model.evaluate(arrays["x"].numpy(), test)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    x0 = model.initial(seed)
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(
+            grid=grid,
+            initial_arrays=vector_record("x", x0),
+            num_rounds=int(s.max_rounds),
+            evaluate_fn=evaluate,
+        )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _one_log_stream()
+    client_app = HermesClient(model, lambda: layout, n, fleet_emulation(fleet), device).register(
+        ClientApp()
+    )
+    log.info(
+        "%s on %s: %d workers, slowdowns %s, pool %d, target accuracy %.3f",
+        name,
+        cfg.fleet.name,
+        n,
+        [f.slowdown for f in fleet],
+        len(layout.pool),
+        float(s.target_accuracy),
+    )
+    error: str | None = None
+    try:
+        with concurrent_messages(n):
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=n,
+                backend_config={
+                    "client_resources": {"num_cpus": per_worker, "num_gpus": 0.0},
+                    "init_args": {"num_cpus": cpus, "logging_level": "error"},
+                },
+            )
+        if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
+            raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        cause = err.__cause__ or err
+        error = f"{type(cause).__name__}: {cause}"
+        raise
+    finally:
+        results = _results(cfg, strategy, fleet, error)
+        write_hermes_results(out_dir, results)
+        (out_dir / "benchmark.json").write_text(
+            json.dumps(strategy.benchmark or {"note": f"{name}: no benchmark round"}, indent=2)
+        )
+        plan = {
+            "strategy": name,
+            "target_round_s": getattr(strategy, "target_s", None),
+            "workers": [
+                {"worker": w, "data": strategy.data[w], "batch": strategy.batch[w]}
+                for w in range(n)
+            ],
+        }
+        if isinstance(strategy, HermesStrategy):
+            for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
+                row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
+        (out_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+        if strategy.global_vec is not None:
+            params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
+            torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
+    return results
+
+
+def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> dict[str, Any]:
+    s = cfg.strategy
+    timeline = strategy.timeline
+    return {
+        "strategy": str(s.name),
+        "fleet": str(cfg.fleet.name),
+        "slowdowns": [f.slowdown for f in fleet],
+        "target_accuracy": float(s.target_accuracy),
+        "time_to_target_s": strategy.time_to_target_s,
+        "wall_time_s": getattr(strategy, "wall_time_s", None),
+        "final_test_accuracy": timeline[-1].get("test_accuracy") if timeline else None,
+        "updates_sent": list(strategy.updates_sent),
+        "updates_sent_total": int(sum(strategy.updates_sent)),
+        "minor_rounds": list(strategy.minor_rounds),
+        "workers": strategy.worker_rows(),
+        "ready_s": getattr(strategy, "ready_s", None),
+        "straggler_events": list(getattr(strategy, "straggler_events", [])),
+        "searches": list(getattr(strategy, "searches", [])),
+        "timeline": timeline,
+        "settings": OmegaConf.to_container(s, resolve=True),
+        "error": error,
+    }
+
+
+def main_hermes(cfg: DictConfig, out_dir: Path, multirun: bool) -> None:
+    """What ``sky_flower.run.main`` does for Hermes and its baselines: run the job, log
+    the outcome; a failed job exits 1 (in a multirun it is recorded and the sweep goes on)."""
+    try:
+        results = run_hermes_job(cfg, out_dir)
+    except Exception as err:  # noqa: BLE001
+        cause = err.__cause__ or err
+        log.error("run failed: %s (outputs in %s)", cause, out_dir)
+        if not (out_dir / "results.json").exists():  # refused before it started
+            write_hermes_results(
+                out_dir,
+                {"strategy": str(cfg.strategy.name), "error": f"{type(cause).__name__}: {cause}"},
+            )
+        if multirun:
+            return
+        raise SystemExit(1) from None
+    log.info(
+        "[%s]: test accuracy %s reached %.3f at %s s; %d updates sent; outputs in %s",
+        results["strategy"],
+        results["final_test_accuracy"],
+        results["target_accuracy"],
+        "never" if results["time_to_target_s"] is None else f"{results['time_to_target_s']:.1f}",
+        results["updates_sent_total"],
+        out_dir,
+    )
