@@ -118,6 +118,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         if objectives == {"step"}
         else "objective (s)"
     )
+
+    def _joined(key: str) -> str:
+        return "/".join(sorted({str(r.get(key)) for r in ok}))
+
+    fig.suptitle(
+        f"{_joined('model')} on {_joined('fleet')}: objective {_joined('objective')}, "
+        f"{_joined('kind')}, M = {_joined('microbatches')} micro-batch(es), "
+        f"{_joined('transport')} transport",
+        fontsize=10,
+    )
     for p, key in enumerate(keys):
         ax = fig.add_subplot(nrows, cols, p + 1)
         prow = panels[key]
