@@ -41,6 +41,23 @@ def _conf_dir() -> str:
     return str(installed if (installed / "config.yaml").exists() else here.parent / "conf")
 
 
+def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
+    """``(CPUs of this machine, cfg.simulation.num_cpus_per_node)``.
+
+    Raises
+    ------
+    ValueError
+        If a node's CPU share is not in ``(0, CPUs]`` (Ray could not place a node).
+    """
+    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
+    if not 0 < per_node <= cpus:
+        raise ValueError(
+            f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}] (this machine "
+            f"has {cpus} CPUs; Ray could not place a single node)"
+        )
+    return cpus, per_node
+
+
 def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
     from flwr.app import ArrayRecord, MetricRecord
@@ -142,12 +159,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
         transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
     )
-    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
-    if not 0 < per_node <= cpus:
-        raise ValueError(
-            f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}] (this machine "
-            f"has {cpus} CPUs; Ray could not place a single node)"
-        )
+    cpus, per_node = simulation_cpus(cfg)
     if int(cfg.num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
     if not float(cfg.allocation.get("time_limit_s", 30.0)) > 0:

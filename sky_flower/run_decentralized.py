@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +108,9 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     steps_per = strategy.algorithm.rounds_per_step
     if int(s.rounds) < steps_per:
         raise ValueError(f"strategy.rounds={s.rounds} is shorter than one phase ({steps_per})")
-    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
-    if not 0 < per_node <= cpus:
-        raise ValueError(f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}]")
+    from sky_flower.run import simulation_cpus
+
+    cpus, per_node = simulation_cpus(cfg)
 
     def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
         res = model.evaluate(arrays["x"].numpy(), test)
