@@ -11,6 +11,7 @@ pipeline, activations flowing forward and gradients back through the server (the
 
 from __future__ import annotations
 
+import io
 import re
 import statistics
 import threading
@@ -166,6 +167,8 @@ class SkyStrategy(Strategy):
         self._names: dict[int, str] = {}
         self._stop = threading.Event()
         self._ids: dict[str, int] = {}
+        # reply polling period (s); sky_flower.app raises it where each poll is an HTTP call
+        self.poll_interval_s = 0.002
 
     # ---------------------------------------------------------------------------------
     # messaging
@@ -186,7 +189,8 @@ class SkyStrategy(Strategy):
     ) -> list[Message]:
         """Push ``messages``, poll for the replies, return them in message order.
 
-        Polls ``Grid.pull_messages`` every 2 ms instead of ``send_and_receive``'s 0.1 s.
+        Polls ``Grid.pull_messages`` every ``poll_interval_s`` (2 ms) instead of
+        ``send_and_receive``'s 0.1 s.
 
         Raises
         ------
@@ -206,7 +210,7 @@ class SkyStrategy(Strategy):
                 got[reply.metadata.reply_to_message_id] = reply
                 pending.discard(reply.metadata.reply_to_message_id)
             if pending:
-                time.sleep(0.002)
+                time.sleep(self.poll_interval_s)
         if pending:
             names = ", ".join(self._name(dst[m]) for m in pending)
             raise SkyNodeError(f"no reply within {timeout:g} s from {names}")
@@ -714,4 +718,20 @@ class SkyStrategy(Strategy):
             )
             self.on_event("round", row)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
+        self.log_final_summary(result)
         return result
+
+    def log_final_summary(self, result: Result) -> None:
+        """Log the plan and the final results the way Flower's ``Strategy.start`` ends
+        (``Final results:`` and the ``Result``), after Sky's own per-round table."""
+        log(INFO, "")
+        if self.plan is not None:
+            stages = ", ".join(
+                f"{st.node} [{st.first_layer}-{st.last_layer}]" for st in self.plan.stages
+            )
+            log(INFO, "Plan (%s): %s", self.allocation, stages)
+        log(INFO, "Final results:")
+        log(INFO, "")
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "")

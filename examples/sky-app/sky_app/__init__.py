@@ -1,0 +1,1 @@
+"""A Flower / PyTorch app."""

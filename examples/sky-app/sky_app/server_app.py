@@ -1,0 +1,34 @@
+"""The ServerApp (FedAvg, evaluated on the server's held-out test split)."""
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from sky_flower.app import sky_strategy  # Sky
+
+from .task import Net, load_test
+from .task import test as test_fn
+
+app = ServerApp()
+
+
+def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    """Accuracy and loss of the global model on the held-out test split."""
+    model = Net()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    loss, acc = test_fn(model, load_test())
+    return MetricRecord({"accuracy": acc, "loss": loss})
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the strategy for ``num-server-rounds`` rounds."""
+    num_rounds = int(context.run_config["num-server-rounds"])
+    lr = float(context.run_config["lr"])
+    strategy = sky_strategy(context.run_config, model_fn=Net, input_shape=[64])  # Sky
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(Net().state_dict()),
+        train_config=ConfigRecord({"lr": lr}),
+        num_rounds=num_rounds,
+        evaluate_fn=central_evaluate,
+    )

@@ -1,0 +1,129 @@
+"""Sky in a Flower app: run-config validation, node-config emulation, the example apps'
+diff and bundle size, the launcher's checks (no engine, no processes: fast)."""
+
+import difflib
+from pathlib import Path
+
+import pytest
+from flwr.cli.build import build_fab_from_disk
+from flwr.common.config import parse_config_args
+from flwr.common.constant import FAB_MAX_SIZE
+
+from sky_flower.app import (
+    RUN_CONFIG_KEYS,
+    emulation_from_node_config,
+    fleet_names,
+    load_fleet,
+    sky_strategy,
+    validate_run_config,
+)
+from sky_flower.deploy import DeployError, check_run_config, make_credentials, node_config
+
+ROOT = Path(__file__).resolve().parents[1]
+FEDAVG, SKY = ROOT / "examples" / "fedavg-app", ROOT / "examples" / "sky-app"
+
+
+def test_defaults_are_the_hydra_defaults():
+    cfg = validate_run_config({})
+    assert (cfg.allocation, cfg.fleet, cfg.transport) == ("heuristic", "edge4", "relay")
+    assert [n.name for n in cfg.nodes] == ["phone", "laptop", "cloud-gpu", "edge-box"]
+    assert set(fleet_names()) >= {"edge3", "edge4", "uniform3"}
+
+
+@pytest.mark.parametrize(
+    "run_config, words",
+    [
+        ({"allocation": "best"}, ["allocation", "even, heuristic, optimal"]),
+        ({"fleet": "edge99"}, ["fleet", "edge3", "edge4"]),
+        ({"transport": "udp"}, ["transport", "relay, direct"]),
+        ({"bogus-key": 1}, ["bogus-key", "valid keys", "allocation"]),
+        ({"num-server-rounds": 0}, ["num-server-rounds", ">= 1"]),
+        ({"num-server-rounds": 1.5}, ["num-server-rounds", "integer"]),
+        ({"allocation": 3}, ["allocation", "str"]),
+    ],
+)
+def test_bad_run_config_is_refused_listing_choices(run_config, words):
+    with pytest.raises(ValueError) as err:
+        validate_run_config(run_config)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_sky_strategy_from_run_config_and_transport_passthrough():
+    import torch
+
+    def net():
+        return torch.nn.Sequential(
+            *(torch.nn.Linear(64, 64) for _ in range(3)), torch.nn.Linear(64, 10)
+        )
+
+    strategy = sky_strategy(
+        {"allocation": "even", "fleet": "edge3", "echo-repeats": 1}, model_fn=net, input_shape=[64]
+    )
+    assert strategy.allocation == "even" and strategy.min_nodes == 3
+    assert strategy.node_order == ["phone", "cloud", "box"] and strategy.echo_repeats == 1
+    # transport=direct reaches Schedule(transport=...); SkyStrategy decides whether it runs
+    try:
+        direct = sky_strategy({"transport": "direct"}, model_fn=net, input_shape=[64])
+    except ValueError as err:
+        assert "transport" in str(err)
+    else:
+        assert direct.schedule.transport == "direct"
+
+
+def test_node_config_carries_the_emulated_device():
+    for i, node in enumerate(load_fleet("edge4")):
+        text = node_config(node, i, 4)
+        parsed = parse_config_args([text])  # what flower-supernode --node-config does
+        assert parsed["partition-id"] == i and parsed["num-partitions"] == 4
+        assert emulation_from_node_config(parsed) == node
+    with pytest.raises(ValueError, match="sky-slow"):
+        emulation_from_node_config({"sky-node": "x", "sky-slow": 2.0})
+
+
+def _changed_lines(a: Path, b: Path) -> list[str]:
+    diff = difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), n=0)
+    return [
+        ln for ln in diff if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ln[1:].strip()
+    ]
+
+
+def test_sky_app_differs_from_fedavg_app_by_at_most_10_lines():
+    changed = []
+    for name in ("task.py", "client_app.py", "server_app.py", "__init__.py"):
+        changed += _changed_lines(FEDAVG / "fedavg_app" / name, SKY / "sky_app" / name)
+    assert 0 < len(changed) <= 10, changed
+    assert any("register_sky_client(app" in ln for ln in changed)
+    assert any("sky_strategy(context.run_config" in ln for ln in changed)
+
+
+@pytest.mark.parametrize("app", [FEDAVG, SKY], ids=["fedavg-app", "sky-app"])
+def test_app_bundle_stays_under_flowers_limit(app):
+    fab = build_fab_from_disk(app)
+    print(f"{app.name}: FAB {len(fab):,} bytes (limit {FAB_MAX_SIZE:,})")
+    assert 0 < len(fab) < FAB_MAX_SIZE
+
+
+def test_launcher_refuses_bad_run_config_before_starting_anything():
+    assert check_run_config(SKY, "allocation='optimal'")["allocation"] == "optimal"
+    with pytest.raises(DeployError, match="valid keys are num-server-rounds"):
+        check_run_config(SKY, "no-such-key=1")
+    with pytest.raises(DeployError, match="even, heuristic, optimal"):
+        check_run_config(SKY, "allocation='fastest'")
+    with pytest.raises(DeployError, match="valid keys"):
+        check_run_config(FEDAVG, "allocation='even'")  # FedAvg has no allocation
+
+
+def test_credentials_are_what_flower_loads(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.cli.supernode.register import try_load_public_key
+
+    creds = make_credentials(tmp_path, 2)
+    cert = x509.load_pem_x509_certificate(creds.server_cert.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    for key in creds.node_keys:
+        load_ssh_private_key(key.read_bytes(), password=None)  # flower-supernode's loader
+        assert try_load_public_key(key.with_suffix(".pub"))  # flwr supernode register's
+    assert len(RUN_CONFIG_KEYS) >= 3
