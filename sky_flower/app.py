@@ -43,17 +43,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 from omegaconf import OmegaConf
 from torch import nn
 
-from sky_flower.cost import Schedule
-from sky_flower.data import Split
 from sky_flower.emulation import Emulation, expand_fleet
-from sky_flower.partition import METHODS
+
+if TYPE_CHECKING:
+    from sky_flower.data import Split
 
 TRANSPORTS = ("relay", "direct")
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
@@ -189,6 +189,8 @@ def validate_run_config(
         if kind is int and value != raw:
             raise ValueError(f"run config {key}={raw!r} must be an integer")
         values[key.replace("-", "_")] = value
+    from sky_flower.partition import METHODS  # scipy: not imported on ClientApp start
+
     _choice("allocation", values["allocation"], METHODS)
     _choice("fleet", values["fleet"], fleet_names())
     _choice("transport", values["transport"], TRANSPORTS)
@@ -236,6 +238,7 @@ def sky_strategy(
         (e.g. a transport it does not run yet) and from the memory pre-check against the
         fleet's memory caps.
     """
+    from sky_flower.cost import Schedule
     from strategies.sky import SkyStrategy
 
     cfg = validate_run_config(run_config, app_keys)

@@ -266,6 +266,7 @@ class LocalDeployment:
         return env
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        (self.workdir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
         log_file = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs.append(log_file)
         proc = subprocess.Popen(
@@ -547,6 +548,23 @@ class LocalDeployment:
         self.stop()
 
 
+def flower_processes(workdir: Path) -> list[psutil.Process]:
+    """Live Flower processes (:data:`PROCESS_NAMES` in their command line) whose
+    ``FLWR_HOME`` lies under ``workdir``: what a deployment there may have left."""
+    root = str(Path(workdir).resolve())
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if not any(name in cmd for name in PROCESS_NAMES) or not _alive(proc.pid):
+                continue
+            if proc.environ().get("FLWR_HOME", "").startswith(root):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -561,6 +579,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
@@ -649,6 +670,16 @@ def check_run_config(app: Path, overrides: str) -> dict:
         except ValueError as err:
             raise DeployError(str(err)) from err
     return merged
+
+
+def evaluate_accuracies(log_text: str) -> dict[int, float]:
+    """Round -> server-side test accuracy from the ``Final results:`` block that
+    Flower's ``Strategy.start`` (FedAvg) and ``SkyStrategy.start`` both log."""
+    if "ServerApp-side Evaluate Metrics:" not in log_text:
+        return {}
+    block = re.sub(r"\x1b\[[0-9;]*m", "", log_text.rsplit("ServerApp-side Evaluate Metrics:", 1)[1])
+    found = re.findall(r"(\d+): \{'accuracy': '([-+.\deE]+)'", block)
+    return {int(r): float(a) for r, a in found}
 
 
 def run_local(

@@ -1,17 +1,39 @@
-"""The README's FedAvg-to-Sky example runs as written (Flower simulation, 3 nodes)."""
+"""The example apps run with ``flwr run`` on Flower's simulation runtime, 4 SuperNodes
+(a private SuperLink started by ``sky_flower.deploy --simulation``): the standard
+FedAvg app and the same app switched to Sky."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fedavg_to_sky.py"
+from sky_flower.deploy import evaluate_accuracies, parse_rounds, run_local
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RUN_CONFIG = {
+    "fedavg-app": "num-server-rounds=2",
+    "sky-app": "num-server-rounds=2 steps-per-round=5 lr=0.003 echo-repeats=2 state-probe-mb=1.0",
+}
 
 
 @pytest.mark.simulation
-def test_fedavg_app_switched_to_sky_trains(no_leftover_processes):
-    spec = importlib.util.spec_from_file_location("fedavg_to_sky", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    # untrained: ~0.1; two rounds of split training on the one data owner's third
-    assert module.run("sky", num_rounds=2) > 0.7
+@pytest.mark.parametrize("app", ["fedavg-app", "sky-app"])
+def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_processes):
+    text, pids = run_local(
+        EXAMPLES / app,
+        "edge4",
+        simulation=True,
+        run_config=RUN_CONFIG[app],
+        workdir=tmp_path,
+        timeout_s=480,
+        echo=False,
+    )
+    assert "(4 simulated SuperNodes)" in text, text[-3000:]
+    assert "Final results:" in text, text[-3000:]
+    acc = evaluate_accuracies(text)
+    assert sorted(acc) == [0, 1, 2], text[-3000:]
+    assert acc[2] > acc[0] + 0.2  # untrained: ~0.1
+    if app == "sky-app":  # the same per-round table as `make run`, and the plan
+        assert "Benchmark round:" in text and "Plan (heuristic):" in text
+        assert [r["round"] for r in parse_rounds(text)] == [0, 1, 2]
+        for node in ("phone", "laptop", "cloud-gpu", "edge-box"):
+            assert node in text

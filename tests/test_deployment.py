@@ -1,0 +1,98 @@
+"""The Sky example app on Flower's deployment engine: a real SuperLink and 3 real
+SuperNodes on 127.0.0.1 (``sky_flower.deploy``), plain and with TLS + SuperNode
+authentication; and a SuperNode whose key is not registered is refused.
+
+Deployment hops cost seconds (a SuperNode polls every 3 s and starts a ClientApp process
+per message), so the runs are small: 2 rounds of 2 steps, one echo per payload size.
+The plain and the TLS run go side by side (their own homes, ports and keys)."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sky_flower.deploy import (
+    LocalDeployment,
+    flower_processes,
+    make_credentials,
+    parse_rounds,
+    run_local,
+)
+
+pytestmark = pytest.mark.deployment
+
+SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
+QUICK = (
+    "num-server-rounds=2 steps-per-round=2 lr=0.003 echo-repeats=1 state-probe-mb=0.0 "
+    "benchmark-repeats=2 message-timeout-s=90.0"
+)
+
+
+def _run(tls: bool, workdir: Path) -> tuple[str, list[int]]:
+    return run_local(
+        SKY_APP, "edge3", tls=tls, run_config=QUICK, workdir=workdir, timeout_s=540, echo=False
+    )
+
+
+def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
+    dirs = {tls: tmp_path / ("tls" if tls else "plain") for tls in (False, True)}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {tls: pool.submit(_run, tls, d) for tls, d in dirs.items()}
+        results = {tls: f.result(timeout=600) for tls, f in futures.items()}
+    for tls, (text, pids) in results.items():
+        mode = "tls" if tls else "plain"
+        assert "Benchmark round:" in text and "Final results:" in text, (mode, text[-3000:])
+        for name in ("phone", "cloud", "box"):
+            assert name in text, (mode, name)
+        rows = parse_rounds(text)
+        initial = [r["test_accuracy"] for r in rows if r["round"] == 0]
+        trained = [r for r in rows if r["round"] > 0]
+        assert initial and [r["round"] for r in trained] == [1, 2], (mode, rows)
+        assert trained[-1]["test_accuracy"] > initial[0] + 0.05, (mode, rows)
+        # every process started (SuperLink, SuperNodes, flwr run, and their children)
+        assert len(pids) >= 5
+        assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)], mode
+        assert not flower_processes(dirs[tls]), mode
+    # the TLS run: the CLI verified the SuperLink against the local CA, every SuperNode
+    # authenticated with its registered key
+    cli = (dirs[True] / "home" / "cli" / "config.toml").read_text()
+    assert "root-certificates" in cli and "insecure" not in cli
+    for i in range(3):
+        assert "--auth-supernode-private-key" in " ".join(_cmdline(dirs[True], i))
+        assert "SuperNode ID" in (dirs[True] / f"supernode{i}.log").read_text()
+
+
+def _cmdline(workdir: Path, i: int) -> list[str]:
+    return (workdir / f"supernode{i}.cmd").read_text().split()
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_supernode_with_unregistered_key_is_refused(tmp_path):
+    dep = LocalDeployment(workdir=tmp_path, tls=True)
+    try:
+        dep.creds = make_credentials(tmp_path / "creds", 2)
+        dep.start_superlink()
+        dep.register_node_key(dep.creds.node_keys[0].with_suffix(".pub"))
+        good = dep.start_supernode(0, 'sky-node="a"', dep.creds.node_keys[0])
+        bad = dep.start_supernode(1, 'sky-node="b"', dep.creds.node_keys[1], max_wait_s=20)
+        deadline = time.monotonic() + 60
+        while bad.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert bad.returncode not in (None, 0), "an unregistered SuperNode was not refused"
+        assert "Failed to activate SuperNode" in dep.log_text("supernode1")
+        # the registered one is connected and stays up
+        deadline = time.monotonic() + 60
+        while "SuperNode ID" not in dep.log_text("supernode0") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert good.poll() is None and "SuperNode ID" in dep.log_text("supernode0")
+    finally:
+        left = dep.stop()
+    assert not left and not flower_processes(tmp_path)
