@@ -169,6 +169,7 @@ class SkyStrategy(Strategy):
         self._ids: dict[str, int] = {}
         # reply polling period (s); sky_flower.app raises it where each poll is an HTTP call
         self.poll_interval_s = 0.002
+        self.node_wait_s = 300.0  # wait for min_nodes this long, then plan with those there
 
     # ---------------------------------------------------------------------------------
     # messaging
@@ -230,14 +231,32 @@ class SkyStrategy(Strategy):
     # benchmark round
     # ---------------------------------------------------------------------------------
     def wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
-        """Block until ``min_nodes`` nodes are connected (bounded by ``timeout``)."""
+        """Block until ``min_nodes`` nodes are connected (bounded by ``timeout``).
+
+        After ``timeout`` the nodes that are connected go on to the benchmark round with
+        a warning (the missing ones are left out of the plan).
+
+        Raises
+        ------
+        SkyNodeError
+            If no node is connected after ``timeout`` seconds.
+        """
         deadline = time.monotonic() + timeout
         while len(nodes := sorted(grid.get_node_ids())) < self.min_nodes:
             self._check_stop()
             if time.monotonic() > deadline:
-                raise SkyNodeError(
-                    f"only {len(nodes)} of {self.min_nodes} nodes connected after {timeout:g} s"
+                if not nodes:
+                    raise SkyNodeError(f"no node connected after {timeout:g} s")
+                log(
+                    WARNING,
+                    "Only %d of %d nodes connected after %g s: the missing %d are left out "
+                    "of the plan",
+                    len(nodes),
+                    self.min_nodes,
+                    timeout,
+                    self.min_nodes - len(nodes),
                 )
+                return nodes
             log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), self.min_nodes)
             time.sleep(0.5)
         return nodes
@@ -637,7 +656,7 @@ class SkyStrategy(Strategy):
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         self.summary()
         t_start = time.time()
-        node_ids = self.wait_for_nodes(grid, timeout=min(timeout, 300.0))
+        node_ids = self.wait_for_nodes(grid, timeout=min(timeout, self.node_wait_s))
         self.benchmark(grid, node_ids)
         self.make_plan()
         assert self.plan is not None

@@ -8,6 +8,7 @@ import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.common.config import parse_config_args
 from flwr.common.constant import FAB_MAX_SIZE
+from flwr.serverapp import Grid
 
 from sky_flower.app import (
     RUN_CONFIG_KEYS,
@@ -127,3 +128,40 @@ def test_credentials_are_what_flower_loads(tmp_path):
         load_ssh_private_key(key.read_bytes(), password=None)  # flower-supernode's loader
         assert try_load_public_key(key.with_suffix(".pub"))  # flwr supernode register's
     assert len(RUN_CONFIG_KEYS) >= 3
+
+
+class _TwoNodeGrid(Grid):
+    """Only what wait_for_nodes reads: two connected nodes (no engine needed for that)."""
+
+    def get_node_ids(self):
+        return [11, 12]
+
+    def _unused(self, *args, **kwargs):
+        raise AssertionError("wait_for_nodes only reads get_node_ids")
+
+    create_message = pull_messages = push_messages = send_and_receive = _unused
+    run = property(_unused)
+    set_run = _unused
+
+
+def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
+    import logging
+
+    import torch
+
+    from strategies.sky import SkyNodeError, SkyStrategy
+
+    strategy = SkyStrategy(
+        model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), input_shape=[4], min_nodes=3
+    )
+    strategy.node_wait_s = 0.6
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert strategy.wait_for_nodes(_TwoNodeGrid(), 0.6) == [11, 12]
+    assert "Only 2 of 3 nodes connected" in caplog.text and "left out" in caplog.text
+
+    class _NoNodeGrid(_TwoNodeGrid):
+        def get_node_ids(self):
+            return []
+
+    with pytest.raises(SkyNodeError, match="no node connected"):
+        strategy.wait_for_nodes(_NoNodeGrid(), 0.6)
