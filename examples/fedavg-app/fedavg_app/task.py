@@ -67,7 +67,7 @@ def train(net: nn.Module, data: Split, epochs: float, lr: float) -> float:
             loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
     return sum(losses) / len(losses)
 
 
