@@ -4,8 +4,11 @@ authentication; and a SuperNode whose key is not registered is refused.
 
 Deployment hops cost seconds (a SuperNode polls every 3 s and starts a ClientApp process
 per message), so the runs are small: 2 rounds of 2 steps, one echo per payload size.
-The plain and the TLS run go side by side (their own homes, ports and keys)."""
+The plain and the TLS run go side by side (their own homes, ports and keys). The
+node-leaving run is opt-in (``SKY_TEST_NODE_LEAVING=1``) to keep ``make test`` short."""
 
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sky_flower.app import load_fleet
 from sky_flower.deploy import (
     LocalDeployment,
     flower_processes,
@@ -36,7 +40,52 @@ def _run(tls: bool, workdir: Path) -> tuple[str, list[int]]:
     )
 
 
+def _run_node_leaving(workdir: Path) -> tuple[str, list[int], list[int]]:
+    """Plain edge3 deployment whose data owner (phone, SuperNode 0) is killed, with its
+    children, as soon as the first training round starts."""
+    dep = LocalDeployment(workdir=workdir)
+    killed: list[int] = []
+
+    def kill_phone_when_training_starts() -> None:
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and not killed:
+            log = workdir / "run.log"
+            if log.exists() and "round  train loss" in log.read_text():
+                proc = next(p for name, p in dep.procs if name == "supernode0")
+                root = psutil.Process(proc.pid)
+                for q in [root, *root.children(recursive=True)]:
+                    q.kill()
+                    killed.append(q.pid)
+            time.sleep(0.5)
+
+    try:
+        dep.start_superlink()
+        dep.start_fleet(load_fleet("edge3"))
+        threading.Thread(target=kill_phone_when_training_starts, daemon=True).start()
+        config = f"fleet='edge3' {QUICK}".replace("timeout-s=90.0", "timeout-s=45.0")
+        text = dep.flwr_run(SKY_APP, config, timeout_s=540, echo=False)
+    finally:
+        left = dep.stop()
+    return text, killed, left
+
+
+@pytest.mark.skipif(
+    not os.environ.get("SKY_TEST_NODE_LEAVING"),
+    reason="about 3 more minutes of deployment: set SKY_TEST_NODE_LEAVING=1 to run it",
+)
+def test_supernode_leaving_during_a_round_fails_it_by_name(tmp_path):
+    # a SuperNode that leaves during a round ends that round with an error naming it;
+    # the server keeps the last good global model (round 0's)
+    text, killed, left = _run_node_leaving(tmp_path)
+    assert killed, "the data owner's SuperNode was not killed"
+    assert "Round 1 failed" in text and "phone (node" in text, text[-3000:]
+    assert "The global model of round 0 is kept" in text
+    assert "Final results:" not in text
+    assert not left and not flower_processes(tmp_path)
+
+
 def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
+    """Two deployments side by side: plain, and TLS + SuperNode authentication."""
     dirs = {tls: tmp_path / ("tls" if tls else "plain") for tls in (False, True)}
     with ThreadPoolExecutor(2) as pool:
         futures = {tls: pool.submit(_run, tls, d) for tls, d in dirs.items()}
