@@ -158,6 +158,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         microbatches=int(cfg.schedule.microbatches),
         kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
         transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
+        microbatches_per_message=int(cfg.schedule.get("microbatches_per_message", 0)),
     )
     cpus, per_node = simulation_cpus(cfg)
     if int(cfg.num_rounds) < 1:
@@ -272,6 +273,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "test_loss",
                     "steps",
                     "round_time_s",
+                    "microbatches_per_message",
+                    "stages",
                 )
             }
             for r in strategy.rounds

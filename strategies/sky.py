@@ -139,10 +139,10 @@ class SkyStrategy(Strategy):
         self.input_shape = [int(s) for s in input_shape]
         self.allocation = allocation
         self.schedule = schedule or Schedule()
-        if self.schedule.kind != "sequential" or self.schedule.transport != "relay":
+        if self.schedule.transport != "relay":
             raise ValueError(
-                "only schedule.kind=sequential with transport=relay runs so far; "
-                f"got kind={self.schedule.kind}, transport={self.schedule.transport}"
+                "only transport=relay runs so far (schedule.kind sequential, gpipe or "
+                f"1f1b); got transport={self.schedule.transport}"
             )
         self.optimizer, self.lr = optimizer, lr
         self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
@@ -166,6 +166,9 @@ class SkyStrategy(Strategy):
         self._names: dict[int, str] = {}
         self._stop = threading.Event()
         self._ids: dict[str, int] = {}
+        self.cost: CostModel | None = None
+        self.group_size = self.schedule.microbatches  # micro-batches per relay message
+        self._stage_stats: list[dict[str, float]] = []  # per stage, summed over a round
 
     # ---------------------------------------------------------------------------------
     # messaging
@@ -429,9 +432,19 @@ class SkyStrategy(Strategy):
 
     def make_plan(self) -> Plan:
         """Partition the profiled model over the profiled nodes."""
-        cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
+        cost = self.cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
         self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
         log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
+        if self.schedule.kind != "sequential":
+            self.group_size = cost.relay_group_size(cost.terms(self._plan_stages()))
+            log(
+                INFO,
+                "Pipelined relay (%s): %d micro-batch(es) per message, %d message group(s) "
+                "per step",
+                self.schedule.kind,
+                self.group_size,
+                self.schedule.microbatches // self.group_size,
+            )
         # What the other allocations would predict on this same benchmark (a fair
         # comparison: separate runs measure their own, noisy, profiles).
         alternatives: dict[str, float | None] = {}
@@ -450,8 +463,43 @@ class SkyStrategy(Strategy):
                 for m, t in alternatives.items()
             ),
         )
-        self.on_event("plan", {**self.plan.to_dict(), "alternatives": alternatives})
+        self.on_event(
+            "plan",
+            {
+                **self.plan.to_dict(),
+                "alternatives": alternatives,
+                "microbatches_per_message": self.group_size,
+            },
+        )
         return self.plan
+
+    def _plan_stages(self) -> list[tuple[int, int, int]]:
+        assert self.plan is not None
+        return [(s.node_index, s.first_layer, s.last_layer) for s in self.plan.stages]
+
+    def stage_predictions(self) -> list[dict[str, Any]]:
+        """Per stage and step, what the cost model predicts (seconds): ``compute_s``
+        (forward + backward of the step's ``M`` micro-batches, recomputation and the
+        node's emulated slowdown included), ``busy_s`` (``compute_s`` plus the payload
+        time charged on the node, i.e. the time inside its message handlers) and
+        ``messages`` (Flower messages the stage handles per step)."""
+        assert self.plan is not None and self.cost is not None
+        t = self.cost.terms(self._plan_stages())
+        M, S = self.schedule.microbatches, len(self.plan.stages)
+        groups = M // self.group_size
+        out = []
+        for k, st in enumerate(self.plan.stages):
+            compute = M * float(t.fwd[k] + t.bwd[k])
+            payload = 2 * M * float(t.node_link[k]) if t.node_link is not None else 0.0
+            out.append(
+                {
+                    "node": st.node,
+                    "compute_s": compute,
+                    "busy_s": compute + payload,
+                    "messages": groups * (1 if k == S - 1 else 2),
+                }
+            )
+        return out
 
     # ---------------------------------------------------------------------------------
     # Strategy interface
@@ -565,9 +613,33 @@ class SkyStrategy(Strategy):
             raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks metrics")
         return float(m["loss"]), int(m["correct"]), int(m["n"])
 
+    def _note(self, k: int, reply: Message) -> None:
+        """Add a stage's reply to this round's per-stage figures: messages, its reported
+        ``compute_s`` (times ``1 + slowdown``: the emulated device's compute) and
+        ``busy_s`` (wall time inside the handler)."""
+        while len(self._stage_stats) <= k:
+            self._stage_stats.append({"messages": 0, "compute_s": 0.0, "busy_s": 0.0})
+        st = self._stage_stats[k]
+        st["messages"] += 1
+        m = reply.content.metric_records.get("metrics")
+        if m is None:
+            return
+        slowdown = next(
+            (n.slowdown for n in self.node_profiles if n.node_id == reply.metadata.src_node_id),
+            0.0,
+        )
+        st["compute_s"] += float(m.get("compute_s", 0.0)) * (1.0 + slowdown)
+        st["busy_s"] += float(m.get("busy_s", 0.0))
+
     def _train_step(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
         """One step through the pipeline: forward hops, loss at the last stage, backward
-        hops. Returns ``(batch loss, correct predictions, samples)``."""
+        hops. Returns ``(batch loss, correct predictions, samples)``.
+
+        ``schedule.kind=sequential``: one message per hop, each carrying the whole batch
+        (the stage splits it into micro-batches); ``gpipe``/``1f1b``:
+        :meth:`_train_step_pipelined`."""
+        if self.schedule.kind != "sequential":
+            return self._train_step_pipelined(grid, step, group)
         assert self.plan is not None
         ids = [self._ids[st.node] for st in self.plan.stages]
         S, B = len(ids), self.schedule.batch_size
@@ -575,6 +647,7 @@ class SkyStrategy(Strategy):
         (reply,) = self.exchange(
             grid, [self._msg(ids[0], "train.sky_forward", {"step": step_cfg}, group)]
         )
+        self._note(0, reply)
         if S == 1:
             return self._metrics(reply)
         labels = self._take(reply, "labels", (B,))
@@ -587,6 +660,7 @@ class SkyStrategy(Strategy):
             if k == S - 1:
                 content["labels"] = labels
             (reply,) = self.exchange(grid, [self._msg(ids[k], "train.sky_forward", content, group)])
+            self._note(k, reply)
             if k < S - 1:
                 act = self._take(reply, "act")
                 shapes.append(tuple(act["act"].shape))
@@ -596,9 +670,163 @@ class SkyStrategy(Strategy):
             (reply,) = self.exchange(
                 grid, [self._msg(ids[k], "train.sky_backward", {"grad": grad}, group)]
             )
+            self._note(k, reply)
             if k > 0:
                 grad = self._take(reply, "grad", shapes[k - 1])
         return metrics
+
+    def _train_step_pipelined(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
+        """One step of the pipelined relay (``schedule.kind`` ``gpipe`` or ``1f1b``).
+
+        The step's ``M`` micro-batches travel in ``G = M / c`` message groups of ``c``
+        (``self.group_size``). Each stage runs its groups in the schedule's order
+        (:func:`sky_flower.simulate.stage_order`; GPipe: all forwards, then all
+        backwards, Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan
+        et al. 2021, arXiv 2006.09503); the last stage runs forward, loss and backward of
+        a group in one message. The server pushes a stage's next op as soon as its input
+        has arrived, so stage ``k + 1`` works on group ``g`` while stage ``k`` works on
+        ``g + 1``. At most one message is in flight per stage: Flower's simulation engine
+        dispatches a node's queued messages to different workers with the same
+        ``context.state`` and keeps the last write (flwr ``vce_api.worker``), so
+        concurrent messages to one node would lose updates.
+
+        Returns ``(batch loss, correct predictions, samples)``.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node that failed, sent a malformed reply or timed out.
+        """
+        from sky_flower.simulate import stage_order
+
+        assert self.plan is not None
+        ids = [self._ids[st.node] for st in self.plan.stages]
+        S, M, c = len(ids), self.schedule.microbatches, self.group_size
+        G, rows = M // c, c * self.schedule.microbatch_size
+        orders = [
+            [op for op in order if k < S - 1 or op[0] == "F"]
+            for k, order in enumerate(stage_order(self.schedule.kind, S, G, interleave_last=True))
+        ]
+        ptr = [0] * S
+        acts: dict[tuple[int, int], ArrayRecord] = {}  # (stage, group) -> input activation
+        grads: dict[tuple[int, int], ArrayRecord] = {}  # (stage, group) -> output gradient
+        labels: dict[int, ArrayRecord] = {}
+        in_shape: dict[tuple[int, int], tuple[int, ...]] = {}
+        inflight: dict[str, tuple[int, str, int, float]] = {}  # id -> stage, op, group, t
+        busy: set[int] = set()
+        loss, correct, seen = 0.0, 0, 0
+
+        def ready(k: int, op: str, g: int) -> dict[str, Any] | None:
+            content: dict[str, Any] = {
+                "mb": ConfigRecord({"step": step, "first": g * c, "count": c})
+            }
+            if op == "F":
+                if k > 0:
+                    if (k, g) not in acts or (k == S - 1 and g not in labels):
+                        return None
+                    content["act"] = acts.pop((k, g))
+                    if k == S - 1:
+                        content["labels"] = labels.pop(g)
+            else:
+                if (k, g) not in grads:
+                    return None
+                content["grad"] = grads.pop((k, g))
+            return content
+
+        while inflight or any(ptr[k] < len(orders[k]) for k in range(S)):
+            self._check_stop()
+            push, meta = [], []
+            for k in range(S):
+                if k in busy or ptr[k] >= len(orders[k]):
+                    continue
+                op, g = orders[k][ptr[k]]
+                content = ready(k, op, g)
+                if content is None:
+                    continue
+                mtype = "train.sky_pipe_fwd" if op == "F" else "train.sky_pipe_bwd"
+                push.append(self._msg(ids[k], mtype, content, group))
+                meta.append((k, op, g))
+                ptr[k] += 1
+                busy.add(k)
+            if push:
+                pushed = list(grid.push_messages(push))
+                if len(pushed) != len(push):
+                    raise SkyNodeError(f"only {len(pushed)} of {len(push)} messages could be sent")
+                now = time.monotonic()
+                for mid, (k, op, g) in zip(pushed, meta, strict=True):
+                    inflight[mid] = (k, op, g, now)
+            got = list(grid.pull_messages(list(inflight)))
+            for reply in got:
+                k, op, g, _ = inflight.pop(reply.metadata.reply_to_message_id)
+                busy.discard(k)
+                node = self._name(ids[k])
+                if reply.has_error():
+                    raise SkyNodeError(
+                        f"{node} replied with an error: {_short_reason(reply.error.reason)}"
+                    )
+                self._note(k, reply)
+                if op == "F" and k < S - 1:
+                    act = self._take(reply, "act")
+                    shape = tuple(act["act"].shape)
+                    if shape[0] != rows:
+                        raise SkyNodeError(f"{node} sent {shape[0]} activations, not {rows}")
+                    acts[(k + 1, g)], in_shape[(k + 1, g)] = act, shape
+                    if k == 0:
+                        labels[g] = self._take(reply, "labels", (rows,))
+                elif op == "F":  # last stage: loss and backward done
+                    lo, co, n = self._metrics(reply)
+                    loss, correct, seen = loss + lo, correct + co, seen + n
+                    if S > 1:
+                        grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
+                elif k > 0:
+                    grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
+            if not got:
+                now = time.monotonic()
+                late = [m for m, v in inflight.items() if now - v[3] > self.message_timeout_s]
+                if late:
+                    names = ", ".join(self._name(ids[inflight[m][0]]) for m in late)
+                    raise SkyNodeError(f"no reply within {self.message_timeout_s:g} s from {names}")
+                time.sleep(0.002)
+        return loss, correct, seen
+
+    def _stage_report(self, steps: int) -> list[dict[str, Any]]:
+        """Measured against predicted, per stage and step (seconds): ``compute_s``,
+        ``busy_s`` (see :meth:`stage_predictions`) and ``messages``."""
+        rows = []
+        for k, pred in enumerate(self.stage_predictions()):
+            got = self._stage_stats[k] if k < len(self._stage_stats) else {}
+            rows.append(
+                {
+                    "stage": k,
+                    "node": pred["node"],
+                    "messages": got.get("messages", 0) / steps,
+                    "predicted_messages": pred["messages"],
+                    "measured_compute_s": got.get("compute_s", 0.0) / steps,
+                    "predicted_compute_s": pred["compute_s"],
+                    "measured_busy_s": got.get("busy_s", 0.0) / steps,
+                    "predicted_busy_s": pred["busy_s"],
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _log_stages(row: dict[str, Any]) -> None:
+        """Log a round's measured against predicted step and per-stage figures."""
+        lines = [
+            f"round {row['round']}: step measured {row['measured_step_time_s']:.4f} s, "
+            f"predicted {row['predicted_step_time_s']:.4f} s "
+            f"({row['measured_step_time_s'] / row['predicted_step_time_s'] - 1:+.0%}); "
+            f"{row['microbatches_per_message']} micro-batch(es) per message",
+            f"{'stage':>5} {'node':<12} {'msgs':>5} {'compute s':>10} {'predicted':>10} "
+            f"{'busy s':>8} {'predicted':>10}",
+        ]
+        for st in row["stages"]:
+            lines.append(
+                f"{st['stage']:>5} {st['node']:<12} {st['messages']:>5.0f} "
+                f"{st['measured_compute_s']:>10.4f} {st['predicted_compute_s']:>10.4f} "
+                f"{st['measured_busy_s']:>8.4f} {st['predicted_busy_s']:>10.4f}"
+            )
+        log(INFO, "Measured vs predicted, per step:\n%s", "\n".join(lines))
 
     def steps_in_round(self) -> int:
         """Training steps per round."""
@@ -661,6 +889,7 @@ class SkyStrategy(Strategy):
             group = str(rnd)
             try:
                 self.exchange(grid, list(self.configure_train(rnd, arrays, train_config, grid)))
+                self._stage_stats = []
                 losses, correct, seen, step_times = [], 0, 0, []
                 for step in range(steps):
                     t0 = time.perf_counter()
@@ -692,6 +921,8 @@ class SkyStrategy(Strategy):
                 "predicted_step_time_s": self.plan.predicted_step_time_s,
                 "steps": steps,
                 "round_time_s": time.perf_counter() - t_round,
+                "microbatches_per_message": self.group_size,
+                "stages": self._stage_report(steps),
             }
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
@@ -712,6 +943,7 @@ class SkyStrategy(Strategy):
                 row["predicted_step_time_s"],
                 row["round_time_s"],
             )
+            self._log_stages(row)
             self.on_event("round", row)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         return result

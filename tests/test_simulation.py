@@ -48,6 +48,26 @@ def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_proces
     assert [n["name"] for n in bench["nodes"]] == ["phone", "cloud", "box"]
 
 
+def _local_weights(cfg, steps: int, microbatches: int) -> dict:
+    """The unsplit model trained in this process on the data owner's first ``steps``
+    batches of round 1, each batch's mean loss accumulated over ``microbatches`` equal
+    micro-batches, one Adam step per batch (what every relay schedule must compute)."""
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(dict(cfg.model))
+    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
+    train, _ = load_split("digits", 0.2, int(cfg.seed))
+    data = owner_partition(train, 0, 1, int(cfg.seed))
+    bs = int(cfg.schedule.batch_size)
+    for step in range(steps):
+        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
+        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
     """Weights after 3 steps through Flower (3 stages, 2 micro-batches) equal those of
     the unsplit model trained on the same batches in this process."""
@@ -63,23 +83,41 @@ def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
     )
     run_job(cfg, tmp_path)
     split = torch.load(tmp_path / "model.pt")
-
-    model_cfg = dict(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    model = build_model(model_cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
-    train, _ = load_split("digits", 0.2, int(cfg.seed))
-    data = owner_partition(train, 0, 1, int(cfg.seed))
-    bs = int(cfg.schedule.batch_size)
-    for step in range(3):
-        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
-        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
-            (torch.nn.functional.cross_entropy(model(xm), ym) / 2).backward()
-        opt.step()
-    for k, v in model.state_dict().items():
+    for k, v in _local_weights(cfg, 3, 2).items():
         np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kind", "per_message"), [("gpipe", 1), ("1f1b", 2)])
+def test_pipelined_relay_equals_unpipelined(kind, per_message, tmp_path, no_leftover_processes):
+    """The pipelined relay (3 stages, 4 micro-batches in flight in groups of
+    ``per_message``, gradients accumulated across messages) gives the weights of
+    unpipelined training with the same micro-batch split after 3 steps; every stage
+    handled the planned number of messages and reported its compute."""
+    cfg = make_cfg(
+        [
+            *FAST,
+            "fleet=uniform3",
+            "allocation=even",
+            "num_rounds=1",
+            "train.steps_per_round=3",
+            "schedule.microbatches=4",
+            f"schedule.kind={kind}",
+            f"schedule.microbatches_per_message={per_message}",
+        ]
+    )
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    split = torch.load(tmp_path / "model.pt")
+    for k, v in _local_weights(cfg, 3, 4).items():
+        np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    assert row["microbatches_per_message"] == per_message
+    groups = 4 // per_message
+    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
+    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
+    assert all(
+        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
+    )
 
 
 def test_infeasible_memory_refused_before_flower_starts(tmp_path):
