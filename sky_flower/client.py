@@ -45,7 +45,12 @@ from torch import nn
 
 from sky_flower.data import Split, batch_indices
 from sky_flower.emulation import Emulation
-from sky_flower.profile import default_optimizer_factory, time_layers
+from sky_flower.profile import (
+    as_layers,
+    default_optimizer_factory,
+    time_layers,
+    time_optimizer_steps,
+)
 from sky_flower.stage import (
     StageExecutor,
     build_stage,
@@ -178,6 +183,12 @@ class SkyClient:
             repeats=int(cfg["repeats"]),
         )
         factor = 1.0 + emu.slowdown
+        step_s: list[float] = [0.0] * len(fwd)
+        rebuild_rate = save_rate = 0.0
+        if "optimizer" in cfg:  # optimizer step per layer; the stage's state round trip
+            make_opt = default_optimizer_factory(str(cfg["optimizer"]), float(cfg["lr"]))
+            step_s = time_optimizer_steps(self.model_fn(), make_opt)
+            rebuild_rate, save_rate = time_state_roundtrip(self.model_fn, make_opt)
         data = self.load_data(context)  # a data owner is a node whose loader has data
         holds_data = data is not None and len(data) > 0
         return RecordDict(
@@ -192,6 +203,9 @@ class SkyClient:
                         "emulation": emu.describe(),
                         "layer_fwd_s": [t * factor for t in fwd],
                         "layer_bwd_s": [t * factor for t in bwd],
+                        "layer_step_s": [t * factor for t in step_s],
+                        "state_rebuild_s_per_byte": rebuild_rate,
+                        "state_save_s_per_byte": save_rate,
                     }
                 )
             }
@@ -286,11 +300,10 @@ class SkyClient:
             )
         return step, first, count
 
-    def _accumulate(
-        self, context: Context, ex: StageExecutor, cfg: ConfigRecord, step: int, count: int
-    ) -> None:
-        """After ``ex`` back-propagated ``count`` micro-batches of ``step``: step the
-        optimizer once all ``M`` are in, else keep the sum of gradients in the state.
+    @staticmethod
+    def _accumulated(context: Context, cfg: ConfigRecord, step: int, count: int) -> int:
+        """Micro-batches of ``step`` back-propagated on this stage, these ``count``
+        included.
 
         Raises
         ------
@@ -306,9 +319,11 @@ class SkyClient:
                     f"{int(cfg['microbatches']) - int(acc['done'])} micro-batches to back-propagate"
                 )
             done = int(acc["done"])
-        done += count
-        if done >= int(cfg["microbatches"]):
-            ex.apply_step()
+        return done + count
+
+    def _keep(self, context: Context, ex: StageExecutor, step: int, done: int, M: int) -> None:
+        """Save the stepped stage (``done == M``), else the gradients accumulated so far."""
+        if done >= M:
             self._save(context, ex)
             for key in (GRADS, ACCUM):
                 if key in context.state:
@@ -343,11 +358,13 @@ class SkyClient:
         if is_last:
             if labels is None:
                 labels = msg.content.array_records["labels"].to_torch_state_dict()["labels"]
+            done = self._accumulated(context, cfg, step, count)
+            M = int(cfg["microbatches"])
             grad, loss, correct = ex.forward_backward_loss(
-                x, labels, input_grad=not is_first, step=False
+                x, labels, input_grad=not is_first, step=done >= M
             )
             compute = time.perf_counter() - t0
-            self._accumulate(context, ex, cfg, step, count)
+            self._keep(context, ex, step, done, M)
             if grad is not None:
                 out["grad"] = ArrayRecord({"grad": grad})
             out["metrics"] = MetricRecord(
@@ -376,11 +393,13 @@ class SkyClient:
         x = context.state.array_records[key].to_torch_state_dict()["x"]
         g = msg.content.array_records["grad"].to_torch_state_dict()["grad"]
         is_first = bool(cfg["is_first"])
+        done = self._accumulated(context, cfg, step, count)
+        M = int(cfg["microbatches"])
         t0 = time.perf_counter()
-        grad = ex.backward(x, g, input_grad=not is_first, step=False)
+        grad = ex.backward(x, g, input_grad=not is_first, step=done >= M)
         compute = time.perf_counter() - t0
         del context.state[key]
-        self._accumulate(context, ex, cfg, step, count)
+        self._keep(context, ex, step, done, M)
         emu.after_compute(compute)
         out: dict[str, Any] = {"metrics": MetricRecord({"compute_s": compute})}
         if grad is not None:
@@ -390,6 +409,41 @@ class SkyClient:
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Return the stage's weights (end of round)."""
         return RecordDict({"weights": context.state.array_records[WEIGHTS]})
+
+
+def time_state_roundtrip(
+    model_fn: Callable[[], nn.Module],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int = 3,
+) -> tuple[float, float]:
+    """What a stage message spends on its own state, per byte of weights + optimizer
+    state: ``(rebuild, save)`` seconds per byte. Every stage message rebuilds its stage
+    from the ``context.state`` records (weights, optimizer tensors); messages that
+    step the optimizer save them back as records (:class:`SkyClient`). Timed on the
+    whole model, median of ``repeats``."""
+    import statistics
+
+    layers = as_layers(model_fn())
+    stage = build_stage(model_fn, 0, len(layers) - 1)
+    opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # populate the optimizer state
+    weights = ArrayRecord({k: v.detach() for k, v in stage.state_dict().items()})
+    state = ArrayRecord(optimizer_to_tensors(opt))
+    nbytes = max(weights.count_bytes() + state.count_bytes(), 1)
+    rebuild, save = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        module = build_stage(model_fn, 0, len(layers) - 1, weights.to_torch_state_dict())
+        opt2 = optimizer_factory([p for p in module.parameters() if p.requires_grad])
+        optimizer_from_tensors(opt2, state.to_torch_state_dict())
+        t1 = time.perf_counter()
+        weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
+        state = ArrayRecord(optimizer_to_tensors(opt2))
+        save.append(time.perf_counter() - t1)
+        rebuild.append(t1 - t0)
+    return statistics.median(rebuild) / nbytes, statistics.median(save) / nbytes
 
 
 # --- defaults for the simulation engine ------------------------------------------------

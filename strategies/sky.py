@@ -169,6 +169,7 @@ class SkyStrategy(Strategy):
         self.cost: CostModel | None = None
         self.group_size = self.schedule.microbatches  # micro-batches per relay message
         self._stage_stats: list[dict[str, float]] = []  # per stage, summed over a round
+        self._handler_rate: dict[str, float] = {}  # s/byte a stage message spends on its state
 
     # ---------------------------------------------------------------------------------
     # messaging
@@ -294,6 +295,8 @@ class SkyStrategy(Strategy):
                 "microbatch_size": mb,
                 "warmup": self.benchmark_warmup,
                 "repeats": self.benchmark_repeats,
+                "optimizer": self.optimizer,
+                "lr": self.lr,
             }
         )
         profiles: dict[int, ConfigRecord] = {}
@@ -317,8 +320,20 @@ class SkyStrategy(Strategy):
                         f"reported times for {len(fwd)}/{len(bwd)} layers, the model has "
                         f"{num_layers}: is it running the same model_fn?"
                     )
+                # one optimizer step per training step, spread over its micro-batches
+                steps = [float(t) for t in prof.get("layer_step_s", [0.0] * num_layers)]
+                if len(steps) != num_layers:
+                    raise SkyNodeError(f"reported optimizer steps for {len(steps)} layers")
+                M = self.schedule.microbatches
+                bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
                 examples = int(prof["num_examples"])
                 lat, bw, state_rate = self._time_link(grid, nid)
+                # every stage message rebuilds its stage from the state; about half of
+                # them (those that step the optimizer) also save it back
+                handler_rate = float(prof.get("state_rebuild_s_per_byte", 0.0))
+                handler_rate += 0.5 * float(prof.get("state_save_s_per_byte", 0.0))
+                self._handler_rate[name] = handler_rate
+                state_rate += handler_rate
                 node = NodeProfile(
                     name=name,
                     layer_fwd_s=fwd,
@@ -479,10 +494,12 @@ class SkyStrategy(Strategy):
 
     def stage_predictions(self) -> list[dict[str, Any]]:
         """Per stage and step, what the cost model predicts (seconds): ``compute_s``
-        (forward + backward of the step's ``M`` micro-batches, recomputation and the
-        node's emulated slowdown included), ``busy_s`` (``compute_s`` plus the payload
-        time charged on the node, i.e. the time inside its message handlers) and
-        ``messages`` (Flower messages the stage handles per step)."""
+        (forward + backward of the step's ``M`` micro-batches, recomputation, optimizer
+        step and the node's emulated slowdown included), ``busy_s`` (time inside its
+        message handlers: ``compute_s``, the payload time charged on the node, and
+        rebuilding / saving the stage from / to ``context.state``; the emulated
+        per-message link latency is not in it) and ``messages`` (Flower messages the
+        stage handles per step)."""
         assert self.plan is not None and self.cost is not None
         t = self.cost.terms(self._plan_stages())
         M, S = self.schedule.microbatches, len(self.plan.stages)
@@ -491,12 +508,17 @@ class SkyStrategy(Strategy):
         for k, st in enumerate(self.plan.stages):
             compute = M * float(t.fwd[k] + t.bwd[k])
             payload = 2 * M * float(t.node_link[k]) if t.node_link is not None else 0.0
+            messages = groups * (1 if k == S - 1 else 2)
+            state = float(
+                self.cost.state_prefix[st.last_layer + 1] - self.cost.state_prefix[st.first_layer]
+            )
+            handler = messages * self._handler_rate.get(st.node, 0.0) * state
             out.append(
                 {
                     "node": st.node,
                     "compute_s": compute,
-                    "busy_s": compute + payload,
-                    "messages": groups * (1 if k == S - 1 else 2),
+                    "busy_s": compute + payload + handler,
+                    "messages": messages,
                 }
             )
         return out
