@@ -17,8 +17,11 @@ Per stage ``k`` (node ``i``, layers ``a..b``) and per micro-batch of ``B / M`` s
   ``direct``: ``(lat_i + lat_i') / 2 + bytes / min(bw_i, bw_i')`` (peer to peer).
 * **overhead** per step (``relay`` only): each Flower message costs the node's measured
   latency plus ``state_s_per_byte x`` the bytes it keeps in ``context.state`` (weights
-  and optimizer state); a non-last stage handles two messages, the last one; labels
-  (``B x 8`` bytes) leave the data owner and reach the last stage.
+  and optimizer state; the rate is Flower's shipping of the state plus the handler's
+  own rebuild / save of the stage, both measured in the benchmark round); a non-last
+  stage handles two messages, the last one; labels (``B x 8`` bytes) leave the data
+  owner and reach the last stage. The optimizer step (measured per layer) is in ``b_k``,
+  spread over the step's micro-batches.
 
 Step time by ``schedule.kind`` (stages and link directions are resources; see
 :mod:`sky_flower.simulate`, the discrete-event reference):
@@ -31,9 +34,17 @@ Step time by ``schedule.kind`` (stages and link directions are resources; see
 * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503): no closed form;
   the simulator gives it.
 
-plus the per-step relay overhead. The **steady-state period** (seconds per micro-batch
-once the pipeline is full, which sets throughput) is
-``max(max_k (f_k + b_k), max_links link)``.
+plus the per-step relay overhead. On ``relay``, ``gpipe`` and ``1f1b`` are the
+**pipelined relay** that :class:`strategies.sky.SkyStrategy` runs: the step's ``M``
+micro-batches travel in ``G = M / c`` Flower messages per hop (``c`` micro-batches each,
+``schedule.microbatches_per_message`` or the best divisor), at most one message in flight
+per stage, every message paying the stage's latency and state shipping; the simulator
+plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). With
+``c = M`` it is exactly the ``sequential`` relay. The partitioners search with the
+closed forms above; the plan's predicted step time is this model.
+
+The **steady-state period** (seconds per micro-batch once the pipeline is full, which
+sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.
 
 Memory of stage ``k`` (bytes) = parameters + gradients + optimizer state + the
 activations stashed for the micro-batches in flight: ``relay`` keeps the whole batch,

@@ -6,7 +6,9 @@ measures every node on the model's own layers and times its link; a partitioner
 (``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
 sized to what it can do; then every round each node trains its block as one stage of a
 pipeline, activations flowing forward and gradients back through the server (the
-``relay`` transport), and the server reassembles the global model from the stages.
+``relay`` transport: one hop at a time, or pipelined with several micro-batch groups in
+flight on different stages, ``schedule.kind`` ``gpipe`` / ``1f1b``), and the server
+reassembles the global model from the stages.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class SkyStrategy(Strategy):
         state costs per message (0 disables; see :mod:`sky_flower.cost`).
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
+    max_failed_rounds : int (default: 0)
+        Failed rounds the run survives. After a failed round the nodes named in its
+        error are dropped, the model is re-planned on the others from the benchmark
+        round's profiles, and the next round starts from the last good global model
+        (``failed_rounds`` records each). 0: the first failed round ends the run.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -120,6 +127,7 @@ class SkyStrategy(Strategy):
         echo_jitter_s: float = 0.1,
         state_probe_bytes: int = 64 * 1024 * 1024,
         message_timeout_s: float = 120.0,
+        max_failed_rounds: int = 0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
     ) -> None:
@@ -155,6 +163,10 @@ class SkyStrategy(Strategy):
         self.echo_jitter_s = echo_jitter_s
         self._rng = np.random.default_rng(seed)
         self.message_timeout_s = message_timeout_s
+        if max_failed_rounds < 0:
+            raise ValueError(f"max_failed_rounds must be >= 0, got {max_failed_rounds}")
+        self.max_failed_rounds = max_failed_rounds
+        self.failed_rounds: list[dict[str, Any]] = []
         self.seed = seed
         self.on_event = on_event or (lambda kind, payload: None)
         self.layer_profiles: list[LayerProfile] = []
@@ -755,61 +767,85 @@ class SkyStrategy(Strategy):
                 content["grad"] = grads.pop((k, g))
             return content
 
-        while inflight or any(ptr[k] < len(orders[k]) for k in range(S)):
-            self._check_stop()
-            push, meta = [], []
-            for k in range(S):
-                if k in busy or ptr[k] >= len(orders[k]):
-                    continue
-                op, g = orders[k][ptr[k]]
-                content = ready(k, op, g)
-                if content is None:
-                    continue
-                mtype = "train.sky_pipe_fwd" if op == "F" else "train.sky_pipe_bwd"
-                push.append(self._msg(ids[k], mtype, content, group))
-                meta.append((k, op, g))
-                ptr[k] += 1
-                busy.add(k)
-            if push:
-                pushed = list(grid.push_messages(push))
-                if len(pushed) != len(push):
-                    raise SkyNodeError(f"only {len(pushed)} of {len(push)} messages could be sent")
-                now = time.monotonic()
-                for mid, (k, op, g) in zip(pushed, meta, strict=True):
-                    inflight[mid] = (k, op, g, now)
-            got = list(grid.pull_messages(list(inflight)))
-            for reply in got:
-                k, op, g, _ = inflight.pop(reply.metadata.reply_to_message_id)
-                busy.discard(k)
-                node = self._name(ids[k])
-                if reply.has_error():
-                    raise SkyNodeError(
-                        f"{node} replied with an error: {_short_reason(reply.error.reason)}"
-                    )
-                self._note(k, reply)
-                if op == "F" and k < S - 1:
-                    act = self._take(reply, "act")
-                    shape = tuple(act["act"].shape)
-                    if shape[0] != rows:
-                        raise SkyNodeError(f"{node} sent {shape[0]} activations, not {rows}")
-                    acts[(k + 1, g)], in_shape[(k + 1, g)] = act, shape
-                    if k == 0:
-                        labels[g] = self._take(reply, "labels", (rows,))
-                elif op == "F":  # last stage: loss and backward done
-                    lo, co, n = self._metrics(reply)
-                    loss, correct, seen = loss + lo, correct + co, seen + n
-                    if S > 1:
+        try:
+            while inflight or any(ptr[k] < len(orders[k]) for k in range(S)):
+                self._check_stop()
+                push, meta = [], []
+                for k in range(S):
+                    if k in busy or ptr[k] >= len(orders[k]):
+                        continue
+                    op, g = orders[k][ptr[k]]
+                    content = ready(k, op, g)
+                    if content is None:
+                        continue
+                    mtype = "train.sky_pipe_fwd" if op == "F" else "train.sky_pipe_bwd"
+                    push.append(self._msg(ids[k], mtype, content, group))
+                    meta.append((k, op, g))
+                    ptr[k] += 1
+                    busy.add(k)
+                if push:
+                    pushed = list(grid.push_messages(push))
+                    if len(pushed) != len(push):
+                        raise SkyNodeError(
+                            f"only {len(pushed)} of {len(push)} messages could be sent"
+                        )
+                    now = time.monotonic()
+                    for mid, (k, op, g) in zip(pushed, meta, strict=True):
+                        inflight[mid] = (k, op, g, now)
+                if not inflight:  # nothing pushed, nothing pending: cannot happen for
+                    # GPipe / 1F1B orders; guards against a schedule that waits on itself
+                    raise SkyNodeError(f"{self.schedule.kind} schedule stalled at ops {ptr}")
+                got = list(grid.pull_messages(list(inflight)))
+                for reply in got:
+                    k, op, g, _ = inflight.pop(reply.metadata.reply_to_message_id)
+                    busy.discard(k)
+                    node = self._name(ids[k])
+                    if reply.has_error():
+                        raise SkyNodeError(
+                            f"{node} replied with an error: {_short_reason(reply.error.reason)}"
+                        )
+                    self._note(k, reply)
+                    if op == "F" and k < S - 1:
+                        act = self._take(reply, "act")
+                        shape = tuple(act["act"].shape)
+                        if shape[0] != rows:
+                            raise SkyNodeError(f"{node} sent {shape[0]} activations, not {rows}")
+                        acts[(k + 1, g)], in_shape[(k + 1, g)] = act, shape
+                        if k == 0:
+                            labels[g] = self._take(reply, "labels", (rows,))
+                    elif op == "F":  # last stage: loss and backward done
+                        lo, co, n = self._metrics(reply)
+                        loss, correct, seen = loss + lo, correct + co, seen + n
+                        if S > 1:
+                            grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
+                    elif k > 0:
                         grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
-                elif k > 0:
-                    grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
-            if not got:
-                now = time.monotonic()
-                late = [m for m, v in inflight.items() if now - v[3] > self.message_timeout_s]
-                if late:
-                    names = ", ".join(self._name(ids[inflight[m][0]]) for m in late)
-                    raise SkyNodeError(f"no reply within {self.message_timeout_s:g} s from {names}")
-                time.sleep(0.002)
+                if not got:
+                    now = time.monotonic()
+                    late = [m for m, v in inflight.items() if now - v[3] > self.message_timeout_s]
+                    if late:
+                        names = ", ".join(self._name(ids[inflight[m][0]]) for m in late)
+                        raise SkyNodeError(
+                            f"no reply within {self.message_timeout_s:g} s from {names}"
+                        )
+                    time.sleep(0.002)
+        except SkyNodeError:
+            self._drain(grid, inflight)
+            raise
         return loss, correct, seen
+
+    def _drain(self, grid: Grid, inflight: dict[str, Any], limit_s: float = 10.0) -> None:
+        """After a failed pipelined step: wait (at most ``limit_s``) for the replies still
+        in flight, so no stage is left running a stale message when the caller goes on;
+        their contents and errors are dropped."""
+        deadline = time.monotonic() + min(limit_s, self.message_timeout_s)
+        pending = set(inflight)
+        while pending and time.monotonic() < deadline:
+            for reply in grid.pull_messages(list(pending)):
+                pending.discard(reply.metadata.reply_to_message_id)
+            time.sleep(0.01)
+        if pending:
+            log(WARNING, "%d pipelined message(s) still unanswered after a failure", len(pending))
 
     def _stage_report(self, steps: int) -> list[dict[str, Any]]:
         """Measured against predicted, per stage and step (seconds): ``compute_s``,
@@ -849,6 +885,42 @@ class SkyStrategy(Strategy):
                 f"{st['measured_busy_s']:>8.4f} {st['predicted_busy_s']:>10.4f}"
             )
         log(INFO, "Measured vs predicted, per step:\n%s", "\n".join(lines))
+
+    def _recover(self, rnd: int, err: SkyNodeError) -> bool:
+        """After round ``rnd`` failed with ``err``: if ``max_failed_rounds`` allows, drop
+        the nodes ``err`` names, re-plan on the others and return True (the caller goes
+        on with the last good global model); else False. The data owner cannot be
+        dropped (stage 0 needs its data)."""
+        if len(self.failed_rounds) >= self.max_failed_rounds:
+            return False
+        text = str(err)
+        failed = [n for n in self.node_profiles if self._name(n.node_id) in text]
+        if not failed or failed[0] is self.node_profiles[0]:
+            return False  # no node named, or the data owner failed
+        keep = [n for n in self.node_profiles if n not in failed]
+        names = [n.name for n in failed]
+        old = self.node_profiles
+        self.node_profiles = keep
+        try:
+            self.make_plan()
+        except ValueError as plan_err:  # e.g. the others cannot hold the model
+            self.node_profiles = old
+            log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
+            return False
+        for name in names:
+            self._ids.pop(name, None)
+        self.failed_rounds.append({"round": rnd, "error": text, "dropped_nodes": names})
+        log(
+            WARNING,
+            "Round %d failed; dropped %s and re-planned on %d node(s) (%d of %d failed "
+            "rounds allowed used)",
+            rnd,
+            ", ".join(names),
+            len(keep),
+            len(self.failed_rounds),
+            self.max_failed_rounds,
+        )
+        return True
 
     def steps_in_round(self) -> int:
         """Training steps per round."""
@@ -932,6 +1004,8 @@ class SkyStrategy(Strategy):
                     err,
                     rnd - 1,
                 )
+                if self._recover(rnd, err):
+                    continue
                 raise SkyNodeError(f"round {rnd} failed: {err}") from err
             assert new_arrays is not None
             arrays = result.arrays = self.global_arrays = new_arrays

@@ -196,3 +196,38 @@ def test_node_failing_the_benchmark_is_left_out(tmp_path, no_leftover_processes)
     # leave cloud idle when phone alone is faster
     nodes = [s["node"] for s in plan["stages"]] + plan["idle_nodes"]
     assert sorted(nodes) == ["cloud", "phone"] and plan["stages"][0]["node"] == "phone"
+
+
+def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_processes):
+    """Pipelined relay (GPipe, one micro-batch per message): the last stage fails in
+    the middle of round 1 (its first forward message raises, with other stages' messages
+    in flight). The round ends with an error naming it, the last good global model is
+    kept, the node is dropped, the model re-planned on the others, and round 2 trains."""
+    cfg = make_cfg(
+        [
+            *FAST,
+            "fleet=edge3",
+            "allocation=even",
+            "num_rounds=2",
+            "train.steps_per_round=3",
+            "schedule.kind=gpipe",
+            "schedule.microbatches=4",
+            "schedule.microbatches_per_message=1",
+            "max_failed_rounds=1",
+        ]
+    )
+    with open_dict(cfg):
+        cfg.fleet.nodes[2].fail_on = "train.sky_pipe_fwd"  # box: the last stage
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    (failed,) = results["failed_rounds"]
+    assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]
+    assert "box" in failed["error"] and "replied with an error" in failed["error"]
+    (row,) = results["rounds"]
+    assert row["round"] == 2 and row["test_accuracy"] is not None
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert {s["node"] for s in plan["stages"]} <= {"phone", "cloud"}
+    trained = torch.load(tmp_path / "model.pt")  # round 2's model: moved off the start
+    torch.manual_seed(int(cfg.seed))
+    initial = build_model(dict(cfg.model)).state_dict()
+    assert any(not torch.equal(trained[k], v) for k, v in initial.items())
