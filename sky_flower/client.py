@@ -19,6 +19,12 @@ Message types served (``flwr`` allows ``train``/``evaluate``/``query`` + ``.acti
 ``train.sky_backward`` recompute forward from the stashed input, back-propagate the
                        incoming gradient, step the optimizer, return input gradients
 ``train.sky_collect``  return the stage's weights at the end of the round
+``train.sky_pipe_fwd`` pipelined relay (``schedule.kind=gpipe|1f1b``): forward of the
+                       micro-batches ``first .. first+count-1`` of step ``step`` (the
+                       last stage: loss and backward too); stashes each group's input
+``train.sky_pipe_bwd`` pipelined relay: backward of one group from its stash; gradients
+                       accumulate in ``context.state`` and the optimizer steps once
+                       the step's ``M`` micro-batches are all back-propagated
 =====================  ===============================================================
 
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
@@ -39,7 +45,12 @@ from torch import nn
 
 from sky_flower.data import Split, batch_indices
 from sky_flower.emulation import Emulation
-from sky_flower.profile import default_optimizer_factory, time_layers
+from sky_flower.profile import (
+    as_layers,
+    default_optimizer_factory,
+    time_layers,
+    time_optimizer_steps,
+)
 from sky_flower.stage import (
     StageExecutor,
     build_stage,
@@ -52,6 +63,9 @@ WEIGHTS = "sky.weights"
 OPTIM = "sky.optim"
 STASH = "sky.stash"
 PROBE = "sky.probe"
+GRADS = "sky.grads"  # pipelined relay: gradients accumulated over the step so far
+ACCUM = "sky.accum"  # pipelined relay: {"step", "done"} micro-batches back-propagated
+STASH_MB = "sky.stash."  # pipelined relay: + first micro-batch of the group
 
 
 def _payload_bytes(content: RecordDict) -> int:
@@ -95,6 +109,8 @@ class SkyClient:
         app.train("sky_forward")(self._wrap(self.forward))
         app.train("sky_backward")(self._wrap(self.backward))
         app.train("sky_collect")(self._wrap(self.collect))
+        app.train("sky_pipe_fwd")(self._wrap(self.pipe_forward))
+        app.train("sky_pipe_bwd")(self._wrap(self.pipe_backward))
         return app
 
     # --- plumbing --------------------------------------------------------------------
@@ -102,6 +118,7 @@ class SkyClient:
         self, fn: Callable[[Message, Context, Emulation], RecordDict]
     ) -> Callable[[Message, Context], Message]:
         def handler(msg: Message, context: Context) -> Message:
+            t_start = time.perf_counter()
             torch.set_num_threads(1)
             emu = self.emulation_fn(context)
             malformed = emu.check_fault(msg.metadata.message_type)
@@ -113,12 +130,19 @@ class SkyClient:
             delay = emu.link_delay_s(_payload_bytes(msg.content) + _payload_bytes(content))
             if delay > 0:
                 time.sleep(delay)
+            if "metrics" in content.metric_records:  # wall seconds inside the handler
+                content.metric_records["metrics"]["busy_s"] = time.perf_counter() - t_start
             return Message(content, reply_to=msg)
 
         handler.__name__ = fn.__name__
         return handler
 
-    def _executor(self, context: Context) -> tuple[StageExecutor, ConfigRecord]:
+    def _executor(
+        self, context: Context, microbatches: int | None = None
+    ) -> tuple[StageExecutor, ConfigRecord]:
+        """The stage from ``context.state``. ``microbatches``: how many micro-batches the
+        inputs it is given hold (default: the step's ``M``); the loss is always divided
+        by ``M``."""
         cfg = context.state.config_records[STAGE]
         weights = context.state.array_records[WEIGHTS].to_torch_state_dict()
         module = build_stage(self.model_fn, int(cfg["first"]), int(cfg["last"]), weights)
@@ -126,7 +150,8 @@ class SkyClient:
         opt = make_opt([p for p in module.parameters() if p.requires_grad])
         if OPTIM in context.state.array_records:
             optimizer_from_tensors(opt, context.state.array_records[OPTIM].to_torch_state_dict())
-        return StageExecutor(module, opt, int(cfg["microbatches"])), cfg
+        M = int(cfg["microbatches"])
+        return StageExecutor(module, opt, microbatches or M, loss_divisor=M), cfg
 
     @staticmethod
     def _save(context: Context, ex: StageExecutor) -> None:
@@ -158,6 +183,12 @@ class SkyClient:
             repeats=int(cfg["repeats"]),
         )
         factor = 1.0 + emu.slowdown
+        step_s: list[float] = [0.0] * len(fwd)
+        rebuild_rate = save_rate = 0.0
+        if "optimizer" in cfg:  # optimizer step per layer; the stage's state round trip
+            make_opt = default_optimizer_factory(str(cfg["optimizer"]), float(cfg["lr"]))
+            step_s = time_optimizer_steps(self.model_fn(), make_opt)
+            rebuild_rate, save_rate = time_state_roundtrip(self.model_fn, make_opt)
         data = self.load_data(context)  # a data owner is a node whose loader has data
         holds_data = data is not None and len(data) > 0
         return RecordDict(
@@ -172,6 +203,9 @@ class SkyClient:
                         "emulation": emu.describe(),
                         "layer_fwd_s": [t * factor for t in fwd],
                         "layer_bwd_s": [t * factor for t in bwd],
+                        "layer_step_s": [t * factor for t in step_s],
+                        "state_rebuild_s_per_byte": rebuild_rate,
+                        "state_save_s_per_byte": save_rate,
                     }
                 )
             }
@@ -197,8 +231,8 @@ class SkyClient:
         cfg = msg.content.config_records["config"]
         context.state[STAGE] = cfg
         context.state[WEIGHTS] = msg.content.array_records["weights"]
-        for key in (OPTIM, STASH):
-            if key in context.state:
+        for key in list(context.state.keys()):
+            if key in (OPTIM, STASH, GRADS, ACCUM) or key.startswith(STASH_MB):
                 del context.state[key]
         return RecordDict({"metrics": MetricRecord({"ready": 1})})
 
@@ -253,9 +287,163 @@ class SkyClient:
             out["grad"] = ArrayRecord({"grad": grad})
         return RecordDict(out)
 
+    # --- pipelined relay (schedule.kind=gpipe | 1f1b) ----------------------------------
+    @staticmethod
+    def _group(msg: Message, cfg: ConfigRecord) -> tuple[int, int, int]:
+        """``(step, first micro-batch, count)`` of a pipelined message, checked."""
+        mb = msg.content.config_records["mb"]
+        step, first, count = int(mb["step"]), int(mb["first"]), int(mb["count"])
+        M = int(cfg["microbatches"])
+        if count < 1 or first < 0 or first + count > M:
+            raise ValueError(
+                f"micro-batches {first}..{first + count - 1} are outside the step's {M}"
+            )
+        return step, first, count
+
+    @staticmethod
+    def _accumulated(context: Context, cfg: ConfigRecord, step: int, count: int) -> int:
+        """Micro-batches of ``step`` back-propagated on this stage, these ``count``
+        included.
+
+        Raises
+        ------
+        RuntimeError
+            If another step's micro-batches are still accumulating.
+        """
+        done = 0
+        if ACCUM in context.state:
+            acc = context.state.config_records[ACCUM]
+            if int(acc["step"]) != step:
+                raise RuntimeError(
+                    f"step {step} arrived while step {int(acc['step'])} still has "
+                    f"{int(cfg['microbatches']) - int(acc['done'])} micro-batches to back-propagate"
+                )
+            done = int(acc["done"])
+        return done + count
+
+    def _keep(self, context: Context, ex: StageExecutor, step: int, done: int, M: int) -> None:
+        """Save the stepped stage (``done == M``), else the gradients accumulated so far."""
+        if done >= M:
+            self._save(context, ex)
+            for key in (GRADS, ACCUM):
+                if key in context.state:
+                    del context.state[key]
+        else:
+            context.state[GRADS] = ArrayRecord({k: v.detach() for k, v in ex.grads().items()})
+            context.state[ACCUM] = ConfigRecord({"step": step, "done": done})
+
+    def _pipe_executor(self, context: Context, count: int) -> tuple[StageExecutor, ConfigRecord]:
+        ex, cfg = self._executor(context, microbatches=count)
+        if GRADS in context.state:
+            ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
+        return ex, cfg
+
+    def pipe_forward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Forward of one group of micro-batches (the last stage: loss and backward too,
+        gradients accumulated; the optimizer steps after the step's last micro-batch)."""
+        cfg = context.state.config_records[STAGE]
+        step, first_mb, count = self._group(msg, cfg)
+        ex, cfg = self._pipe_executor(context, count)
+        is_first, is_last = bool(cfg["is_first"]), bool(cfg["is_last"])
+        out: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        if is_first:
+            x, labels = self._batch(context, cfg, step)
+            rows = int(cfg["batch_size"]) // int(cfg["microbatches"])
+            x = x[first_mb * rows : (first_mb + count) * rows]
+            labels = labels[first_mb * rows : (first_mb + count) * rows]
+        else:
+            x = msg.content.array_records["act"].to_torch_state_dict()["act"]
+            labels = None
+        if is_last:
+            if labels is None:
+                labels = msg.content.array_records["labels"].to_torch_state_dict()["labels"]
+            done = self._accumulated(context, cfg, step, count)
+            M = int(cfg["microbatches"])
+            grad, loss, correct = ex.forward_backward_loss(
+                x, labels, input_grad=not is_first, step=done >= M
+            )
+            compute = time.perf_counter() - t0
+            self._keep(context, ex, step, done, M)
+            if grad is not None:
+                out["grad"] = ArrayRecord({"grad": grad})
+            out["metrics"] = MetricRecord(
+                {"loss": loss, "correct": correct, "n": int(labels.shape[0]), "compute_s": compute}
+            )
+        else:
+            y = ex.forward(x)
+            compute = time.perf_counter() - t0
+            context.state[f"{STASH_MB}{first_mb}"] = ArrayRecord({"x": x})
+            out["act"] = ArrayRecord({"act": y})
+            if is_first:
+                out["labels"] = ArrayRecord({"labels": labels})
+            out["metrics"] = MetricRecord({"compute_s": compute})
+        emu.after_compute(compute)
+        return RecordDict(out)
+
+    def pipe_backward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Backward of one group from its stashed input; gradients accumulate, the
+        optimizer steps after the step's last micro-batch."""
+        cfg = context.state.config_records[STAGE]
+        step, first_mb, count = self._group(msg, cfg)
+        key = f"{STASH_MB}{first_mb}"
+        if key not in context.state:
+            raise RuntimeError(f"no stashed input for micro-batch {first_mb}: forward first")
+        ex, cfg = self._pipe_executor(context, count)
+        x = context.state.array_records[key].to_torch_state_dict()["x"]
+        g = msg.content.array_records["grad"].to_torch_state_dict()["grad"]
+        is_first = bool(cfg["is_first"])
+        done = self._accumulated(context, cfg, step, count)
+        M = int(cfg["microbatches"])
+        t0 = time.perf_counter()
+        grad = ex.backward(x, g, input_grad=not is_first, step=done >= M)
+        compute = time.perf_counter() - t0
+        del context.state[key]
+        self._keep(context, ex, step, done, M)
+        emu.after_compute(compute)
+        out: dict[str, Any] = {"metrics": MetricRecord({"compute_s": compute})}
+        if grad is not None:
+            out["grad"] = ArrayRecord({"grad": grad})
+        return RecordDict(out)
+
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Return the stage's weights (end of round)."""
         return RecordDict({"weights": context.state.array_records[WEIGHTS]})
+
+
+def time_state_roundtrip(
+    model_fn: Callable[[], nn.Module],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int = 3,
+) -> tuple[float, float]:
+    """What a stage message spends on its own state, per byte of weights + optimizer
+    state: ``(rebuild, save)`` seconds per byte. Every stage message rebuilds its stage
+    from the ``context.state`` records (weights, optimizer tensors); messages that
+    step the optimizer save them back as records (:class:`SkyClient`). Timed on the
+    whole model, median of ``repeats``."""
+    import statistics
+
+    layers = as_layers(model_fn())
+    stage = build_stage(model_fn, 0, len(layers) - 1)
+    opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # populate the optimizer state
+    weights = ArrayRecord({k: v.detach() for k, v in stage.state_dict().items()})
+    state = ArrayRecord(optimizer_to_tensors(opt))
+    nbytes = max(weights.count_bytes() + state.count_bytes(), 1)
+    rebuild, save = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        module = build_stage(model_fn, 0, len(layers) - 1, weights.to_torch_state_dict())
+        opt2 = optimizer_factory([p for p in module.parameters() if p.requires_grad])
+        optimizer_from_tensors(opt2, state.to_torch_state_dict())
+        t1 = time.perf_counter()
+        weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
+        state = ArrayRecord(optimizer_to_tensors(opt2))
+        save.append(time.perf_counter() - t1)
+        rebuild.append(t1 - t0)
+    return statistics.median(rebuild) / nbytes, statistics.median(save) / nbytes
 
 
 # --- defaults for the simulation engine ------------------------------------------------

@@ -17,8 +17,11 @@ Per stage ``k`` (node ``i``, layers ``a..b``) and per micro-batch of ``B / M`` s
   ``direct``: ``(lat_i + lat_i') / 2 + bytes / min(bw_i, bw_i')`` (peer to peer).
 * **overhead** per step (``relay`` only): each Flower message costs the node's measured
   latency plus ``state_s_per_byte x`` the bytes it keeps in ``context.state`` (weights
-  and optimizer state); a non-last stage handles two messages, the last one; labels
-  (``B x 8`` bytes) leave the data owner and reach the last stage.
+  and optimizer state; the rate is Flower's shipping of the state plus the handler's
+  own rebuild / save of the stage, both measured in the benchmark round); a non-last
+  stage handles two messages, the last one; labels (``B x 8`` bytes) leave the data
+  owner and reach the last stage. The optimizer step (measured per layer) is in ``b_k``,
+  spread over the step's micro-batches.
 
 Step time by ``schedule.kind`` (stages and link directions are resources; see
 :mod:`sky_flower.simulate`, the discrete-event reference):
@@ -31,9 +34,17 @@ Step time by ``schedule.kind`` (stages and link directions are resources; see
 * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503): no closed form;
   the simulator gives it.
 
-plus the per-step relay overhead. The **steady-state period** (seconds per micro-batch
-once the pipeline is full, which sets throughput) is
-``max(max_k (f_k + b_k), max_links link)``.
+plus the per-step relay overhead. On ``relay``, ``gpipe`` and ``1f1b`` are the
+**pipelined relay** that :class:`strategies.sky.SkyStrategy` runs: the step's ``M``
+micro-batches travel in ``G = M / c`` Flower messages per hop (``c`` micro-batches each,
+``schedule.microbatches_per_message`` or the best divisor), at most one message in flight
+per stage, every message paying the stage's latency and state shipping; the simulator
+plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). With
+``c = M`` it is exactly the ``sequential`` relay. The partitioners search with the
+closed forms above; the plan's predicted step time is this model.
+
+The **steady-state period** (seconds per micro-batch once the pipeline is full, which
+sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.
 
 Memory of stage ``k`` (bytes) = parameters + gradients + optimizer state + the
 activations stashed for the micro-batches in flight: ``relay`` keeps the whole batch,
@@ -79,12 +90,20 @@ class Schedule:
     transport : {"relay", "direct"}
         ``relay``: every hop is a Flower message through the server; ``direct``: peer to
         peer.
+    microbatches_per_message : int
+        ``relay`` with ``gpipe``/``1f1b`` only: micro-batches carried by one Flower
+        message (``c``; the step then has ``G = M / c`` message groups). Each message
+        pays Flower's per-message latency and ``context.state`` shipping once, so a
+        larger ``c`` saves messages and a smaller one overlaps more stages.
+        0 (default): the cost model picks the divisor of ``M`` with the least
+        predicted step time (:meth:`CostModel.relay_group_size`).
     """
 
     batch_size: int = 64
     microbatches: int = 1
     kind: ScheduleKind = "sequential"
     transport: Transport = "relay"
+    microbatches_per_message: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.microbatches < 1:
@@ -103,6 +122,12 @@ class Schedule:
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}: use relay or direct")
+        c = self.microbatches_per_message
+        if c < 0 or (c > 0 and self.microbatches % c):
+            raise ValueError(
+                f"schedule.microbatches_per_message={c} must be 0 (chosen by the cost "
+                f"model) or a divisor of schedule.microbatches={self.microbatches}"
+            )
 
     @property
     def microbatch_size(self) -> int:
@@ -116,12 +141,22 @@ class StageTerms:
 
     ``fwd``, ``bwd``: shape (S,), per micro-batch. ``link``: shape (S - 1,), one way, per
     micro-batch (the same forward and back). ``overhead``: shape (S,), per step.
+    ``relay`` only (else None): ``message``, shape (S,), what one Flower message costs
+    stage ``k`` besides compute and payload (measured latency + ``context.state``
+    shipping of its weights and optimizer state); ``node_link``, shape (S,), the payload
+    seconds stage ``k``'s node spends per micro-batch and direction (bytes in + bytes out
+    over its own bandwidth); ``grad_state``, shape (S,), the extra state shipping per
+    message while a pipelined step accumulates gradients (``state_s_per_byte x``
+    parameter bytes).
     """
 
     fwd: np.ndarray
     bwd: np.ndarray
     link: np.ndarray
     overhead: np.ndarray
+    message: np.ndarray | None = None
+    node_link: np.ndarray | None = None
+    grad_state: np.ndarray | None = None
 
 
 class CostModel:
@@ -186,6 +221,7 @@ class CostModel:
         self.state_bytes = np.array(
             [lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
         )
+        self.param_bytes = np.array([lp.param_bytes for lp in layers], dtype=float)
         self.memory_static = np.array(
             [2 * lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
         )
@@ -201,6 +237,7 @@ class CostModel:
         self.static_prefix = np.concatenate([[0.0], np.cumsum(self.memory_static)])
         self.stash_prefix = np.concatenate([[0.0], np.cumsum(self.stash)])
         self.state_prefix = np.concatenate([[0.0], np.cumsum(self.state_bytes)])
+        self.param_prefix = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
 
     # --- per-stage terms -------------------------------------------------------------
     def stage_fwd(self, node: int, first: int, last: int) -> float:
@@ -312,18 +349,24 @@ class CostModel:
             bwd[:-1] += fwd[:-1]  # recomputation on every stage but the last
         snd, rcv, cut = i[:-1], i[1:], b[:-1]
         link = self.link_arrays(snd, rcv, cut)
-        if self.relay:
-            messages = np.full(S, 2.0)
-            messages[-1] = 1.0
-            state = self.state_prefix[b + 1] - self.state_prefix[a]
-            over = messages * (self.latency[i] + self.state_rate[i] * state)
-            if S > 1:
-                label = LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size
-                over[0] += label * self.inv_bw[i[0]]
-                over[-1] += label * self.inv_bw[i[-1]]
-        else:
-            over = np.zeros(S)
-        return StageTerms(fwd, bwd, link, over)
+        if not self.relay:
+            return StageTerms(fwd, bwd, link, np.zeros(S))
+        messages = np.full(S, 2.0)
+        messages[-1] = 1.0
+        state = self.state_prefix[b + 1] - self.state_prefix[a]
+        message = self.latency[i] + self.state_rate[i] * state
+        over = messages * message
+        if S > 1:
+            label = LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size
+            over[0] += label * self.inv_bw[i[0]]
+            over[-1] += label * self.inv_bw[i[-1]]
+        mb = self.schedule.microbatch_size
+        nbytes = np.zeros(S)  # per micro-batch and direction: bytes in + bytes out
+        nbytes[:-1] += mb * self.act_out[cut]
+        nbytes[1:] += mb * self.act_out[cut]
+        node_link = nbytes * self.inv_bw[i]
+        grad_state = self.state_rate[i] * (self.param_prefix[b + 1] - self.param_prefix[a])
+        return StageTerms(fwd, bwd, link, over, message, node_link, grad_state)
 
     def link_arrays(self, snd: np.ndarray, rcv: np.ndarray, cut: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`link_time` (arrays of sender, receiver, cut layer)."""
@@ -339,10 +382,66 @@ class CostModel:
         stash = self.stash_prefix[b + 1] - self.stash_prefix[a]
         return static + inflight * self.schedule.microbatch_size * stash
 
+    def relay_pipeline_time(self, t: StageTerms, group: int) -> float:
+        """Step time (seconds) of the pipelined relay with ``group`` micro-batches per
+        Flower message, as :class:`strategies.sky.SkyStrategy` schedules it.
+
+        The server keeps at most one message in flight per stage (per-stage FIFO: Flower
+        runs a node's messages on one shared ``context.state``), so each stage is one
+        resource that serves ``G = M / group`` message groups in the schedule's order;
+        the server relays instantly. A forward message on stage ``k`` takes
+        ``message_k + group (f_k + node_link_k)``, a backward one
+        ``message_k + group (b_k + node_link_k)`` (recomputation in ``b_k``); the last
+        stage runs loss and backward inside its forward message, and its payload runs
+        both ways (``2 node_link``). While gradients accumulate over groups (``G > 1``)
+        every message also ships them (``grad_state``). Payload transfer is charged on
+        the nodes (each node's own bandwidth), so the links between stages cost 0 here.
+        Played by :func:`sky_flower.simulate.simulate` with the last stage's forward
+        and backward interleaved; plus the per-step label transfer.
+
+        Raises
+        ------
+        ValueError
+            If ``group`` does not divide ``M`` or ``t`` lacks the relay terms.
+        """
+        from sky_flower.simulate import simulate
+
+        M = self.schedule.microbatches
+        if group < 1 or M % group or t.message is None or t.node_link is None:
+            raise ValueError(f"group={group} must divide M={M}, on relay terms")
+        G = M // group
+        S = len(t.fwd)
+        per_msg = t.message + (t.grad_state if G > 1 and t.grad_state is not None else 0.0)
+        f = per_msg + group * (t.fwd + t.node_link)
+        b = per_msg + group * (t.bwd + t.node_link)
+        if S > 1:  # last stage: one message does forward, loss and backward
+            f[-1] = per_msg[-1] + group * (t.fwd[-1] + t.bwd[-1] + 2 * t.node_link[-1])
+            b[-1] = 0.0
+        else:
+            f[-1] = per_msg[-1] + group * (t.fwd[-1] + t.bwd[-1])
+            b[-1] = 0.0
+        kind = "gpipe" if self.schedule.kind == "sequential" else self.schedule.kind
+        zeros = np.zeros(S - 1)
+        core = simulate(f, b, zeros, zeros, G, kind, interleave_last=True).step_time_s
+        labels = t.overhead - np.where(np.arange(S) == S - 1, 1.0, 2.0) * t.message
+        return core + float(labels.sum())
+
+    def relay_group_size(self, t: StageTerms) -> int:
+        """Micro-batches per Flower message for the pipelined relay:
+        ``schedule.microbatches_per_message`` if set, else the divisor of ``M`` with the
+        least :meth:`relay_pipeline_time` (ties: the larger, fewer messages)."""
+        M = self.schedule.microbatches
+        if self.schedule.microbatches_per_message > 0:
+            return self.schedule.microbatches_per_message
+        divisors = [c for c in range(M, 0, -1) if M % c == 0]
+        return min(divisors, key=lambda c: (self.relay_pipeline_time(t, c), -c))
+
     def step_time_of(self, t: StageTerms) -> float:
         """Step time (seconds) from stage terms, for ``schedule.kind``."""
         M = self.schedule.microbatches
         kind = self.schedule.kind
+        if self.relay and kind != "sequential" and t.message is not None:
+            return self.relay_pipeline_time(t, self.relay_group_size(t))
         if kind == "sequential":
             core = M * float(t.fwd.sum() + t.bwd.sum() + 2.0 * t.link.sum())
         elif kind == "gpipe":

@@ -261,7 +261,9 @@ class NodeProfile:
     state_s_per_byte : float
         Extra seconds per message per byte the node keeps in ``context.state`` (Flower
         ships a node's context with every message it handles), from echo timing with
-        and without a probe array stored in the state.
+        and without a probe array stored in the state; the training job adds the
+        node's own per-byte cost of rebuilding a stage from the state and saving it back
+        (:func:`sky_flower.client.time_state_roundtrip`), which every stage message pays too.
     holds_data : bool
         Whether the node is a data owner.
     slowdown : float
@@ -336,3 +338,34 @@ def time_layers(
         assert y is not None
         x = y.detach()
     return fwd_s, bwd_s
+
+
+def time_optimizer_steps(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    warmup: int = 1,
+    repeats: int = 3,
+) -> list[float]:
+    """Seconds of one optimizer step over each layer's parameters (median; 0 for a layer
+    without parameters). A stage steps once per training step, so the training job
+    spreads this over the step's micro-batches (``layer_bwd_s += step / M``)."""
+    import statistics
+    import time
+
+    out = []
+    for layer in as_layers(model):
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if not params:
+            out.append(0.0)
+            continue
+        opt = optimizer_factory(params)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        times = []
+        for rep in range(warmup + repeats):
+            t0 = time.perf_counter()
+            opt.step()
+            if rep >= warmup:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out

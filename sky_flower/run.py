@@ -78,7 +78,12 @@ def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Cal
 
 
 def write_results(
-    out_dir: Path, allocation: str, fleet: str, rounds: list[dict], error: str | None
+    out_dir: Path,
+    allocation: str,
+    fleet: str,
+    rounds: list[dict],
+    error: str | None,
+    failed_rounds: list[dict] | None = None,
 ) -> dict[str, Any]:
     """Write ``results.json`` (also for a job refused before it started) and return it."""
     results = {
@@ -87,6 +92,7 @@ def write_results(
         "final_test_accuracy": rounds[-1]["test_accuracy"] if rounds else None,
         "rounds": rounds,
         "error": error,
+        "failed_rounds": failed_rounds or [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -158,6 +164,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         microbatches=int(cfg.schedule.microbatches),
         kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
         transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
+        microbatches_per_message=int(cfg.schedule.get("microbatches_per_message", 0)),
     )
     cpus, per_node = simulation_cpus(cfg)
     if int(cfg.num_rounds) < 1:
@@ -212,6 +219,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         echo_jitter_s=float(cfg.benchmark.echo_jitter_s),
         state_probe_bytes=int(cfg.benchmark.state_probe_mb * 2**20),
         message_timeout_s=float(cfg.message_timeout_s),
+        max_failed_rounds=int(cfg.get("max_failed_rounds", 0)),
         seed=int(cfg.seed),
         on_event=on_event,
     )
@@ -272,11 +280,15 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "test_loss",
                     "steps",
                     "round_time_s",
+                    "microbatches_per_message",
+                    "stages",
                 )
             }
             for r in strategy.rounds
         ]
-        results = write_results(out_dir, method, str(cfg.fleet.name), rounds, error)
+        results = write_results(
+            out_dir, method, str(cfg.fleet.name), rounds, error, strategy.failed_rounds
+        )
         if strategy.global_arrays is not None:  # last good global model
             torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
     return results

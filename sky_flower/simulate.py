@@ -167,7 +167,9 @@ def _validate(
     return f, b, fl, bl
 
 
-def stage_order(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
+def stage_order(
+    kind: str, stages: int, microbatches: int, interleave_last: bool = False
+) -> list[list[tuple[str, int]]]:
     """Per-stage op order of a schedule.
 
     Parameters
@@ -178,6 +180,9 @@ def stage_order(kind: str, stages: int, microbatches: int) -> list[list[tuple[st
         Number of stages ``S >= 1``.
     microbatches : int
         Number of micro-batches ``M >= 1``.
+    interleave_last : bool, default False
+        The last stage runs ``F0 B0 F1 B1 ...`` whatever the kind (the relay transport,
+        where one Flower message does the last stage's forward, loss and backward).
 
     Returns
     -------
@@ -207,6 +212,8 @@ def stage_order(kind: str, stages: int, microbatches: int) -> list[list[tuple[st
             for i in range(microbatches - w):
                 order += [("F", w + i), ("B", i)]
             order += [("B", m) for m in range(microbatches - w, microbatches)]
+        if interleave_last and k == stages - 1:
+            order = [(c, m) for m in m_all for c in ("F", "B")]
         orders.append(order)
     return orders
 
@@ -218,6 +225,7 @@ def simulate(
     bwd_link_s: Sequence[float] | np.ndarray,
     microbatches: int,
     kind: str = "gpipe",
+    interleave_last: bool = False,
 ) -> SimResult:
     """Play one training step of a pipeline schedule, op by op.
 
@@ -232,6 +240,8 @@ def simulate(
         Micro-batches per step, ``M >= 1``.
     kind : {"sequential", "gpipe", "1f1b"}, default "gpipe"
         Schedule; see the module docstring for each one's per-stage order and source.
+    interleave_last : bool, default False
+        As :func:`stage_order`.
 
     Returns
     -------
@@ -252,7 +262,7 @@ def simulate(
     """
     f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches)
     s, mb = len(f), microbatches
-    orders = stage_order(kind, s, mb)
+    orders = stage_order(kind, s, mb, interleave_last)
 
     nan = math.nan
     # act_in[k][m]: activation of m available on stage k (after link k-1>k); stage 0 has

@@ -87,13 +87,42 @@ class StageExecutor:
     optimizer : torch.optim.Optimizer
         Over ``module``'s parameters.
     microbatches : int
-        M; the batch dimension of every input must be divisible by it.
+        Micro-batches in each input this executor is given; the batch dimension of every
+        input must be divisible by it.
+    loss_divisor : int, optional
+        The last stage divides each micro-batch's mean loss by this (default
+        ``microbatches``). The pipelined relay hands a stage ``c`` of a step's ``M``
+        micro-batches per message and sets it to ``M``, so gradients accumulated over
+        the step equal those of the whole batch's mean loss.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, microbatches: int):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        microbatches: int,
+        loss_divisor: int | None = None,
+    ):
         self.module = module
         self.optimizer = optimizer
         self.microbatches = microbatches
+        self.loss_divisor = loss_divisor or microbatches
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The accumulated parameter gradients, keyed by parameter name (those that have one)."""
+        return {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+
+    def load_grads(self, grads: Mapping) -> None:
+        """Set the parameters' ``.grad`` to ``grads`` (from :meth:`grads`), so the next
+        backward adds to them."""
+        for n, p in self.module.named_parameters():
+            if n in grads:
+                p.grad = torch.as_tensor(grads[n]).clone()
+
+    def apply_step(self) -> None:
+        """Step the optimizer on the accumulated gradients and clear them."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if t.shape[0] % self.microbatches:
@@ -108,19 +137,19 @@ class StageExecutor:
             return torch.cat([self.module(xm) for xm in self._chunks(x)])
 
     def backward(
-        self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool
+        self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool, step: bool = True
     ) -> torch.Tensor | None:
         """Recompute each micro-batch's forward from the stashed input ``x``, back-propagate
-        ``grad_out``, step the optimizer. Returns the input gradient ``(B, ...)`` if
-        ``input_grad`` else None."""
+        ``grad_out``, step the optimizer (unless ``step=False``: gradients stay
+        accumulated). Returns the input gradient ``(B, ...)`` if ``input_grad`` else None."""
         grads = []
         for xm, gm in zip(self._chunks(x), self._chunks(grad_out), strict=True):
             xm = xm.detach().requires_grad_(input_grad)
             self.module(xm).backward(gm)
             if input_grad:
                 grads.append(xm.grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if step:
+            self.apply_step()
         return torch.cat(grads) if input_grad else None
 
     def forward_backward_loss(
@@ -129,8 +158,10 @@ class StageExecutor:
         labels: torch.Tensor,
         input_grad: bool,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        step: bool = True,
     ) -> tuple[torch.Tensor | None, float, int]:
-        """Last stage: forward, loss (mean per micro-batch / M), backward, optimizer step.
+        """Last stage: forward, loss (mean per micro-batch / ``loss_divisor``), backward,
+        optimizer step (unless ``step=False``).
 
         Returns ``(input_grad or None, batch loss, correct predictions)``.
         """
@@ -139,14 +170,14 @@ class StageExecutor:
         for xm, ym in zip(self._chunks(x), self._chunks(labels), strict=True):
             xm = xm.detach().requires_grad_(input_grad)
             out = self.module(xm)
-            loss = loss_fn(out, ym) / self.microbatches
+            loss = loss_fn(out, ym) / self.loss_divisor
             loss.backward()
             total += loss.detach().item()
             correct += int((out.argmax(dim=1) == ym).sum())
             if input_grad:
                 grads.append(xm.grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if step:
+            self.apply_step()
         return (torch.cat(grads) if input_grad else None), total, correct
 
 

@@ -6,7 +6,9 @@ measures every node on the model's own layers and times its link; a partitioner
 (``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
 sized to what it can do; then every round each node trains its block as one stage of a
 pipeline, activations flowing forward and gradients back through the server (the
-``relay`` transport), and the server reassembles the global model from the stages.
+``relay`` transport: one hop at a time, or pipelined with several micro-batch groups in
+flight on different stages, ``schedule.kind`` ``gpipe`` / ``1f1b``), and the server
+reassembles the global model from the stages.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class SkyStrategy(Strategy):
         state costs per message (0 disables; see :mod:`sky_flower.cost`).
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
+    max_failed_rounds : int (default: 0)
+        Failed rounds the run survives. After a failed round the nodes named in its
+        error are dropped, the model is re-planned on the others from the benchmark
+        round's profiles, and the next round starts from the last good global model
+        (``failed_rounds`` records each). 0: the first failed round ends the run.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -121,6 +128,7 @@ class SkyStrategy(Strategy):
         echo_jitter_s: float = 0.1,
         state_probe_bytes: int = 64 * 1024 * 1024,
         message_timeout_s: float = 120.0,
+        max_failed_rounds: int = 0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
     ) -> None:
@@ -140,10 +148,10 @@ class SkyStrategy(Strategy):
         self.input_shape = [int(s) for s in input_shape]
         self.allocation = allocation
         self.schedule = schedule or Schedule()
-        if self.schedule.kind != "sequential" or self.schedule.transport != "relay":
+        if self.schedule.transport != "relay":
             raise ValueError(
-                "only schedule.kind=sequential with transport=relay runs so far; "
-                f"got kind={self.schedule.kind}, transport={self.schedule.transport}"
+                "only transport=relay runs so far (schedule.kind sequential, gpipe or "
+                f"1f1b); got transport={self.schedule.transport}"
             )
         self.optimizer, self.lr = optimizer, lr
         self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
@@ -156,6 +164,10 @@ class SkyStrategy(Strategy):
         self.echo_jitter_s = echo_jitter_s
         self._rng = np.random.default_rng(seed)
         self.message_timeout_s = message_timeout_s
+        if max_failed_rounds < 0:
+            raise ValueError(f"max_failed_rounds must be >= 0, got {max_failed_rounds}")
+        self.max_failed_rounds = max_failed_rounds
+        self.failed_rounds: list[dict[str, Any]] = []
         self.seed = seed
         self.on_event = on_event or (lambda kind, payload: None)
         self.layer_profiles: list[LayerProfile] = []
@@ -170,6 +182,10 @@ class SkyStrategy(Strategy):
         # reply polling period (s); sky_flower.app raises it where each poll is an HTTP call
         self.poll_interval_s = 0.002
         self.node_wait_s = 300.0  # wait for min_nodes this long, then plan with those there
+        self.cost: CostModel | None = None
+        self.group_size = self.schedule.microbatches  # micro-batches per relay message
+        self._stage_stats: list[dict[str, float]] = []  # per stage, summed over a round
+        self._handler_rate: dict[str, float] = {}  # s/byte a stage message spends on its state
 
     # ---------------------------------------------------------------------------------
     # messaging
@@ -314,6 +330,8 @@ class SkyStrategy(Strategy):
                 "microbatch_size": mb,
                 "warmup": self.benchmark_warmup,
                 "repeats": self.benchmark_repeats,
+                "optimizer": self.optimizer,
+                "lr": self.lr,
             }
         )
         profiles: dict[int, ConfigRecord] = {}
@@ -337,8 +355,20 @@ class SkyStrategy(Strategy):
                         f"reported times for {len(fwd)}/{len(bwd)} layers, the model has "
                         f"{num_layers}: is it running the same model_fn?"
                     )
+                # one optimizer step per training step, spread over its micro-batches
+                steps = [float(t) for t in prof.get("layer_step_s", [0.0] * num_layers)]
+                if len(steps) != num_layers:
+                    raise SkyNodeError(f"reported optimizer steps for {len(steps)} layers")
+                M = self.schedule.microbatches
+                bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
                 examples = int(prof["num_examples"])
                 lat, bw, state_rate = self._time_link(grid, nid)
+                # every stage message rebuilds its stage from the state; about half of
+                # them (those that step the optimizer) also save it back
+                handler_rate = float(prof.get("state_rebuild_s_per_byte", 0.0))
+                handler_rate += 0.5 * float(prof.get("state_save_s_per_byte", 0.0))
+                self._handler_rate[name] = handler_rate
+                state_rate += handler_rate
                 node = NodeProfile(
                     name=name,
                     layer_fwd_s=fwd,
@@ -452,9 +482,19 @@ class SkyStrategy(Strategy):
 
     def make_plan(self) -> Plan:
         """Partition the profiled model over the profiled nodes."""
-        cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
+        cost = self.cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
         self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
         log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
+        if self.schedule.kind != "sequential":
+            self.group_size = cost.relay_group_size(cost.terms(self._plan_stages()))
+            log(
+                INFO,
+                "Pipelined relay (%s): %d micro-batch(es) per message, %d message group(s) "
+                "per step",
+                self.schedule.kind,
+                self.group_size,
+                self.schedule.microbatches // self.group_size,
+            )
         # What the other allocations would predict on this same benchmark (a fair
         # comparison: separate runs measure their own, noisy, profiles).
         alternatives: dict[str, float | None] = {}
@@ -473,8 +513,50 @@ class SkyStrategy(Strategy):
                 for m, t in alternatives.items()
             ),
         )
-        self.on_event("plan", {**self.plan.to_dict(), "alternatives": alternatives})
+        self.on_event(
+            "plan",
+            {
+                **self.plan.to_dict(),
+                "alternatives": alternatives,
+                "microbatches_per_message": self.group_size,
+            },
+        )
         return self.plan
+
+    def _plan_stages(self) -> list[tuple[int, int, int]]:
+        assert self.plan is not None
+        return [(s.node_index, s.first_layer, s.last_layer) for s in self.plan.stages]
+
+    def stage_predictions(self) -> list[dict[str, Any]]:
+        """Per stage and step, what the cost model predicts (seconds): ``compute_s``
+        (forward + backward of the step's ``M`` micro-batches, recomputation, optimizer
+        step and the node's emulated slowdown included), ``busy_s`` (time inside its
+        message handlers: ``compute_s``, the payload time charged on the node, and
+        rebuilding / saving the stage from / to ``context.state``; the emulated
+        per-message link latency is not in it) and ``messages`` (Flower messages the
+        stage handles per step)."""
+        assert self.plan is not None and self.cost is not None
+        t = self.cost.terms(self._plan_stages())
+        M, S = self.schedule.microbatches, len(self.plan.stages)
+        groups = M // self.group_size
+        out = []
+        for k, st in enumerate(self.plan.stages):
+            compute = M * float(t.fwd[k] + t.bwd[k])
+            payload = 2 * M * float(t.node_link[k]) if t.node_link is not None else 0.0
+            messages = groups * (1 if k == S - 1 else 2)
+            state = float(
+                self.cost.state_prefix[st.last_layer + 1] - self.cost.state_prefix[st.first_layer]
+            )
+            handler = messages * self._handler_rate.get(st.node, 0.0) * state
+            out.append(
+                {
+                    "node": st.node,
+                    "compute_s": compute,
+                    "busy_s": compute + payload + handler,
+                    "messages": messages,
+                }
+            )
+        return out
 
     # ---------------------------------------------------------------------------------
     # Strategy interface
@@ -588,9 +670,33 @@ class SkyStrategy(Strategy):
             raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks metrics")
         return float(m["loss"]), int(m["correct"]), int(m["n"])
 
+    def _note(self, k: int, reply: Message) -> None:
+        """Add a stage's reply to this round's per-stage figures: messages, its reported
+        ``compute_s`` (times ``1 + slowdown``: the emulated device's compute) and
+        ``busy_s`` (wall time inside the handler)."""
+        while len(self._stage_stats) <= k:
+            self._stage_stats.append({"messages": 0, "compute_s": 0.0, "busy_s": 0.0})
+        st = self._stage_stats[k]
+        st["messages"] += 1
+        m = reply.content.metric_records.get("metrics")
+        if m is None:
+            return
+        slowdown = next(
+            (n.slowdown for n in self.node_profiles if n.node_id == reply.metadata.src_node_id),
+            0.0,
+        )
+        st["compute_s"] += float(m.get("compute_s", 0.0)) * (1.0 + slowdown)
+        st["busy_s"] += float(m.get("busy_s", 0.0))
+
     def _train_step(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
         """One step through the pipeline: forward hops, loss at the last stage, backward
-        hops. Returns ``(batch loss, correct predictions, samples)``."""
+        hops. Returns ``(batch loss, correct predictions, samples)``.
+
+        ``schedule.kind=sequential``: one message per hop, each carrying the whole batch
+        (the stage splits it into micro-batches); ``gpipe``/``1f1b``:
+        :meth:`_train_step_pipelined`."""
+        if self.schedule.kind != "sequential":
+            return self._train_step_pipelined(grid, step, group)
         assert self.plan is not None
         ids = [self._ids[st.node] for st in self.plan.stages]
         S, B = len(ids), self.schedule.batch_size
@@ -598,6 +704,7 @@ class SkyStrategy(Strategy):
         (reply,) = self.exchange(
             grid, [self._msg(ids[0], "train.sky_forward", {"step": step_cfg}, group)]
         )
+        self._note(0, reply)
         if S == 1:
             return self._metrics(reply)
         labels = self._take(reply, "labels", (B,))
@@ -610,6 +717,7 @@ class SkyStrategy(Strategy):
             if k == S - 1:
                 content["labels"] = labels
             (reply,) = self.exchange(grid, [self._msg(ids[k], "train.sky_forward", content, group)])
+            self._note(k, reply)
             if k < S - 1:
                 act = self._take(reply, "act")
                 shapes.append(tuple(act["act"].shape))
@@ -619,9 +727,223 @@ class SkyStrategy(Strategy):
             (reply,) = self.exchange(
                 grid, [self._msg(ids[k], "train.sky_backward", {"grad": grad}, group)]
             )
+            self._note(k, reply)
             if k > 0:
                 grad = self._take(reply, "grad", shapes[k - 1])
         return metrics
+
+    def _train_step_pipelined(self, grid: Grid, step: int, group: str) -> tuple[float, int, int]:
+        """One step of the pipelined relay (``schedule.kind`` ``gpipe`` or ``1f1b``).
+
+        The step's ``M`` micro-batches travel in ``G = M / c`` message groups of ``c``
+        (``self.group_size``). Each stage runs its groups in the schedule's order
+        (:func:`sky_flower.simulate.stage_order`; GPipe: all forwards, then all
+        backwards, Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan
+        et al. 2021, arXiv 2006.09503); the last stage runs forward, loss and backward of
+        a group in one message. The server pushes a stage's next op as soon as its input
+        has arrived, so stage ``k + 1`` works on group ``g`` while stage ``k`` works on
+        ``g + 1``. At most one message is in flight per stage: Flower's simulation engine
+        dispatches a node's queued messages to different workers with the same
+        ``context.state`` and keeps the last write (flwr ``vce_api.worker``), so
+        concurrent messages to one node would lose updates.
+
+        Returns ``(batch loss, correct predictions, samples)``.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node that failed, sent a malformed reply or timed out.
+        """
+        from sky_flower.simulate import stage_order
+
+        assert self.plan is not None
+        ids = [self._ids[st.node] for st in self.plan.stages]
+        S, M, c = len(ids), self.schedule.microbatches, self.group_size
+        G, rows = M // c, c * self.schedule.microbatch_size
+        orders = [
+            [op for op in order if k < S - 1 or op[0] == "F"]
+            for k, order in enumerate(stage_order(self.schedule.kind, S, G, interleave_last=True))
+        ]
+        ptr = [0] * S
+        acts: dict[tuple[int, int], ArrayRecord] = {}  # (stage, group) -> input activation
+        grads: dict[tuple[int, int], ArrayRecord] = {}  # (stage, group) -> output gradient
+        labels: dict[int, ArrayRecord] = {}
+        in_shape: dict[tuple[int, int], tuple[int, ...]] = {}
+        inflight: dict[str, tuple[int, str, int, float]] = {}  # id -> stage, op, group, t
+        busy: set[int] = set()
+        loss, correct, seen = 0.0, 0, 0
+
+        def ready(k: int, op: str, g: int) -> dict[str, Any] | None:
+            content: dict[str, Any] = {
+                "mb": ConfigRecord({"step": step, "first": g * c, "count": c})
+            }
+            if op == "F":
+                if k > 0:
+                    if (k, g) not in acts or (k == S - 1 and g not in labels):
+                        return None
+                    content["act"] = acts.pop((k, g))
+                    if k == S - 1:
+                        content["labels"] = labels.pop(g)
+            else:
+                if (k, g) not in grads:
+                    return None
+                content["grad"] = grads.pop((k, g))
+            return content
+
+        try:
+            while inflight or any(ptr[k] < len(orders[k]) for k in range(S)):
+                self._check_stop()
+                push, meta = [], []
+                for k in range(S):
+                    if k in busy or ptr[k] >= len(orders[k]):
+                        continue
+                    op, g = orders[k][ptr[k]]
+                    content = ready(k, op, g)
+                    if content is None:
+                        continue
+                    mtype = "train.sky_pipe_fwd" if op == "F" else "train.sky_pipe_bwd"
+                    push.append(self._msg(ids[k], mtype, content, group))
+                    meta.append((k, op, g))
+                    ptr[k] += 1
+                    busy.add(k)
+                if push:
+                    pushed = list(grid.push_messages(push))
+                    if len(pushed) != len(push):
+                        raise SkyNodeError(
+                            f"only {len(pushed)} of {len(push)} messages could be sent"
+                        )
+                    now = time.monotonic()
+                    for mid, (k, op, g) in zip(pushed, meta, strict=True):
+                        inflight[mid] = (k, op, g, now)
+                if not inflight:  # nothing pushed, nothing pending: cannot happen for
+                    # GPipe / 1F1B orders; guards against a schedule that waits on itself
+                    raise SkyNodeError(f"{self.schedule.kind} schedule stalled at ops {ptr}")
+                got = list(grid.pull_messages(list(inflight)))
+                for reply in got:
+                    k, op, g, _ = inflight.pop(reply.metadata.reply_to_message_id)
+                    busy.discard(k)
+                    node = self._name(ids[k])
+                    if reply.has_error():
+                        raise SkyNodeError(
+                            f"{node} replied with an error: {_short_reason(reply.error.reason)}"
+                        )
+                    self._note(k, reply)
+                    if op == "F" and k < S - 1:
+                        act = self._take(reply, "act")
+                        shape = tuple(act["act"].shape)
+                        if shape[0] != rows:
+                            raise SkyNodeError(f"{node} sent {shape[0]} activations, not {rows}")
+                        acts[(k + 1, g)], in_shape[(k + 1, g)] = act, shape
+                        if k == 0:
+                            labels[g] = self._take(reply, "labels", (rows,))
+                    elif op == "F":  # last stage: loss and backward done
+                        lo, co, n = self._metrics(reply)
+                        loss, correct, seen = loss + lo, correct + co, seen + n
+                        if S > 1:
+                            grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
+                    elif k > 0:
+                        grads[(k - 1, g)] = self._take(reply, "grad", in_shape[(k, g)])
+                if not got:
+                    now = time.monotonic()
+                    late = [m for m, v in inflight.items() if now - v[3] > self.message_timeout_s]
+                    if late:
+                        names = ", ".join(self._name(ids[inflight[m][0]]) for m in late)
+                        raise SkyNodeError(
+                            f"no reply within {self.message_timeout_s:g} s from {names}"
+                        )
+                    time.sleep(0.002)
+        except SkyNodeError:
+            self._drain(grid, inflight)
+            raise
+        return loss, correct, seen
+
+    def _drain(self, grid: Grid, inflight: dict[str, Any], limit_s: float = 10.0) -> None:
+        """After a failed pipelined step: wait (at most ``limit_s``) for the replies still
+        in flight, so no stage is left running a stale message when the caller goes on;
+        their contents and errors are dropped."""
+        deadline = time.monotonic() + min(limit_s, self.message_timeout_s)
+        pending = set(inflight)
+        while pending and time.monotonic() < deadline:
+            for reply in grid.pull_messages(list(pending)):
+                pending.discard(reply.metadata.reply_to_message_id)
+            time.sleep(0.01)
+        if pending:
+            log(WARNING, "%d pipelined message(s) still unanswered after a failure", len(pending))
+
+    def _stage_report(self, steps: int) -> list[dict[str, Any]]:
+        """Measured against predicted, per stage and step (seconds): ``compute_s``,
+        ``busy_s`` (see :meth:`stage_predictions`) and ``messages``."""
+        rows = []
+        for k, pred in enumerate(self.stage_predictions()):
+            got = self._stage_stats[k] if k < len(self._stage_stats) else {}
+            rows.append(
+                {
+                    "stage": k,
+                    "node": pred["node"],
+                    "messages": got.get("messages", 0) / steps,
+                    "predicted_messages": pred["messages"],
+                    "measured_compute_s": got.get("compute_s", 0.0) / steps,
+                    "predicted_compute_s": pred["compute_s"],
+                    "measured_busy_s": got.get("busy_s", 0.0) / steps,
+                    "predicted_busy_s": pred["busy_s"],
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _log_stages(row: dict[str, Any]) -> None:
+        """Log a round's measured against predicted step and per-stage figures."""
+        lines = [
+            f"round {row['round']}: step measured {row['measured_step_time_s']:.4f} s, "
+            f"predicted {row['predicted_step_time_s']:.4f} s "
+            f"({row['measured_step_time_s'] / row['predicted_step_time_s'] - 1:+.0%}); "
+            f"{row['microbatches_per_message']} micro-batch(es) per message",
+            f"{'stage':>5} {'node':<12} {'msgs':>5} {'compute s':>10} {'predicted':>10} "
+            f"{'busy s':>8} {'predicted':>10}",
+        ]
+        for st in row["stages"]:
+            lines.append(
+                f"{st['stage']:>5} {st['node']:<12} {st['messages']:>5.0f} "
+                f"{st['measured_compute_s']:>10.4f} {st['predicted_compute_s']:>10.4f} "
+                f"{st['measured_busy_s']:>8.4f} {st['predicted_busy_s']:>10.4f}"
+            )
+        log(INFO, "Measured vs predicted, per step:\n%s", "\n".join(lines))
+
+    def _recover(self, rnd: int, err: SkyNodeError) -> bool:
+        """After round ``rnd`` failed with ``err``: if ``max_failed_rounds`` allows, drop
+        the nodes ``err`` names, re-plan on the others and return True (the caller goes
+        on with the last good global model); else False. The data owner cannot be
+        dropped (stage 0 needs its data)."""
+        if len(self.failed_rounds) >= self.max_failed_rounds:
+            return False
+        text = str(err)
+        failed = [n for n in self.node_profiles if self._name(n.node_id) in text]
+        if not failed or failed[0] is self.node_profiles[0]:
+            return False  # no node named, or the data owner failed
+        keep = [n for n in self.node_profiles if n not in failed]
+        names = [n.name for n in failed]
+        old = self.node_profiles
+        self.node_profiles = keep
+        try:
+            self.make_plan()
+        except ValueError as plan_err:  # e.g. the others cannot hold the model
+            self.node_profiles = old
+            log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
+            return False
+        for name in names:
+            self._ids.pop(name, None)
+        self.failed_rounds.append({"round": rnd, "error": text, "dropped_nodes": names})
+        log(
+            WARNING,
+            "Round %d failed; dropped %s and re-planned on %d node(s) (%d of %d failed "
+            "rounds allowed used)",
+            rnd,
+            ", ".join(names),
+            len(keep),
+            len(self.failed_rounds),
+            self.max_failed_rounds,
+        )
+        return True
 
     def steps_in_round(self) -> int:
         """Training steps per round."""
@@ -684,6 +1006,7 @@ class SkyStrategy(Strategy):
             group = str(rnd)
             try:
                 self.exchange(grid, list(self.configure_train(rnd, arrays, train_config, grid)))
+                self._stage_stats = []
                 losses, correct, seen, step_times = [], 0, 0, []
                 for step in range(steps):
                     t0 = time.perf_counter()
@@ -704,6 +1027,8 @@ class SkyStrategy(Strategy):
                     err,
                     rnd - 1,
                 )
+                if self._recover(rnd, err):
+                    continue
                 raise SkyNodeError(f"round {rnd} failed: {err}") from err
             assert new_arrays is not None
             arrays = result.arrays = self.global_arrays = new_arrays
@@ -715,6 +1040,8 @@ class SkyStrategy(Strategy):
                 "predicted_step_time_s": self.plan.predicted_step_time_s,
                 "steps": steps,
                 "round_time_s": time.perf_counter() - t_round,
+                "microbatches_per_message": self.group_size,
+                "stages": self._stage_report(steps),
             }
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
@@ -735,6 +1062,7 @@ class SkyStrategy(Strategy):
                 row["predicted_step_time_s"],
                 row["round_time_s"],
             )
+            self._log_stages(row)
             self.on_event("round", row)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)

@@ -51,8 +51,8 @@ SPLIT_A = [(0, 0), (1, 2)]  # node a: layer 0; node b: layers 1, 2
 SPLIT_B = [(0, 1), (2, 2)]  # node a: layers 0, 1; node b: layer 2
 
 
-def _cost(batch=4, microbatches=2, kind="sequential", transport="relay", nodes=NODES):
-    return CostModel(LAYERS, nodes, Schedule(batch, microbatches, kind, transport))
+def _cost(batch=4, microbatches=2, kind="sequential", transport="relay", nodes=NODES, **extra):
+    return CostModel(LAYERS, nodes, Schedule(batch, microbatches, kind, transport, **extra))
 
 
 # --- hand-checked terms (B = 4, M = 2: micro-batches of 2) --------------------------------
@@ -75,10 +75,27 @@ def test_step_time_sequential_relay():
     assert _cost().step_time(SPLIT_A) == pytest.approx(336.526)
 
 
-def test_step_time_gpipe_closed_form():
-    # sum + 2 links + (M - 1)(max F-resource + max B-resource) + overhead
-    cost = _cost(kind="gpipe")
-    assert cost.step_time(SPLIT_A) == pytest.approx(166.24 + (50 + 110) + 4.046)
+def test_step_time_relay_gpipe_by_message_groups():
+    # Per message: a 0.5 + 0.001 x 300 = 0.8, b 0.25 + 0.002 x 1050 = 2.35; payload on the
+    # node per micro-batch: a 40 B / 1000 = 0.04, b 40 B / 500 = 0.08; labels 0.096.
+    # c = 2 (one group, the sequential relay's messages): a F 0.8 + 2 x 1.04, b F+B
+    # 2.35 + 2 x 160.16, a B 0.8 + 2 x 5.04 -> 336.43 + 0.096
+    two = _cost(kind="gpipe", microbatches_per_message=2)
+    assert two.step_time(SPLIT_A) == pytest.approx(336.526)
+    assert two.step_time(SPLIT_A) == pytest.approx(_cost().step_time(SPLIT_A))
+    # c = 1 (two groups; gradients ride along: + 0.1 on a, + 0.7 on b per message):
+    # a F0 [0, 1.94] F1 [1.94, 3.88]; b F0B0 [1.94, 165.15] F1B1 [165.15, 328.36];
+    # a B0 [165.15, 171.09], B1 [328.36, 334.30]; + 0.096
+    one = _cost(kind="gpipe", microbatches_per_message=1)
+    assert one.step_time(SPLIT_A) == pytest.approx(334.396)
+    auto = _cost(kind="gpipe")  # 0: the cheaper of the two
+    assert auto.relay_group_size(auto.terms(SPLIT_A)) == 1
+    assert auto.step_time(SPLIT_A) == pytest.approx(334.396)
+
+
+def test_schedule_rejects_bad_microbatches_per_message():
+    with pytest.raises(ValueError, match="microbatches_per_message=3 must be 0.*divisor"):
+        Schedule(8, 4, microbatches_per_message=3)
 
 
 def test_direct_has_no_recompute_no_overhead_and_peer_links():
@@ -101,8 +118,12 @@ def test_step_time_agrees_with_the_simulator(kind, transport, split):
         nodes = [NODES[0], dataclasses.replace(NODES[1], holds_data=True)]
     cost = _cost(kind=kind, transport=transport, nodes=nodes)
     t = cost.terms(split)
-    sim = simulate(t.fwd, t.bwd, t.link, t.link, 2, kind)
-    assert cost.step_time(split) == pytest.approx(sim.step_time_s + t.overhead.sum(), rel=1e-12)
+    if transport == "direct" or kind == "sequential":
+        sim = simulate(t.fwd, t.bwd, t.link, t.link, 2, kind)
+        want = sim.step_time_s + t.overhead.sum()
+    else:  # pipelined relay: per message group (test_step_time_relay_gpipe_by_message_groups)
+        want = min(cost.relay_pipeline_time(t, c) for c in (1, 2))
+    assert cost.step_time(split) == pytest.approx(want, rel=1e-12)
     assert cost.step_time(split) >= cost.step_lower_bound() - 1e-9
     assert cost.period(split) >= cost.period_lower_bound() - 1e-9
 

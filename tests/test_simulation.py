@@ -48,6 +48,26 @@ def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_proces
     assert [n["name"] for n in bench["nodes"]] == ["phone", "cloud", "box"]
 
 
+def _local_weights(cfg, steps: int, microbatches: int) -> dict:
+    """The unsplit model trained in this process on the data owner's first ``steps``
+    batches of round 1, each batch's mean loss accumulated over ``microbatches`` equal
+    micro-batches, one Adam step per batch (what every relay schedule must compute)."""
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(dict(cfg.model))
+    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
+    train, _ = load_split("digits", 0.2, int(cfg.seed))
+    data = owner_partition(train, 0, 1, int(cfg.seed))
+    bs = int(cfg.schedule.batch_size)
+    for step in range(steps):
+        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
+        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
     """Weights after 3 steps through Flower (3 stages, 2 micro-batches) equal those of
     the unsplit model trained on the same batches in this process."""
@@ -63,23 +83,41 @@ def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
     )
     run_job(cfg, tmp_path)
     split = torch.load(tmp_path / "model.pt")
-
-    model_cfg = dict(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    model = build_model(model_cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
-    train, _ = load_split("digits", 0.2, int(cfg.seed))
-    data = owner_partition(train, 0, 1, int(cfg.seed))
-    bs = int(cfg.schedule.batch_size)
-    for step in range(3):
-        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
-        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
-            (torch.nn.functional.cross_entropy(model(xm), ym) / 2).backward()
-        opt.step()
-    for k, v in model.state_dict().items():
+    for k, v in _local_weights(cfg, 3, 2).items():
         np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kind", "per_message"), [("gpipe", 1), ("1f1b", 2)])
+def test_pipelined_relay_equals_unpipelined(kind, per_message, tmp_path, no_leftover_processes):
+    """The pipelined relay (3 stages, 4 micro-batches in flight in groups of
+    ``per_message``, gradients accumulated across messages) gives the weights of
+    unpipelined training with the same micro-batch split after 3 steps; every stage
+    handled the planned number of messages and reported its compute."""
+    cfg = make_cfg(
+        [
+            *FAST,
+            "fleet=uniform3",
+            "allocation=even",
+            "num_rounds=1",
+            "train.steps_per_round=3",
+            "schedule.microbatches=4",
+            f"schedule.kind={kind}",
+            f"schedule.microbatches_per_message={per_message}",
+        ]
+    )
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    split = torch.load(tmp_path / "model.pt")
+    for k, v in _local_weights(cfg, 3, 4).items():
+        np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    assert row["microbatches_per_message"] == per_message
+    groups = 4 // per_message
+    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
+    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
+    assert all(
+        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
+    )
 
 
 def test_infeasible_memory_refused_before_flower_starts(tmp_path):
@@ -158,3 +196,38 @@ def test_node_failing_the_benchmark_is_left_out(tmp_path, no_leftover_processes)
     # leave cloud idle when phone alone is faster
     nodes = [s["node"] for s in plan["stages"]] + plan["idle_nodes"]
     assert sorted(nodes) == ["cloud", "phone"] and plan["stages"][0]["node"] == "phone"
+
+
+def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_processes):
+    """Pipelined relay (GPipe, one micro-batch per message): the last stage fails in
+    the middle of round 1 (its first forward message raises, with other stages' messages
+    in flight). The round ends with an error naming it, the last good global model is
+    kept, the node is dropped, the model re-planned on the others, and round 2 trains."""
+    cfg = make_cfg(
+        [
+            *FAST,
+            "fleet=edge3",
+            "allocation=even",
+            "num_rounds=2",
+            "train.steps_per_round=3",
+            "schedule.kind=gpipe",
+            "schedule.microbatches=4",
+            "schedule.microbatches_per_message=1",
+            "max_failed_rounds=1",
+        ]
+    )
+    with open_dict(cfg):
+        cfg.fleet.nodes[2].fail_on = "train.sky_pipe_fwd"  # box: the last stage
+    results = run_job(cfg, tmp_path)
+    assert results["error"] is None
+    (failed,) = results["failed_rounds"]
+    assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]
+    assert "box" in failed["error"] and "replied with an error" in failed["error"]
+    (row,) = results["rounds"]
+    assert row["round"] == 2 and row["test_accuracy"] is not None
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert {s["node"] for s in plan["stages"]} <= {"phone", "cloud"}
+    trained = torch.load(tmp_path / "model.pt")  # round 2's model: moved off the start
+    torch.manual_seed(int(cfg.seed))
+    initial = build_model(dict(cfg.model)).state_dict()
+    assert any(not torch.equal(trained[k], v) for k, v in initial.items())
