@@ -381,17 +381,33 @@ class _Filler:
             self._mem[inflight] = cost.static_prefix + inflight * mb * cost.stash_prefix
         return self._mem[inflight]
 
-    def fill(self, order: Sequence[int], T: float, owner_max: int | None = None) -> list | None:
-        """Stages of the greedy fill, or None if layers are left over."""
+    def fill(
+        self,
+        order: Sequence[int],
+        T: float,
+        owner_max: int | None = None,
+        num_stages: int | None = None,
+    ) -> list | None:
+        """Stages of the greedy fill, or None if layers are left over.
+
+        Memory charges stage ``k`` the micro-batches it keeps in flight in a pipeline of
+        ``len(order)`` stages (at least as many as any plan from this order has), or of
+        exactly ``num_stages`` stages when given (then at most that many are filled).
+        """
         cost = self.cost
         L, n = cost.num_layers, len(order)
         a, stages = 0, []
         for pos, i in enumerate(order):
             if a >= L:
                 break
+            if num_stages is not None and len(stages) == num_stages:
+                return None
             tp = self.time_prefix[i]
             end_t = int(np.searchsorted(tp, tp[a] + T * (1 + 1e-12), side="right")) - 1
-            mp = self.mem_prefix(cost.inflight(pos, n))
+            if num_stages is None:
+                mp = self.mem_prefix(cost.inflight(pos, n))
+            else:
+                mp = self.mem_prefix(cost.inflight(len(stages), num_stages))
             end_m = int(np.searchsorted(mp, mp[a] + cost.capacity[i], side="right")) - 1
             end = min(end_t, end_m, L)
             if pos == 0 and owner_max is not None:
@@ -618,6 +634,12 @@ def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
     if cost.num_layers >= cost.num_nodes:
         consider(_even_stages(cost))
         consider(_speed_proportional(cost))
+    if not cands and cost.schedule.kind == "1f1b" and not cost.relay:
+        # 1F1B stashes fewer micro-batches in shorter pipelines: a fill charged for every
+        # node may miss a plan that fits with fewer stages
+        for order in _orders(cost):
+            for S in range(1, min(cost.num_nodes, cost.num_layers) + 1):
+                consider(filler.fill(order, math.inf, num_stages=S))
     if not cands:
         raise InfeasibleMemoryError(_infeasible_message(cost))
     ranked = sorted(score, key=score.get)
@@ -1391,10 +1413,14 @@ def feasible_stages(cost: CostModel) -> list[Stage]:
         With the layers that do not fit and memory needed against memory available.
     """
     filler = _Filler(cost)
-    for order in _orders(cost):
-        s = filler.fill(order, math.inf)
-        if s is not None and cost.fits(s):
-            return s
+    sizes: list[int | None] = [None]
+    if cost.schedule.kind == "1f1b" and not cost.relay:  # shorter pipelines stash less
+        sizes += list(range(1, min(cost.num_nodes, cost.num_layers) + 1))
+    for num_stages in sizes:
+        for order in _orders(cost):
+            s = filler.fill(order, math.inf, num_stages=num_stages)
+            if s is not None and cost.fits(s):
+                return s
     raise InfeasibleMemoryError(_infeasible_message(cost))
 
 

@@ -474,3 +474,26 @@ def test_heuristic_respects_memory_over_speed():
     cost = CostModel(layers, nodes, Schedule(batch_size=4))
     for method in (heuristic, optimal, brute_force):
         assert method(cost).spec == [(0, 0, 0), (1, 1, 3)], method.__name__
+
+
+def test_1f1b_plan_that_fits_only_as_a_shorter_pipeline_is_found():
+    # 1F1B's first stage stashes min(S, M) micro-batches: as the only stage it holds one,
+    # in a two-stage pipeline two. An owner with room for one must get the one-stage plan
+    # (a fill charged for every node's pipeline once refused this as infeasible).
+    layers = [_layer(0, 0, 0, 1024.0, 1024.0)]
+    sched = Schedule(4, 4, "1f1b", "direct")
+
+    def cost(owner_memory):
+        nodes = [
+            _node("owner", [0.01], [0.02], memory=owner_memory, holds_data=True),
+            _node("other", [0.001], [0.002], memory=0),
+        ]
+        return CostModel(layers, nodes, sched)
+
+    one, two = (cost(2**40).stage_memory(0, 0, k) for k in (1, 2))
+    assert one < two
+    c = cost(int(one))
+    for method in (heuristic, optimal):
+        assert method(c).spec == [(0, 0, 0)]
+    with pytest.raises(InfeasibleMemoryError):
+        heuristic(cost(int(one) - 1))
