@@ -43,6 +43,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LABEL_TAG = 7
 TICKETS = "sky.tickets"
+PEER_FAILURE = "stopped: a peer stage failed or stalled"
+# gloo's errors when a peer is gone or silent (torch 2.13)
+_PEER_SIGNS = ("Timed out", "Connection closed by peer", "Connection reset", "Broken pipe")
 
 
 class DirectStageError(RuntimeError):
@@ -451,12 +454,16 @@ def run_stage(  # noqa: PLR0913
     except DirectStageError:
         raise
     except Exception as err:  # noqa: BLE001 - named and re-raised
-        raise DirectStageError(
-            f"stage {rank} of {S}: {type(err).__name__}: {_first_line(err)}"
-        ) from err
+        text = _first_line(err)
+        if any(sign in text for sign in _PEER_SIGNS):
+            raise DirectStageError(
+                f"stage {rank} of {S}: {PEER_FAILURE} (timeout {rdv.timeout_s:g} s): {text}"
+            ) from err
+        raise DirectStageError(f"stage {rank} of {S}: {type(err).__name__}: {text}") from err
     finally:
         result.compute_s = emulated.compute_s
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a crashed stage may already have left
+            dist.destroy_process_group()
     return result
 
 
