@@ -330,7 +330,8 @@ def join(rdv: Rendezvous) -> None:
         )
     except (RuntimeError, OSError) as err:
         raise DirectStageError(
-            f"stage {rdv.rank}: the other stages did not all join within {rdv.timeout_s:g} s: {err}"
+            f"stage {rdv.rank} of {rdv.world_size}: {PEER_FAILURE} (the other stages did not "
+            f"all join within {rdv.timeout_s:g} s): {_first_line(err)}"
         ) from err
 
 

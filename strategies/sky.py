@@ -863,6 +863,13 @@ class SkyStrategy(Strategy):
         self.benchmark(grid, node_ids)
         self.make_plan()
         assert self.plan is not None
+        S, M = len(self.plan.stages), self.schedule.microbatches
+        if self.schedule.transport == "direct" and self.schedule.kind == "1f1b" and M < S:
+            raise ValueError(
+                f"schedule.kind=1f1b needs at least as many micro-batches as stages: the plan "
+                f"has {S} stages, schedule.microbatches={M}. Raise schedule.microbatches to "
+                f">= {S} (dividing schedule.batch_size) or use schedule.kind=gpipe"
+            )
         result = Result(arrays=initial_arrays)
         train_config = train_config or ConfigRecord()
         if evaluate_fn:

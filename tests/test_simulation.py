@@ -101,14 +101,20 @@ def test_infeasible_memory_refused_before_flower_starts(tmp_path):
 def test_bad_node_reply_ends_run_naming_the_node(
     fail_mode, expected, tmp_path, no_leftover_processes
 ):
-    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=even", "num_rounds=2"])
+    """box fails every round: each failed round is recorded naming it, and
+    train.max_failed_rounds=2 consecutive failures end the run."""
+    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=even", "num_rounds=3"])
     with open_dict(cfg):
         cfg.fleet.nodes[2].fail_on = "train.sky_forward"  # box: the last stage
         cfg.fleet.nodes[2].fail_mode = fail_mode
-    with pytest.raises(SkyNodeError, match=rf"round 1 failed.*box.*{expected}"):
+    with pytest.raises(
+        SkyNodeError, match=rf"round 2 failed.*box.*{expected}.*max_failed_rounds=2 reached"
+    ):
         run_job(cfg, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert "box" in saved["error"] and saved["rounds"] == []
+    assert "box" in saved["error"] and saved["final_test_accuracy"] is None
+    assert [r["round"] for r in saved["rounds"]] == [1, 2]  # round 3 never started
+    assert all("box" in r["error"] and expected in r["error"] for r in saved["rounds"])
     # the last good global model (the initial one) is kept
     assert (tmp_path / "model.pt").exists()
 
