@@ -305,6 +305,7 @@ class SkyClient:
             world_size=int(cfg["world_size"]),
             ticket=str(cfg["ticket"]),
             timeout_s=float(cfg["timeout_s"]),
+            join_timeout_s=float(cfg.get("join_timeout_s", 60.0)),
         )
         first, last = int(cfg["first"]), int(cfg["last"])
         module = build_stage(

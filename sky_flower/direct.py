@@ -75,7 +75,12 @@ class Rendezvous:
     ticket : str
         This rank's ticket, checked against the store before joining.
     timeout_s : float
-        Bound (seconds) on joining and on every operation of the round.
+        Bound (seconds) on every peer operation of the round (a stage that fails or
+        stalls mid-round ends the round for all within about this time).
+    join_timeout_s : float (default: 60.0)
+        Bound (seconds) on joining: reaching the store and waiting for every stage to
+        join. At least ``timeout_s``; larger, since the stages' messages may start some
+        seconds apart (a busy Flower simulation engine, a SuperNode's polling tick).
     """
 
     host: str
@@ -85,6 +90,7 @@ class Rendezvous:
     world_size: int
     ticket: str
     timeout_s: float
+    join_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -103,13 +109,22 @@ class RoundHost:
     world_size : int
         Number of stages.
     timeout_s : float
-        Store timeout, seconds.
+        Bound on every peer operation of the round, seconds.
+    join_timeout_s : float (default: 60.0)
+        Bound on joining the round, seconds (see :class:`Rendezvous`).
 
     Use as a context manager; the store stops when it exits.
     """
 
-    def __init__(self, world_size: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float,
+        host: str = "127.0.0.1",
+        join_timeout_s: float = 60.0,
+    ) -> None:
         self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
+        self.join_timeout_s = max(join_timeout_s, timeout_s)
         self.key = f"sky-{secrets.token_hex(8)}"
         self.tickets = [secrets.token_hex(8) for _ in range(world_size)]
         self.store = dist.TCPStore(
@@ -117,7 +132,7 @@ class RoundHost:
             0,
             is_master=True,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=self.join_timeout_s),
         )
         self.port = int(self.store.port)
         prefixed = dist.PrefixStore(f"{self.key}/{TICKETS}", self.store)
@@ -134,6 +149,7 @@ class RoundHost:
             self.world_size,
             self.tickets[rank],
             self.timeout_s,
+            self.join_timeout_s,
         )
 
     def close(self) -> None:
@@ -288,7 +304,8 @@ def _device(host: str):  # noqa: ANN202 - a ProcessGroupGloo.Device
 
 
 def join(rdv: Rendezvous) -> None:
-    """Join the round's gloo process group as ``rdv.rank`` (bounded by ``rdv.timeout_s``).
+    """Join the round's gloo process group as ``rdv.rank`` (bounded by
+    ``rdv.join_timeout_s``; afterwards its operations by ``rdv.timeout_s``).
 
     Raises
     ------
@@ -299,7 +316,8 @@ def join(rdv: Rendezvous) -> None:
     """
     if dist.is_initialized():  # a previous round that did not clean up (should not happen)
         dist.destroy_process_group()
-    timeout = datetime.timedelta(seconds=rdv.timeout_s)
+    join_s = max(rdv.join_timeout_s, rdv.timeout_s)
+    timeout = datetime.timedelta(seconds=join_s)
     try:
         base = dist.TCPStore(
             rdv.host, rdv.port, is_master=False, wait_for_workers=False, timeout=timeout
@@ -309,29 +327,36 @@ def join(rdv: Rendezvous) -> None:
     except (RuntimeError, OSError) as err:
         raise DirectStageError(
             f"stage {rdv.rank}: cannot reach the round's store at {rdv.host}:{rdv.port} "
-            f"within {rdv.timeout_s:g} s: {err}"
+            f"within {join_s:g} s: {err}"
         ) from err
     if not secrets.compare_digest(expected, rdv.ticket):
         raise RankRefusedError(
             f"rank {rdv.rank} refused: this node's ticket does not match the one planned for "
             "that rank (only the round's planned nodes may join)"
         )
+    # Wait (up to the join timeout) until every planned stage has checked in; only then
+    # build the group, whose timeout (gloo fixes it when it connects) is the shorter
+    # round timeout that bounds every operation.
+    op_timeout = datetime.timedelta(seconds=rdv.timeout_s)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
+    opts._timeout = op_timeout
     opts._devices = [_device(rdv.host)]
     try:
+        arrived = dist.PrefixStore("arrived", store)
+        arrived.set(str(rdv.rank), "1")
+        arrived.wait([str(r) for r in range(rdv.world_size)], timeout)
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore("pg", store),
             rank=rdv.rank,
             world_size=rdv.world_size,
-            timeout=timeout,
+            timeout=op_timeout,
             pg_options=opts,
         )
     except (RuntimeError, OSError) as err:
         raise DirectStageError(
             f"stage {rdv.rank} of {rdv.world_size}: {PEER_FAILURE} (the other stages did not "
-            f"all join within {rdv.timeout_s:g} s): {_first_line(err)}"
+            f"all join within {join_s:g} s): {_first_line(err)}"
         ) from err
 
 

@@ -240,6 +240,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         max_failed_rounds=int(cfg.train.get("max_failed_rounds", 1)),
         direct_timeout_s=float(cfg.schedule.get("direct_timeout_s", 30.0)),
         direct_host=str(cfg.schedule.get("direct_host", "127.0.0.1")),
+        direct_join_timeout_s=float(cfg.schedule.get("direct_join_timeout_s", 60.0)),
         seed=int(cfg.seed),
         on_event=on_event,
     )

@@ -104,6 +104,9 @@ class SkyStrategy(Strategy):
     direct_host : str (default: "127.0.0.1")
         ``transport=direct``: address of the round's TCPStore, hosted by the server;
         it must be reachable from every stage node.
+    direct_join_timeout_s : float (default: 60.0)
+        ``transport=direct``: bound (s) on the stages joining a round (their messages
+        may start seconds apart); a stage that never joins ends the round after it.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -134,6 +137,7 @@ class SkyStrategy(Strategy):
         max_failed_rounds: int = 1,
         direct_timeout_s: float = 30.0,
         direct_host: str = "127.0.0.1",
+        direct_join_timeout_s: float = 60.0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
     ) -> None:
@@ -167,6 +171,7 @@ class SkyStrategy(Strategy):
             )
         self.max_failed_rounds = max_failed_rounds
         self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
+        self.direct_join_timeout_s = direct_join_timeout_s
         self.optimizer, self.lr = optimizer, lr
         self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
         self.node_order = list(node_order)
@@ -687,6 +692,7 @@ class SkyStrategy(Strategy):
                     "key": rdv.key,
                     "ticket": rdv.ticket,
                     "timeout_s": rdv.timeout_s,
+                    "join_timeout_s": rdv.join_timeout_s,
                     "link_latency_s": lat,
                     "link_bandwidth_bps": bw,
                     "next_latency_s": nlat,
@@ -713,9 +719,10 @@ class SkyStrategy(Strategy):
         message per stage, wait for every stage's weights and timings.
 
         Waits at most ``message_timeout_s`` plus 3 x the predicted round; once one stage
-        has failed, at most ``direct_timeout_s`` + 5 s more for the others (they stop
-        within ``direct_timeout_s``: gloo's timeout, or at once when a peer's sockets
-        close).
+        has failed, at most ``max(direct_timeout_s, direct_join_timeout_s)`` + 5 s more
+        for the others (they stop within ``direct_timeout_s`` mid-round: gloo's timeout,
+        or at once when a peer's sockets close; within ``direct_join_timeout_s`` while
+        joining).
 
         Raises
         ------
@@ -729,7 +736,9 @@ class SkyStrategy(Strategy):
         stages = self.plan.stages
         S = len(stages)
         t0 = time.perf_counter()
-        with RoundHost(S, self.direct_timeout_s, host=self.direct_host) as host:
+        with RoundHost(
+            S, self.direct_timeout_s, self.direct_host, self.direct_join_timeout_s
+        ) as host:
             msgs = self.configure_direct(server_round, arrays, steps, host)
             ids = list(grid.push_messages(msgs))
             if len(ids) != S:

@@ -77,7 +77,7 @@ def test_wrong_ticket_is_refused_before_joining():
         assert not torch.distributed.is_initialized()
 
 
-def _killed_worker(rdv: Rendezvous, kill: bool, queue) -> None:  # noqa: ANN001
+def _failing_worker(rdv: Rendezvous, mode: str, queue) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     bounds = [(0, 1), (2, 2), (3, 3)][rdv.rank]
     module = build_stage(lambda: build_model(MODEL), *bounds)
@@ -85,8 +85,10 @@ def _killed_worker(rdv: Rendezvous, kill: bool, queue) -> None:  # noqa: ANN001
     gen = torch.Generator().manual_seed(0)
 
     def fault(step: int) -> None:
-        if kill and step == 2:
+        if mode == "kill" and step == 2:
             os._exit(1)  # killed mid-round: no clean-up at all
+        if mode == "stall" and step == 2:
+            time.sleep(12.0)  # silent, far longer than the 3 s round timeout
 
     t0 = time.monotonic()
     try:
@@ -107,14 +109,18 @@ def _killed_worker(rdv: Rendezvous, kill: bool, queue) -> None:  # noqa: ANN001
         queue.put((rdv.rank, str(err), time.monotonic() - t0))
 
 
-def test_killed_stage_ends_the_round_for_all_within_the_timeout():
-    """Stage 1's process dies mid-round (os._exit): stages 0 and 2 stop with an error
-    that says a peer failed, within the process-group timeout, and every process ends."""
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_failed_stage_ends_the_round_for_all_within_the_timeout(mode):
+    """Stage 1's process dies mid-round (os._exit) or stalls (12 s): stages 0 and 2 stop
+    with an error saying a peer failed, within the 3 s round timeout (not the 30 s join
+    timeout), and every process ends by itself."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    with RoundHost(3, timeout_s=8.0) as host:
+    with RoundHost(3, timeout_s=3.0, join_timeout_s=30.0) as host:
         procs = [
-            ctx.Process(target=_killed_worker, args=(host.rendezvous(k), k == 1, queue))
+            ctx.Process(
+                target=_failing_worker, args=(host.rendezvous(k), mode if k == 1 else "", queue)
+            )
             for k in range(3)
         ]
         for p in procs:
@@ -126,11 +132,14 @@ def test_killed_stage_ends_the_round_for_all_within_the_timeout():
             if p.is_alive():
                 p.kill()
     assert not alive, f"processes still running: {alive}"
-    assert procs[1].exitcode == 1
     got = {}
     while not queue.empty():
-        rank, msg, _elapsed = queue.get()
-        got[rank] = msg
-    assert set(got) == {0, 2}
+        rank, msg, elapsed = queue.get()
+        got[rank] = (msg, elapsed)
+    assert set(got) == ({0, 2} if mode == "kill" else {0, 1, 2})
     for rank in (0, 2):
-        assert got[rank].startswith(f"stage {rank} of 3") and PEER_FAILURE in got[rank]
+        msg, elapsed = got[rank]
+        assert msg.startswith(f"stage {rank} of 3") and PEER_FAILURE in msg
+        assert elapsed < 11.0  # stopped before the stalled stage woke up
+    if mode == "kill":
+        assert procs[1].exitcode == 1
