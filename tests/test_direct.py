@@ -39,7 +39,7 @@ def _reference(weights: dict, batches: list, microbatches: int, lr: float) -> di
     return model.state_dict()
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["1f1b"])  # gpipe too in tests/test_direct_sim.py
 def test_local_pipeline_equals_unsplit_training(kind):
     torch.manual_seed(0)
     weights = build_model(MODEL).state_dict()
