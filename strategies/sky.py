@@ -772,6 +772,43 @@ class SkyStrategy(Strategy):
         if culprits or waited:
             raise SkyNodeError("; ".join(culprits + waited))
         replies = [got[m] for m in ids]
+        try:
+            return self._parse_direct(server_round, replies, arrays, steps, wall)
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed reply
+            raise SkyNodeError(
+                f"a stage sent a malformed reply: {type(err).__name__}: {err}"
+            ) from err
+
+    def _parse_direct(
+        self,
+        server_round: int,
+        replies: list[Message],
+        arrays: ArrayRecord,
+        steps: int,
+        wall: float,
+    ) -> tuple[ArrayRecord, dict[str, Any]]:
+        """Check and merge the stages' replies of a ``direct`` round (weights of the
+        shapes sent, metrics for every step).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node whose reply is malformed.
+        """
+        assert self.plan is not None
+        stages, S = self.plan.stages, len(self.plan.stages)
+        sent = {k: tuple(v.shape) for k, v in arrays.items()}
+        for reply in replies:
+            rec = reply.content.array_records.get("weights")
+            if rec is None:
+                raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks weights")
+            for key in rec.keys():
+                if key not in sent or tuple(rec[key].shape) != sent[key]:
+                    got_shape = tuple(rec[key].shape)
+                    raise SkyNodeError(
+                        f"{self._name(reply.metadata.src_node_id)}: weight {key!r} has shape "
+                        f"{got_shape}, expected {sent.get(key)}"
+                    )
         new_arrays, _ = self.aggregate_train(server_round, replies)
         assert new_arrays is not None
         metrics = []

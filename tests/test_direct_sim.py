@@ -106,3 +106,19 @@ def test_direct_settings_refused_before_flower_starts(overrides, message, tmp_pa
     with pytest.raises(ValueError, match=message):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.simulation
+def test_malformed_stage_reply_fails_the_round_not_the_server(tmp_path, no_leftover_processes):
+    """node2 (the last stage) replies to round 1 with weights of the wrong shape: the
+    round fails naming it, the server keeps the last good model and round 2 runs."""
+    cfg = make_cfg([*DIRECT, "num_rounds=2", "train.steps_per_round=2"])
+    with open_dict(cfg):
+        node = cfg.fleet.nodes[2]
+        node.fail_on, node.fail_mode, node.fail_round = "train.sky_direct", "malformed", 1
+    results = run_job(cfg, tmp_path)
+    failed, good = results["rounds"]
+    assert (
+        failed["error"].startswith("round 1 failed: node2") and "has shape (1,)" in failed["error"]
+    )
+    assert good.get("error") is None and good["test_accuracy"] > 0
