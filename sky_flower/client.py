@@ -25,6 +25,9 @@ Message types served (``flwr`` allows ``train``/``evaluate``/``query`` + ``.acti
 ``train.sky_pipe_bwd`` pipelined relay: backward of one group from its stash; gradients
                        accumulate in ``context.state`` and the optimizer steps once
                        the step's ``M`` micro-batches are all back-propagated
+``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
+                       peer to peer (:mod:`sky_flower.direct`), return its weights
+                       and timings (one message per stage per round)
 =====================  ===============================================================
 
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
@@ -111,6 +114,7 @@ class SkyClient:
         app.train("sky_collect")(self._wrap(self.collect))
         app.train("sky_pipe_fwd")(self._wrap(self.pipe_forward))
         app.train("sky_pipe_bwd")(self._wrap(self.pipe_backward))
+        app.train("sky_direct")(self._wrap(self.direct))
         return app
 
     # --- plumbing --------------------------------------------------------------------
@@ -121,7 +125,9 @@ class SkyClient:
             t_start = time.perf_counter()
             torch.set_num_threads(1)
             emu = self.emulation_fn(context)
-            malformed = emu.check_fault(msg.metadata.message_type)
+            cfg = msg.content.config_records.get("config")
+            rnd = int(cfg["round"]) if cfg is not None and "round" in cfg else None
+            malformed = emu.check_fault(msg.metadata.message_type, rnd)
             content = fn(msg, context, emu)
             if malformed:  # fault injection: every array cut to one row
                 for rec in content.array_records.values():
@@ -201,6 +207,8 @@ class SkyClient:
                         "memory_bytes": emu.memory_bytes(),
                         "slowdown": float(emu.slowdown),
                         "emulation": emu.describe(),
+                        "link_latency_s": emu.latency_ms / 1000.0,
+                        "link_bandwidth_bps": (emu.bandwidth_mb_s or 0.0) * 1e6,
                         "layer_fwd_s": [t * factor for t in fwd],
                         "layer_bwd_s": [t * factor for t in bwd],
                         "layer_step_s": [t * factor for t in step_s],
@@ -409,6 +417,122 @@ class SkyClient:
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Return the stage's weights (end of round)."""
         return RecordDict({"weights": context.state.array_records[WEIGHTS]})
+
+    def direct(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Run this node's stage for one whole round on the ``direct`` transport.
+
+        The message carries the stage's layer slice, its settings, its rank and the
+        round's rendezvous (:class:`sky_flower.direct.Rendezvous`). The node joins the
+        round's process group, runs the ``torch.distributed.pipelining`` schedule for
+        ``steps`` steps with a fresh optimizer, leaves the group and returns its
+        weights and timings. Emulation: the fleet's slowdown after each forward and
+        backward of the stage module; link delay per peer message, slept by the sender
+        (see :class:`sky_flower.direct.Emulated`).
+
+        Raises
+        ------
+        RankRefusedError
+            If the message was planned for another node, or its rank's ticket does not
+            match the store's (before the node joins the group).
+        DirectStageError
+            If this stage or a peer fails or stalls (bounded by ``timeout_s``).
+        """
+        from sky_flower.direct import (
+            Emulated,
+            RankRefusedError,
+            Rendezvous,
+            run_stage,
+        )
+
+        cfg = msg.content.config_records["config"]
+        if int(cfg["node_id"]) != int(context.node_id):
+            raise RankRefusedError(
+                f"rank {int(cfg['rank'])} refused: it is planned for node {int(cfg['node_id'])}, "
+                f"not for this node ({context.node_id})"
+            )
+        rdv = Rendezvous(
+            host=str(cfg["host"]),
+            port=int(cfg["port"]),
+            key=str(cfg["key"]),
+            rank=int(cfg["rank"]),
+            world_size=int(cfg["world_size"]),
+            ticket=str(cfg["ticket"]),
+            timeout_s=float(cfg["timeout_s"]),
+            join_timeout_s=float(cfg.get("join_timeout_s", 60.0)),
+        )
+        first, last = int(cfg["first"]), int(cfg["last"])
+        module = build_stage(
+            self.model_fn, first, last, msg.content.array_records["weights"].to_torch_state_dict()
+        )
+        make_opt = default_optimizer_factory(str(cfg["optimizer"]), float(cfg["lr"]))
+        opt = make_opt([p for p in module.parameters() if p.requires_grad])
+
+        def link(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable[[int], float]:
+            bw = min(bw_a, bw_b)  # the slower NIC, as sky_flower.cost charges direct hops
+            return lambda nbytes: 0.5 * (lat_a + lat_b) + (nbytes / bw if bw > 0 else 0.0)
+
+        lat, bw = float(cfg["link_latency_s"]), float(cfg["link_bandwidth_bps"])
+        emulated = Emulated(
+            slowdown=float(emu.slowdown),
+            send_next_s=link(
+                lat, bw, float(cfg["next_latency_s"]), float(cfg["next_bandwidth_bps"])
+            ),
+            send_prev_s=link(
+                lat, bw, float(cfg["prev_latency_s"]), float(cfg["prev_bandwidth_bps"])
+            ),
+        )
+        rnd = int(cfg["round"])
+        fault = None
+        if emu.fails_in(msg.metadata.message_type, rnd) and emu.fail_mode in ("crash", "stall"):
+            fault = _mid_round_fault(emu, rdv.timeout_s)
+        res = run_stage(
+            rdv,
+            module,
+            opt,
+            kind=str(cfg["kind"]),
+            microbatches=int(cfg["microbatches"]),
+            steps=int(cfg["steps"]),
+            batch_size=int(cfg["batch_size"]),
+            input_shape=[int(d) for d in cfg["input_shape"]],
+            batch_fn=(lambda step: self._batch(context, cfg, step)) if rdv.rank == 0 else None,
+            emulated=emulated,
+            fault=fault,
+        )
+        return RecordDict(
+            {
+                "weights": ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
+                "metrics": MetricRecord(
+                    {
+                        "losses": [float(v) for v in res.losses],
+                        "correct": int(res.correct),
+                        "n": int(res.samples),
+                        "step_times_s": [float(t) for t in res.step_times_s],
+                        "setup_s": float(res.setup_s),
+                        "compute_s": float(res.compute_s),
+                    }
+                ),
+            }
+        )
+
+
+def _mid_round_fault(emu: Emulation, timeout_s: float) -> Callable[[int], None]:
+    """The ``crash`` / ``stall`` fault of a node's fleet entry, as a per-step hook."""
+    from sky_flower.emulation import FaultInjected
+
+    def fault(step: int) -> None:
+        if step != emu.fail_step:
+            return
+        if emu.fail_mode == "crash":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()  # drop out at once: the peers' sockets close
+            raise FaultInjected(f"node {emu.name!r}: crashed before step {step} (fault injected)")
+        time.sleep(1.5 * timeout_s)
+        raise FaultInjected(
+            f"node {emu.name!r}: stalled {1.5 * timeout_s:g} s before step {step} (fault injected)"
+        )
+
+    return fault
 
 
 def time_state_roundtrip(

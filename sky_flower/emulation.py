@@ -23,6 +23,10 @@ from sky_flower.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 MIB = 1024 * 1024
 
 
+FAIL_MODES = ("raise", "malformed", "crash", "stall")
+MID_ROUND = ("crash", "stall")
+
+
 class FaultInjected(RuntimeError):
     """Raised by a node whose fleet entry sets ``fail_on`` (for failure tests)."""
 
@@ -48,9 +52,18 @@ class Emulation:
     fail_on : str
         Fault injection for tests: misbehave when a message of this type arrives
         (e.g. ``"train.sky_forward"``); empty = never.
-    fail_mode : {"raise", "malformed"}
-        How: raise (Flower turns it into an error reply) or reply with arrays of the
-        wrong shape.
+    fail_mode : {"raise", "malformed", "crash", "stall"}
+        How: raise (Flower turns it into an error reply), reply with arrays of the
+        wrong shape, or (``direct`` transport, ``fail_on: train.sky_direct``) mid-round
+        before step ``fail_step``: ``crash`` drops out of the round's process group at
+        once (its sockets close, as when the process is killed) and raises; ``stall``
+        stops communicating for 1.5 x the round's ``schedule.direct_timeout_s``, then
+        raises.
+    fail_round : int
+        Only misbehave in this round (0 = every round), so a test can check that the
+        next round runs.
+    fail_step : int
+        Step of the round before which ``crash`` / ``stall`` strike.
     """
 
     name: str
@@ -61,11 +74,14 @@ class Emulation:
     bandwidth_mb_s: float | None = None
     fail_on: str = ""
     fail_mode: str = "raise"
+    fail_round: int = 0
+    fail_step: int = 0
 
     def __post_init__(self) -> None:
-        if self.fail_mode not in ("raise", "malformed"):
+        if self.fail_mode not in FAIL_MODES:
             raise ValueError(
-                f"node {self.name!r}: fail_mode must be raise or malformed, got {self.fail_mode!r}"
+                f"node {self.name!r}: fail_mode must be one of {', '.join(FAIL_MODES)}, "
+                f"got {self.fail_mode!r}"
             )
         if self.slowdown < 0:
             raise ValueError(f"node {self.name!r}: slowdown must be >= 0, got {self.slowdown}")
@@ -120,10 +136,18 @@ class Emulation:
             return available
         return min(available, int(self.memory_mb * MIB))
 
-    def check_fault(self, message_type: str) -> bool:
-        """Raise :class:`FaultInjected` if this node is configured to fail here; return
-        True if it should instead send a malformed reply."""
+    def fails_in(self, message_type: str, server_round: int | None) -> bool:
+        """True if this node is configured to misbehave on ``message_type`` in this round
+        (``server_round`` None: the round is not known, ``fail_round`` is ignored)."""
         if not self.fail_on or self.fail_on != message_type:
+            return False
+        return self.fail_round == 0 or server_round in (None, self.fail_round)
+
+    def check_fault(self, message_type: str, server_round: int | None = None) -> bool:
+        """Raise :class:`FaultInjected` if this node is configured to fail here; return
+        True if it should instead send a malformed reply. ``crash`` / ``stall`` strike
+        mid-round, in the handler (:meth:`mid_round_fault`), not here."""
+        if not self.fails_in(message_type, server_round) or self.fail_mode in MID_ROUND:
             return False
         if self.fail_mode == "malformed":
             return True

@@ -58,6 +58,26 @@ def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
     return cpus, per_node
 
 
+def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None:
+    """``transport=direct`` runs every stage of a round at the same time; the simulation
+    engine runs ``floor(cpus / per_node)`` nodes at once. The planner may use every
+    node, so all of them must fit.
+
+    Raises
+    ------
+    ValueError
+        If fewer than ``num_nodes`` simulated nodes can run at once.
+    """
+    slots = int(cpus / per_node + 1e-9)
+    if slots < num_nodes:
+        raise ValueError(
+            f"transport=direct runs all stages of a round at once, but with "
+            f"simulation.num_cpus_per_node={per_node:g} on {cpus} CPUs the simulation engine "
+            f"runs only {slots} of the fleet's {num_nodes} nodes at a time: lower "
+            f"simulation.num_cpus_per_node to <= {cpus / num_nodes:g}"
+        )
+
+
 def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
     from flwr.app import ArrayRecord, MetricRecord
@@ -89,7 +109,10 @@ def write_results(
     results = {
         "allocation": allocation,
         "fleet": fleet,
-        "final_test_accuracy": rounds[-1]["test_accuracy"] if rounds else None,
+        "final_test_accuracy": next(
+            (r["test_accuracy"] for r in reversed(rounds) if r.get("test_accuracy") is not None),
+            None,
+        ),  # of the last good round (a failed round keeps the previous global model)
         "rounds": rounds,
         "error": error,
         "failed_rounds": failed_rounds or [],
@@ -167,6 +190,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         microbatches_per_message=int(cfg.schedule.get("microbatches_per_message", 0)),
     )
     cpus, per_node = simulation_cpus(cfg)
+    if schedule.transport == "direct":
+        direct_concurrency_check(len(fleet), cpus, per_node)
     if int(cfg.num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {cfg.num_rounds}")
     if not float(cfg.allocation.get("time_limit_s", 30.0)) > 0:
@@ -219,7 +244,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         echo_jitter_s=float(cfg.benchmark.echo_jitter_s),
         state_probe_bytes=int(cfg.benchmark.state_probe_mb * 2**20),
         message_timeout_s=float(cfg.message_timeout_s),
-        max_failed_rounds=int(cfg.get("max_failed_rounds", 0)),
+        max_failed_rounds=int(cfg.train.get("max_failed_rounds", 1)),
+        direct_timeout_s=float(cfg.schedule.get("direct_timeout_s", 30.0)),
+        direct_host=str(cfg.schedule.get("direct_host", "127.0.0.1")),
+        direct_join_timeout_s=float(cfg.schedule.get("direct_join_timeout_s", 60.0)),
         seed=int(cfg.seed),
         on_event=on_event,
     )
@@ -282,6 +310,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
                     "round_time_s",
                     "microbatches_per_message",
                     "stages",
+                    "setup_s",
+                    "error",
                 )
             }
             for r in strategy.rounds

@@ -50,7 +50,15 @@ def _short_reason(reason: str, limit: int = 300) -> str:
 
 
 class SkyNodeError(RuntimeError):
-    """A node failed to answer, or answered with an error (the message names it)."""
+    """A node failed to answer, or answered with an error (the message names it).
+
+    ``nodes``: the names of the nodes that caused it, where known (a ``direct`` round
+    also names the peers that stopped because of them; those are not in ``nodes``).
+    """
+
+    def __init__(self, message: str, nodes: Sequence[str] | None = None) -> None:
+        super().__init__(message)
+        self.nodes = None if nodes is None else list(nodes)
 
 
 class SkyStrategy(Strategy):
@@ -96,11 +104,23 @@ class SkyStrategy(Strategy):
         state costs per message (0 disables; see :mod:`sky_flower.cost`).
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
-    max_failed_rounds : int (default: 0)
-        Failed rounds the run survives. After a failed round the nodes named in its
-        error are dropped, the model is re-planned on the others from the benchmark
-        round's profiles, and the next round starts from the last good global model
-        (``failed_rounds`` records each). 0: the first failed round ends the run.
+    max_failed_rounds : int (default: 1)
+        A round that fails (a node errs, stalls or replies malformed) is recorded with
+        its error (``rounds`` and ``failed_rounds``); the nodes it names are dropped
+        (the data owner cannot be) and the model is re-planned on the others from the
+        benchmark round's profiles, and the next round starts from the last good global
+        model. This many consecutive failed rounds end the run with
+        :class:`SkyNodeError` (1: the first failed round does).
+    direct_timeout_s : float (default: 30.0)
+        ``transport=direct``: bound (s) on joining the round's process group and on
+        every peer operation; a stage that fails or stalls ends the round for all
+        stages within about this time.
+    direct_host : str (default: "127.0.0.1")
+        ``transport=direct``: address of the round's TCPStore, hosted by the server;
+        it must be reachable from every stage node.
+    direct_join_timeout_s : float (default: 60.0)
+        ``transport=direct``: bound (s) on the stages joining a round (their messages
+        may start seconds apart); a stage that never joins ends the round after it.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -128,7 +148,10 @@ class SkyStrategy(Strategy):
         echo_jitter_s: float = 0.1,
         state_probe_bytes: int = 64 * 1024 * 1024,
         message_timeout_s: float = 120.0,
-        max_failed_rounds: int = 0,
+        max_failed_rounds: int = 1,
+        direct_timeout_s: float = 30.0,
+        direct_host: str = "127.0.0.1",
+        direct_join_timeout_s: float = 60.0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
     ) -> None:
@@ -148,11 +171,20 @@ class SkyStrategy(Strategy):
         self.input_shape = [int(s) for s in input_shape]
         self.allocation = allocation
         self.schedule = schedule or Schedule()
-        if self.schedule.transport != "relay":
+        if self.schedule.transport == "direct" and self.schedule.kind == "sequential":
             raise ValueError(
-                "only transport=relay runs so far (schedule.kind sequential, gpipe or "
-                f"1f1b); got transport={self.schedule.transport}"
+                "transport=direct runs schedule.kind gpipe or 1f1b (torch.distributed."
+                "pipelining); sequential runs on transport=relay: got kind=sequential, "
+                "transport=direct"
             )
+        if max_failed_rounds < 1 or not direct_timeout_s > 0:
+            raise ValueError(
+                f"max_failed_rounds must be >= 1 (got {max_failed_rounds}) and "
+                f"direct_timeout_s > 0 (got {direct_timeout_s})"
+            )
+        self.max_failed_rounds = max_failed_rounds
+        self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
+        self.direct_join_timeout_s = direct_join_timeout_s
         self.optimizer, self.lr = optimizer, lr
         self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
         self.node_order = list(node_order)
@@ -164,9 +196,6 @@ class SkyStrategy(Strategy):
         self.echo_jitter_s = echo_jitter_s
         self._rng = np.random.default_rng(seed)
         self.message_timeout_s = message_timeout_s
-        if max_failed_rounds < 0:
-            raise ValueError(f"max_failed_rounds must be >= 0, got {max_failed_rounds}")
-        self.max_failed_rounds = max_failed_rounds
         self.failed_rounds: list[dict[str, Any]] = []
         self.seed = seed
         self.on_event = on_event or (lambda kind, payload: None)
@@ -362,13 +391,16 @@ class SkyStrategy(Strategy):
                 M = self.schedule.microbatches
                 bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
                 examples = int(prof["num_examples"])
-                lat, bw, state_rate = self._time_link(grid, nid)
-                # every stage message rebuilds its stage from the state; about half of
-                # them (those that step the optimizer) also save it back
-                handler_rate = float(prof.get("state_rebuild_s_per_byte", 0.0))
-                handler_rate += 0.5 * float(prof.get("state_save_s_per_byte", 0.0))
-                self._handler_rate[name] = handler_rate
-                state_rate += handler_rate
+                if self.schedule.transport == "direct":
+                    lat, bw, state_rate = self._peer_link(prof)
+                else:
+                    lat, bw, state_rate = self._time_link(grid, nid)
+                    # every stage message rebuilds its stage from the state; about half of
+                    # them (those that step the optimizer) also save it back
+                    handler_rate = float(prof.get("state_rebuild_s_per_byte", 0.0))
+                    handler_rate += 0.5 * float(prof.get("state_save_s_per_byte", 0.0))
+                    self._handler_rate[name] = handler_rate
+                    state_rate += handler_rate
                 node = NodeProfile(
                     name=name,
                     layer_fwd_s=fwd,
@@ -454,6 +486,16 @@ class SkyStrategy(Strategy):
             self._echo(grid, nid, small, store_bytes=-1)
             state_rate = max(t_state - t_small, 0.0) / self.state_probe_bytes
         return max(latency, 0.0), bandwidth, state_rate
+
+    @staticmethod
+    def _peer_link(prof: ConfigRecord) -> tuple[float, float, float]:
+        """``transport=direct``: a stage's peer link as the fleet emulates it (latency s,
+        bandwidth bytes/s, no per-message state cost). Stages talk over loopback here
+        (well under a millisecond per hop), so the emulated link, which each stage
+        sleeps per peer message, is what the planner charges."""
+        lat = float(prof.get("link_latency_s", 0.0))
+        bw = float(prof.get("link_bandwidth_bps", 0.0))
+        return lat, bw if bw > 0 else float("inf"), 0.0
 
     def _order(self, nodes: list[NodeProfile]) -> list[NodeProfile]:
         rank = {name: i for i, name in enumerate(self.node_order)}
@@ -909,41 +951,274 @@ class SkyStrategy(Strategy):
             )
         log(INFO, "Measured vs predicted, per step:\n%s", "\n".join(lines))
 
-    def _recover(self, rnd: int, err: SkyNodeError) -> bool:
-        """After round ``rnd`` failed with ``err``: if ``max_failed_rounds`` allows, drop
-        the nodes ``err`` names, re-plan on the others and return True (the caller goes
-        on with the last good global model); else False. The data owner cannot be
-        dropped (stage 0 needs its data)."""
-        if len(self.failed_rounds) >= self.max_failed_rounds:
-            return False
+    def _recover(self, rnd: int, err: SkyNodeError) -> list[str]:
+        """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
+        that caused it (``err.nodes``, else every node ``err`` names) and re-plan on the
+        others; return the names dropped. The data owner is never dropped (stage 0 needs
+        its data): a round it failed is simply retried, as is one whose nodes cannot be
+        dropped (the others cannot hold the model). Records ``failed_rounds``."""
         text = str(err)
-        failed = [n for n in self.node_profiles if self._name(n.node_id) in text]
-        if not failed or failed[0] is self.node_profiles[0]:
-            return False  # no node named, or the data owner failed
-        keep = [n for n in self.node_profiles if n not in failed]
+        if err.nodes is not None:
+            failed = [n for n in self.node_profiles if n.name in err.nodes]
+        else:
+            failed = [n for n in self.node_profiles if self._name(n.node_id) in text]
+        failed = [n for n in failed if n is not self.node_profiles[0]]
         names = [n.name for n in failed]
-        old = self.node_profiles
-        self.node_profiles = keep
-        try:
-            self.make_plan()
-        except ValueError as plan_err:  # e.g. the others cannot hold the model
-            self.node_profiles = old
-            log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
-            return False
-        for name in names:
+        dropped: list[str] = []
+        if failed:
+            keep = [n for n in self.node_profiles if n not in failed]
+            old = self.node_profiles
+            self.node_profiles = keep
+            try:
+                self.make_plan()
+                dropped = names
+            except ValueError as plan_err:  # e.g. the others cannot hold the model
+                self.node_profiles = old
+                self.make_plan()
+                log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
+        for name in dropped:
             self._ids.pop(name, None)
-        self.failed_rounds.append({"round": rnd, "error": text, "dropped_nodes": names})
+        self.failed_rounds.append({"round": rnd, "error": text, "dropped_nodes": dropped})
+        if dropped:
+            log(
+                WARNING,
+                "Round %d failed; dropped %s and re-planned on %d node(s)",
+                rnd,
+                ", ".join(dropped),
+                len(self.node_profiles),
+            )
+        return dropped
+
+    # ---------------------------------------------------------------------------------
+    # one round on the direct transport (torch.distributed.pipelining, peer to peer)
+    # ---------------------------------------------------------------------------------
+    def configure_direct(
+        self, server_round: int, arrays: ArrayRecord, steps: int, host: Any
+    ) -> list[Message]:
+        """One ``train.sky_direct`` message per stage: its layer slice, settings, rank,
+        the node it is planned for, and the round's rendezvous (``host`` is a
+        :class:`sky_flower.direct.RoundHost`); only these messages carry it."""
+        from sky_flower.direct import stage_input_shapes
+
+        assert self.plan is not None
+        full = arrays.to_torch_state_dict()
+        stages = self.plan.stages
+        bounds = [(st.first_layer, st.last_layer) for st in stages]
+        shapes = stage_input_shapes(self.model_fn, self.input_shape, bounds)
+        by_name = {n.name: n for n in self.node_profiles}
+
+        def link(k: int) -> tuple[float, float]:
+            if not 0 <= k < len(stages):
+                return 0.0, 0.0
+            node = by_name[stages[k].node]
+            bw = node.bandwidth_bps
+            return node.latency_s, 0.0 if bw == float("inf") else bw
+
+        msgs = []
+        for k, st in enumerate(stages):
+            rdv = host.rendezvous(k)
+            (lat, bw), (nlat, nbw), (plat, pbw) = link(k), link(k + 1), link(k - 1)
+            cfg = ConfigRecord(
+                {
+                    "stage": k,
+                    "first": st.first_layer,
+                    "last": st.last_layer,
+                    "input_shape": list(shapes[k]),
+                    "microbatches": self.schedule.microbatches,
+                    "batch_size": self.schedule.batch_size,
+                    "kind": self.schedule.kind,
+                    "optimizer": self.optimizer,
+                    "lr": self.lr,
+                    "round": server_round,
+                    "seed": self.seed,
+                    "steps": steps,
+                    "node_id": self._ids[st.node],
+                    "rank": rdv.rank,
+                    "world_size": rdv.world_size,
+                    "host": rdv.host,
+                    "port": rdv.port,
+                    "key": rdv.key,
+                    "ticket": rdv.ticket,
+                    "timeout_s": rdv.timeout_s,
+                    "join_timeout_s": rdv.join_timeout_s,
+                    "link_latency_s": lat,
+                    "link_bandwidth_bps": bw,
+                    "next_latency_s": nlat,
+                    "next_bandwidth_bps": nbw,
+                    "prev_latency_s": plat,
+                    "prev_bandwidth_bps": pbw,
+                }
+            )
+            weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
+            msgs.append(
+                self._msg(
+                    self._ids[st.node],
+                    "train.sky_direct",
+                    {"weights": weights, "config": cfg},
+                    str(server_round),
+                )
+            )
+        return msgs
+
+    def _direct_round(
+        self, grid: Grid, server_round: int, arrays: ArrayRecord, steps: int
+    ) -> tuple[ArrayRecord, dict[str, Any]]:
+        """Run one round on the ``direct`` transport: host the round's TCPStore, push one
+        message per stage, wait for every stage's weights and timings.
+
+        Waits at most ``message_timeout_s`` plus 3 x the predicted round; once one stage
+        has failed, at most ``max(direct_timeout_s, direct_join_timeout_s)`` + 5 s more
+        for the others (they stop within ``direct_timeout_s`` mid-round: gloo's timeout,
+        or at once when a peer's sockets close; within ``direct_join_timeout_s`` while
+        joining).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stage(s) that failed or did not answer first, then those that
+            stopped waiting for them.
+        """
+        from sky_flower.direct import PEER_FAILURE, RoundHost
+
+        assert self.plan is not None
+        stages = self.plan.stages
+        S = len(stages)
+        t0 = time.perf_counter()
+        with RoundHost(
+            S, self.direct_timeout_s, self.direct_host, self.direct_join_timeout_s
+        ) as host:
+            msgs = self.configure_direct(server_round, arrays, steps, host)
+            ids = list(grid.push_messages(msgs))
+            if len(ids) != S:
+                raise SkyNodeError(f"only {len(ids)} of {S} stage messages could be sent")
+            rank = {mid: k for k, mid in enumerate(ids)}
+            got: dict[str, Message] = {}
+            budget = self.message_timeout_s + 3.0 * steps * self.plan.predicted_step_time_s
+            deadline = time.monotonic() + budget
+            while len(got) < S and time.monotonic() < deadline:
+                self._check_stop()
+                for reply in grid.pull_messages([m for m in ids if m not in got]):
+                    got[reply.metadata.reply_to_message_id] = reply
+                    if reply.has_error():  # the others stop within direct_timeout_s
+                        deadline = min(deadline, time.monotonic() + self.direct_timeout_s + 5.0)
+                if len(got) < S:
+                    time.sleep(0.005)
+        wall = time.perf_counter() - t0
+
+        def who(mid: str) -> str:
+            return f"stage {rank[mid]} on {self._name(self._ids[stages[rank[mid]].node])}"
+
+        culprits, waited, causes = [], [], []
+        for mid in ids:
+            if mid not in got:
+                culprits.append(f"{who(mid)} did not answer within {budget:g} s")
+                causes.append(stages[rank[mid]].node)
+            elif got[mid].has_error():
+                reason = _short_reason(got[mid].error.reason)
+                peer = PEER_FAILURE in reason
+                (waited if peer else culprits).append(f"{who(mid)} failed: {reason}")
+                if not peer:
+                    causes.append(stages[rank[mid]].node)
+        if culprits or waited:
+            raise SkyNodeError("; ".join(culprits + waited), nodes=causes or None)
+        replies = [got[m] for m in ids]
+        try:
+            return self._parse_direct(server_round, replies, arrays, steps, wall)
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed reply
+            raise SkyNodeError(
+                f"a stage sent a malformed reply: {type(err).__name__}: {err}"
+            ) from err
+
+    def _parse_direct(
+        self,
+        server_round: int,
+        replies: list[Message],
+        arrays: ArrayRecord,
+        steps: int,
+        wall: float,
+    ) -> tuple[ArrayRecord, dict[str, Any]]:
+        """Check and merge the stages' replies of a ``direct`` round (weights of the
+        shapes sent, metrics for every step).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node whose reply is malformed.
+        """
+        assert self.plan is not None
+        stages, S = self.plan.stages, len(self.plan.stages)
+        sent = {k: tuple(v.shape) for k, v in arrays.items()}
+        for reply in replies:
+            rec = reply.content.array_records.get("weights")
+            if rec is None:
+                raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks weights")
+            for key in rec.keys():
+                if key not in sent or tuple(rec[key].shape) != sent[key]:
+                    got_shape = tuple(rec[key].shape)
+                    raise SkyNodeError(
+                        f"{self._name(reply.metadata.src_node_id)}: weight {key!r} has shape "
+                        f"{got_shape}, expected {sent.get(key)}"
+                    )
+        new_arrays, _ = self.aggregate_train(server_round, replies)
+        assert new_arrays is not None
+        metrics = []
+        for reply in replies:
+            m = reply.content.metric_records.get("metrics")
+            if m is None or not {"step_times_s", "setup_s", "compute_s"} <= set(m):
+                raise SkyNodeError(f"{self._name(reply.metadata.src_node_id)}: reply lacks metrics")
+            metrics.append(m)
+        last = metrics[-1]
+        losses = [float(v) for v in last["losses"]]  # type: ignore[union-attr]
+        times = np.array([list(m["step_times_s"]) for m in metrics], dtype=float)  # type: ignore[arg-type]
+        if times.shape != (S, steps) or len(losses) != steps:
+            raise SkyNodeError(
+                f"stages reported {times.shape} step times and {len(losses)} losses for "
+                f"{S} stages x {steps} steps"
+            )
+        per_stage = []
+        for k, (st, m) in enumerate(zip(stages, metrics, strict=True)):
+            node = next(n for n in self.node_profiles if n.name == st.node)
+            per_stage.append(
+                {
+                    "stage": k,
+                    "node": st.node,
+                    "measured_compute_s": float(m["compute_s"]) * (1.0 + node.slowdown) / steps,  # type: ignore[arg-type]
+                    "predicted_compute_s": self.schedule.microbatches * st.compute_s,
+                    "median_step_s": float(np.median(times[k])),
+                }
+            )
+        return new_arrays, {
+            "losses": losses,
+            "correct": int(last["correct"]),  # type: ignore[arg-type]
+            "seen": int(last["n"]),  # type: ignore[arg-type]
+            "step_times": [float(t) for t in times.max(axis=0)],
+            "setup_s": max(float(m["setup_s"]) for m in metrics),  # type: ignore[arg-type]
+            "wall_s": wall,
+            "stages": per_stage,
+        }
+
+    def _log_direct_stages(self, rnd: int, row: dict[str, Any]) -> None:
+        """Log measured against predicted compute per stage and step (``direct``)."""
+        lines = [
+            f"{'stage':>5}  {'node':<12} {'compute/step s':>14} {'predicted s':>11} "
+            f"{'median step s':>13}"
+        ]
+        for st in row["stages"]:
+            lines.append(
+                f"{st['stage']:5d}  {st['node']:<12} {st['measured_compute_s']:14.4f} "
+                f"{st['predicted_compute_s']:11.4f} {st['median_step_s']:13.4f}"
+            )
         log(
-            WARNING,
-            "Round %d failed; dropped %s and re-planned on %d node(s) (%d of %d failed "
-            "rounds allowed used)",
+            INFO,
+            "Round %d (direct, %s): set-up %.3f s, step %.4f s measured vs %.4f s predicted; "
+            "per stage (compute includes the emulated slowdown):\n%s",
             rnd,
-            ", ".join(names),
-            len(keep),
-            len(self.failed_rounds),
-            self.max_failed_rounds,
+            self.schedule.kind,
+            row["setup_s"],
+            row["measured_step_time_s"],
+            row["predicted_step_time_s"],
+            "\n".join(lines),
         )
-        return True
 
     def steps_in_round(self) -> int:
         """Training steps per round."""
@@ -972,8 +1247,10 @@ class SkyStrategy(Strategy):
     ) -> Result:
         """Benchmark round, plan, then ``num_rounds`` rounds of split training.
 
-        A node that fails during a round ends the run with :class:`SkyNodeError` naming
-        it; ``self.rounds`` and the returned arrays keep the last good global model.
+        A round in which a node fails is recorded in ``self.rounds`` with its error
+        (naming the node) and the next round starts from the last good global model;
+        ``max_failed_rounds`` consecutive failures end the run with
+        :class:`SkyNodeError`. The returned arrays are the last good global model.
         """
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         self.summary()
@@ -982,6 +1259,13 @@ class SkyStrategy(Strategy):
         self.benchmark(grid, node_ids)
         self.make_plan()
         assert self.plan is not None
+        S, M = len(self.plan.stages), self.schedule.microbatches
+        if self.schedule.transport == "direct" and self.schedule.kind == "1f1b" and M < S:
+            raise ValueError(
+                f"schedule.kind=1f1b needs at least as many micro-batches as stages: the plan "
+                f"has {S} stages, schedule.microbatches={M}. Raise schedule.microbatches to "
+                f">= {S} (dividing schedule.batch_size) or use schedule.kind=gpipe"
+            )
         result = Result(arrays=initial_arrays)
         train_config = train_config or ConfigRecord()
         if evaluate_fn:
@@ -1001,35 +1285,61 @@ class SkyStrategy(Strategy):
             "predicted (s)",
             "round (s)",
         )
+        failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
             t_round = time.perf_counter()
             group = str(rnd)
+            extra: dict[str, Any] = {}
             try:
-                self.exchange(grid, list(self.configure_train(rnd, arrays, train_config, grid)))
-                self._stage_stats = []
-                losses, correct, seen, step_times = [], 0, 0, []
-                for step in range(steps):
-                    t0 = time.perf_counter()
-                    loss, c, n = self._train_step(grid, step, group)
-                    step_times.append(time.perf_counter() - t0)
-                    losses.append(loss)
-                    correct, seen = correct + c, seen + n
-                collect = [
-                    self._msg(self._ids[st.node], "train.sky_collect", {}, group)
-                    for st in self.plan.stages
-                ]
-                new_arrays, _ = self.aggregate_train(rnd, self.exchange(grid, collect))
+                if self.schedule.transport == "direct":
+                    new_arrays, extra = self._direct_round(grid, rnd, arrays, steps)
+                    losses, correct, seen = (
+                        extra.pop("losses"),
+                        extra.pop("correct"),
+                        extra.pop("seen"),
+                    )
+                    step_times = extra.pop("step_times")
+                else:
+                    self.exchange(grid, list(self.configure_train(rnd, arrays, train_config, grid)))
+                    self._stage_stats = []
+                    losses, correct, seen, step_times = [], 0, 0, []
+                    for step in range(steps):
+                        t0 = time.perf_counter()
+                        loss, c, n = self._train_step(grid, step, group)
+                        step_times.append(time.perf_counter() - t0)
+                        losses.append(loss)
+                        correct, seen = correct + c, seen + n
+                    collect = [
+                        self._msg(self._ids[st.node], "train.sky_collect", {}, group)
+                        for st in self.plan.stages
+                    ]
+                    new_arrays, _ = self.aggregate_train(rnd, self.exchange(grid, collect))
             except SkyNodeError as err:
+                failures += 1
                 log(
                     WARNING,
-                    "Round %d failed: %s. The global model of round %d is kept.",
+                    "Round %d failed: %s. The last good global model is kept (%d consecutive "
+                    "failed round(s) of at most max_failed_rounds=%d).",
                     rnd,
                     err,
-                    rnd - 1,
+                    failures,
+                    self.max_failed_rounds,
                 )
-                if self._recover(rnd, err):
-                    continue
-                raise SkyNodeError(f"round {rnd} failed: {err}") from err
+                failed = {
+                    "round": rnd,
+                    "error": f"round {rnd} failed: {err}",
+                    "round_time_s": time.perf_counter() - t_round,
+                }
+                self.rounds.append(failed)
+                self.on_event("round", failed)
+                if failures >= self.max_failed_rounds:
+                    raise SkyNodeError(
+                        f"round {rnd} failed: {err} ({failures} consecutive failed round(s): "
+                        f"max_failed_rounds={self.max_failed_rounds} reached)"
+                    ) from err
+                self._recover(rnd, err)
+                continue
+            failures = 0
             assert new_arrays is not None
             arrays = result.arrays = self.global_arrays = new_arrays
             row: dict[str, Any] = {
@@ -1040,9 +1350,18 @@ class SkyStrategy(Strategy):
                 "predicted_step_time_s": self.plan.predicted_step_time_s,
                 "steps": steps,
                 "round_time_s": time.perf_counter() - t_round,
-                "microbatches_per_message": self.group_size,
-                "stages": self._stage_report(steps),
+                **(
+                    {}
+                    if self.schedule.transport == "direct"
+                    else {
+                        "microbatches_per_message": self.group_size,
+                        "stages": self._stage_report(steps),
+                    }
+                ),
+                **extra,
             }
+            if self.schedule.transport == "direct":
+                self._log_direct_stages(rnd, row)
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
             )
@@ -1062,7 +1381,8 @@ class SkyStrategy(Strategy):
                 row["predicted_step_time_s"],
                 row["round_time_s"],
             )
-            self._log_stages(row)
+            if self.schedule.transport != "direct":
+                self._log_stages(row)
             self.on_event("round", row)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)

@@ -139,14 +139,22 @@ def test_infeasible_memory_refused_before_flower_starts(tmp_path):
 def test_bad_node_reply_ends_run_naming_the_node(
     fail_mode, expected, tmp_path, no_leftover_processes
 ):
-    cfg = make_cfg([*FAST, "fleet=edge3", "allocation=even", "num_rounds=2"])
+    """box fails: the failed round is recorded naming it, and with
+    train.max_failed_rounds=1 the first failed round ends the run."""
+    cfg = make_cfg(
+        [*FAST, "fleet=edge3", "allocation=even", "num_rounds=3", "train.max_failed_rounds=1"]
+    )
     with open_dict(cfg):
         cfg.fleet.nodes[2].fail_on = "train.sky_forward"  # box: the last stage
         cfg.fleet.nodes[2].fail_mode = fail_mode
-    with pytest.raises(SkyNodeError, match=rf"round 1 failed.*box.*{expected}"):
+    with pytest.raises(
+        SkyNodeError, match=rf"round 1 failed.*box.*{expected}.*max_failed_rounds=1 reached"
+    ):
         run_job(cfg, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert "box" in saved["error"] and saved["rounds"] == []
+    assert "box" in saved["error"] and saved["final_test_accuracy"] is None
+    assert [r["round"] for r in saved["rounds"]] == [1]  # round 2 never started
+    assert all("box" in r["error"] and expected in r["error"] for r in saved["rounds"])
     # the last good global model (the initial one) is kept
     assert (tmp_path / "model.pt").exists()
 
@@ -213,7 +221,6 @@ def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_proce
             "schedule.kind=gpipe",
             "schedule.microbatches=4",
             "schedule.microbatches_per_message=1",
-            "max_failed_rounds=1",
         ]
     )
     with open_dict(cfg):
@@ -223,7 +230,8 @@ def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_proce
     (failed,) = results["failed_rounds"]
     assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]
     assert "box" in failed["error"] and "replied with an error" in failed["error"]
-    (row,) = results["rounds"]
+    bad, row = results["rounds"]
+    assert bad["round"] == 1 and "box" in bad["error"]
     assert row["round"] == 2 and row["test_accuracy"] is not None
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert {s["node"] for s in plan["stages"]} <= {"phone", "cloud"}

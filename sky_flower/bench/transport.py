@@ -1,0 +1,305 @@
+"""Benchmark: step time of one plan through five executions (issue 4, item 5).
+
+For each model (the default MLP, and a wider one where compute dominates), each stage
+count ``S`` and each micro-batch count ``M`` it times the same training step (batch
+``B``, ``M`` micro-batches, Adam, one stage per node, layers split evenly) through:
+
+(a) ``unsplit``: one process running the unsplit model (native speed, one thread);
+(b) ``pipelining``: ``torch.distributed.pipelining`` alone, one local process per stage
+    (:func:`sky_flower.direct.run_local`), no Flower;
+(c) ``direct``: ``transport=direct`` under Flower (simulation engine, all stages at once);
+(d) ``relay-pipe``: relay, pipelined (``schedule.kind=gpipe`` on ``transport=relay``;
+    "n/a" where :class:`strategies.sky.SkyStrategy` refuses it);
+(e) ``relay``: relay, unpipelined (``schedule.kind=sequential``).
+
+The fleet is emulated: ``S`` nodes, slowdowns alternating x2 / x1 (node 0, the data
+owner, x2), no link emulation; (b) runs with the same slowdowns. Step times are medians
+over ``--steps`` steps of one round, after the round has started: the round's set-up
+(joining the process group; for (b) also starting the processes) is reported apart.
+(c) and (d) are also set against the planner's prediction
+(:mod:`sky_flower.cost` on the run's own benchmark round).
+
+One simulation engine per (model, S) runs every Flower case in turn (one strategy per
+case, each with its own benchmark round, one round each), so the engine's start-up is
+paid once.
+
+Usage::
+
+    python -m sky_flower.bench.transport            # full grid, about 10 min on 2 cores
+    python -m sky_flower.bench.transport --quick    # MLP, S in {2, 4}, M in {1, 4}
+
+It prints the table and writes ``table.md`` and ``results.json`` into ``--out``
+(default ``outputs/bench_transport_<time>/``). Every simulation starts Ray: on a shared
+machine wrap it in ``flock /tmp/sky-ray.lock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sky_flower.cost import Schedule
+from sky_flower.data import batch_indices, load_split, owner_partition
+from sky_flower.direct import run_local
+from sky_flower.emulation import Emulation
+from sky_flower.models import build_model
+
+MODELS = {
+    "mlp": {"name": "mlp", "in_features": 64, "hidden_width": 1024, "hidden_layers": 8},
+    "mlp-wide": {"name": "mlp", "in_features": 64, "hidden_width": 2048, "hidden_layers": 8},
+}
+CASES = ("unsplit", "pipelining", "direct", "relay-pipe", "relay")
+BATCH = 64
+LR = 1e-4
+
+
+def fleet_for(S: int) -> list[Emulation]:
+    """``S`` emulated nodes: slowdowns x2, x1, x2, x1, ...; node 0 holds the data."""
+    return [
+        Emulation(name=f"n{i}", holds_data=i == 0, slowdown=1.0 if i % 2 == 0 else 0.0)
+        for i in range(S)
+    ]
+
+
+def even_bounds(num_layers: int, S: int) -> list[tuple[int, int]]:
+    """``allocation=even``'s split of ``num_layers`` layers over ``S`` stages (the first
+    ``num_layers mod S`` stages get one layer more)."""
+    counts = [num_layers // S + (1 if i < num_layers % S else 0) for i in range(S)]
+    starts = [sum(counts[:i]) for i in range(S)]
+    return [(a, a + c - 1) for a, c in zip(starts, counts, strict=True)]
+
+
+def owner_batches(steps: int, rnd: int = 1, seed: int = 0) -> list[tuple[Any, Any]]:
+    """The data owner's first ``steps`` batches of round ``rnd`` (as the client draws them)."""
+    train, _ = load_split("digits", 0.2, seed)
+    data = owner_partition(train, 0, 1, seed)
+    per_epoch = len(data) // BATCH
+    out = []
+    for step in range(steps):
+        idx = batch_indices(len(data), BATCH, rnd * 1000 + step // per_epoch, seed)[
+            step % per_epoch
+        ]
+        out.append((torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])))
+    return out
+
+
+def time_unsplit(model_cfg: dict, M: int, steps: int) -> float:
+    """(a): median step time (s) of the unsplit model, one thread, native speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(model_cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        times = []
+        for x, y in owner_batches(steps + 1):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            for xm, ym in zip(x.chunk(M), y.chunk(M), strict=True):
+                (torch.nn.functional.cross_entropy(model(xm), ym) / M).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def time_pipelining(model_cfg: dict, S: int, M: int, kind: str, steps: int) -> dict[str, float]:
+    """(b): ``torch.distributed.pipelining`` in ``S`` local processes, same slowdowns."""
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
+    bounds = even_bounds(len(model), S)
+    t0 = time.perf_counter()
+    _, results = run_local(
+        model_cfg,
+        bounds,
+        model.state_dict(),
+        owner_batches(steps + 1),
+        kind=kind,
+        microbatches=M,
+        lr=LR,
+        slowdowns=[n.slowdown for n in fleet_for(S)],
+        timeout_s=120.0,
+    )
+    wall = time.perf_counter() - t0
+    per_step = [max(r.step_times_s[i] for r in results) for i in range(steps + 1)]
+    return {"step_s": statistics.median(per_step[1:]), "setup_s": wall - sum(per_step)}
+
+
+def flower_cases(
+    model_cfg: dict, S: int, Ms: list[int], steps: int, kind: str
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(c), (d), (e) for every ``M`` in one simulation engine of ``S`` nodes."""
+    from flwr.app import ArrayRecord, Context
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
+    from strategies.sky import SkyStrategy
+
+    fleet = fleet_for(S)
+    model_fn = partial(build_model, model_cfg)
+    torch.manual_seed(0)
+    initial = ArrayRecord(model_fn().state_dict())
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    links: dict[int, tuple[float, float, float]] = {}
+
+    class _Strategy(SkyStrategy):
+        def _time_link(self, grid: Grid, nid: int) -> tuple[float, float, float]:
+            if nid not in links:  # the relay link does not depend on M: time it once
+                links[nid] = super()._time_link(grid, nid)
+            return links[nid]
+
+    def make(M: int, transport: str, case_kind: str) -> SkyStrategy:
+        return _Strategy(
+            model_fn=model_fn,
+            input_shape=[int(model_cfg["in_features"])],
+            allocation="even",
+            schedule=Schedule(
+                batch_size=BATCH,
+                microbatches=M,
+                kind=case_kind,  # type: ignore[arg-type]
+                transport=transport,  # type: ignore[arg-type]
+            ),
+            optimizer="adam",
+            lr=LR,
+            steps_per_round=steps + 1,
+            node_order=[n.name for n in fleet],
+            min_nodes=S,
+            benchmark_warmup=1,
+            benchmark_repeats=3,
+            echo_repeats=3,
+            state_probe_bytes=4 * 2**20,
+            direct_timeout_s=60.0,
+        )
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        for M in Ms:
+            for case, transport, case_kind in (
+                ("direct", "direct", kind if not (kind == "1f1b" and M < S) else "gpipe"),
+                ("relay-pipe", "relay", "gpipe"),
+                ("relay", "relay", "sequential"),
+            ):
+                try:
+                    strategy = make(M, transport, case_kind)
+                except ValueError as err:
+                    out[(case, M)] = {"error": f"n/a: relay pipelining not available ({err})"}
+                    continue
+                try:
+                    strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
+                    row = strategy.rounds[-1]
+                    out[(case, M)] = {
+                        "step_s": row["measured_step_time_s"],
+                        "predicted_s": row["predicted_step_time_s"],
+                        "setup_s": row.get("setup_s"),
+                        "kind": case_kind,
+                    }
+                except Exception as err:  # noqa: BLE001 - recorded in the table
+                    out[(case, M)] = {"error": f"{type(err).__name__}: {err}"[:200]}
+
+    client_app = SkyClient(
+        model_fn=model_fn,
+        load_data=owner_data_fn(fleet, "digits", 0.2, 0),
+        emulation_fn=fleet_emulation(fleet),
+    ).register(ClientApp())
+    cpus = os.cpu_count() or 1
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=S,
+        backend_config={
+            "client_resources": {"num_cpus": min(0.5, cpus / S), "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "logging_level": "error"},
+        },
+    )
+    return out
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table (seconds per step; ratios)."""
+    head = (
+        "| model | S | M | (a) unsplit | (b) pipelining | (c) direct | (d) relay-pipe | "
+        "(e) relay | (c)/(b) | (c) predicted | (c) meas/pred | (d) meas/pred | "
+        "(b) set-up | (c) set-up |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        c, b, d = r.get("direct", {}), r.get("pipelining", {}), r.get("relay-pipe", {})
+        e = r.get("relay", {})
+
+        def cell(x: dict[str, Any]) -> str:
+            if "error" in x:
+                return "n/a" if x["error"].startswith("n/a") else "failed"
+            return _fmt(x.get("step_s"))
+
+        ratio = _fmt(c["step_s"] / b["step_s"], 2) if "step_s" in c and "step_s" in b else "-"
+        cp = _fmt(c["step_s"] / c["predicted_s"], 2) if "step_s" in c else "-"
+        dp = _fmt(d["step_s"] / d["predicted_s"], 2) if "step_s" in d else "n/a"
+        lines.append(
+            f"| {r['model']} | {r['S']} | {r['M']} | {_fmt(r.get('unsplit'))} | {cell(b)} | "
+            f"{cell(c)} | {cell(d)} | {cell(e)} | {ratio} | {_fmt(c.get('predicted_s'))} | "
+            f"{cp} | {dp} | {_fmt(b.get('setup_s'), 2)} | {_fmt(c.get('setup_s'), 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="MLP only, S in {2,4}, M in {1,4}")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per case")
+    parser.add_argument("--kind", default="gpipe", choices=("gpipe", "1f1b"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    models = ["mlp"] if args.quick else list(MODELS)
+    Ss, Ms = [2, 4], [1, 4] if args.quick else [1, 4, 8]
+    steps = args.steps or (4 if args.quick else 6)
+    out = args.out or Path("outputs") / f"bench_transport_{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        cfg = MODELS[name]
+        for S in Ss:
+            kind = args.kind
+            print(f"[{name}, S={S}] Flower cases (c, d, e) for M in {Ms} ...", flush=True)
+            flower = flower_cases(cfg, S, Ms, steps, kind)
+            for M in Ms:
+                row: dict[str, Any] = {"model": name, "S": S, "M": M, "kind": kind}
+                row["unsplit"] = time_unsplit(cfg, M, steps)
+                pk = kind if not (kind == "1f1b" and M < S) else "gpipe"
+                print(f"[{name}, S={S}, M={M}] (a) and (b) ...", flush=True)
+                try:
+                    row["pipelining"] = time_pipelining(cfg, S, M, pk, steps)
+                except Exception as err:  # noqa: BLE001 - recorded
+                    row["pipelining"] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                for case in ("direct", "relay-pipe", "relay"):
+                    row[case] = flower.get((case, M), {"error": "not run"})
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print(text)
+    print(f"Benchmark finished in {time.perf_counter() - t_start:.0f} s; outputs in {out}")
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(rows, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

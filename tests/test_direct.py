@@ -1,0 +1,145 @@
+"""The direct transport's engine (sky_flower/direct.py): real gloo process groups in
+local processes, no Flower."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from sky_flower.direct import (
+    PEER_FAILURE,
+    DirectStageError,
+    RankRefusedError,
+    Rendezvous,
+    RoundHost,
+    run_local,
+    run_stage,
+    stage_input_shapes,
+)
+from sky_flower.models import build_model
+from sky_flower.stage import build_stage
+
+MODEL = {"name": "mlp", "hidden_width": 32, "hidden_layers": 3}
+
+
+def _reference(weights: dict, batches: list, microbatches: int, lr: float) -> dict:
+    """The unsplit model trained on the same batches and micro-batch split."""
+    model = build_model(MODEL)
+    model.load_state_dict(weights)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["1f1b"])  # gpipe too in tests/test_direct_sim.py
+def test_local_pipeline_equals_unsplit_training(kind):
+    torch.manual_seed(0)
+    weights = build_model(MODEL).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+        for _ in range(3)
+    ]
+    merged, results = run_local(
+        MODEL, [(0, 1), (2, 2), (3, 3)], weights, batches, kind=kind, microbatches=4, lr=1e-3
+    )
+    expected = _reference(weights, batches, 4, 1e-3)
+    assert set(merged) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-6)
+    assert len(results[-1].losses) == 3 and results[-1].samples == 48
+    assert all(len(r.step_times_s) == 3 and r.compute_s > 0 for r in results)
+
+
+def test_stage_input_shapes():
+    shapes = stage_input_shapes(lambda: build_model(MODEL), [64], [(0, 0), (1, 2), (3, 3)])
+    assert shapes == [(64,), (32,), (32,)]
+
+
+def test_wrong_ticket_is_refused_before_joining():
+    with RoundHost(2, timeout_s=5.0) as host:
+        good = host.rendezvous(1)
+        bad = Rendezvous(good.host, good.port, good.key, 1, 2, "not-the-ticket", 5.0)
+        module = build_stage(lambda: build_model(MODEL), 3, 3)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        t0 = time.monotonic()
+        with pytest.raises(RankRefusedError, match="rank 1 refused: this node's ticket"):
+            run_stage(bad, module, opt, "gpipe", 1, 1, 8, [32])
+        assert time.monotonic() - t0 < 5.0  # refused at once, not after a timeout
+        assert not torch.distributed.is_initialized()
+
+
+def _failing_worker(rdv: Rendezvous, mode: str, queue) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    bounds = [(0, 1), (2, 2), (3, 3)][rdv.rank]
+    module = build_stage(lambda: build_model(MODEL), *bounds)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+
+    def fault(step: int) -> None:
+        if mode == "kill" and step == 2:
+            os._exit(1)  # killed mid-round: no clean-up at all
+        if mode == "stall" and step == 2:
+            time.sleep(12.0)  # silent, far longer than the 3 s round timeout
+
+    t0 = time.monotonic()
+    try:
+        run_stage(
+            rdv,
+            module,
+            opt,
+            "1f1b",
+            4,
+            50,
+            8,
+            [(64,), (32,), (32,)][rdv.rank],
+            batch_fn=lambda s: (torch.randn(8, 64, generator=gen), torch.randint(0, 10, (8,))),
+            fault=fault,
+        )
+        queue.put((rdv.rank, "finished", time.monotonic() - t0))
+    except DirectStageError as err:
+        queue.put((rdv.rank, str(err), time.monotonic() - t0))
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_failed_stage_ends_the_round_for_all_within_the_timeout(mode):
+    """Stage 1's process dies mid-round (os._exit) or stalls (12 s): stages 0 and 2 stop
+    with an error saying a peer failed, within the 3 s round timeout (not the 30 s join
+    timeout), and every process ends by itself."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with RoundHost(3, timeout_s=3.0, join_timeout_s=30.0) as host:
+        procs = [
+            ctx.Process(
+                target=_failing_worker, args=(host.rendezvous(k), mode if k == 1 else "", queue)
+            )
+            for k in range(3)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        alive = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert not alive, f"processes still running: {alive}"
+    got = {}
+    while not queue.empty():
+        rank, msg, elapsed = queue.get()
+        got[rank] = (msg, elapsed)
+    assert set(got) == ({0, 2} if mode == "kill" else {0, 1, 2})
+    for rank in (0, 2):
+        msg, elapsed = got[rank]
+        assert msg.startswith(f"stage {rank} of 3") and PEER_FAILURE in msg
+        assert elapsed < 11.0  # stopped before the stalled stage woke up
+    if mode == "kill":
+        assert procs[1].exitcode == 1
