@@ -6,7 +6,11 @@ measures every node on the model's own layers and times its link; a partitioner
 (``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
 sized to what it can do; then every round each node trains its block as one stage of a
 pipeline, activations flowing forward and gradients back through the server (the
-``relay`` transport), and the server reassembles the global model from the stages.
+``relay`` transport) or peer to peer in a ``torch.distributed.pipelining`` schedule
+(GPipe or 1F1B) whose rendezvous the server hands out in one message per stage per
+round (the ``direct`` transport, :mod:`sky_flower.direct`), and the server reassembles
+the global model from the stages. A failed round is recorded and the next starts from
+the last good global model.
 """
 
 from __future__ import annotations
