@@ -7,8 +7,12 @@ measures every node on the model's own layers and times its link; a partitioner
 sized to what it can do; then every round each node trains its block as one stage of a
 pipeline, activations flowing forward and gradients back through the server (the
 ``relay`` transport: one hop at a time, or pipelined with several micro-batch groups in
-flight on different stages, ``schedule.kind`` ``gpipe`` / ``1f1b``), and the server
-reassembles the global model from the stages.
+flight on different stages, ``schedule.kind`` ``gpipe`` / ``1f1b``) or peer to peer in a
+``torch.distributed.pipelining`` schedule (GPipe or 1F1B) whose rendezvous the server
+hands out in one message per stage per round (the ``direct`` transport,
+:mod:`sky_flower.direct`), and the server reassembles the global model from the stages.
+A failed round is recorded, the nodes that caused it are dropped and the model is
+re-planned, and the next round starts from the last good global model.
 """
 
 from __future__ import annotations
