@@ -782,7 +782,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deployment failed: {err}", file=sys.stderr)
         return 1
     rows = parse_rounds(text)
-    print(json.dumps({"processes_started_and_stopped": len(pids), "rounds": rows}))
+    summary = {
+        "processes_started_and_stopped": len(pids),
+        "test_accuracy": evaluate_accuracies(text),  # any app whose strategy logs a Result
+        "rounds": rows,  # Sky's per-round table
+    }
+    print(json.dumps(summary))
     return 0 if "Final results:" in text else 1
 
 
