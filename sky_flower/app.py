@@ -18,10 +18,14 @@ Run config (``[tool.flwr.app.config]`` in the app's ``pyproject.toml``, overrida
 ``fleet``              a packaged fleet (``sky_flower.conf.fleet``: ``edge3``, ``edge4``, ...):
                        the nodes' pipeline order and, in simulation, node ``i``'s device
 ``transport``          ``relay`` (through the server) | ``direct`` (peer-to-peer, issue 4)
+``schedule-kind``      ``sequential`` (relay only) | ``gpipe`` | ``1f1b`` (``schedule.kind``)
+``direct-host``        ``transport=direct``: the address of the round's TCPStore (the
+                       ServerApp's host, reachable from every stage node; ``127.0.0.1``)
 ``num-server-rounds``  rounds of split training
 ``lr``, ``local-epochs``, ``steps-per-round``, ``batch-size``, ``microbatches``,
-``optimizer``, ``benchmark-repeats``, ``echo-repeats``, ``state-probe-mb``,
-``message-timeout-s``: as ``train.*``, ``schedule.*``, ``benchmark.*`` in
+``microbatches-per-message``, ``optimizer``, ``benchmark-repeats``, ``echo-repeats``,
+``state-probe-mb``, ``message-timeout-s``, ``direct-timeout-s``,
+``direct-join-timeout-s``: as ``train.*``, ``schedule.*``, ``benchmark.*`` in
 ``conf/config.yaml``
 =====================  ===================================================================
 
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
     from sky_flower.data import Split
 
 TRANSPORTS = ("relay", "direct")
+SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.cost (torch-free here)
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 
 # run-config key -> (type, default); the defaults are conf/config.yaml's
@@ -64,16 +69,21 @@ RUN_CONFIG_KEYS: dict[str, tuple[type, Any]] = {
     "allocation": (str, "heuristic"),
     "fleet": (str, "edge4"),
     "transport": (str, "relay"),
+    "schedule-kind": (str, "sequential"),
     "lr": (float, 1e-4),
     "local-epochs": (float, 1.0),
     "steps-per-round": (int, 0),
     "batch-size": (int, 64),
     "microbatches": (int, 1),
+    "microbatches-per-message": (int, 0),
     "optimizer": (str, "adam"),
     "benchmark-repeats": (int, 7),
     "echo-repeats": (int, 7),
     "state-probe-mb": (float, 64.0),
     "message-timeout-s": (float, 120.0),
+    "direct-timeout-s": (float, 30.0),
+    "direct-join-timeout-s": (float, 60.0),
+    "direct-host": (str, "127.0.0.1"),
 }
 
 POLL_INTERVAL_S = 0.05  # the ServerApp's reply polling period under `flwr run`
@@ -121,16 +131,21 @@ class SkyRunConfig:
     allocation: str
     fleet: str
     transport: str
+    schedule_kind: str
     lr: float
     local_epochs: float
     steps_per_round: int
     batch_size: int
     microbatches: int
+    microbatches_per_message: int
     optimizer: str
     benchmark_repeats: int
     echo_repeats: int
     state_probe_mb: float
     message_timeout_s: float
+    direct_timeout_s: float
+    direct_join_timeout_s: float
+    direct_host: str
 
     @property
     def nodes(self) -> tuple[Emulation, ...]:
@@ -168,8 +183,10 @@ def validate_run_config(
     ------
     ValueError
         On an unknown key (lists the valid keys), a value of the wrong type, or an
-        unknown ``allocation`` / ``fleet`` / ``transport`` / ``optimizer`` (lists the
-        valid choices), or a count that is not positive.
+        unknown ``allocation`` / ``fleet`` / ``transport`` / ``schedule-kind`` /
+        ``optimizer`` (lists the valid choices), ``schedule-kind='sequential'`` with
+        ``transport='direct'``, micro-batches that do not divide the batch, or a count
+        or timeout that is not positive.
     """
     unknown = sorted(set(run_config) - set(RUN_CONFIG_KEYS) - set(app_keys))
     if unknown:
@@ -194,6 +211,28 @@ def validate_run_config(
     _choice("allocation", values["allocation"], METHODS)
     _choice("fleet", values["fleet"], fleet_names())
     _choice("transport", values["transport"], TRANSPORTS)
+    _choice("schedule-kind", values["schedule_kind"], SCHEDULE_KINDS)
+    if values["transport"] == "direct" and values["schedule_kind"] == "sequential":
+        raise ValueError(
+            "run config schedule-kind='sequential' runs on transport='relay' only: with "
+            "transport='direct' choose one of gpipe, 1f1b "
+            "(e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+        )
+    if values["batch_size"] % max(values["microbatches"], 1):
+        raise ValueError(
+            f"run config microbatches={values['microbatches']} must divide "
+            f"batch-size={values['batch_size']}"
+        )
+    mpm = values["microbatches_per_message"]
+    if mpm < 0 or (mpm and values["microbatches"] % mpm):
+        raise ValueError(
+            f"run config microbatches-per-message={mpm} must be 0 (the cost model picks it) "
+            f"or a divisor of microbatches={values['microbatches']}"
+        )
+    if not values["direct_timeout_s"] > 0 or not values["direct_join_timeout_s"] > 0:
+        raise ValueError("run config direct-timeout-s and direct-join-timeout-s must be > 0")
+    if not values["direct_host"].strip():
+        raise ValueError("run config direct-host must name the ServerApp's address")
     _choice("optimizer", values["optimizer"], OPTIMIZERS)
     for key in ("num_server_rounds", "batch_size", "microbatches", "benchmark_repeats"):
         if values[key] < 1:
@@ -249,8 +288,9 @@ def sky_strategy(
         schedule=Schedule(
             batch_size=cfg.batch_size,
             microbatches=cfg.microbatches,
-            kind="sequential",
+            kind=cfg.schedule_kind,  # type: ignore[arg-type]
             transport=cfg.transport,  # type: ignore[arg-type]
+            microbatches_per_message=cfg.microbatches_per_message,
         ),
         optimizer=cfg.optimizer,
         lr=cfg.lr,
@@ -262,6 +302,9 @@ def sky_strategy(
         echo_repeats=cfg.echo_repeats,
         state_probe_bytes=int(cfg.state_probe_mb * 2**20),
         message_timeout_s=cfg.message_timeout_s,
+        direct_timeout_s=cfg.direct_timeout_s,
+        direct_host=cfg.direct_host,
+        direct_join_timeout_s=cfg.direct_join_timeout_s,
         **kwargs,
     )
     # under `flwr run` every poll for replies is an HTTP call to the SuperLink: 2 ms polls

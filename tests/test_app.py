@@ -41,6 +41,11 @@ def test_defaults_are_the_hydra_defaults():
         ({"num-server-rounds": 0}, ["num-server-rounds", ">= 1"]),
         ({"num-server-rounds": 1.5}, ["num-server-rounds", "integer"]),
         ({"allocation": 3}, ["allocation", "str"]),
+        ({"schedule-kind": "zigzag"}, ["schedule-kind", "sequential, gpipe, 1f1b"]),
+        ({"transport": "direct"}, ["schedule-kind", "gpipe, 1f1b"]),
+        ({"microbatches": 5}, ["microbatches=5", "batch-size=64"]),
+        ({"microbatches": 4, "microbatches-per-message": 3}, ["microbatches-per-message"]),
+        ({"direct-timeout-s": 0.0}, ["direct-timeout-s", "> 0"]),
     ],
 )
 def test_bad_run_config_is_refused_listing_choices(run_config, words):
@@ -63,13 +68,27 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     )
     assert strategy.allocation == "even" and strategy.min_nodes == 3
     assert strategy.node_order == ["phone", "cloud", "box"] and strategy.echo_repeats == 1
-    # transport=direct reaches Schedule(transport=...); SkyStrategy decides whether it runs
-    try:
-        direct = sky_strategy({"transport": "direct"}, model_fn=net, input_shape=[64])
-    except ValueError as err:
-        assert "transport" in str(err)
-    else:
-        assert direct.schedule.transport == "direct"
+    # the schedule and the direct transport's settings reach SkyStrategy
+    direct = sky_strategy(
+        {
+            "transport": "direct",
+            "schedule-kind": "gpipe",
+            "microbatches": 4,
+            "direct-timeout-s": 12.0,
+            "direct-join-timeout-s": 34.0,
+            "direct-host": "10.0.0.5",
+        },
+        model_fn=net,
+        input_shape=[64],
+    )
+    assert (direct.schedule.transport, direct.schedule.kind) == ("direct", "gpipe")
+    assert direct.schedule.microbatches == 4
+    assert (direct.direct_timeout_s, direct.direct_join_timeout_s) == (12.0, 34.0)
+    assert direct.direct_host == "10.0.0.5"
+    relay = sky_strategy(
+        {"schedule-kind": "1f1b", "microbatches": 8}, model_fn=net, input_shape=[64]
+    )
+    assert (relay.schedule.transport, relay.schedule.kind) == ("relay", "1f1b")
 
 
 def test_node_config_carries_the_emulated_device():
@@ -111,6 +130,14 @@ def test_launcher_refuses_bad_run_config_before_starting_anything():
         check_run_config(SKY, "no-such-key=1")
     with pytest.raises(DeployError, match="even, heuristic, optimal"):
         check_run_config(SKY, "allocation='fastest'")
+    with pytest.raises(DeployError, match="sequential, gpipe, 1f1b"):
+        check_run_config(SKY, "schedule-kind='pipelined'")
+    merged = check_run_config(SKY, "transport='direct' schedule-kind='gpipe' microbatches=4")
+    assert (merged["transport"], merged["schedule-kind"], merged["microbatches"]) == (
+        "direct",
+        "gpipe",
+        4,
+    )
     with pytest.raises(DeployError, match="valid keys"):
         check_run_config(FEDAVG, "allocation='even'")  # FedAvg has no allocation
 

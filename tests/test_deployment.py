@@ -113,6 +113,30 @@ def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
         assert "SuperNode ID" in (dirs[True] / f"supernode{i}.log").read_text()
 
 
+def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
+    """transport=direct under a real SuperLink: each SuperNode starts a fresh ClientApp
+    process per message; per round the 3 stage processes join a gloo group with the
+    ServerApp's TCPStore on 127.0.0.1 and run a GPipe schedule peer to peer."""
+    config = f"{QUICK} transport='direct' schedule-kind='gpipe' microbatches=4"
+    text, pids = run_local(
+        SKY_APP, "edge3", run_config=config, workdir=tmp_path, timeout_s=540, echo=False
+    )
+    assert "Final results:" in text, text[-3000:]
+    assert "transport direct" in text and "gpipe" in text, text[-3000:]
+    # each training round ran on the direct transport (one message per stage)
+    assert "Round 1 (direct, " in text and "Round 2 (direct, " in text, text[-3000:]
+    assert "Round 1 failed" not in text and "Round 2 failed" not in text, text[-3000:]
+    rows = parse_rounds(text)
+    initial = [r["test_accuracy"] for r in rows if r["round"] == 0]
+    trained = [r for r in rows if r["round"] > 0]
+    assert initial and [r["round"] for r in trained] == [1, 2], rows
+    assert all(r["step_time_s"] > 0 for r in trained), rows
+    assert trained[-1]["test_accuracy"] > initial[0] + 0.05, rows
+    assert len(pids) >= 5
+    assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+    assert not flower_processes(tmp_path)
+
+
 def _cmdline(workdir: Path, i: int) -> list[str]:
     return (workdir / f"supernode{i}.cmd").read_text().split()
 
