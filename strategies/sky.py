@@ -531,7 +531,7 @@ class SkyStrategy(Strategy):
         cost = self.cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
         self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
         log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
-        if self.schedule.kind != "sequential":
+        if self.schedule.kind != "sequential" and self.schedule.transport == "relay":
             self.group_size = cost.relay_group_size(cost.terms(self._plan_stages()))
             log(
                 INFO,
