@@ -117,7 +117,8 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     """transport=direct under a real SuperLink: each SuperNode starts a fresh ClientApp
     process per message; per round the 3 stage processes join a gloo group with the
     ServerApp's TCPStore on 127.0.0.1 and run a GPipe schedule peer to peer."""
-    config = f"{QUICK} transport='direct' schedule-kind='gpipe' microbatches=4"
+    # allocation=even: one stage per SuperNode, so all 3 join the round's group
+    config = f"{QUICK} allocation='even' transport='direct' schedule-kind='gpipe' microbatches=4"
     text, pids = run_local(
         SKY_APP, "edge3", run_config=config, workdir=tmp_path, timeout_s=540, echo=False
     )
@@ -125,6 +126,9 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     assert "transport direct" in text and "gpipe" in text, text[-3000:]
     # each training round ran on the direct transport (one message per stage)
     assert "Round 1 (direct, " in text and "Round 2 (direct, " in text, text[-3000:]
+    for rnd in (1, 2):  # every stage reported its measured compute, on its own node
+        table = text.split(f"Round {rnd} (direct, ", 1)[1].split("\n")[2:5]
+        assert [ln.split()[:2] for ln in table] == [["0", "phone"], ["1", "cloud"], ["2", "box"]]
     assert "Round 1 failed" not in text and "Round 2 failed" not in text, text[-3000:]
     rows = parse_rounds(text)
     initial = [r["test_accuracy"] for r in rows if r["round"] == 0]
