@@ -714,6 +714,13 @@ def run_local(
             f"fleet {fleet_name!r} has {len(fleet)} nodes; this launcher starts one SuperNode "
             f"process per node on this host, at most {MAX_NODES}: use a smaller fleet"
         )
+    if re.search(r"(^|\s)fleet\s*=", run_config):
+        raise ValueError(
+            f"--run-config sets fleet ({run_config!r}): the launcher starts the SuperNodes of "
+            f"--fleet and tells the app; pass --fleet NAME instead (now {fleet_name!r})"
+        )
+    if not timeout_s > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {timeout_s:g}")
     if "fleet" in app_run_config(app):  # a Sky app: the server plans for this fleet
         run_config = " ".join(x for x in (f"fleet='{fleet_name}'", run_config) if x)
     check_run_config(app, run_config)

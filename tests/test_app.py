@@ -142,6 +142,16 @@ def test_launcher_refuses_bad_run_config_before_starting_anything():
         check_run_config(FEDAVG, "allocation='even'")  # FedAvg has no allocation
 
 
+def test_launcher_refuses_fleet_in_run_config_and_bad_timeout(tmp_path):
+    from sky_flower.deploy import run_local
+
+    with pytest.raises(ValueError, match="pass --fleet NAME instead"):
+        run_local(SKY, "edge4", run_config="fleet='edge3'", workdir=tmp_path)
+    with pytest.raises(ValueError, match="--timeout must be > 0"):
+        run_local(SKY, "edge4", timeout_s=-5, workdir=tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before anything was started
+
+
 def test_credentials_are_what_flower_loads(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key
