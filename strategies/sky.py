@@ -177,9 +177,9 @@ class SkyStrategy(Strategy):
         self.schedule = schedule or Schedule()
         if self.schedule.transport == "direct" and self.schedule.kind == "sequential":
             raise ValueError(
-                "transport=direct runs schedule.kind gpipe or 1f1b (torch.distributed."
-                "pipelining); sequential runs on transport=relay: got kind=sequential, "
-                "transport=direct"
+                "schedule.kind=sequential runs on transport=relay, gpipe and 1f1b on "
+                "transport=direct (torch.distributed.pipelining) and on relay: got "
+                "kind=sequential, transport=direct"
             )
         if max_failed_rounds < 1 or not direct_timeout_s > 0:
             raise ValueError(
@@ -531,7 +531,7 @@ class SkyStrategy(Strategy):
         cost = self.cost = CostModel(self.layer_profiles, self.node_profiles, self.schedule)
         self.plan = partition(cost, self.allocation, time_limit_s=self.milp_time_limit_s)
         log(INFO, "Plan (%s):\n%s", self.allocation, self.plan.table())
-        if self.schedule.kind != "sequential":
+        if self.schedule.kind != "sequential" and self.schedule.transport == "relay":
             self.group_size = cost.relay_group_size(cost.terms(self._plan_stages()))
             log(
                 INFO,
