@@ -177,9 +177,9 @@ class SkyStrategy(Strategy):
         self.schedule = schedule or Schedule()
         if self.schedule.transport == "direct" and self.schedule.kind == "sequential":
             raise ValueError(
-                "transport=direct runs schedule.kind gpipe or 1f1b (torch.distributed."
-                "pipelining); sequential runs on transport=relay: got kind=sequential, "
-                "transport=direct"
+                "schedule.kind=sequential runs on transport=relay, gpipe and 1f1b on "
+                "transport=direct (torch.distributed.pipelining) and on relay: got "
+                "kind=sequential, transport=direct"
             )
         if max_failed_rounds < 1 or not direct_timeout_s > 0:
             raise ValueError(

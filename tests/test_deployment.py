@@ -15,10 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from reference import reference_rounds, sky_app_task
 
 from sky_flower.app import load_fleet
 from sky_flower.deploy import (
     LocalDeployment,
+    app_run_config,
     flower_processes,
     make_credentials,
     parse_rounds,
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.deployment
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
 QUICK = (
-    "num-server-rounds=2 steps-per-round=2 lr=0.003 echo-repeats=1 state-probe-mb=0.0 "
+    "num-server-rounds=2 steps-per-round=2 echo-repeats=1 state-probe-mb=0.0 "
     "benchmark-repeats=2 message-timeout-s=90.0"
 )
 
@@ -87,6 +89,7 @@ def test_supernode_leaving_during_a_round_fails_it_by_name(tmp_path):
 def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
     """Two deployments side by side: plain, and TLS + SuperNode authentication."""
     dirs = {tls: tmp_path / ("tls" if tls else "plain") for tls in (False, True)}
+    expected = _expected_rounds()
     with ThreadPoolExecutor(2) as pool:
         futures = {tls: pool.submit(_run, tls, d) for tls, d in dirs.items()}
         results = {tls: f.result(timeout=600) for tls, f in futures.items()}
@@ -100,6 +103,11 @@ def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
         trained = [r for r in rows if r["round"] > 0]
         assert initial and [r["round"] for r in trained] == [1, 2], (mode, rows)
         assert trained[-1]["test_accuracy"] > initial[0] + 0.05, (mode, rows)
+        # exactly what unsplit training computes on the same batches (a step applied
+        # twice, a stale stash or optimizer, another batch order would show here)
+        for row, want in zip(rows_sorted(rows), expected, strict=True):
+            for key, value in want.items():
+                assert abs(row[key] - value) < 1.5e-4, (mode, key, rows, expected)
         # every process started (SuperLink, SuperNodes, flwr run, and their children)
         assert len(pids) >= 5
         assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)], mode
@@ -139,6 +147,25 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     assert len(pids) >= 5
     assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
     assert not flower_processes(tmp_path)
+
+
+def _expected_rounds() -> list[dict[str, float]]:
+    """Round 0, 1, 2 of QUICK computed unsplit in this process: test accuracy (and the
+    mean train loss of rounds 1, 2), rounded as the round table prints them."""
+    task = sky_app_task()
+    test = task.load_test()
+    model = task.Net()
+    rows = [{"test_accuracy": round(task.test(model, test)[1], 4)}]
+    lr = float(app_run_config(SKY_APP)["lr"])
+    for weights, losses in reference_rounds(task.Net, task.load_data(0, 3), 2, 2, lr):
+        model.load_state_dict(weights)
+        acc = round(task.test(model, test)[1], 4)
+        rows.append({"test_accuracy": acc, "train_loss": round(sum(losses) / len(losses), 4)})
+    return rows
+
+
+def rows_sorted(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return sorted(rows, key=lambda r: r["round"])
 
 
 def _cmdline(workdir: Path, i: int) -> list[str]:
