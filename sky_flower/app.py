@@ -237,12 +237,17 @@ def validate_run_config(
     for key in ("num_server_rounds", "batch_size", "microbatches", "benchmark_repeats"):
         if values[key] < 1:
             raise ValueError(f"run config {key.replace('_', '-')} must be >= 1, got {values[key]}")
-    if values["echo_repeats"] < 1 or values["steps_per_round"] < 0:
-        raise ValueError("run config echo-repeats must be >= 1 and steps-per-round >= 0")
-    if not values["lr"] > 0 or not values["local_epochs"] > 0:
-        raise ValueError("run config lr and local-epochs must be > 0")
-    if values["state_probe_mb"] < 0 or not values["message_timeout_s"] > 0:
-        raise ValueError("run config state-probe-mb must be >= 0 and message-timeout-s > 0")
+    for key, ok, rule in (
+        ("echo_repeats", values["echo_repeats"] >= 1, ">= 1"),
+        ("steps_per_round", values["steps_per_round"] >= 0, ">= 0 (0: use local-epochs)"),
+        ("lr", values["lr"] > 0, "> 0"),
+        ("local_epochs", values["local_epochs"] > 0, "> 0"),
+        ("state_probe_mb", values["state_probe_mb"] >= 0, ">= 0"),
+        ("message_timeout_s", values["message_timeout_s"] > 0, "> 0"),
+    ):
+        if not ok:
+            name = key.replace("_", "-")
+            raise ValueError(f"run config {name} must be {rule}, got {values[key]}")
     cfg = SkyRunConfig(**values)
     cfg.nodes  # noqa: B018 - loads and checks the fleet file now
     return cfg
