@@ -2,7 +2,7 @@
 
 Planning (``profile``, ``cost``, ``partition``, ``stage``) is pure PyTorch / SciPy;
 Flower appears only in ``client`` (ClientApp handlers), ``run`` (Hydra entry point) and
-the ``strategies`` package (``strategies.sky.SkyStrategy``).
+the ``strategies`` package (``sky_flower.strategies.sky.SkyStrategy``).
 """
 
 __version__ = "0.1.0"

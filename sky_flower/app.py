@@ -35,7 +35,7 @@ before any node is contacted.
 Node config (``flower-supernode --node-config``): ``sky-node=<name>`` names the node; its
 emulated device is ``sky-holds-data``, ``sky-slowdown``, ``sky-memory-mb``,
 ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (the fleet file's keys, see
-:class:`sky_flower.emulation.Emulation`); its data is ``partition-id`` of
+:class:`sky_flower.emulation.devices.Emulation`); its data is ``partition-id`` of
 ``num-partitions``. A node with no ``sky-node`` (Flower's simulation engine, which sets
 only ``partition-id`` / ``num-partitions``) is fleet node ``partition-id`` of the run
 config's ``fleet``.
@@ -54,13 +54,13 @@ from flwr.clientapp import ClientApp
 from omegaconf import OmegaConf
 from torch import nn
 
-from sky_flower.emulation import Emulation, expand_fleet
+from sky_flower.emulation.devices import Emulation, expand_fleet
 
 if TYPE_CHECKING:
-    from sky_flower.data import Split
+    from sky_flower.pipeline.data import Split
 
 TRANSPORTS = ("relay", "direct")
-SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.cost (torch-free here)
+SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.core.cost (torch-free here)
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 
 # run-config key -> (type, default); the defaults are conf/config.yaml's
@@ -206,7 +206,7 @@ def validate_run_config(
         if kind is int and value != raw:
             raise ValueError(f"run config {key}={raw!r} must be an integer")
         values[key.replace("-", "_")] = value
-    from sky_flower.partition import METHODS  # scipy: not imported on ClientApp start
+    from sky_flower.core.partition import METHODS  # scipy: not imported on ClientApp start
 
     _choice("allocation", values["allocation"], METHODS)
     _choice("fleet", values["fleet"], fleet_names())
@@ -259,8 +259,8 @@ def sky_strategy(
     input_shape: list[int],
     app_keys: tuple[str, ...] = (),
     **kwargs: Any,
-) -> Any:  # noqa: ANN401 - strategies.sky.SkyStrategy, imported lazily
-    """A :class:`strategies.sky.SkyStrategy` built from the run config.
+) -> Any:  # noqa: ANN401 - sky_flower.strategies.sky.SkyStrategy, imported lazily
+    """A :class:`sky_flower.strategies.sky.SkyStrategy` built from the run config.
 
     Parameters
     ----------
@@ -282,8 +282,8 @@ def sky_strategy(
         (e.g. a transport it does not run yet) and from the memory pre-check against the
         fleet's memory caps.
     """
-    from sky_flower.cost import Schedule
-    from strategies.sky import SkyStrategy
+    from sky_flower.core.cost import Schedule
+    from sky_flower.strategies.sky import SkyStrategy
 
     cfg = validate_run_config(run_config, app_keys)
     strategy = SkyStrategy(
@@ -422,7 +422,7 @@ def register_sky_client(
     ClientApp
         ``app``.
     """
-    from sky_flower.client import SkyClient
+    from sky_flower.sky.client import SkyClient
 
     cached: dict[tuple[int, int], Split] = {}
 

@@ -56,7 +56,7 @@ from typing import IO
 
 import psutil
 
-from sky_flower.emulation import Emulation
+from sky_flower.emulation.devices import Emulation
 
 PROCESS_NAMES = (
     "flower-superlink",

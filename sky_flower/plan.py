@@ -15,9 +15,9 @@ plan table and a one-line summary, and writes into Hydra's output directory:
 No Flower is involved. Node times come from, in order:
 
 * a fleet with a node count and ``flops_per_s`` (``fleet=skycomputing``):
-  :func:`sky_flower.fleets.synthetic_node_profiles` (FLOPs / rate x (1 + slowdown));
+  :func:`sky_flower.core.fleets.synthetic_node_profiles` (FLOPs / rate x (1 + slowdown));
 * any other fleet: the fleet's emulation. Each layer is timed once on this host
-  (:func:`sky_flower.profile.time_layers`) and node ``i`` takes ``1 + slowdown_i`` times
+  (:func:`sky_flower.core.profile.time_layers`) and node ``i`` takes ``1 + slowdown_i`` times
   that; memory is ``memory_mb`` (else what psutil reports as available), latency and
   bandwidth are the fleet's. A model that cannot be built (``planning_only``, e.g.
   ``bert_large``) needs ``+fleet.flops_per_s=...`` here instead of host timing.
@@ -42,19 +42,23 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sky_flower.bert import bert_layer_profiles
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.emulation import expand_fleet
-from sky_flower.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns, synthetic_node_profiles
-from sky_flower.models import build_model
-from sky_flower.partition import METHODS, OBJECTIVES, InfeasibleMemoryError, Plan, partition
-from sky_flower.profile import (
+from sky_flower.core.bert import bert_layer_profiles
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.fleets import (
+    SKYCOMPUTING_SEED,
+    skycomputing_slowdowns,
+    synthetic_node_profiles,
+)
+from sky_flower.core.partition import METHODS, OBJECTIVES, InfeasibleMemoryError, Plan, partition
+from sky_flower.core.profile import (
     LayerProfile,
     NodeProfile,
     default_optimizer_factory,
     profile_layers,
     time_layers,
 )
+from sky_flower.emulation.devices import expand_fleet
+from sky_flower.pipeline.models import build_model
 from sky_flower.run import _conf_dir
 
 MIB = 2**20
@@ -222,8 +226,8 @@ def build_planning_problem(
     -------
     (layers, nodes, schedule)
         Layer profiles in model order (``bert*`` models from
-        :func:`sky_flower.bert.bert_layer_profiles`, others built with
-        :func:`sky_flower.models.build_model` and profiled), node profiles in fleet order
+        :func:`sky_flower.core.bert.bert_layer_profiles`, others built with
+        :func:`sky_flower.pipeline.models.build_model` and profiled), node profiles in fleet order
         (see the module docstring for where their times come from) and the schedule.
 
     Raises

@@ -1,8 +1,8 @@
 """Main job: ``python -m sky_flower.run [allocation=even|heuristic|optimal] [fleet=...]``.
 
 ``strategy=dpsgd|d2|dsgt|detag`` runs a decentralized strategy instead
-(:mod:`sky_flower.run_decentralized`), ``strategy=hermes|bsp|asp|ssp`` Hermes or its
-baselines (:mod:`sky_flower.run_hermes`); the default ``strategy=sky`` is the job below.
+(:mod:`sky_flower.jobs.decentralized`), ``strategy=hermes|bsp|asp|ssp`` Hermes or its
+baselines (:mod:`sky_flower.jobs.hermes`); the default ``strategy=sky`` is the job below.
 
 A Hydra app (``conf/config.yaml``; groups ``allocation``, ``fleet``, ``model``,
 ``dataset``) that starts Flower's simulation engine with one SuperNode per fleet node,
@@ -28,11 +28,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sky_flower.cost import Schedule
-from sky_flower.data import Split, load_split
-from sky_flower.emulation import expand_fleet
-from sky_flower.models import build_model
-from sky_flower.partition import METHODS
+from sky_flower.core.cost import Schedule
+from sky_flower.core.partition import METHODS
+from sky_flower.emulation.devices import expand_fleet
+from sky_flower.pipeline.data import Split, load_split
+from sky_flower.pipeline.models import build_model
 
 
 def _conf_dir() -> str:
@@ -148,7 +148,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     ------
     ValueError
         On invalid configuration.
-    strategies.sky.SkyNodeError
+    sky_flower.strategies.sky.SkyNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
     from flwr.app import ArrayRecord, Context
@@ -156,15 +156,15 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
-    from strategies.sky import SkyStrategy
+    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.strategies.sky import SkyStrategy
 
-    if _hermes(cfg):  # strategy=hermes|bsp|asp|ssp: sky_flower/run_hermes.py
-        from sky_flower.run_hermes import run_hermes_job
+    if _hermes(cfg):  # strategy=hermes|bsp|asp|ssp: sky_flower/jobs/hermes.py
+        from sky_flower.jobs.hermes import run_hermes_job
 
         return run_hermes_job(cfg, out_dir)
-    if _decentralized(cfg):  # strategy=dpsgd|d2|dsgt|detag: sky_flower/run_decentralized.py
-        from sky_flower.run_decentralized import run_decentralized_job
+    if _decentralized(cfg):  # strategy=dpsgd|d2|dsgt|detag: sky_flower/jobs/decentralized.py
+        from sky_flower.jobs.decentralized import run_decentralized_job
 
         return run_decentralized_job(cfg, out_dir)
     method = str(cfg.allocation.method)
@@ -325,13 +325,13 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _decentralized(cfg: DictConfig) -> bool:
-    """True for ``strategy=dpsgd|d2|dsgt|detag`` (see ``sky_flower.run_decentralized``)."""
+    """True for ``strategy=dpsgd|d2|dsgt|detag`` (see ``sky_flower.jobs.decentralized``)."""
     return str(OmegaConf.select(cfg, "strategy.name", default="sky")) != "sky" and not _hermes(cfg)
 
 
 def _hermes(cfg: DictConfig) -> bool:
-    """True for ``strategy=hermes|bsp|asp|ssp`` (see ``sky_flower.run_hermes``)."""
-    from sky_flower.run_hermes import is_hermes
+    """True for ``strategy=hermes|bsp|asp|ssp`` (see ``sky_flower.jobs.hermes``)."""
+    from sky_flower.jobs.hermes import is_hermes
 
     return is_hermes(cfg)
 
@@ -343,11 +343,11 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     if _hermes(cfg):
-        from sky_flower.run_hermes import main_hermes
+        from sky_flower.jobs.hermes import main_hermes
 
         return main_hermes(cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
     if _decentralized(cfg):
-        from sky_flower.run_decentralized import main_decentralized
+        from sky_flower.jobs.decentralized import main_decentralized
 
         return main_decentralized(cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
     log = logging.getLogger("sky_flower")

@@ -1,1 +1,1 @@
-"""Flower strategies of sky-flower (``strategies.sky.SkyStrategy``)."""
+"""Flower strategies of sky-flower (``sky_flower.strategies.sky.SkyStrategy``)."""

@@ -2,8 +2,8 @@
 
 Flower has no peer-to-peer channel, so the server plays the network: it holds every
 node's model (and tracker) as a row of the ``(n, d)`` stack of the gossip core
-(:mod:`strategies.gossip`) and applies the gossip matrix; each node (a SuperNode running
-:class:`sky_flower.decentral_client.DecentralizedClient`) computes stochastic gradients on
+(:mod:`sky_flower.gossip.matrices`) and applies the gossip matrix; each node (a SuperNode running
+:class:`sky_flower.gossip.client.DecentralizedClient`) computes stochastic gradients on
 its own data. One *step* of an algorithm is one Flower message per node
 (``train.dec_grad``) and costs ``rounds_per_step`` gossip rounds (DeTAG: a phase of
 ``R``; the others: 1). ``num_rounds`` in :meth:`DecentralizedStrategy.start` counts
@@ -31,8 +31,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
-from sky_flower.decentral_client import vector_record
-from strategies.gossip import DecentralizedAlgorithm, GossipMatrix, make_algorithm
+from sky_flower.gossip.client import vector_record
+from sky_flower.gossip.matrices import DecentralizedAlgorithm, GossipMatrix, make_algorithm
 
 
 class DecentralizedNodeError(RuntimeError):
@@ -354,7 +354,7 @@ class DeTAGStrategy(DecentralizedStrategy):
     Algorithm 2): gradient tracking, accelerated gossip over a phase of ``R`` rounds
     (``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``), the gradient accumulated over
     ``R`` mini-batches per phase (each node gets one message per phase, asking for ``R``
-    mini-batches). See :class:`strategies.gossip.DeTAG`."""
+    mini-batches). See :class:`sky_flower.gossip.matrices.DeTAG`."""
 
     algorithm_name = "detag"
 

@@ -2,7 +2,7 @@
 
 Hermes: Basani, Vivek, Krishna, Paul, "When Less is More: Achieving Faster Convergence in
 Distributed Edge Machine Learning" (HiPC 2024, arXiv 2410.20495). Its rules live in the
-pure core :mod:`strategies.hermes_core`; this module is the Flower side.
+pure core :mod:`sky_flower.hermes.core`; this module is the Flower side.
 
 The driver (:class:`AsyncStrategy`) talks to workers with ``Grid.push_messages`` /
 ``pull_messages`` only: each worker gets its next ``train.hermes_round`` as soon as its
@@ -44,9 +44,9 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
-from sky_flower.decentral import FlatModel
-from sky_flower.decentral_client import vector_record
-from strategies.hermes_core import (
+from sky_flower.gossip.client import vector_record
+from sky_flower.gossip.training import FlatModel
+from sky_flower.hermes.core import (
     Sizes,
     StepTimeModel,
     apply_delta,
@@ -531,7 +531,7 @@ class ASPStrategy(AsyncStrategy):
     name = "asp"
 
     def apply(self, worker: int, reply: Message) -> bool:
-        """Apply the delta (:func:`strategies.hermes_core.apply_delta`)."""
+        """Apply the delta (:func:`sky_flower.hermes.core.apply_delta`)."""
         base = self._base[worker]
         assert base is not None and self.global_vec is not None
         self.global_vec = apply_delta(self.global_vec, self.model_of(reply), base, self.n)
@@ -545,7 +545,7 @@ class SSPStrategy(ASPStrategy):
     name = "ssp"
 
     def start_rule(self, worker: int) -> bool:
-        """Bounded staleness (:func:`strategies.hermes_core.may_start`)."""
+        """Bounded staleness (:func:`sky_flower.hermes.core.may_start`)."""
         return may_start(self.clock[worker], self.clock, self.staleness)
 
 
@@ -558,7 +558,7 @@ class HermesStrategy(AsyncStrategy):
     val_loss_fn : Callable[[np.ndarray], float]
         Loss of a flat model on the server's validation split (never the test split).
     window, threshold, patience, relax : (default: 10, -1.3, 5, 0.1)
-        The gate (:class:`strategies.hermes_core.SignificanceGate`; lambda, beta).
+        The gate (:class:`sky_flower.hermes.core.SignificanceGate`; lambda, beta).
     profile_batches : tuple of int (default: (8, 32, 128))
         Batch sizes timed on every worker in the benchmark round.
     profile_repeats : int (default: 3)

@@ -10,7 +10,7 @@ pipeline, activations flowing forward and gradients back through the server (the
 flight on different stages, ``schedule.kind`` ``gpipe`` / ``1f1b``) or peer to peer in a
 ``torch.distributed.pipelining`` schedule (GPipe or 1F1B) whose rendezvous the server
 hands out in one message per stage per round (the ``direct`` transport,
-:mod:`sky_flower.direct`), and the server reassembles the global model from the stages.
+:mod:`sky_flower.pipeline.direct`), and the server reassembles the global model from the stages.
 A failed round is recorded, the nodes that caused it are dropped and the model is
 re-planned, and the next round starts from the last good global model.
 """
@@ -34,11 +34,11 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 from torch import nn
 
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.partition import METHODS, Plan, feasible_bounds, partition
-from sky_flower.profile import LayerProfile, NodeProfile, profile_layers
-from sky_flower.profile import default_optimizer_factory as _opt_factory
-from sky_flower.stage import slice_state
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.partition import METHODS, Plan, feasible_bounds, partition
+from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
+from sky_flower.core.profile import default_optimizer_factory as _opt_factory
+from sky_flower.pipeline.stage import slice_state
 
 
 def _short_reason(reason: str, limit: int = 300) -> str:
@@ -75,7 +75,7 @@ class SkyStrategy(Strategy):
     input_shape : Sequence[int]
         Shape of one input sample, without the batch dimension.
     allocation : str (default: "heuristic")
-        ``even``, ``heuristic`` or ``optimal`` (see :mod:`sky_flower.partition`).
+        ``even``, ``heuristic`` or ``optimal`` (see :mod:`sky_flower.core.partition`).
     schedule : Schedule (default: Schedule())
         Batch size, micro-batches (``schedule.microbatches``), schedule kind, transport.
     optimizer : str (default: "adam")
@@ -105,7 +105,7 @@ class SkyStrategy(Strategy):
         sample every phase of the nodes' polling tick (0.1 s in the simulation engine).
     state_probe_bytes : int (default: 64 MiB)
         Size of the probe array stored in a node's ``context.state`` to time what the
-        state costs per message (0 disables; see :mod:`sky_flower.cost`).
+        state costs per message (0 disables; see :mod:`sky_flower.core.cost`).
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
     max_failed_rounds : int (default: 1)
@@ -329,7 +329,7 @@ class SkyStrategy(Strategy):
         Raises
         ------
         InfeasibleMemoryError, ValueError
-            As :func:`sky_flower.partition.feasible_bounds`.
+            As :func:`sky_flower.core.partition.feasible_bounds`.
         """
         layers = self.profile_model()
         nodes = [
@@ -783,7 +783,7 @@ class SkyStrategy(Strategy):
 
         The step's ``M`` micro-batches travel in ``G = M / c`` message groups of ``c``
         (``self.group_size``). Each stage runs its groups in the schedule's order
-        (:func:`sky_flower.simulate.stage_order`; GPipe: all forwards, then all
+        (:func:`sky_flower.core.simulate.stage_order`; GPipe: all forwards, then all
         backwards, Huang et al. 2019, arXiv 1811.06965; 1F1B: PipeDream-Flush, Narayanan
         et al. 2021, arXiv 2006.09503); the last stage runs forward, loss and backward of
         a group in one message. The server pushes a stage's next op as soon as its input
@@ -800,7 +800,7 @@ class SkyStrategy(Strategy):
         SkyNodeError
             Naming the node that failed, sent a malformed reply or timed out.
         """
-        from sky_flower.simulate import stage_order
+        from sky_flower.core.simulate import stage_order
 
         assert self.plan is not None
         ids = [self._ids[st.node] for st in self.plan.stages]
@@ -1001,8 +1001,8 @@ class SkyStrategy(Strategy):
     ) -> list[Message]:
         """One ``train.sky_direct`` message per stage: its layer slice, settings, rank,
         the node it is planned for, and the round's rendezvous (``host`` is a
-        :class:`sky_flower.direct.RoundHost`); only these messages carry it."""
-        from sky_flower.direct import stage_input_shapes
+        :class:`sky_flower.pipeline.direct.RoundHost`); only these messages carry it."""
+        from sky_flower.pipeline.direct import stage_input_shapes
 
         assert self.plan is not None
         full = arrays.to_torch_state_dict()
@@ -1082,7 +1082,7 @@ class SkyStrategy(Strategy):
             Naming the stage(s) that failed or did not answer first, then those that
             stopped waiting for them.
         """
-        from sky_flower.direct import PEER_FAILURE, RoundHost
+        from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost
 
         assert self.plan is not None
         stages = self.plan.stages

@@ -1,6 +1,6 @@
 """Hand-made profiles for pure planner tests (no torch model needed)."""
 
-from sky_flower.profile import LayerProfile
+from sky_flower.core.profile import LayerProfile
 
 
 def fake_layer(index, param=0, opt=0, act_in=0.0, act_out=0.0):

@@ -22,7 +22,7 @@ from flwr.common.serde import (
 from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.serverapp import Grid
 
-from sky_flower.data import batch_indices
+from sky_flower.pipeline.data import batch_indices
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
 

@@ -185,8 +185,7 @@ def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
     import logging
 
     import torch
-
-    from strategies.sky import SkyNodeError, SkyStrategy
+    from sky_flower.strategies.sky import SkyNodeError, SkyStrategy
 
     strategy = SkyStrategy(
         model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), input_shape=[4], min_nodes=3

@@ -9,7 +9,7 @@ from simhelpers import make_cfg
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from sky_flower.bert import (
+from sky_flower.core.bert import (
     ENTRY_TYPES,
     BertAttention,
     BertEmbeddings,

@@ -6,9 +6,9 @@ import math
 import pytest
 from factories import fake_layer
 
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.profile import NodeProfile
-from sky_flower.simulate import simulate
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.profile import NodeProfile
+from sky_flower.core.simulate import simulate
 
 _layer = fake_layer
 

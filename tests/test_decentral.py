@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sky_flower.data import load_split
-from sky_flower.decentral import FlatModel, minibatch_indices, sorted_shuffle_partition
+from sky_flower.gossip.training import FlatModel, minibatch_indices, sorted_shuffle_partition
+from sky_flower.pipeline.data import load_split
 
 TRAIN, TEST = load_split("digits", 0.2, 0)
 

@@ -10,10 +10,10 @@ import pytest
 from simhelpers import make_cfg
 
 from sky_flower.bench.decentralized import simulate
-from sky_flower.data import load_split
-from sky_flower.decentral import FlatModel, node_splits
+from sky_flower.gossip.matrices import gossip_matrix
+from sky_flower.gossip.training import FlatModel, node_splits
+from sky_flower.pipeline.data import load_split
 from sky_flower.run import run_job
-from strategies.gossip import gossip_matrix
 
 SMALL = [
     "strategy.num_nodes=4",

@@ -1,4 +1,4 @@
-"""The direct transport's engine (sky_flower/direct.py): real gloo process groups in
+"""The direct transport's engine (sky_flower/pipeline/direct.py): real gloo process groups in
 local processes, no Flower."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from sky_flower.direct import (
+from sky_flower.pipeline.direct import (
     PEER_FAILURE,
     DirectStageError,
     RankRefusedError,
@@ -20,8 +20,8 @@ from sky_flower.direct import (
     run_stage,
     stage_input_shapes,
 )
-from sky_flower.models import build_model
-from sky_flower.stage import build_stage
+from sky_flower.pipeline.models import build_model
+from sky_flower.pipeline.stage import build_stage
 
 MODEL = {"name": "mlp", "hidden_width": 32, "hidden_layers": 3}
 

@@ -11,8 +11,8 @@ import torch
 from omegaconf import open_dict
 from simhelpers import FAST, make_cfg
 
-from sky_flower.data import batch_indices, load_split, owner_partition
-from sky_flower.models import build_model
+from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
+from sky_flower.pipeline.models import build_model
 from sky_flower.run import run_job
 
 DIRECT = [*FAST, "transport=direct", "fleet=uniform3", "allocation=even"]

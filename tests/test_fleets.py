@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from simhelpers import make_cfg
 
-from sky_flower.emulation import expand_fleet, parse_fleet
-from sky_flower.fleets import skycomputing_slowdowns, synthetic_node_profiles
-from sky_flower.profile import LayerProfile
+from sky_flower.core.fleets import skycomputing_slowdowns, synthetic_node_profiles
+from sky_flower.core.profile import LayerProfile
+from sky_flower.emulation.devices import expand_fleet, parse_fleet
 
 
 def flop_layer(index, fwd, bwd):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies.gossip import (
+from sky_flower.gossip.matrices import (
     ALGORITHMS,
     D2,
     TOPOLOGIES,

@@ -1,4 +1,4 @@
-"""Hermes' pure core (strategies/hermes_core.py) on hand-made inputs with known answers."""
+"""Hermes' pure core (sky_flower/hermes/core.py) on hand-made inputs with known answers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from sky_flower.fleets import skycomputing_slowdowns
-from strategies.hermes_core import (
+from sky_flower.core.fleets import skycomputing_slowdowns
+from sky_flower.hermes.core import (
     SignificanceGate,
     StepTimeModel,
     apply_delta,

@@ -1,6 +1,6 @@
 """Memory model against measurement: the autograd stash per layer, and a stage's predicted
 peak (``CostModel.stage_memory``) against the peak of live tensors when the stage runs
-its step (``sky_flower.memory.measure_stage_memory``)."""
+its step (``sky_flower.core.memory.measure_stage_memory``)."""
 
 from dataclasses import replace
 
@@ -9,11 +9,16 @@ import torch
 from factories import fake_layer
 from torch import nn
 
-from sky_flower.bert import BertAttention, BertIntermediate, bert_layer_profiles, bert_stash_bytes
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.memory import measure_stage_memory, measure_stage_peak, schedule_order
-from sky_flower.models import build_mlp
-from sky_flower.profile import NodeProfile, profile_layers
+from sky_flower.core.bert import (
+    BertAttention,
+    BertIntermediate,
+    bert_layer_profiles,
+    bert_stash_bytes,
+)
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.memory import measure_stage_memory, measure_stage_peak, schedule_order
+from sky_flower.core.profile import NodeProfile, profile_layers
+from sky_flower.pipeline.models import build_mlp
 
 MIB = 2**20
 

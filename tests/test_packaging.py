@@ -27,6 +27,15 @@ def test_wheel_contains_packages_and_configs(tmp_path):
     )
     (wheel,) = tmp_path.glob("sky_flower-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"sky_flower/run.py", "strategies/sky.py", "sky_flower/conf/config.yaml"} <= names
+    assert {
+        "sky_flower/run.py",
+        "sky_flower/strategies/sky.py",
+        "sky_flower/conf/config.yaml",
+    } <= names
+    # every sub-package of the source tree ships, and nothing lands at the top level of a
+    # user's environment but sky_flower itself
+    for init in (ROOT / "sky_flower").rglob("__init__.py"):
+        assert f"{init.relative_to(ROOT).as_posix()}" in names, init
+    assert {n.split("/")[0] for n in names if not n.startswith("sky_flower-")} == {"sky_flower"}
     for conf in (ROOT / "conf").rglob("*.yaml"):
         assert f"sky_flower/conf/{conf.relative_to(ROOT / 'conf').as_posix()}" in names

@@ -8,8 +8,8 @@ from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.partition import (
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.partition import (
     MIB,
     InfeasibleMemoryError,
     _speed_proportional,
@@ -20,7 +20,7 @@ from sky_flower.partition import (
     optimal,
     partition,
 )
-from sky_flower.profile import NodeProfile
+from sky_flower.core.profile import NodeProfile
 
 REL = 1e-6  # relative tolerance (MILP stops at mip_rel_gap=1e-6)
 ABS = 1e-9  # seconds

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from sky_flower.partition import InfeasibleMemoryError
+from sky_flower.core.partition import InfeasibleMemoryError
 from sky_flower.plan import build_planning_problem, plan_job
 from sky_flower.run import _conf_dir
 
@@ -90,7 +90,7 @@ def test_compare_methods_and_keys(tmp_path):
 
 
 def test_one_microbatch_gpipe_is_sequential():
-    from sky_flower.cost import CostModel
+    from sky_flower.core.cost import CostModel
 
     gp = build_planning_problem(_cfg(SMALL))
     sq = build_planning_problem(_cfg([*SMALL, "schedule.kind=sequential"]))

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from sky_flower.models import build_model
-from sky_flower.profile import default_optimizer_factory, profile_layers, time_layers
+from sky_flower.core.profile import default_optimizer_factory, profile_layers, time_layers
+from sky_flower.pipeline.models import build_model
 
 
 def test_linear_flops_and_bytes():

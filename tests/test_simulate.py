@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sky_flower.simulate import (
+from sky_flower.core.simulate import (
     KINDS,
     gpipe_step_time,
     simulate,

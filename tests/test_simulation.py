@@ -9,12 +9,12 @@ import pytest
 import torch
 from omegaconf import open_dict
 from simhelpers import FAST, make_cfg
+from sky_flower.strategies.sky import SkyNodeError
 
-from sky_flower.data import batch_indices, load_split, owner_partition
-from sky_flower.models import build_model
-from sky_flower.partition import InfeasibleMemoryError
+from sky_flower.core.partition import InfeasibleMemoryError
+from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
+from sky_flower.pipeline.models import build_model
 from sky_flower.run import run_job
-from strategies.sky import SkyNodeError
 
 pytestmark = pytest.mark.simulation
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from sky_flower.models import build_model
-from sky_flower.stage import (
+from sky_flower.pipeline.models import build_model
+from sky_flower.pipeline.stage import (
     StageExecutor,
     build_stage,
     optimizer_from_tensors,

@@ -1,7 +1,7 @@
 """Benchmark of D-PSGD, D2, DSGT and DeTAG (the fast path: one process, no Flower).
 
-Runs the same gossip core (:mod:`strategies.gossip`), model and mini-batch draws
-(:mod:`sky_flower.decentral`) as the Flower strategies, but with all ``n`` nodes'
+Runs the same gossip core (:mod:`sky_flower.gossip.matrices`), model and mini-batch draws
+(:mod:`sky_flower.gossip.training`) as the Flower strategies, but with all ``n`` nodes'
 gradients computed at once (``torch.func.vmap``) in one process, so the whole grid of
 settings fits in minutes on 2 cores. ``tests/test_decentralized_sim.py`` checks that this
 path and the Flower path produce the same rows.
@@ -35,15 +35,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from sky_flower.data import Split, load_split
-from sky_flower.decentral import FlatModel, minibatch_indices, node_splits
-from strategies.gossip import (
+from sky_flower.gossip.matrices import (
     ALGORITHMS,
     TOPOLOGIES,
     GossipMatrix,
     gossip_matrix,
     make_algorithm,
 )
+from sky_flower.gossip.training import FlatModel, minibatch_indices, node_splits
+from sky_flower.pipeline.data import Split, load_split
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ def simulate(  # noqa: PLR0913
     phase_rounds: int = 0,
 ) -> list[dict[str, Any]]:
     """Run ``algorithm`` for ``rounds`` gossip rounds; return the rows the Flower strategy
-    would record (:meth:`strategies.decentralized.DecentralizedStrategy.start`): ``round``,
+    would record
+    (:meth:`sky_flower.strategies.decentralized.DecentralizedStrategy.start`): ``round``,
     ``loss`` (training loss of the averaged model over all nodes' data), ``node_loss``,
     ``test_accuracy``, ``test_loss``, ``consensus_distance``. Stops early (last row
     ``loss`` = inf) if the loss diverges.
@@ -83,7 +84,7 @@ def simulate(  # noqa: PLR0913
     Raises
     ------
     ValueError
-        As :func:`strategies.gossip.make_algorithm`; ``len(splits) != gossip.n``.
+        As :func:`sky_flower.gossip.matrices.make_algorithm`; ``len(splits) != gossip.n``.
     """
     if len(splits) != gossip.n:
         raise ValueError(f"{len(splits)} data splits for {gossip.n} nodes")

@@ -3,8 +3,8 @@
 Prints the figures issue 3 asks for, measured side by side in one run (a table, not a
 timed test; this machine is shared and noisy). The instance is SkyComputing's own
 experiment: BERT-large (hidden 1024, sequence 128, batch 32) split into ``1 + 3L + 2``
-entries (:func:`sky_flower.bert.bert_layer_profiles`) on its emulated fleet (slowdowns
-1-6 from ``default_rng(35)``, :func:`sky_flower.fleets.skycomputing_slowdowns`), with the
+entries (:func:`sky_flower.core.bert.bert_layer_profiles`) on its emulated fleet (slowdowns
+1-6 from ``default_rng(35)``, :func:`sky_flower.core.fleets.skycomputing_slowdowns`), with the
 ``conf/fleet/skycomputing.yaml`` rate, memory and link, on the ``direct`` transport.
 
 1. Steady state (``objective=throughput``: the slowest stage's seconds per micro-batch)
@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from sky_flower.bert import bert_layer_profiles
-from sky_flower.cost import CostModel, Schedule
-from sky_flower.fleets import skycomputing_slowdowns, synthetic_node_profiles
-from sky_flower.partition import InfeasibleMemoryError, Plan, partition
+from sky_flower.core.bert import bert_layer_profiles
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.fleets import skycomputing_slowdowns, synthetic_node_profiles
+from sky_flower.core.partition import InfeasibleMemoryError, Plan, partition
 
 FLOPS_PER_S = 1.0e12
 MEMORY_BYTES = 8192 * 2**20

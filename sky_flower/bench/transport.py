@@ -6,10 +6,10 @@ count ``S`` and each micro-batch count ``M`` it times the same training step (ba
 
 (a) ``unsplit``: one process running the unsplit model (native speed, one thread);
 (b) ``pipelining``: ``torch.distributed.pipelining`` alone, one local process per stage
-    (:func:`sky_flower.direct.run_local`), no Flower;
+    (:func:`sky_flower.pipeline.direct.run_local`), no Flower;
 (c) ``direct``: ``transport=direct`` under Flower (simulation engine, all stages at once);
 (d) ``relay-pipe``: relay, pipelined (``schedule.kind=gpipe`` on ``transport=relay``;
-    "n/a" where :class:`strategies.sky.SkyStrategy` refuses it);
+    "n/a" where :class:`sky_flower.strategies.sky.SkyStrategy` refuses it);
 (e) ``relay``: relay, unpipelined (``schedule.kind=sequential``).
 
 The fleet is emulated: ``S`` nodes, slowdowns alternating x2 / x1 (node 0, the data
@@ -17,7 +17,7 @@ owner, x2), no link emulation; (b) runs with the same slowdowns. Step times are 
 over ``--steps`` steps of one round, after the round has started: the round's set-up
 (joining the process group; for (b) also starting the processes) is reported apart.
 (c) and (d) are also set against the planner's prediction
-(:mod:`sky_flower.cost` on the run's own benchmark round).
+(:mod:`sky_flower.core.cost` on the run's own benchmark round).
 
 One simulation engine per (model, S) runs every Flower case in turn (one strategy per
 case, each with its own benchmark round, one round each), so the engine's start-up is
@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from sky_flower.cost import Schedule
-from sky_flower.data import batch_indices, load_split, owner_partition
-from sky_flower.direct import run_local
-from sky_flower.emulation import Emulation
-from sky_flower.models import build_model
+from sky_flower.core.cost import Schedule
+from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
+from sky_flower.pipeline.direct import run_local
+from sky_flower.pipeline.models import build_model
 
 MODELS = {
     "mlp": {"name": "mlp", "in_features": 64, "hidden_width": 1024, "hidden_layers": 8},
@@ -143,8 +143,8 @@ def flower_cases(
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from sky_flower.client import SkyClient, fleet_emulation, owner_data_fn
-    from strategies.sky import SkyStrategy
+    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.strategies.sky import SkyStrategy
 
     fleet = fleet_for(S)
     model_fn = partial(build_model, model_cfg)

@@ -1,6 +1,6 @@
 """Discrete-event simulation of one pipelined training step (pure: numpy only).
 
-The cost model (:mod:`sky_flower.cost`) predicts a step from closed forms; this module
+The cost model (:mod:`sky_flower.core.cost`) predicts a step from closed forms; this module
 plays the executed schedule op by op and is the reference those closed forms are checked
 against.
 

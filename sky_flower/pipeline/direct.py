@@ -514,9 +514,9 @@ def _local_worker(  # noqa: PLR0913
     slowdown: float,
     queue: object,
 ) -> None:
-    from sky_flower.models import build_model
-    from sky_flower.profile import default_optimizer_factory
-    from sky_flower.stage import build_stage, slice_state
+    from sky_flower.core.profile import default_optimizer_factory
+    from sky_flower.pipeline.models import build_model
+    from sky_flower.pipeline.stage import build_stage, slice_state
 
     torch.set_num_threads(1)
     try:
@@ -560,7 +560,7 @@ def run_local(  # noqa: PLR0913
     Parameters
     ----------
     model_cfg : dict
-        :func:`sky_flower.models.build_model` config.
+        :func:`sky_flower.pipeline.models.build_model` config.
     bounds : sequence of (first, last)
         Layers of each stage, in pipeline order.
     weights : dict
@@ -568,7 +568,7 @@ def run_local(  # noqa: PLR0913
     batches : list of (x (B, ...), labels (B,))
         One batch per step (given to rank 0 only).
     kind, microbatches, optimizer, lr
-        As :func:`run_stage` and :func:`sky_flower.profile.default_optimizer_factory`.
+        As :func:`run_stage` and :func:`sky_flower.core.profile.default_optimizer_factory`.
     slowdowns : sequence of float, optional
         Emulated slowdown per stage.
     timeout_s : float
@@ -650,8 +650,8 @@ def run_local(  # noqa: PLR0913
 
 
 def build_model_cfg(model_cfg: dict) -> nn.Module:
-    """:func:`sky_flower.models.build_model` (imported late: keeps this module light)."""
-    from sky_flower.models import build_model
+    """:func:`sky_flower.pipeline.models.build_model` (imported late: keeps this module light)."""
+    from sky_flower.pipeline.models import build_model
 
     return build_model(model_cfg)
 
@@ -670,7 +670,7 @@ def stage_input_shapes(
     list of tuple of int
         ``shapes[k]`` = shape of one sample entering stage ``k`` (no batch dimension).
     """
-    from sky_flower.profile import as_layers
+    from sky_flower.core.profile import as_layers
 
     with torch.device("meta"):
         layers = as_layers(model_fn())

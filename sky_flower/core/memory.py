@@ -1,6 +1,6 @@
 """Measured peak memory of one pipeline stage's training step (pure PyTorch, no Flower).
 
-:meth:`sky_flower.cost.CostModel.stage_memory` predicts a stage's peak as parameters +
+:meth:`sky_flower.core.cost.CostModel.stage_memory` predicts a stage's peak as parameters +
 gradients + optimizer state + the activations autograd stashes for the micro-batches in
 flight. This module measures the same quantity by running the step: the stage's layers
 execute a schedule's order of micro-batch forwards and backwards (each forward keeps its
@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from sky_flower.profile import default_optimizer_factory
+from sky_flower.core.profile import default_optimizer_factory
 
 MEASURED_KINDS = ("sequential", "gpipe", "1f1b")
 
@@ -217,7 +217,7 @@ def measure_stage_memory(
     kind : {"sequential", "gpipe", "1f1b"}
         Order of the passes (see :func:`schedule_order`).
     optimizer : {"adam", "sgd", "sgd_momentum"}
-        As :func:`sky_flower.profile.default_optimizer_factory`.
+        As :func:`sky_flower.core.profile.default_optimizer_factory`.
     input_grad : bool
         Whether the stage computes the gradient of its input (every stage but the first;
         needs a floating-point input).

@@ -1,4 +1,4 @@
-"""ClientApp handlers of the decentralized strategies (:mod:`strategies.decentralized`).
+"""ClientApp handlers of the decentralized strategies (:mod:`sky_flower.strategies.decentralized`).
 
 Flower has no peer-to-peer channel, so the server holds every node's model and applies
 the gossip matrix; a node only computes stochastic gradients on its own data.
@@ -22,8 +22,8 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from sky_flower.data import Split
-from sky_flower.decentral import FlatModel, minibatch_indices
+from sky_flower.gossip.training import FlatModel, minibatch_indices
+from sky_flower.pipeline.data import Split
 
 
 def vector_record(key: str, vec: np.ndarray) -> ArrayRecord:
@@ -106,9 +106,9 @@ def heterogeneous_data_fn(
     num_nodes: int, homogeneity: float, test_fraction: float = 0.2, seed: int = 0
 ) -> Callable[[Context], Split]:
     """Loader of node ``partition-id``'s part of the digits train split, with the
-    sorted-shuffle heterogeneity of :func:`sky_flower.decentral.sorted_shuffle_partition`."""
-    from sky_flower.data import load_split
-    from sky_flower.decentral import node_splits
+    sorted-shuffle heterogeneity of :func:`sky_flower.gossip.training.sorted_shuffle_partition`."""
+    from sky_flower.gossip.training import node_splits
+    from sky_flower.pipeline.data import load_split
 
     cache: dict[int, Split] = {}
 

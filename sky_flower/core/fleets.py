@@ -13,7 +13,7 @@ is prefix-stable (the first ``k`` values do not depend on ``size``), so ``size =
 and SkyComputing's ``size = N`` give the same slowdowns.
 
 :func:`synthetic_node_profiles` turns a layer profile and such a fleet into the
-:class:`~sky_flower.profile.NodeProfile` list the planner takes, from a nominal FLOP rate
+:class:`~sky_flower.core.profile.NodeProfile` list the planner takes, from a nominal FLOP rate
 instead of a benchmark round: what a 64-node planning study needs without 64 nodes.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sky_flower.profile import LayerProfile, NodeProfile
+from sky_flower.core.profile import LayerProfile, NodeProfile
 
 SKYCOMPUTING_SEED = 35
 
@@ -44,7 +44,7 @@ def skycomputing_slowdowns(num_nodes: int, seed: int = SKYCOMPUTING_SEED) -> lis
     list of int
         ``N`` values in ``1 .. 6``: ``default_rng(seed).integers(1, 7, size=N + 1)[:N]``.
         Node ``i`` runs ``1 + s_i`` times slower than the device it is emulated on
-        (see :class:`sky_flower.emulation.Emulation`).
+        (see :class:`sky_flower.emulation.devices.Emulation`).
 
     Raises
     ------
@@ -76,7 +76,7 @@ def synthetic_node_profiles(
     Parameters
     ----------
     layers : sequence of LayerProfile
-        Per-layer FLOPs per sample (e.g. :func:`sky_flower.bert.bert_layer_profiles`).
+        Per-layer FLOPs per sample (e.g. :func:`sky_flower.core.bert.bert_layer_profiles`).
     slowdowns : sequence of float
         ``s_i >= 0`` per node (e.g. :func:`skycomputing_slowdowns`); its length is the
         number of nodes. Recorded in ``NodeProfile.slowdown``.

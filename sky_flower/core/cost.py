@@ -24,7 +24,7 @@ Per stage ``k`` (node ``i``, layers ``a..b``) and per micro-batch of ``B / M`` s
   spread over the step's micro-batches.
 
 Step time by ``schedule.kind`` (stages and link directions are resources; see
-:mod:`sky_flower.simulate`, the discrete-event reference):
+:mod:`sky_flower.core.simulate`, the discrete-event reference):
 
 * ``sequential``: one micro-batch at a time through the whole pipeline (SkyComputing's
   execution; M = 1 is one batch): ``M (sum_k (f_k + b_k) + 2 sum_links)``.
@@ -35,7 +35,7 @@ Step time by ``schedule.kind`` (stages and link directions are resources; see
   the simulator gives it.
 
 plus the per-step relay overhead. On ``relay``, ``gpipe`` and ``1f1b`` are the
-**pipelined relay** that :class:`strategies.sky.SkyStrategy` runs: the step's ``M``
+**pipelined relay** that :class:`sky_flower.strategies.sky.SkyStrategy` runs: the step's ``M``
 micro-batches travel in ``G = M / c`` Flower messages per hop (``c`` micro-batches each,
 ``schedule.microbatches_per_message`` or the best divisor), at most one message in flight
 per stage, every message paying the stage's latency and state shipping; the simulator
@@ -51,7 +51,7 @@ activations stashed for the micro-batches in flight: ``relay`` keeps the whole b
 ``sequential`` one micro-batch, ``gpipe`` all ``M``, ``1f1b`` ``min(S - k, M)``
 (``S`` stages). A layer's stash per sample is what autograd saves for its backward pass
 (``LayerProfile.stash_bytes``: e.g. a Linear's input and a ReLU's output), or its output
-``act_out_bytes`` when that was not measured. :func:`sky_flower.memory.measure_stage_peak`
+``act_out_bytes`` when that was not measured. :func:`sky_flower.core.memory.measure_stage_peak`
 measures the real peak this predicts (``tests/test_memory.py`` states the tolerance).
 """
 
@@ -63,7 +63,7 @@ from typing import Literal
 
 import numpy as np
 
-from sky_flower.profile import LayerProfile, NodeProfile
+from sky_flower.core.profile import LayerProfile, NodeProfile
 
 LABEL_BYTES_PER_SAMPLE = 8  # int64 class index
 
@@ -384,7 +384,7 @@ class CostModel:
 
     def relay_pipeline_time(self, t: StageTerms, group: int) -> float:
         """Step time (seconds) of the pipelined relay with ``group`` micro-batches per
-        Flower message, as :class:`strategies.sky.SkyStrategy` schedules it.
+        Flower message, as :class:`sky_flower.strategies.sky.SkyStrategy` schedules it.
 
         The server keeps at most one message in flight per stage (per-stage FIFO: Flower
         runs a node's messages on one shared ``context.state``), so each stage is one
@@ -396,7 +396,7 @@ class CostModel:
         both ways (``2 node_link``). While gradients accumulate over groups (``G > 1``)
         every message also ships them (``grad_state``). Payload transfer is charged on
         the nodes (each node's own bandwidth), so the links between stages cost 0 here.
-        Played by :func:`sky_flower.simulate.simulate` with the last stage's forward
+        Played by :func:`sky_flower.core.simulate.simulate` with the last stage's forward
         and backward interleaved; plus the per-step label transfer.
 
         Raises
@@ -404,7 +404,7 @@ class CostModel:
         ValueError
             If ``group`` does not divide ``M`` or ``t`` lacks the relay terms.
         """
-        from sky_flower.simulate import simulate
+        from sky_flower.core.simulate import simulate
 
         M = self.schedule.microbatches
         if group < 1 or M % group or t.message is None or t.node_link is None:
@@ -450,7 +450,7 @@ class CostModel:
             core = float(t.fwd.sum() + t.bwd.sum() + 2.0 * t.link.sum())
             core += (M - 1) * (f_max + b_max)
         else:
-            from sky_flower.simulate import simulate
+            from sky_flower.core.simulate import simulate
 
             core = simulate(t.fwd, t.bwd, t.link, t.link, M, kind).step_time_s
         return core + float(t.overhead.sum())

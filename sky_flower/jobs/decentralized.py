@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from sky_flower.data import load_split
-from sky_flower.decentral import FlatModel, node_splits
-from strategies.gossip import gossip_matrix
+from sky_flower.gossip.matrices import gossip_matrix
+from sky_flower.gossip.training import FlatModel, node_splits
+from sky_flower.pipeline.data import load_split
 
 log = logging.getLogger("sky_flower")
 
@@ -62,7 +62,7 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     ValueError
         On a bad setting (unknown strategy or topology, gap outside (0, 1], D2 with
         lambda_min <= -1/3, fewer than 2 nodes, ...), before Flower starts.
-    strategies.decentralized.DecentralizedNodeError
+    sky_flower.strategies.decentralized.DecentralizedNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
     from flwr.app import ArrayRecord, Context, MetricRecord
@@ -70,13 +70,13 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from sky_flower.decentral_client import (
+    from sky_flower.gossip.client import (
         DecentralizedClient,
         heterogeneous_data_fn,
         vector_record,
     )
     from sky_flower.run import _one_log_stream
-    from strategies.decentralized import STRATEGIES
+    from sky_flower.strategies.decentralized import STRATEGIES
 
     s = cfg.strategy
     name = str(s.name)

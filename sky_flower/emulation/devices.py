@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 
 import psutil
 
-from sky_flower.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
+from sky_flower.core.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 
 MIB = 1024 * 1024
 
@@ -201,7 +201,7 @@ def expand_fleet(fleet_cfg: Mapping) -> list[Emulation]:
     ``nodes`` is either a list of node entries (checked by :func:`parse_fleet`) or an
     integer ``N``: SkyComputing's emulated fleet (``conf/fleet/skycomputing.yaml``),
     ``node0 .. node{N-1}`` with the slowdowns of
-    :func:`sky_flower.fleets.skycomputing_slowdowns` (``seed``, default 35), ``node0``
+    :func:`sky_flower.core.fleets.skycomputing_slowdowns` (``seed``, default 35), ``node0``
     the data owner, and the fleet's ``memory_mb``, ``latency_ms`` and ``bandwidth_mb_s``
     on every node. ``flops_per_s`` is for the planner only (the training job measures
     real compute) and is ignored here. An integer ``nodes`` makes ``fleet.nodes=4,8,16``

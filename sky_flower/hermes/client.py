@@ -1,4 +1,5 @@
-"""Worker side of Hermes and its baselines (:mod:`strategies.hermes`), and their data layout.
+"""Worker side of Hermes and its baselines (:mod:`sky_flower.strategies.hermes`), and
+their data layout.
 
 =========================  ============================================================
 ``query.hermes_hello``     this worker's position (``partition-id``) and pool size
@@ -21,7 +22,7 @@ worker also has a fixed local validation set (for the gate) held out of the pool
 
 Emulated devices: a step's compute (a small MLP: well under a millisecond) is padded by a
 sleep to a nominal native step time ``overhead_s + per_sample_s * batch``, then the fleet's
-slowdown sleeps ``slowdown x`` that (:meth:`sky_flower.emulation.Emulation.after_compute`),
+slowdown sleeps ``slowdown x`` that (:meth:`sky_flower.emulation.devices.Emulation.after_compute`),
 so wall time follows the emulated fleet without burning the host's CPUs.
 """
 
@@ -37,11 +38,11 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from sky_flower.data import Split
-from sky_flower.decentral import FlatModel
-from sky_flower.decentral_client import node_position, vector_record
-from sky_flower.emulation import Emulation
-from strategies.hermes_core import SignificanceGate
+from sky_flower.emulation.devices import Emulation
+from sky_flower.gossip.client import node_position, vector_record
+from sky_flower.gossip.training import FlatModel
+from sky_flower.hermes.core import SignificanceGate
+from sky_flower.pipeline.data import Split
 
 MODEL_KEY, GATE_KEY = "hermes_model", "hermes_gate"
 
@@ -293,7 +294,7 @@ def hermes_data_fn(
     num_workers: int, test_fraction: float = 0.2, seed: int = 0, worker_val_size: int = 32
 ) -> Callable[[], HermesData]:
     """A cached loader of :func:`hermes_data` on the digits train split."""
-    from sky_flower.data import load_split
+    from sky_flower.pipeline.data import load_split
 
     cache: list[HermesData] = []
 

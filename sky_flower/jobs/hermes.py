@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sky_flower.data import load_split
-from sky_flower.decentral import FlatModel
-from sky_flower.emulation import expand_fleet
-from strategies.hermes_core import validate_settings
+from sky_flower.emulation.devices import expand_fleet
+from sky_flower.gossip.training import FlatModel
+from sky_flower.hermes.core import validate_settings
+from sky_flower.pipeline.data import load_split
 
 log = logging.getLogger("sky_flower")
 NAMES = ("hermes", "bsp", "asp", "ssp")
@@ -92,7 +92,7 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
         On a bad setting (gate threshold > 0, window < 2, beta outside (0, 1), staleness
         < 0, target accuracy outside (0, 1], batch larger than a share, ...), before
         Flower starts.
-    strategies.hermes.HermesNodeError
+    sky_flower.strategies.hermes.HermesNodeError
         If a worker fails; ``results.json`` is still written.
     """
     from flwr.app import ArrayRecord, Context, MetricRecord
@@ -100,11 +100,11 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from sky_flower.client import fleet_emulation
-    from sky_flower.decentral_client import vector_record
-    from sky_flower.hermes_client import HermesClient, NominalDevice, hermes_data
+    from sky_flower.gossip.client import vector_record
+    from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
     from sky_flower.run import _one_log_stream
-    from strategies.hermes import STRATEGIES, HermesStrategy
+    from sky_flower.sky.client import fleet_emulation
+    from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
 
     s = cfg.strategy
     name = str(s.name)

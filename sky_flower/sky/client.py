@@ -26,7 +26,7 @@ Message types served (``flwr`` allows ``train``/``evaluate``/``query`` + ``.acti
                        accumulate in ``context.state`` and the optimizer steps once
                        the step's ``M`` micro-batches are all back-propagated
 ``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
-                       peer to peer (:mod:`sky_flower.direct`), return its weights
+                       peer to peer (:mod:`sky_flower.pipeline.direct`), return its weights
                        and timings (one message per stage per round)
 =====================  ===============================================================
 
@@ -46,15 +46,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from sky_flower.data import Split, batch_indices
-from sky_flower.emulation import Emulation
-from sky_flower.profile import (
+from sky_flower.core.profile import (
     as_layers,
     default_optimizer_factory,
     time_layers,
     time_optimizer_steps,
 )
-from sky_flower.stage import (
+from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.data import Split, batch_indices
+from sky_flower.pipeline.stage import (
     StageExecutor,
     build_stage,
     optimizer_from_tensors,
@@ -422,12 +422,12 @@ class SkyClient:
         """Run this node's stage for one whole round on the ``direct`` transport.
 
         The message carries the stage's layer slice, its settings, its rank and the
-        round's rendezvous (:class:`sky_flower.direct.Rendezvous`). The node joins the
+        round's rendezvous (:class:`sky_flower.pipeline.direct.Rendezvous`). The node joins the
         round's process group, runs the ``torch.distributed.pipelining`` schedule for
         ``steps`` steps with a fresh optimizer, leaves the group and returns its
         weights and timings. Emulation: the fleet's slowdown after each forward and
         backward of the stage module; link delay per peer message, slept by the sender
-        (see :class:`sky_flower.direct.Emulated`).
+        (see :class:`sky_flower.pipeline.direct.Emulated`).
 
         Raises
         ------
@@ -437,7 +437,7 @@ class SkyClient:
         DirectStageError
             If this stage or a peer fails or stalls (bounded by ``timeout_s``).
         """
-        from sky_flower.direct import (
+        from sky_flower.pipeline.direct import (
             Emulated,
             RankRefusedError,
             Rendezvous,
@@ -468,7 +468,7 @@ class SkyClient:
         opt = make_opt([p for p in module.parameters() if p.requires_grad])
 
         def link(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable[[int], float]:
-            bw = min(bw_a, bw_b)  # the slower NIC, as sky_flower.cost charges direct hops
+            bw = min(bw_a, bw_b)  # the slower NIC, as sky_flower.core.cost charges direct hops
             return lambda nbytes: 0.5 * (lat_a + lat_b) + (nbytes / bw if bw > 0 else 0.0)
 
         lat, bw = float(cfg["link_latency_s"]), float(cfg["link_bandwidth_bps"])
@@ -517,7 +517,7 @@ class SkyClient:
 
 def _mid_round_fault(emu: Emulation, timeout_s: float) -> Callable[[int], None]:
     """The ``crash`` / ``stall`` fault of a node's fleet entry, as a per-step hook."""
-    from sky_flower.emulation import FaultInjected
+    from sky_flower.emulation.devices import FaultInjected
 
     def fault(step: int) -> None:
         if step != emu.fail_step:
@@ -594,7 +594,7 @@ def owner_data_fn(
     fleet: list[Emulation], dataset: str = "digits", test_fraction: float = 0.2, seed: int = 0
 ) -> Callable[[Context], Split | None]:
     """Digits partition of this node if it is a data owner (IID across owners)."""
-    from sky_flower.data import load_split, owner_partition
+    from sky_flower.pipeline.data import load_split, owner_partition
 
     owners = [n.name for n in fleet if n.holds_data]
     cache: dict[str, Split] = {}

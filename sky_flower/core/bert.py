@@ -67,7 +67,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from sky_flower.profile import LayerProfile
+from sky_flower.core.profile import LayerProfile
 
 META = torch.device("meta")
 TOKEN_ID_BYTES = 8  # int64 token ids enter the embeddings entry
@@ -408,7 +408,7 @@ def bert_layer_profiles(
     vocab_size, max_position, type_vocab : int
         Embedding table sizes (BERT's uncased vocabulary: 30522, 512, 2).
     optimizer : {"adam", "sgd", "sgd_momentum"}
-        Names as in :func:`sky_flower.profile.default_optimizer_factory`; state is 2, 0
+        Names as in :func:`sky_flower.core.profile.default_optimizer_factory`; state is 2, 0
         and 1 copies of the parameters (Adam's per-tensor ``step`` scalars are ignored).
     dtype_bytes : int
         Bytes per parameter and activation element (4 = float32).

@@ -1,6 +1,6 @@
 """Load-balanced layer partitioner: ``even``, ``heuristic``, ``optimal`` (pure, no Flower).
 
-Layer profiles + node profiles + schedule in (a :class:`~sky_flower.cost.CostModel`), a
+Layer profiles + node profiles + schedule in (a :class:`~sky_flower.core.cost.CostModel`), a
 :class:`Plan` out. A plan is a list of stages ``(node, first, last)``: the data owner
 runs stage 0, the planner chooses the order of the other nodes, and a node may be left
 idle when the pipeline is faster without it (the plan lists idle nodes). Every method is
@@ -58,7 +58,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from sky_flower.cost import CostModel, Stage
+from sky_flower.core.cost import CostModel, Stage
 
 METHODS = ("even", "heuristic", "optimal")
 OBJECTIVES = ("step", "throughput")

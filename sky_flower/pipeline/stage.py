@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from sky_flower.profile import as_layers
+from sky_flower.core.profile import as_layers
 
 
 def build_stage(

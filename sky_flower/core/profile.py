@@ -59,7 +59,7 @@ class LayerProfile:
         Bytes per sample that autograd keeps for this layer's backward pass: every
         distinct storage its forward saves (e.g. a Linear's input, a ReLU's output),
         parameters and buffers excluded, views counted once. ``None`` = not measured;
-        :class:`sky_flower.cost.CostModel` then falls back to ``act_out_bytes``.
+        :class:`sky_flower.core.cost.CostModel` then falls back to ``act_out_bytes``.
     """
 
     index: int
@@ -263,7 +263,7 @@ class NodeProfile:
         ships a node's context with every message it handles), from echo timing with
         and without a probe array stored in the state; the training job adds the
         node's own per-byte cost of rebuilding a stage from the state and saving it back
-        (:func:`sky_flower.client.time_state_roundtrip`), which every stage message pays too.
+        (:func:`sky_flower.sky.client.time_state_roundtrip`), which every stage message pays too.
     holds_data : bool
         Whether the node is a data owner.
     slowdown : float
