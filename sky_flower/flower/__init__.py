@@ -1,0 +1,1 @@
+"""Flower plumbing shared by every strategy: the message exchange loop."""

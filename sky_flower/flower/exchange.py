@@ -1,0 +1,241 @@
+"""One message exchange loop for every strategy: push, poll at a configured period,
+per-message deadlines, a stop flag, and an error that names the nodes.
+
+Flower's ``Grid.send_and_receive`` polls every 0.1 s and returns whatever arrived by its
+timeout, silently. The strategies here need more: a poll period of their own (2 ms in
+the simulation engine, where replies are in memory; longer against a real SuperLink,
+where every poll is an RPC), several message groups in flight at once (the pipelined
+relay pushes stage ``k + 1``'s message while stage ``k`` is busy), a deadline per
+message, a stop flag set from another thread, and failures that say which node did it.
+
+Example
+-------
+>>> ex = Exchange(grid, timeout_s=60.0, poll_interval_s=0.002, describe=names.get)
+>>> replies = ex.request(messages)          # push, wait for all, raise on errors
+>>> ids = ex.push(more)                     # or drive it yourself:
+>>> while ex.pending:
+...     for reply in ex.poll():             # raises NodeError past a deadline
+...         handle(reply)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+
+class NodeError(RuntimeError):
+    """A node failed to answer in time, or answered with an error.
+
+    Attributes
+    ----------
+    node_ids : list[int] | None
+        Flower node ids of the nodes that caused it, where known (``None``: unknown, e.g.
+        the run was stopped by the caller).
+    nodes : list[str] | None
+        Their names as the strategy knows them (``describe``), same order, where known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        nodes: Sequence[str] | None = None,
+        node_ids: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.nodes = None if nodes is None else list(nodes)
+        self.node_ids = None if node_ids is None else list(node_ids)
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """The useful line of an error reply (Flower wraps the node's exception in layers of
+    traceback): the text after the last ``Message:``, else the last non-empty line,
+    colour codes removed, at most ``limit`` characters."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason)
+    if "Message:" in text:
+        text = text.rsplit("Message:", 1)[1]
+    else:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else text
+    return text.strip().strip("'\"<>").strip()[:limit]
+
+
+class Exchange:
+    """Messages in flight on one ``Grid``, with a deadline each.
+
+    Parameters
+    ----------
+    grid : Grid
+        The Flower grid (simulation, deployment, or an in-process test grid).
+    timeout_s : float
+        Default deadline (s) of a pushed message, from its push.
+    poll_interval_s : float (default: 0.002)
+        Pause between two ``Grid.pull_messages`` calls while replies are pending.
+    stop : threading.Event, optional
+        When set, the next poll raises :class:`NodeError` ("run stopped by the caller").
+    describe : Callable[[int], str | None], optional
+        Node id -> the node's name (for errors); ``None`` or missing: ``node <id>``.
+    error_cls : type[NodeError] (default: NodeError)
+        The class raised (a strategy's own subclass).
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        timeout_s: float,
+        poll_interval_s: float = 0.002,
+        stop: threading.Event | None = None,
+        describe: Callable[[int], str | None] | None = None,
+        error_cls: type[NodeError] = NodeError,
+    ) -> None:
+        if not timeout_s > 0 or not poll_interval_s >= 0:
+            raise ValueError(
+                f"timeout_s must be > 0 (got {timeout_s}) and poll_interval_s >= 0 "
+                f"(got {poll_interval_s})"
+            )
+        self.grid, self.timeout_s, self.poll_interval_s = grid, timeout_s, poll_interval_s
+        self.stop = stop
+        self.describe = describe or (lambda nid: None)
+        self.error_cls = error_cls
+        self.dst: dict[str, int] = {}  # message id -> destination node id
+        self.deadline: dict[str, float] = {}  # pending message id -> monotonic deadline
+        self.budget: dict[str, float] = {}  # message id -> its timeout (s), for errors
+
+    # -- naming ------------------------------------------------------------------------
+    def name(self, node_id: int) -> str:
+        """``"<name> (node <id>)"``, or ``"node <id>"`` for a node without a name."""
+        name = self.describe(node_id)
+        return f"{name} (node {node_id})" if name else f"node {node_id}"
+
+    def fail(self, text: str, node_ids: Iterable[int] | None = None) -> NodeError:
+        """A :class:`NodeError` (of ``error_cls``) naming ``node_ids``."""
+        ids = None if node_ids is None else list(dict.fromkeys(node_ids))
+        names = None if ids is None else [self.describe(n) or f"node {n}" for n in ids]
+        return self.error_cls(text, nodes=names, node_ids=ids)
+
+    # -- the loop ----------------------------------------------------------------------
+    @property
+    def pending(self) -> set[str]:
+        """Ids of pushed messages whose reply has not been returned by :meth:`poll`."""
+        return set(self.deadline)
+
+    def push(self, messages: Sequence[Message], timeout_s: float | None = None) -> list[str]:
+        """Push ``messages``; each must be answered within ``timeout_s`` (default: the
+        exchange's) from now. Returns their message ids, in order.
+
+        Raises
+        ------
+        NodeError
+            If the grid accepted fewer messages than given.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        ids = list(self.grid.push_messages(list(messages)))
+        if len(ids) != len(messages):
+            raise self.fail(
+                f"only {len(ids)} of {len(messages)} messages could be sent",
+                [m.metadata.dst_node_id for m in messages],
+            )
+        now = time.monotonic()
+        for mid, msg in zip(ids, messages, strict=True):
+            self.dst[mid] = msg.metadata.dst_node_id
+            self.deadline[mid] = now + timeout_s
+            self.budget[mid] = timeout_s
+        return ids
+
+    def shorten(self, limit_s: float) -> None:
+        """Bring every pending deadline to at most ``limit_s`` from now (e.g. once one
+        peer of a collective has failed, the others only need time to notice)."""
+        cap = time.monotonic() + limit_s
+        for mid, dl in self.deadline.items():
+            if dl > cap:
+                self.deadline[mid] = cap
+                self.budget[mid] = limit_s
+
+    def poll(self, ids: Iterable[str] | None = None) -> list[Message]:
+        """One ``Grid.pull_messages`` over the pending messages (or those of ``ids``):
+        the replies that arrived, error replies included.
+
+        Raises
+        ------
+        NodeError
+            If the stop flag is set, or a pending message is past its deadline (naming
+            its node).
+        """
+        if self.stop is not None and self.stop.is_set():
+            raise self.error_cls("run stopped by the caller")
+        wanted = self.pending if ids is None else set(ids) & self.pending
+        got = list(self.grid.pull_messages(wanted)) if wanted else []
+        for reply in got:
+            self.deadline.pop(reply.metadata.reply_to_message_id, None)
+        now = time.monotonic()
+        late = [m for m in wanted if m in self.deadline and now > self.deadline[m]]
+        if late:
+            budget = max(self.budget[m] for m in late)
+            names = ", ".join(self.name(self.dst[m]) for m in late)
+            raise self.fail(
+                f"no reply within {budget:g} s from {names}", [self.dst[m] for m in late]
+            )
+        return got
+
+    def wait(self, ids: Sequence[str], raise_errors: bool = True) -> list[Message]:
+        """Poll until every message of ``ids`` is answered; the replies in ``ids`` order.
+
+        Raises
+        ------
+        NodeError
+            Past a deadline (as :meth:`poll`), or, with ``raise_errors``, if any reply is
+            an error (naming every node that erred, with the reason).
+        """
+        got: dict[str, Message] = {}
+        while len(got) < len(ids):
+            for reply in self.poll([m for m in ids if m not in got]):
+                got[reply.metadata.reply_to_message_id] = reply
+            if len(got) < len(ids) and self.poll_interval_s > 0:
+                time.sleep(self.poll_interval_s)
+        replies = [got[m] for m in ids]
+        if raise_errors:
+            self.raise_errors(replies)
+        return replies
+
+    def raise_errors(self, replies: Sequence[Message]) -> None:
+        """Raise one :class:`NodeError` naming every node whose reply is an error."""
+        bad = [r for r in replies if r.has_error()]
+        if bad:
+            raise self.fail(
+                "; ".join(
+                    f"{self.name(r.metadata.src_node_id)} replied with an error: "
+                    f"{short_reason(r.error.reason)}"
+                    for r in bad
+                ),
+                [r.metadata.src_node_id for r in bad],
+            )
+
+    def request(self, messages: Sequence[Message], timeout_s: float | None = None) -> list[Message]:
+        """Push ``messages`` and wait for all replies (in message order).
+
+        Raises
+        ------
+        NodeError
+            As :meth:`push`, :meth:`poll` and :meth:`wait`.
+        """
+        return self.wait(self.push(messages, timeout_s))
+
+    def drain(self, limit_s: float = 10.0) -> None:
+        """Wait (bounded by ``limit_s``, never raising) for pending replies, so that no
+        message of a failed round is still running on a node when the next one starts."""
+        end = time.monotonic() + limit_s
+        while self.deadline and time.monotonic() < end:
+            try:
+                got = list(self.grid.pull_messages(set(self.deadline)))
+            except Exception:  # noqa: BLE001 - best effort on a failed round
+                return
+            for reply in got:
+                self.deadline.pop(reply.metadata.reply_to_message_id, None)
+            if self.deadline:
+                time.sleep(max(self.poll_interval_s, 0.01))
+        self.deadline.clear()
