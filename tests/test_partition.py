@@ -12,7 +12,6 @@ from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import (
     MIB,
     InfeasibleMemoryError,
-    _speed_proportional,
     brute_force,
     even,
     feasible_stages,
@@ -20,6 +19,7 @@ from sky_flower.core.partition import (
     optimal,
     partition,
 )
+from sky_flower.core.partition.heuristic import _speed_proportional
 from sky_flower.core.profile import NodeProfile
 
 REL = 1e-6  # relative tolerance (MILP stops at mip_rel_gap=1e-6)
