@@ -1,0 +1,228 @@
+"""Layout rules of issue 12, checked on the source tree (fast, no Flower started).
+
+(a) the pure core (``sky_flower.core``, ``sky_flower.pipeline``) imports no ``flwr`` and
+no ``hydra``; (b) no import cycles among ``sky_flower`` modules (function-level imports
+included); (c) only the entry points import ``sky_flower.strategies``; (d) no module over
+500 lines. Violations that other branches of the restructure remove are listed below as
+known and marked ``xfail(strict=False)``: when a branch lands, its entries XPASS and the
+lead deletes them.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"sky_flower": ROOT / "sky_flower", "sky_flower.strategies": ROOT / "strategies"}
+MAX_LINES = 500
+PURE_PACKAGES = ("sky_flower.core", "sky_flower.pipeline")
+FORBIDDEN_IN_PURE = ("flwr", "hydra")
+# modules (or packages, by prefix) allowed to import sky_flower.strategies
+STRATEGY_IMPORTERS = ("sky_flower.app", "sky_flower.jobs", "sky_flower.bench", "sky_flower.run")
+
+# -- known violations, owned by other branches of issue 12 -------------------------------
+KNOWN_LONG = {
+    "strategies/sky.py": "SkyStrategy is being split on the strategies branch",
+    "strategies/hermes.py": "the Hermes strategy is being split on the hermes branch",
+    "sky_flower/deploy.py": "deployment helpers are being split on another branch",
+    "sky_flower/sky/client.py": "the Sky node side is being split on another branch",
+    "sky_flower/gossip/matrices.py": "gossip is being restructured on another branch",
+    "sky_flower/core/bert.py": "split next on the core branch",
+    "sky_flower/core/cost.py": "split next on the core branch",
+    "sky_flower/pipeline/direct.py": "split next on the core branch",
+}
+KNOWN_CYCLES = {
+    frozenset({"sky_flower.run", "sky_flower.jobs.decentralized", "sky_flower.jobs.hermes"}): (
+        "run.py <-> jobs: the entry points are being untangled on another branch"
+    ),
+}
+
+
+# -- the module graph -------------------------------------------------------------------
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for sky_flower and its strategies."""
+    out = {}
+    for pkg, base in PACKAGE_DIRS.items():
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """The sky_flower modules ``name`` imports, anywhere in its body (not the parent
+    packages that Python imports on the way)."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    here = name if _is_package(name) else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            # ``from pkg import mod`` imports the submodule; ``from mod import name`` mod
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:  # ``import a.b.c`` of a name inside a module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _cycle_path(comp: list[str]) -> str:
+    """One cycle through the component, as ``a -> b -> ... -> a``."""
+    members = set(comp)
+    start = comp[0]
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(GRAPH[path[-1]] & members)
+        back = [w for w in nxt if w in seen]
+        if back:
+            w = back[0]
+            return " -> ".join([*path[path.index(w) :], w])
+        path.append(nxt[0])
+        seen.add(nxt[0])
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+# -- (a) the pure core ------------------------------------------------------------------
+def test_pure_core_imports_no_flower_and_no_hydra():
+    pure = sorted(n for n in MODULES if n.startswith(PURE_PACKAGES))
+    assert "sky_flower.core.partition.optimal" in pure and "sky_flower.pipeline.direct" in pure
+    code = (
+        "import importlib, sys\n"
+        f"for m in {pure!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN_IN_PURE!r})\n"
+        "print(' '.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert out.stdout.strip() == "", f"the pure core imported {out.stdout.strip()}"
+
+
+# -- (b) no import cycles ---------------------------------------------------------------
+def test_graph_sees_function_level_and_relative_imports():
+    assert "sky_flower.core.cost" in GRAPH["sky_flower.core.partition.plan"]
+    assert "sky_flower.core.partition.heuristic" in GRAPH["sky_flower.core.partition.optimal"]
+    assert "sky_flower.core.partition" in GRAPH["sky_flower.app"]  # inside a function
+
+
+def test_no_import_cycles_beyond_the_known_ones():
+    new = [c for c in _cycles() if frozenset(c) not in KNOWN_CYCLES]
+    assert not new, "import cycles: " + "; ".join(_cycle_path(c) for c in new)
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        pytest.param(
+            sorted(c), marks=pytest.mark.xfail(strict=False, reason=why), id="+".join(sorted(c))
+        )
+        for c, why in KNOWN_CYCLES.items()
+    ],
+)
+def test_known_import_cycle_is_gone(members):
+    left = [c for c in _cycles() if set(c) & set(members)]
+    assert not left, "import cycle: " + "; ".join(_cycle_path(c) for c in left)
+
+
+# -- (c) who imports the strategies -----------------------------------------------------
+def _strategy_importers() -> list[str]:
+    return sorted(
+        n
+        for n, deps in GRAPH.items()
+        if not n.startswith("sky_flower.strategies")
+        and any(d.startswith("sky_flower.strategies") for d in deps)
+    )
+
+
+def _allowed_strategy_importer(name: str) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in STRATEGY_IMPORTERS)
+
+
+def test_only_entry_points_import_the_strategies():
+    bad = [n for n in _strategy_importers() if not _allowed_strategy_importer(n)]
+    assert not bad, f"modules importing sky_flower.strategies: {bad}"
+
+
+# -- (d) module size --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            _rel(p),
+            marks=[pytest.mark.xfail(strict=False, reason=KNOWN_LONG[_rel(p)])]
+            if _rel(p) in KNOWN_LONG
+            else [],
+        )
+        for p in sorted(MODULES.values())
+    ],
+)
+def test_module_is_at_most_500_lines(path):
+    n = len((ROOT / path).read_text().splitlines())
+    assert n <= MAX_LINES, f"{path} has {n} lines (limit {MAX_LINES}): split it"
