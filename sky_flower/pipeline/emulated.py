@@ -1,0 +1,123 @@
+"""Fleet emulation inside a ``direct`` stage: slowdown and link delay (pure torch).
+
+SkyComputing's emulation (Zhu, Li, You, arXiv 2202.11836): a node ``slowdown`` times
+slower sleeps that multiple of its measured compute, and a link's delay is slept by the
+sender. :class:`EmulatedStage` wraps a stage module with identity autograd functions
+that time its forward and its backward (from the output's gradient arriving to the
+input's gradient computed), numerically the identity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Emulated:
+    """What the fleet's emulation does inside a ``direct`` stage.
+
+    Attributes
+    ----------
+    slowdown : float
+        Sleep ``slowdown x`` each forward's and each backward's measured compute time of
+        the stage module, per micro-batch (SkyComputing's emulation).
+    send_next_s : Callable[[int], float]
+        Seconds of link delay to send ``bytes`` to the next stage (activations).
+    send_prev_s : Callable[[int], float]
+        Seconds of link delay to send ``bytes`` to the previous stage (gradients).
+
+    The link delay is slept by the sender right after it computes the tensor, before the
+    schedule sends it: it blocks the sending stage (a real NIC would overlap it with the
+    next micro-batch's compute), so it is an upper bound on the link's effect.
+    """
+
+    slowdown: float = 0.0
+    send_next_s: Callable[[int], float] = lambda nbytes: 0.0
+    send_prev_s: Callable[[int], float] = lambda nbytes: 0.0
+    compute_s: float = field(default=0.0, init=False)
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity whose backward ends the stage's backward timing (input side)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, box: list) -> torch.Tensor:  # noqa: D102
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        wrapper = ctx.box[0]
+        wrapper._end_backward(g)
+        return g, None
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity whose backward starts the stage's backward timing (output side)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, box: list) -> torch.Tensor:  # noqa: D102
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        ctx.box[0]._t_backward = time.perf_counter()
+        return g, None
+
+
+class EmulatedStage(nn.Module):
+    """A stage module with the fleet's emulation around it (numerically the identity).
+
+    Forward: run ``inner``, sleep ``slowdown x`` its time, then the link delay to send
+    the output to the next stage (not on the last stage). Backward: from the output's
+    gradient arriving to the input's gradient computed, then the same sleep, then the
+    link delay to send the input gradient back (not on the first stage).
+
+    Parameters
+    ----------
+    inner : nn.Module
+        The stage's layers; ``(B/M, ...) -> (B/M, ...)``.
+    emulated : Emulated
+        What to emulate; ``emulated.compute_s`` accumulates the measured compute (s).
+    is_first, is_last : bool
+        Position of the stage in the pipeline.
+    """
+
+    def __init__(self, inner: nn.Module, emulated: Emulated, is_first: bool, is_last: bool):
+        super().__init__()
+        self.inner = inner
+        self.emulated = emulated
+        self.is_first, self.is_last = is_first, is_last
+        self._t_backward = 0.0
+        self._box = [self]
+
+    def _end_backward(self, g: torch.Tensor) -> None:
+        elapsed = time.perf_counter() - self._t_backward
+        self.emulated.compute_s += elapsed
+        if self.emulated.slowdown > 0:
+            time.sleep(self.emulated.slowdown * elapsed)
+        if not self.is_first:
+            time.sleep(self.emulated.send_prev_s(g.numel() * g.element_size()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B/M, ...) -> (B/M, ...)``, as ``inner``."""
+        if not x.requires_grad:  # stage 0: a leaf, so that the backward timing ends here
+            x = x.detach().requires_grad_(torch.is_grad_enabled())
+        if x.requires_grad:
+            x = _BackwardEnd.apply(x, self._box)
+        t0 = time.perf_counter()
+        y = self.inner(x)
+        elapsed = time.perf_counter() - t0
+        self.emulated.compute_s += elapsed
+        if self.emulated.slowdown > 0:
+            time.sleep(self.emulated.slowdown * elapsed)
+        if not self.is_last:
+            time.sleep(self.emulated.send_next_s(y.numel() * y.element_size()))
+        return _BackwardStart.apply(y, self._box) if y.requires_grad else y

@@ -1,0 +1,233 @@
+"""The stage engine of the ``direct`` transport: one round of one pipeline stage.
+
+Rank ``k`` runs stage ``k`` of a ``torch.distributed.pipelining`` schedule (GPipe,
+Huang et al. 2019, arXiv 1811.06965; or 1F1B / PipeDream-Flush, Narayanan et al. 2021,
+arXiv 2006.09503) over ``M`` micro-batches per step. Rank 0 is the data owner: it feeds
+stage 0 with its own batches and sends each batch's labels to the last stage
+(``dist.isend``, tag :data:`LABEL_TAG`), where the schedule's loss function uses them.
+The loss is the mean cross-entropy per micro-batch and the schedule divides the
+accumulated gradients by ``M`` (``scale_grads=True``), so a step computes exactly the
+gradient of the whole batch's mean loss, as the unsplit model does. Every stage steps
+its own optimizer once per step. :func:`run_stage` always destroys its process group,
+so a long-lived process can join the next round's group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from sky_flower.pipeline.emulated import Emulated, EmulatedStage
+from sky_flower.pipeline.rendezvous import (
+    _PEER_SIGNS,
+    PEER_FAILURE,
+    DirectStageError,
+    Rendezvous,
+    _first_line,
+    join,
+)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LABEL_TAG = 7
+
+
+@dataclass
+class StageResult:
+    """What one stage measured in one ``direct`` round.
+
+    Attributes
+    ----------
+    setup_s : float
+        Joining the process group (rendezvous, ticket check), seconds.
+    step_times_s : list of float
+        Wall time of each step (schedule + optimizer), seconds.
+    compute_s : float
+        Measured forward + backward compute of the stage module (emulation sleeps
+        excluded), seconds.
+    losses : list of float
+        Last stage only: each step's batch loss (mean over the batch).
+    correct : int
+        Last stage only: correct predictions over the round.
+    samples : int
+        Last stage only: samples seen.
+    """
+
+    setup_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    compute_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    correct: int = 0
+    samples: int = 0
+
+
+def run_stage(  # noqa: PLR0913
+    rdv: Rendezvous,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    kind: str,
+    microbatches: int,
+    steps: int,
+    batch_size: int,
+    input_shape: Sequence[int],
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    emulated: Emulated | None = None,
+    fault: Callable[[int], None] | None = None,
+) -> StageResult:
+    """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
+
+    Parameters
+    ----------
+    rdv : Rendezvous
+        The round's rendezvous for this stage.
+    module : nn.Module
+        The stage's layers (trained in place).
+    optimizer : torch.optim.Optimizer
+        Over ``module``'s parameters; stepped once per step.
+    kind : {"gpipe", "1f1b"}
+        The ``torch.distributed.pipelining`` schedule.
+    microbatches : int
+        ``M``; must divide the batch.
+    steps : int
+        Steps in the round.
+    batch_size : int
+        ``B``, samples per step (the last stage receives ``(B,)`` labels).
+    input_shape : sequence of int
+        Shape of one sample of this stage's input (without the batch dimension). The
+        stage is built with static shapes: ``torch.distributed.pipelining``'s runtime
+        shape inference deadlocks on gloo in torch 2.13 (the last stage sends its
+        backward metadata while stage 0 waits for its first activation send).
+    batch_fn : callable, rank 0 only
+        ``step -> (x (B, ...) float32, labels (B,) int64)``: the data owner's batch.
+    emulated : Emulated, optional
+        Fleet emulation (slowdown, link delay) of this stage.
+    fault : callable, optional
+        Called with the step index before each step (fault injection for tests).
+
+    Returns
+    -------
+    StageResult
+
+    Raises
+    ------
+    DirectStageError
+        Naming the stage when it, or a peer it waits for, fails or stalls (after at
+        most ``rdv.timeout_s``); :class:`RankRefusedError` for an unplanned rank.
+    ValueError
+        On an unknown schedule kind or a missing ``batch_fn`` on rank 0.
+    """
+    _check(kind, rdv.rank, batch_fn, batch_size, microbatches)
+    rank, S = rdv.rank, rdv.world_size
+    example = torch.zeros(batch_size // microbatches, *[int(d) for d in input_shape])
+    example.requires_grad_(rank > 0)  # static shapes: requires_grad decides what is sent back
+    with torch.no_grad():
+        example_out = module(example)
+    emulated = emulated or Emulated()
+    wrapped = EmulatedStage(module, emulated, is_first=rank == 0, is_last=rank == S - 1)
+    result = StageResult()
+    t0 = time.perf_counter()
+    join(rdv)
+    try:
+        result.setup_s = time.perf_counter() - t0
+        stage = PipelineStage(
+            wrapped,
+            rank,
+            S,
+            torch.device("cpu"),
+            input_args=example,
+            output_args=example_out.requires_grad_(True),
+        )
+        schedule = SCHEDULES[kind](
+            stage,
+            n_microbatches=microbatches,
+            loss_fn=nn.functional.cross_entropy,  # every rank: it sets has_backward
+            scale_grads=True,
+        )
+        for step in range(steps):
+            if fault is not None:
+                fault(step)
+            t_step = time.perf_counter()
+            _step(rdv, schedule, optimizer, batch_size, batch_fn, step, result)
+            result.step_times_s.append(time.perf_counter() - t_step)
+    except DirectStageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - named and re-raised
+        raise _stage_error(rdv, err) from err
+    finally:
+        result.compute_s = emulated.compute_s
+        if dist.is_initialized():  # a crashed stage may already have left
+            dist.destroy_process_group()
+    return result
+
+
+def _check(
+    kind: str,
+    rank: int,
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+    batch_size: int,
+    microbatches: int,
+) -> None:
+    """Raise ValueError on an unknown schedule, rank 0 without batches, or a batch that
+    the micro-batches do not divide."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+    if rank == 0 and batch_fn is None:
+        raise ValueError("rank 0 (the data owner) needs batch_fn")
+    if batch_size % microbatches:
+        raise ValueError(
+            f"batch of {batch_size} is not divisible into {microbatches} micro-batches"
+        )
+
+
+def _stage_error(rdv: Rendezvous, err: Exception) -> DirectStageError:
+    """``err`` as the stage's error: a peer's failure or stall, or this stage's own."""
+    rank, S = rdv.rank, rdv.world_size
+    text = _first_line(err)
+    if any(sign in text for sign in _PEER_SIGNS):
+        return DirectStageError(
+            f"stage {rank} of {S}: {PEER_FAILURE} (timeout {rdv.timeout_s:g} s): {text}"
+        )
+    return DirectStageError(f"stage {rank} of {S}: {type(err).__name__}: {text}")
+
+
+def _step(  # noqa: PLR0913
+    rdv: Rendezvous,
+    schedule: Any,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+    step: int,
+    result: StageResult,
+) -> None:
+    """One step of the schedule on this stage: labels to the last stage, the pipelined
+    forward and backward, the optimizer; the last stage records loss and accuracy."""
+    rank, S = rdv.rank, rdv.world_size
+    is_last = rank == S - 1
+    label_work = None
+    x = labels = None
+    if rank == 0:
+        x, labels = batch_fn(step)  # type: ignore[misc]
+        if S > 1:
+            label_work = dist.isend(labels.contiguous(), dst=S - 1, tag=LABEL_TAG)
+    if is_last and S > 1:
+        labels = torch.empty(batch_size, dtype=torch.int64)
+        dist.recv(labels, src=0, tag=LABEL_TAG)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        out = schedule.step(x, target=labels if is_last else None, losses=losses)
+    else:
+        out = schedule.step(target=labels if is_last else None, losses=losses)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if label_work is not None:
+        label_work.wait()
+    if is_last:
+        result.losses.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
+        result.correct += int((out.argmax(dim=1) == labels).sum())
+        result.samples += int(labels.shape[0])

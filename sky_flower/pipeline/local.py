@@ -1,0 +1,217 @@
+"""``torch.distributed.pipelining`` alone, without Flower: one local process per stage.
+
+The engine of the transport benchmark's case (b) (:func:`run_local`): the same
+:func:`~sky_flower.pipeline.engine.run_stage` as a ``direct`` round over Flower, each
+stage in a spawned process, the rendezvous hosted by the parent. Also the shape helper
+the server uses to build every stage with static shapes (:func:`stage_input_shapes`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sky_flower.pipeline.emulated import Emulated
+from sky_flower.pipeline.engine import StageResult, run_stage
+from sky_flower.pipeline.rendezvous import DirectStageError, Rendezvous, RoundHost
+
+
+def _local_worker(  # noqa: PLR0913
+    rdv: Rendezvous,
+    model_cfg: dict,
+    bounds: tuple[int, int],
+    weights: dict,
+    optimizer: str,
+    lr: float,
+    kind: str,
+    microbatches: int,
+    batches: list | None,
+    steps: int,
+    batch_size: int,
+    input_shape: tuple,
+    slowdown: float,
+    queue: object,
+) -> None:
+    from sky_flower.core.profile import default_optimizer_factory
+    from sky_flower.pipeline.models import build_model
+    from sky_flower.pipeline.stage import build_stage, slice_state
+
+    torch.set_num_threads(1)
+    try:
+        first, last = bounds
+        module = build_stage(
+            lambda: build_model(model_cfg), first, last, slice_state(weights, first, last)
+        )
+        opt = default_optimizer_factory(optimizer, lr)(list(module.parameters()))
+        res = run_stage(
+            rdv,
+            module,
+            opt,
+            kind,
+            microbatches,
+            steps,
+            batch_size,
+            input_shape,
+            batch_fn=(lambda s: batches[s]) if batches is not None else None,
+            emulated=Emulated(slowdown=slowdown),
+        )
+        state = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+        queue.put((rdv.rank, res, state))  # type: ignore[attr-defined]
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        queue.put((rdv.rank, err, None))  # type: ignore[attr-defined]
+
+
+def run_local(  # noqa: PLR0913
+    model_cfg: dict,
+    bounds: Sequence[tuple[int, int]],
+    weights: dict,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    kind: str = "gpipe",
+    microbatches: int = 1,
+    optimizer: str = "adam",
+    lr: float = 1e-3,
+    slowdowns: Sequence[float] | None = None,
+    timeout_s: float = 60.0,
+) -> tuple[dict, list[StageResult]]:
+    """``torch.distributed.pipelining`` alone: one local process per stage, no Flower.
+
+    Parameters
+    ----------
+    model_cfg : dict
+        :func:`sky_flower.pipeline.models.build_model` config.
+    bounds : sequence of (first, last)
+        Layers of each stage, in pipeline order.
+    weights : dict
+        Full-model state dict to start from.
+    batches : list of (x (B, ...), labels (B,))
+        One batch per step (given to rank 0 only).
+    kind, microbatches, optimizer, lr
+        As :func:`run_stage` and :func:`sky_flower.core.profile.default_optimizer_factory`.
+    slowdowns : sequence of float, optional
+        Emulated slowdown per stage.
+    timeout_s : float
+        Bound on the round, seconds.
+
+    Returns
+    -------
+    (dict, list of StageResult)
+        The trained full-model state dict and each stage's measurements.
+
+    Raises
+    ------
+    DirectStageError
+        If a stage fails or the round does not finish within ``timeout_s`` (+ 30 s for
+        process start-up); every process is ended before it is raised.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    S = len(bounds)
+    slowdowns = list(slowdowns or [0.0] * S)
+    shapes = stage_input_shapes(
+        lambda: build_model_cfg(model_cfg), tuple(batches[0][0].shape[1:]), bounds
+    )
+    queue = ctx.Queue()
+    procs = []
+    with RoundHost(S, timeout_s) as host:
+        for k in range(S):
+            p = ctx.Process(
+                target=_local_worker,
+                args=(
+                    host.rendezvous(k),
+                    dict(model_cfg),
+                    tuple(bounds[k]),
+                    weights,
+                    optimizer,
+                    lr,
+                    kind,
+                    microbatches,
+                    batches if k == 0 else None,
+                    len(batches),
+                    int(batches[0][1].shape[0]),
+                    shapes[k],
+                    slowdowns[k],
+                    queue,
+                ),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        got = _collect(queue, procs, S, timeout_s + 30.0)
+    return _merge(got, S)
+
+
+def _collect(queue: Any, procs: list, S: int, wait_s: float) -> dict[int, tuple]:
+    """``rank -> (result or error, state)`` from the stage processes, within ``wait_s``
+    seconds; every process is ended before it returns."""
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while len(got) < S and time.monotonic() < deadline:
+            try:
+                rank, res, state = queue.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if not any(p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            got[rank] = (res, state)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
+def _merge(got: dict[int, tuple], S: int) -> tuple[dict, list[StageResult]]:
+    """The full-model state dict and the stages' results, or the stages' errors raised."""
+    errors = [f"{r}: {v[0]}" for r, v in sorted(got.items()) if isinstance(v[0], BaseException)]
+    missing = [k for k in range(S) if k not in got]
+    if errors or missing:
+        raise DirectStageError(
+            "local pipeline failed: "
+            + "; ".join(errors + [f"stage {k} gave no result" for k in missing])
+        )
+    merged: dict = {}
+    for k in range(S):
+        merged.update({key: torch.from_numpy(v) for key, v in got[k][1].items()})
+    return merged, [got[k][0] for k in range(S)]
+
+
+def build_model_cfg(model_cfg: dict) -> nn.Module:
+    """:func:`sky_flower.pipeline.models.build_model` (imported late: keeps this module light)."""
+    from sky_flower.pipeline.models import build_model
+
+    return build_model(model_cfg)
+
+
+def stage_input_shapes(
+    model_fn: Callable[[], nn.Module],
+    input_shape: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+) -> list[tuple[int, ...]]:
+    """Per-sample input shape of each stage ``(first, last)`` of a layered model.
+
+    Runs the model's layers on the meta device (no memory, no compute).
+
+    Returns
+    -------
+    list of tuple of int
+        ``shapes[k]`` = shape of one sample entering stage ``k`` (no batch dimension).
+    """
+    from sky_flower.core.profile import as_layers
+
+    with torch.device("meta"):
+        layers = as_layers(model_fn())
+        h = torch.zeros(1, *[int(d) for d in input_shape])
+        shapes = []
+        for first, last in bounds:
+            shapes.append(tuple(int(d) for d in h.shape[1:]))
+            for j in range(first, last + 1):
+                h = layers[j](h)
+    return shapes
