@@ -53,113 +53,45 @@ activations stashed for the micro-batches in flight: ``relay`` keeps the whole b
 (``LayerProfile.stash_bytes``: e.g. a Linear's input and a ReLU's output), or its output
 ``act_out_bytes`` when that was not measured. :func:`sky_flower.core.memory.measure_stage_peak`
 measures the real peak this predicts (``tests/test_memory.py`` states the tolerance).
+
+:class:`Schedule`, :class:`StageTerms` and the stage type live in
+:mod:`sky_flower.core.schedule`, the lower bounds in :mod:`sky_flower.core.bounds`
+(mixed into :class:`CostModel`); all are importable from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from sky_flower.core.bounds import LowerBounds
 from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.core.schedule import (
+    LABEL_BYTES_PER_SAMPLE,
+    SCHEDULE_KINDS,
+    TRANSPORTS,
+    Schedule,
+    ScheduleKind,
+    Stage,
+    StageTerms,
+    Transport,
+)
 
-LABEL_BYTES_PER_SAMPLE = 8  # int64 class index
-
-ScheduleKind = Literal["sequential", "gpipe", "1f1b"]
-Transport = Literal["relay", "direct"]
-SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")
-TRANSPORTS = ("relay", "direct")
-
-Stage = tuple[int, int, int]  # (node index, first layer, last layer)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How a step runs.
-
-    Attributes
-    ----------
-    batch_size : int
-        Samples per training step (B).
-    microbatches : int
-        Micro-batches per step (M); must divide ``batch_size``. 1 = whole batch.
-    kind : {"sequential", "gpipe", "1f1b"}
-        Execution order of the micro-batches (see module docstring).
-    transport : {"relay", "direct"}
-        ``relay``: every hop is a Flower message through the server; ``direct``: peer to
-        peer.
-    microbatches_per_message : int
-        ``relay`` with ``gpipe``/``1f1b`` only: micro-batches carried by one Flower
-        message (``c``; the step then has ``G = M / c`` message groups). Each message
-        pays Flower's per-message latency and ``context.state`` shipping once, so a
-        larger ``c`` saves messages and a smaller one overlaps more stages.
-        0 (default): the cost model picks the divisor of ``M`` with the least
-        predicted step time (:meth:`CostModel.relay_group_size`).
-    """
-
-    batch_size: int = 64
-    microbatches: int = 1
-    kind: ScheduleKind = "sequential"
-    transport: Transport = "relay"
-    microbatches_per_message: int = 0
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.microbatches < 1:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) and microbatches ({self.microbatches}) "
-                "must be >= 1"
-            )
-        if self.batch_size % self.microbatches:
-            raise ValueError(
-                f"schedule.microbatches={self.microbatches} must divide "
-                f"batch_size={self.batch_size}: pick a divisor"
-            )
-        if self.kind not in SCHEDULE_KINDS:
-            raise ValueError(
-                f"unknown schedule kind {self.kind!r}: use one of {', '.join(SCHEDULE_KINDS)}"
-            )
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}: use relay or direct")
-        c = self.microbatches_per_message
-        if c < 0 or (c > 0 and self.microbatches % c):
-            raise ValueError(
-                f"schedule.microbatches_per_message={c} must be 0 (chosen by the cost "
-                f"model) or a divisor of schedule.microbatches={self.microbatches}"
-            )
-
-    @property
-    def microbatch_size(self) -> int:
-        """Samples per micro-batch (B / M)."""
-        return self.batch_size // self.microbatches
+__all__ = [
+    "LABEL_BYTES_PER_SAMPLE",
+    "SCHEDULE_KINDS",
+    "TRANSPORTS",
+    "CostModel",
+    "Schedule",
+    "ScheduleKind",
+    "Stage",
+    "StageTerms",
+    "Transport",
+]
 
 
-@dataclass(frozen=True)
-class StageTerms:
-    """Per-stage and per-link times of a plan (seconds; arrays in pipeline order).
-
-    ``fwd``, ``bwd``: shape (S,), per micro-batch. ``link``: shape (S - 1,), one way, per
-    micro-batch (the same forward and back). ``overhead``: shape (S,), per step.
-    ``relay`` only (else None): ``message``, shape (S,), what one Flower message costs
-    stage ``k`` besides compute and payload (measured latency + ``context.state``
-    shipping of its weights and optimizer state); ``node_link``, shape (S,), the payload
-    seconds stage ``k``'s node spends per micro-batch and direction (bytes in + bytes out
-    over its own bandwidth); ``grad_state``, shape (S,), the extra state shipping per
-    message while a pipelined step accumulates gradients (``state_s_per_byte x``
-    parameter bytes).
-    """
-
-    fwd: np.ndarray
-    bwd: np.ndarray
-    link: np.ndarray
-    overhead: np.ndarray
-    message: np.ndarray | None = None
-    node_link: np.ndarray | None = None
-    grad_state: np.ndarray | None = None
-
-
-class CostModel:
+class CostModel(LowerBounds):
     """Predicted step time and memory of any plan (stages in a chosen node order).
 
     Parameters
@@ -481,90 +413,3 @@ class CostModel:
         st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)
         mems = np.array(self.stage_memories(st))
         return bool((mems <= self.capacity[st[:, 0]]).all())
-
-    # --- bounds ----------------------------------------------------------------------
-    def period_lower_bound(self) -> float:
-        """Lower bound on :meth:`period` of any plan (seconds per micro-batch).
-
-        In time ``T`` node ``i`` does at most ``T max_j (w_j / c_ij)`` units of work
-        ``w`` (``c_ij = fwd + bwd`` of layer j on node i; ``w_j`` = the mean over nodes),
-        so ``T >= sum_j w_j / sum_i max_j (w_j / c_ij)`` (total work over total speed,
-        exact for nodes that differ by a speed factor); and ``T >= max_j min_i c_ij``.
-        """
-        c = self.fwd + self.bwd
-        w = c.mean(axis=0)
-        pos = w > 0
-        if not pos.any():
-            return 0.0
-        rate = (w[pos][None, :] / np.maximum(c[:, pos], 1e-300)).max(axis=1)
-        return float(max(w.sum() / rate.sum(), c.min(axis=0).max()))
-
-    def step_lower_bound(self) -> float:
-        """Lower bound on :meth:`step_time` of any plan (seconds).
-
-        One micro-batch must pass every layer: ``C1 = sum_j min_i c_ij`` (no faster node,
-        no transfer), or better :meth:`memory_lp_bound` (the fastest nodes can only hold
-        so much); the busiest resource works ``M x`` the period bound ``P``.
-        ``sequential``: ``M C1``; ``gpipe``: ``C1 + (M - 1) P`` (its two terms bound the
-        closed form's two terms); ``1f1b``: ``max(C1, M P)``. On ``relay`` add the
-        per-step overhead no plan avoids: one message's latency and every layer's state
-        shipped once, at the cheapest node's rates.
-        """
-        c = self.fwd + self.bwd
-        c1 = max(float(c.min(axis=0).sum()), self.memory_lp_bound())
-        M = self.schedule.microbatches
-        P = self.period_lower_bound()
-        relay = 0.0
-        if self.relay:  # at least one message, and every layer's state ships once
-            relay = float(self.latency.min() + self.state_rate.min() * self.state_bytes.sum())
-        if self.schedule.kind == "sequential":
-            return M * c1 + relay
-        if self.schedule.kind == "gpipe":
-            return c1 + (M - 1) * P + relay
-        return max(c1, M * P) + relay
-
-    def memory_lp_bound(self, max_variables: int = 200_000) -> float:
-        """Least ``sum_k (f_k + b_k)`` of one micro-batch when every node holds only what
-        fits its memory: the LP ``min sum_ij c_ij x_ij`` s.t. ``sum_i x_ij = 1``,
-        ``sum_j m_j x_ij <= capacity_i``, ``0 <= x <= 1`` (HiGHS via
-        :func:`scipy.optimize.linprog`), a relaxation of every plan (contiguity, order
-        and transfers dropped; ``m_j`` with the fewest micro-batches any stage keeps).
-        0 when the LP has more than ``max_variables`` variables or fails (seconds)."""
-        if self._lp_bound is not None:
-            return self._lp_bound
-        N, L = self.num_nodes, self.num_layers
-        value = 0.0
-        if N * L <= max_variables:
-            from scipy.optimize import linprog
-            from scipy.sparse import csr_matrix, eye, kron
-
-            fewest = 1 if (not self.relay and self.schedule.kind != "gpipe") else None
-            mem = (
-                self.memory_static
-                + (self.schedule.microbatches if fewest is None else fewest)
-                * self.schedule.microbatch_size
-                * self.stash
-            )
-            c = (self.fwd + self.bwd).ravel()  # x[i, j] at i * L + j
-            a_eq = kron(csr_matrix(np.ones((1, N))), eye(L), format="csr")
-            a_ub = kron(eye(N), csr_matrix(mem[None, :]), format="csr")
-            cap = np.minimum(self.capacity, mem.sum() + 1.0)
-            res = linprog(
-                c,
-                A_ub=a_ub,
-                b_ub=cap,
-                A_eq=a_eq,
-                b_eq=np.ones(L),
-                bounds=(0.0, 1.0),
-                method="highs",
-            )
-            if res.status == 0:
-                value = float(res.fun) * (1 - 1e-9)
-        self._lp_bound = value
-        return value
-
-    def lower_bound(self, objective: str = "step") -> float:
-        """:meth:`step_lower_bound` or :meth:`period_lower_bound`."""
-        if objective == "throughput":
-            return self.period_lower_bound()
-        return self.step_lower_bound()
