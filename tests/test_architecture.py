@@ -32,7 +32,6 @@ KNOWN_LONG = {
     "sky_flower/deploy.py": "deployment helpers are being split on another branch",
     "sky_flower/sky/client.py": "the Sky node side is being split on another branch",
     "sky_flower/gossip/matrices.py": "gossip is being restructured on another branch",
-    "sky_flower/core/bert.py": "split next on the core branch",
 }
 KNOWN_CYCLES = {
     frozenset({"sky_flower.run", "sky_flower.jobs.decentralized", "sky_flower.jobs.hermes"}): (
