@@ -154,6 +154,105 @@ def _excl_max(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.maximum(pre[lo], suf[np.minimum(hi + 1, n)])
 
 
+class _Polisher:
+    """A plan's stages as arrays, with the terms :func:`_polish` scores moves by."""
+
+    def __init__(self, cost: CostModel, st: np.ndarray, objective: str) -> None:
+        self.cost, self.objective = cost, objective
+        self.node, self.a, self.b = st[:, 0].copy(), st[:, 1].copy(), st[:, 2].copy()
+        S = len(self.node)
+        self.M = cost.schedule.microbatches
+        self.seq = cost.schedule.kind == "sequential"
+        self.inflight = np.array([cost.inflight(k, S) for k in range(S)])
+        self.cap = cost.capacity[self.node]
+        self.ks = np.arange(S - 1)
+        self.is_last = np.zeros(S, dtype=bool)
+        self.is_last[-1] = True
+        self.f, self.bw, self.over = self.stage_terms(np.arange(S), self.a, self.b)
+        self.link = cost.link_arrays(self.node[:-1], self.node[1:], self.b[:-1])
+
+    def stage_terms(self, k: np.ndarray, aa: np.ndarray, bb: np.ndarray) -> tuple:
+        """Forward, backward and relay overhead of stages ``k`` holding ``aa..bb``."""
+        cost = self.cost
+        i = self.node[k]
+        f = cost.fwd_prefix[i, bb + 1] - cost.fwd_prefix[i, aa]
+        bw = cost.bwd_prefix[i, bb + 1] - cost.bwd_prefix[i, aa]
+        if cost.relay:
+            bw = bw + np.where(self.is_last[k], 0.0, f)
+            msgs = np.where(self.is_last[k], 1.0, 2.0)
+            state = cost.state_prefix[bb + 1] - cost.state_prefix[aa]
+            over = msgs * (cost.latency[i] + cost.state_rate[i] * state)
+        else:
+            over = np.zeros(len(k))
+        return f, bw, over
+
+    def value(self) -> float:
+        """The objective (closed form) of the current stages."""
+        f, bw, link, over, M = self.f, self.bw, self.link, self.over, self.M
+        c = f + bw
+        if self.objective == "throughput":
+            return max(c.max(), link.max())
+        if self.seq:
+            return M * (c.sum() + 2 * link.sum()) + over.sum()
+        return (
+            c.sum()
+            + 2 * link.sum()
+            + over.sum()
+            + (M - 1) * (max(f.max(), link.max()) + max(bw.max(), link.max()))
+        )
+
+    def best_move(self, delta: int) -> tuple | None:
+        """The best move of every boundary by ``delta`` layers that fits memory:
+        ``((value, sum of squared stage times), boundary, delta)``, or None."""
+        cost, a, b, node = self.cost, self.a, self.b, self.node
+        f, bw, over, link, M = self.f, self.bw, self.over, self.link, self.M
+        c = f + bw
+        nb, na1 = b[:-1] + delta, a[1:] + delta
+        ok = (nb >= a[:-1]) & (na1 <= b[1:])
+        k = self.ks[ok]
+        if len(k) == 0:
+            return None
+        k1 = k + 1
+        f0, b0, o0 = self.stage_terms(k, a[k], nb[ok])
+        f1, b1, o1 = self.stage_terms(k1, na1[ok], b[k1])
+        mem0 = cost.memory_arrays(a[k], nb[ok], self.inflight[k])
+        mem1 = cost.memory_arrays(na1[ok], b[k1], self.inflight[k1])
+        fits = (mem0 <= self.cap[k]) & (mem1 <= self.cap[k1])
+        if not fits.any():
+            return None
+        k, k1 = k[fits], k1[fits]
+        f0, b0, o0, f1, b1, o1 = (v[fits] for v in (f0, b0, o0, f1, b1, o1))
+        lk = cost.link_arrays(node[k], node[k1], b[k] + delta)
+        c0, c1 = f0 + b0, f1 + b1
+        csum = c.sum() - c[k] - c[k1] + c0 + c1
+        lsum = link.sum() - link[k] + lk
+        osum = over.sum() - over[k] - over[k1] + o0 + o1
+        l_max = np.maximum(_excl_max(link, k, k), lk)
+        if self.objective == "throughput":
+            v = np.maximum(np.maximum(_excl_max(c, k, k1), np.maximum(c0, c1)), l_max)
+        elif self.seq:
+            v = M * (csum + 2 * lsum) + osum
+        else:
+            fm = np.maximum(_excl_max(f, k, k1), np.maximum(f0, f1))
+            bm = np.maximum(_excl_max(bw, k, k1), np.maximum(b0, b1))
+            v = csum + 2 * lsum + osum
+            v = v + (M - 1) * (np.maximum(fm, l_max) + np.maximum(bm, l_max))
+        sq = (c * c).sum() - c[k] ** 2 - c[k1] ** 2 + c0**2 + c1**2
+        v = np.round(v, 12)
+        j = int(np.lexsort((sq, v))[0])
+        return ((float(v[j]), float(sq[j])), int(k[j]), delta)
+
+    def move(self, k: int, delta: int) -> None:
+        """Move the boundary after stage ``k`` by ``delta`` layers."""
+        self.b[k] += delta
+        self.a[k + 1] += delta
+        kk = np.array([k, k + 1])
+        self.f[kk], self.bw[kk], self.over[kk] = self.stage_terms(kk, self.a[kk], self.b[kk])
+        self.link[k] = self.cost.link_arrays(
+            self.node[k : k + 1], self.node[k + 1 : k + 2], self.b[k : k + 1]
+        )[0]
+
+
 def _polish(
     cost: CostModel, stages: list[Stage], objective: str, max_moves: int = 5000
 ) -> list[Stage]:
@@ -164,97 +263,21 @@ def _polish(
     even out). For ``1f1b`` the GPipe closed form stands in for the objective.
     """
     st = np.asarray(stages, dtype=int).reshape(-1, 3)
-    node, a, b = st[:, 0].copy(), st[:, 1].copy(), st[:, 2].copy()
-    S = len(node)
-    if S < 2:
+    if len(st) < 2:
         return [tuple(int(v) for v in r) for r in st]
-    M = cost.schedule.microbatches
-    seq = cost.schedule.kind == "sequential"
-    inflight = np.array([cost.inflight(k, S) for k in range(S)])
-    cap = cost.capacity[node]
-    ks = np.arange(S - 1)
-    is_last = np.zeros(S, dtype=bool)
-    is_last[-1] = True
-
-    def stage_terms(k: np.ndarray, aa: np.ndarray, bb: np.ndarray) -> tuple:
-        i = node[k]
-        f = cost.fwd_prefix[i, bb + 1] - cost.fwd_prefix[i, aa]
-        bw = cost.bwd_prefix[i, bb + 1] - cost.bwd_prefix[i, aa]
-        if cost.relay:
-            bw = bw + np.where(is_last[k], 0.0, f)
-            msgs = np.where(is_last[k], 1.0, 2.0)
-            state = cost.state_prefix[bb + 1] - cost.state_prefix[aa]
-            over = msgs * (cost.latency[i] + cost.state_rate[i] * state)
-        else:
-            over = np.zeros(len(k))
-        return f, bw, over
-
-    f, bw, over = stage_terms(np.arange(S), a, b)
-    link = cost.link_arrays(node[:-1], node[1:], b[:-1])
-
-    def value(f, bw, link, over):  # noqa: ANN001, ANN202
-        c = f + bw
-        if objective == "throughput":
-            return max(c.max(), link.max())
-        if seq:
-            return M * (c.sum() + 2 * link.sum()) + over.sum()
-        return (
-            c.sum()
-            + 2 * link.sum()
-            + over.sum()
-            + (M - 1) * (max(f.max(), link.max()) + max(bw.max(), link.max()))
-        )
-
-    best = (float(value(f, bw, link, over)), float(((f + bw) ** 2).sum()))
+    p = _Polisher(cost, st, objective)
+    best = (float(p.value()), float(((p.f + p.bw) ** 2).sum()))
     for _ in range(max_moves):
-        c = f + bw
         top = None
         for delta in (-1, 1):
-            nb, na1 = b[:-1] + delta, a[1:] + delta
-            ok = (nb >= a[:-1]) & (na1 <= b[1:])
-            k = ks[ok]
-            if len(k) == 0:
-                continue
-            k1 = k + 1
-            f0, b0, o0 = stage_terms(k, a[k], nb[ok])
-            f1, b1, o1 = stage_terms(k1, na1[ok], b[k1])
-            mem0 = cost.memory_arrays(a[k], nb[ok], inflight[k])
-            mem1 = cost.memory_arrays(na1[ok], b[k1], inflight[k1])
-            fits = (mem0 <= cap[k]) & (mem1 <= cap[k1])
-            if not fits.any():
-                continue
-            k, k1 = k[fits], k1[fits]
-            f0, b0, o0, f1, b1, o1 = (v[fits] for v in (f0, b0, o0, f1, b1, o1))
-            lk = cost.link_arrays(node[k], node[k1], b[k] + delta)
-            c0, c1 = f0 + b0, f1 + b1
-            csum = c.sum() - c[k] - c[k1] + c0 + c1
-            lsum = link.sum() - link[k] + lk
-            osum = over.sum() - over[k] - over[k1] + o0 + o1
-            l_max = np.maximum(_excl_max(link, k, k), lk)
-            if objective == "throughput":
-                v = np.maximum(np.maximum(_excl_max(c, k, k1), np.maximum(c0, c1)), l_max)
-            elif seq:
-                v = M * (csum + 2 * lsum) + osum
-            else:
-                fm = np.maximum(_excl_max(f, k, k1), np.maximum(f0, f1))
-                bm = np.maximum(_excl_max(bw, k, k1), np.maximum(b0, b1))
-                v = csum + 2 * lsum + osum
-                v = v + (M - 1) * (np.maximum(fm, l_max) + np.maximum(bm, l_max))
-            sq = (c * c).sum() - c[k] ** 2 - c[k1] ** 2 + c0**2 + c1**2
-            v = np.round(v, 12)
-            j = int(np.lexsort((sq, v))[0])
-            cand = ((float(v[j]), float(sq[j])), int(k[j]), delta)
-            if top is None or cand < top:
+            cand = p.best_move(delta)
+            if cand is not None and (top is None or cand < top):
                 top = cand
         if top is None or top[0] >= best:
             break
         best, k, delta = top
-        b[k] += delta
-        a[k + 1] += delta
-        kk = np.array([k, k + 1])
-        f[kk], bw[kk], over[kk] = stage_terms(kk, a[kk], b[kk])
-        link[k] = cost.link_arrays(node[k : k + 1], node[k + 1 : k + 2], b[k : k + 1])[0]
-    return [(int(i), int(x), int(y)) for i, x, y in zip(node, a, b, strict=True)]
+        p.move(k, delta)
+    return [(int(i), int(x), int(y)) for i, x, y in zip(p.node, p.a, p.b, strict=True)]
 
 
 def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
