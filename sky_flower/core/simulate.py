@@ -324,6 +324,17 @@ def simulate(
         k = stuck[0]
         raise RuntimeError(f"schedule {kind!r} deadlocks at stage {k}, op {orders[k][ptr[k]]}")
 
+    return _result(rec, orders, stage_free)
+
+
+def _result(
+    rec: list[tuple[float, float, int, int, str, int]],
+    orders: list[list[tuple[str, int]]],
+    stage_free: list[float],
+) -> SimResult:
+    """The :class:`SimResult` of a played step: ops sorted by start, busy seconds per
+    resource, peak micro-batches in flight per stage, step time."""
+    s = len(orders)
     stage_names = [f"stage{k}" for k in range(s)]
     fwd_names = [f"link{k}>{k + 1}" for k in range(s - 1)]
     bwd_names = [f"link{k + 1}>{k}" for k in range(s - 1)]
