@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -24,7 +25,30 @@ DP_STATE_LIMIT = 5_000_000  # node-kind count vectors for the exact throughput p
 SUM_DP_WORK_LIMIT = 3_000_000_000  # states x kinds x (L + 1)^2 for the one-pass programme
 
 
-class _PeriodDP:
+class _OverKinds:
+    """What both programmes share: the node kinds, their members, and the states (how
+    many nodes of each kind are in use)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        kinds = _kinds(cost)
+        self.kind_ids = sorted(set(kinds) - {-1})
+        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
+        self.counts = [len(self.members[t]) for t in self.kind_ids]
+        self.num_states = math.prod(n + 1 for n in self.counts)
+
+    def _stages(self, owner_end: int, steps: Iterable[tuple[int, int, int]]) -> list[Stage]:
+        """Stages from the owner's block ``[0, owner_end)`` and, in pipeline order, one
+        ``(kind position, first layer, end)`` per appended node; nodes of a kind are
+        taken in index order."""
+        pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
+        stages = [(self.cost.owner, 0, owner_end - 1)]
+        for t, p, e in steps:
+            stages.append((pool[t].pop(0), p, e - 1))
+        return stages
+
+
+class _PeriodDP(_OverKinds):
     """Exact minimum period (``throughput``) when every pair of nodes has the same link.
 
     For a cap ``T`` on every stage's ``F + B`` and every link, a dynamic programme over
@@ -40,12 +64,7 @@ class _PeriodDP:
     """
 
     def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-        kinds = _kinds(cost)
-        self.kind_ids = sorted(set(kinds) - {-1})
-        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
-        self.counts = [len(self.members[t]) for t in self.kind_ids]
-        self.num_states = math.prod(n + 1 for n in self.counts)
+        super().__init__(cost)
         self._levels: list[np.ndarray] | None = None
         L, N = cost.num_layers, cost.num_nodes
         r = 2.0 if cost.relay else 1.0
@@ -152,11 +171,7 @@ class _PeriodDP:
                     prev = node_idx - strides[t]
                     steps.append((t, int(reach[prev]), int(reach[node_idx])))
                     node_idx = prev
-                pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
-                stages = [(cost.owner, 0, e0 - 1)]
-                for t, p0, e in reversed(steps):
-                    stages.append((pool[t].pop(0), p0, e - 1))
-                return stages
+                return self._stages(e0, reversed(steps))
         return None
 
     def solve(self, upper: float, deadline: float) -> tuple:
@@ -178,7 +193,7 @@ class _PeriodDP:
         return best, False
 
 
-class _SumDP:
+class _SumDP(_OverKinds):
     """Exact minimum step for one pass (``sequential``, or any schedule with M = 1) on
     the ``direct`` transport when every pair of nodes has the same link.
 
@@ -190,12 +205,7 @@ class _SumDP:
     """
 
     def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-        kinds = _kinds(cost)
-        self.kind_ids = sorted(set(kinds) - {-1})
-        self.members = {t: [i for i, k in enumerate(kinds) if k == t] for t in self.kind_ids}
-        self.counts = [len(self.members[t]) for t in self.kind_ids]
-        self.num_states = math.prod(n + 1 for n in self.counts)
+        super().__init__(cost)
         L = cost.num_layers
         self.work = self.num_states * max(len(self.kind_ids), 1) * (L + 1) ** 2
 
@@ -258,8 +268,4 @@ class _SumDP:
             t, p = int(arg_t[idx, e]), int(arg_p[idx, e])
             steps.append((t, p, e))
             idx, e = idx - strides[t], p
-        pool = {t: list(self.members[tid]) for t, tid in enumerate(self.kind_ids)}
-        stages = [(cost.owner, 0, e - 1)]
-        for t, p, e2 in reversed(steps):
-            stages.append((pool[t].pop(0), p, e2 - 1))
-        return stages
+        return self._stages(e, reversed(steps))
