@@ -1,4 +1,4 @@
-"""Worker side of Hermes and its baselines (:mod:`sky_flower.strategies.hermes`), and
+"""Worker side of Hermes and its baselines (server side: ``strategies/hermes.py``), and
 their data layout.
 
 =========================  ============================================================
@@ -39,7 +39,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from sky_flower.emulation.devices import Emulation
-from sky_flower.gossip.client import node_position, vector_record
+from sky_flower.flower.vectors import node_position, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import SignificanceGate
 from sky_flower.pipeline.data import Split
