@@ -245,12 +245,13 @@ def _decentralized(num_nodes: int, rounds: int):  # noqa: ANN202
 def test_detag_through_the_exchange_equals_the_fast_path():
     """The decentralized strategy in this process (4 nodes on a ring, sorted data,
     phases of 2 rounds): its rows are the benchmark's one-process rows."""
+    from sky_flower.strategies.decentralized import DeTAGStrategy
+
     from sky_flower.bench.decentralized import simulate
     from sky_flower.flower.vectors import vector_record
     from sky_flower.gossip.matrices import gossip_matrix
     from sky_flower.gossip.training import node_splits
     from sky_flower.pipeline.data import load_split
-    from sky_flower.strategies.decentralized import DeTAGStrategy
 
     model, app = _decentralized(4, 8)
     train, test = load_split("digits", 0.2, 0)
@@ -287,9 +288,10 @@ def test_detag_through_the_exchange_equals_the_fast_path():
 
 
 def test_a_silent_decentralized_node_is_named_by_position():
+    from sky_flower.strategies.decentralized import DecentralizedNodeError, DPSGDStrategy
+
     from sky_flower.flower.vectors import vector_record
     from sky_flower.gossip.matrices import gossip_matrix
-    from sky_flower.strategies.decentralized import DecentralizedNodeError, DPSGDStrategy
 
     model, app = _decentralized(3, 2)
     grid = HoldingGrid(app, 3)
