@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
-from flwr.serverapp import Grid
+from reference import ProcessPerMessageGrid
 
 from sky_flower.flower.exchange import Exchange, NodeError, short_reason
 
@@ -31,67 +30,46 @@ def server_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, attr, value)
 
 
-class HoldingGrid(Grid):
-    """Runs a ClientApp's handlers in this process as the simulation engine does (one
-    ``Context`` per node, ``partition-id`` = position; a handler's exception becomes an
-    error reply), and can hold a node's replies back: ``hold[node_id]`` pulls before they
-    show (``None``: never). Counts ``pull_messages`` calls in ``pulls``."""
+NEVER = -1  # a hold that never ends
+
+
+class HoldingGrid(ProcessPerMessageGrid):
+    """:class:`reference.ProcessPerMessageGrid` (a ClientApp's handlers run in this
+    process as a SuperNode runs them, node ``i`` with ``partition-id`` ``i``), plus what
+    the engines do and it does not: a handler's exception becomes an error reply. It can
+    hold a node's replies back: ``hold[node_id]`` pulls before they show (``NEVER``), and
+    counts ``pull_messages`` calls in ``pulls``."""
 
     def __init__(self, app: ClientApp, num_nodes: int, hold: dict | None = None) -> None:
-        self.app = app
-        self.ids = list(range(101, 101 + num_nodes))
-        self.contexts = {
-            nid: Context(
-                run_id=1,
-                node_id=nid,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config={},
-            )
-            for i, nid in enumerate(self.ids)
-        }
+        configs = [{"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)]
+        super().__init__(lambda: app, configs, run_config={})
         self.hold = dict(hold or {})
-        self.waiting: dict[str, list] = {}  # message id -> [reply, pulls left or None]
+        self.left: dict[str, int] = {}  # message id -> pulls before its reply shows
         self.pulls = 0
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
-            mid = str(uuid.uuid4())
-            msg.metadata.__dict__["_message_id"] = mid
-            nid = msg.metadata.dst_node_id
             try:
-                reply = self.app(msg, self.contexts[nid])
-            except Exception as ex:  # noqa: BLE001 - as the engine reports it
+                (mid,) = super().push_messages([msg])
+            except Exception as ex:  # noqa: BLE001 - as the engines report it
+                mid = msg.metadata.message_id
                 reason = str(type(ex)) + ":<'" + str(ex) + "'>"
-                reply = Message(
-                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg
-                )
-            self.waiting[mid] = [reply, self.hold.get(nid, 0)]
+                error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+                self.replies[mid] = Message(error, reply_to=msg)
+            self.left[mid] = self.hold.get(msg.metadata.dst_node_id, 0)
             ids.append(mid)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         self.pulls += 1
-        out = []
-        for mid in list(message_ids):
-            entry = self.waiting.get(mid)
-            if entry is None or entry[1] is None:
-                continue
-            if entry[1] <= 0:
-                out.append(self.waiting.pop(mid)[0])
-            else:
-                entry[1] -= 1
-        return out
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.ids)
-
-    def _unused(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("Exchange does not use this")
-
-    create_message = send_and_receive = set_run = _unused
-    run = property(_unused)
+        shown = []
+        for mid in message_ids:
+            if self.left.get(mid, 0) > 0:
+                self.left[mid] -= 1
+            elif self.left.get(mid, 0) == 0:
+                shown.append(mid)
+        return super().pull_messages(shown)
 
 
 def echo_app() -> ClientApp:
@@ -144,7 +122,7 @@ def test_an_error_reply_raises_naming_exactly_the_failing_node_and_its_reason():
 
 
 def test_a_withheld_reply_raises_after_the_timeout_naming_that_node():
-    grid = HoldingGrid(echo_app(), 3, hold={103: None})
+    grid = HoldingGrid(echo_app(), 3, hold={103: NEVER})
     ex = Exchange(grid, timeout_s=0.3, poll_interval_s=0.01, describe=NAMES.get)
     t0 = time.monotonic()
     with pytest.raises(NodeError, match=r"no reply within 0\.3 s from gamma \(node 103\)") as info:
@@ -154,7 +132,7 @@ def test_a_withheld_reply_raises_after_the_timeout_naming_that_node():
 
 
 def test_a_per_push_timeout_overrides_the_default():
-    grid = HoldingGrid(echo_app(), 1, hold={101: None})
+    grid = HoldingGrid(echo_app(), 1, hold={101: NEVER})
     ex = Exchange(grid, timeout_s=60.0, poll_interval_s=0.01)
     t0 = time.monotonic()
     with pytest.raises(NodeError, match=r"no reply within 0\.2 s from node 101"):
@@ -163,7 +141,7 @@ def test_a_per_push_timeout_overrides_the_default():
 
 
 def test_the_stop_flag_ends_a_wait_from_another_thread():
-    grid = HoldingGrid(echo_app(), 2, hold={102: None})
+    grid = HoldingGrid(echo_app(), 2, hold={102: NEVER})
     stop = threading.Event()
     ex = Exchange(grid, timeout_s=60.0, poll_interval_s=0.01, stop=stop)
     threading.Timer(0.2, stop.set).start()
@@ -175,7 +153,7 @@ def test_the_stop_flag_ends_a_wait_from_another_thread():
 
 @pytest.mark.parametrize("interval", [0.02, 0.1])
 def test_the_poll_interval_is_honoured(interval):
-    grid = HoldingGrid(echo_app(), 1, hold={101: None})
+    grid = HoldingGrid(echo_app(), 1, hold={101: NEVER})
     ex = Exchange(grid, timeout_s=0.6, poll_interval_s=interval)
     with pytest.raises(NodeError):
         ex.request(messages(grid))
@@ -184,7 +162,7 @@ def test_the_poll_interval_is_honoured(interval):
 
 
 def test_wait_any_returns_the_first_arrivals_and_gives_up_at_until():
-    grid = HoldingGrid(echo_app(), 3, hold={101: 2, 102: None, 103: None})
+    grid = HoldingGrid(echo_app(), 3, hold={101: 2, 102: NEVER, 103: NEVER})
     ex = Exchange(grid, timeout_s=30.0, poll_interval_s=0.005, describe=NAMES.get)
     ids = ex.push(messages(grid))
     (first,) = ex.wait_any()
@@ -196,7 +174,7 @@ def test_wait_any_returns_the_first_arrivals_and_gives_up_at_until():
 
 
 def test_drain_returns_within_its_bound_and_forgets_what_is_pending():
-    grid = HoldingGrid(echo_app(), 2, hold={101: 1, 102: None})
+    grid = HoldingGrid(echo_app(), 2, hold={101: 1, 102: NEVER})
     ex = Exchange(grid, timeout_s=30.0, poll_interval_s=0.005)
     ex.push(messages(grid))
     t0 = time.monotonic()
@@ -303,8 +281,7 @@ def test_a_silent_decentralized_node_is_named_by_position():
     def push(msgs):  # noqa: ANN001, ANN202 - node 102 goes silent after the hello
         ids = original(msgs)
         if msgs[0].metadata.message_type == "train.dec_grad":
-            grid.hold[102] = None
-            grid.waiting[ids[1]][1] = None
+            grid.left[ids[1]] = NEVER
         return ids
 
     grid.push_messages = push
