@@ -32,7 +32,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
-from sky_flower.flower.vectors import vector_record
+from sky_flower.flower.vectors import order_by_position, vector_record
 from sky_flower.gossip.matrices import DecentralizedAlgorithm, GossipMatrix, make_algorithm
 
 
@@ -108,7 +108,7 @@ class DecentralizedStrategy(Strategy):
     def _describe(self, node_id: int) -> str | None:
         return f"position {self._ids.index(node_id)}" if node_id in self._ids else None
 
-    def _request(self, grid: Grid, messages: list[Message]) -> list[Message]:
+    def _request(self, messages: list[Message]) -> list[Message]:
         """Push ``messages``; return the replies in message order.
 
         Raises
@@ -116,14 +116,7 @@ class DecentralizedStrategy(Strategy):
         DecentralizedNodeError
             Naming the node(s) that timed out or replied with an error.
         """
-        if self._exchange is None or self._exchange.grid is not grid:
-            self._exchange = Exchange(
-                grid,
-                self.message_timeout_s,
-                self.poll_interval_s,
-                describe=self._describe,
-                error_cls=DecentralizedNodeError,
-            )
+        assert self._exchange is not None, "connect() first"
         return self._exchange.request(messages)
 
     def connect(self, grid: Grid) -> list[int]:
@@ -132,24 +125,23 @@ class DecentralizedStrategy(Strategy):
         Raises
         ------
         DecentralizedNodeError
-            Positions that are not exactly ``0..n-1``.
+            A node failed, or positions that are not exactly ``0..n-1``.
         """
         n = self.gossip.n
         node_ids, _ = sample_nodes(grid, n, n)
+        self._exchange = Exchange(
+            grid,
+            self.message_timeout_s,
+            self.poll_interval_s,
+            describe=self._describe,
+            error_cls=DecentralizedNodeError,
+        )
         hello = [
             Message(RecordDict(), dst_node_id=nid, message_type="query.dec_hello")
             for nid in node_ids
         ]
-        by_pos: dict[int, int] = {}
-        for reply in self._request(grid, hello):
-            pos = int(reply.content.metric_records["metrics"]["position"])
-            by_pos[pos] = reply.metadata.src_node_id
-        if sorted(by_pos) != list(range(n)):
-            raise DecentralizedNodeError(
-                f"nodes reported positions {sorted(by_pos)}, expected 0..{n - 1}",
-                node_ids=node_ids,
-            )
-        self._ids = [by_pos[i] for i in range(n)]
+        replies = order_by_position(self._request(hello), n, DecentralizedNodeError)
+        self._ids = [r.metadata.src_node_id for r in replies]
         return self._ids
 
     # --- Strategy interface ----------------------------------------------------------
@@ -276,14 +268,14 @@ class DecentralizedStrategy(Strategy):
         for step in range(steps):
             xbar = vector_record("x", alg.average)
             msgs = list(self.configure_train(step + 1, xbar, ConfigRecord({"step": step}), grid))
-            arrays, metrics = self.aggregate_train(step + 1, self._request(grid, msgs))
+            arrays, metrics = self.aggregate_train(step + 1, self._request(msgs))
             assert arrays is not None and metrics is not None
             self._close_row(float(metrics["avg_model_loss"]))  # type: ignore[arg-type]
             result.arrays = arrays
             result.train_metrics_clientapp[step + 1] = metrics
             self._record(result, step + 1, float(metrics["node_loss"]), evaluate_fn)  # type: ignore[arg-type]
         msgs = list(self.configure_evaluate(steps, result.arrays, ConfigRecord(), grid))
-        final = self.aggregate_evaluate(steps, self._request(grid, msgs))
+        final = self.aggregate_evaluate(steps, self._request(msgs))
         assert final is not None
         self._close_row(float(final["avg_model_loss"]))  # type: ignore[arg-type]
         log(
