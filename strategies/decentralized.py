@@ -2,9 +2,9 @@
 
 Flower has no peer-to-peer channel, so the server plays the network: it holds every
 node's model (and tracker) as a row of the ``(n, d)`` stack of the gossip core
-(:mod:`sky_flower.gossip.matrices`) and applies the gossip matrix; each node (a SuperNode running
-:class:`sky_flower.gossip.client.DecentralizedClient`) computes stochastic gradients on
-its own data. One *step* of an algorithm is one Flower message per node
+(:mod:`sky_flower.gossip.algorithms`) and applies the gossip matrix; each node (a
+SuperNode running :class:`sky_flower.gossip.client.DecentralizedClient`) computes
+stochastic gradients on its own data. One *step* of an algorithm is one Flower message per node
 (``train.dec_grad``) and costs ``rounds_per_step`` gossip rounds (DeTAG: a phase of
 ``R``; the others: 1). ``num_rounds`` in :meth:`DecentralizedStrategy.start` counts
 gossip (communication) rounds, so the algorithms are compared at equal communication.
@@ -33,7 +33,8 @@ from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
 from sky_flower.flower.vectors import order_by_position, vector_record
-from sky_flower.gossip.matrices import DecentralizedAlgorithm, GossipMatrix, make_algorithm
+from sky_flower.gossip.algorithms import DecentralizedAlgorithm, make_algorithm
+from sky_flower.gossip.matrices import GossipMatrix
 
 
 class DecentralizedNodeError(NodeError):
@@ -360,7 +361,7 @@ class DeTAGStrategy(DecentralizedStrategy):
     Algorithm 2): gradient tracking, accelerated gossip over a phase of ``R`` rounds
     (``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``), the gradient accumulated over
     ``R`` mini-batches per phase (each node gets one message per phase, asking for ``R``
-    mini-batches). See :class:`sky_flower.gossip.matrices.DeTAG`."""
+    mini-batches). See :class:`sky_flower.gossip.algorithms.DeTAG`."""
 
     algorithm_name = "detag"
 
