@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -288,3 +290,115 @@ def test_a_silent_decentralized_node_is_named_by_position():
     with pytest.raises(DecentralizedNodeError, match=r"position 1 \(node 102\)") as info:
         strategy.start(grid=grid, initial_arrays=vector_record("x", model.initial(0)), num_rounds=2)
     assert info.value.node_ids == [102] and info.value.nodes == ["position 1"]
+
+
+class ThreadedGrid(HoldingGrid):
+    """:class:`HoldingGrid` whose nodes handle their messages on their own threads, so
+    replies arrive in any order while others still run, as in the engines (the
+    asynchronous drivers and Hermes' readiness barrier need that). ``fail`` makes a
+    node's handler of one message type raise."""
+
+    def __init__(self, app: ClientApp, num_nodes: int, fail: tuple[int, str] = (0, "")) -> None:
+        super().__init__(app, num_nodes)
+        self.fail = fail
+        self.contexts = {
+            nid: Context(
+                run_id=1,
+                node_id=nid,
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
+            for i, nid in enumerate(self.ids)
+        }
+        self.pool = ThreadPoolExecutor(num_nodes)
+        self.futures: dict[str, Future] = {}
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            self.futures[mid] = self.pool.submit(self._handle, msg)
+            ids.append(mid)
+        return ids
+
+    def _handle(self, msg: Message) -> Message:
+        nid = msg.metadata.dst_node_id
+        try:
+            if (nid, msg.metadata.message_type) == self.fail:
+                raise RuntimeError(f"injected failure on node {nid}")
+            return self.app_fn()(msg, self.contexts[nid])
+        except Exception as ex:  # noqa: BLE001 - as the engines report it
+            reason = str(type(ex)) + ":<'" + str(ex) + "'>"
+            error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+            return Message(error, reply_to=msg)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        self.pulls += 1
+        done = [m for m in message_ids if m in self.futures and self.futures[m].done()]
+        return [self.futures.pop(m).result() for m in done]
+
+
+def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
+    from sky_flower.emulation.devices import Emulation
+    from sky_flower.gossip.training import FlatModel
+    from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data_fn
+    from sky_flower.sky.client import fleet_emulation
+
+    model = FlatModel(8)
+    load = hermes_data_fn(num_workers)
+    fleet = [Emulation(name=f"w{i}", slowdown=float(i)) for i in range(num_workers)]
+    device = NominalDevice(0.002, 0.0001)
+    app = HermesClient(model, load, num_workers, fleet_emulation(fleet), device).register(
+        ClientApp()
+    )
+    grid = ThreadedGrid(app, num_workers, fail)
+    common = {
+        "model": model,
+        "num_workers": num_workers,
+        "pool_size": len(load().pool),
+        "batch_size": 8,
+        "stop_at_target": False,
+        "max_time_s": 2.0,
+        "poll_interval_s": 0.005,
+    }
+    val = load().server_val
+    return model, grid, common, (lambda vec: model.evaluate(vec, val)["loss"])
+
+
+@pytest.mark.parametrize("name", ["hermes", "bsp"])
+def test_the_asynchronous_driver_runs_through_the_exchange(name):
+    """Hermes and BSP on 3 workers (slowdowns 0, 1, 2) for 2 s, replies taken as they
+    arrive: every round is counted, sent or minor; BSP runs in lockstep."""
+    from sky_flower.strategies.hermes import STRATEGIES
+
+    from sky_flower.flower.vectors import vector_record
+
+    model, grid, common, val_loss = _hermes(3)
+    extra = {"val_loss_fn": val_loss, "profile_repeats": 1} if name == "hermes" else {}
+    strategy = STRATEGIES[name](**common, **extra)
+    t0 = time.monotonic()
+    strategy.start(grid=grid, initial_arrays=vector_record("x", model.initial(0)))
+    assert time.monotonic() - t0 < 30
+    assert strategy.wall_time_s < 2.0 + 1.0 and len(strategy.timeline) >= 2
+    rows = strategy.worker_rows()
+    assert all(r["rounds"] == r["updates_sent"] + r["minor_rounds"] > 0 for r in rows)
+    if name == "bsp":
+        assert max(strategy.clock) - min(strategy.clock) <= 1
+    else:
+        assert strategy.benchmark is not None and min(strategy.searches) >= 1
+    assert not grid.futures  # the rounds still running at the end were drained
+
+
+def test_a_failing_worker_is_named_by_position():
+    from sky_flower.strategies.hermes import ASPStrategy, HermesNodeError
+
+    from sky_flower.flower.vectors import vector_record
+
+    model, grid, common, _ = _hermes(3, fail=(102, "train.hermes_round"))
+    strategy = ASPStrategy(**common)
+    with pytest.raises(HermesNodeError, match=r"worker 1 \(node 102\).*injected failure") as info:
+        strategy.start(grid=grid, initial_arrays=vector_record("x", model.initial(0)))
+    assert info.value.node_ids == [102] and info.value.nodes == ["worker 1"]
+    assert not hasattr(strategy, "wall_time_s")  # the run did not end
