@@ -19,6 +19,7 @@ from flwr.common.constant import ErrorCode
 from reference import ProcessPerMessageGrid
 
 from sky_flower.flower.exchange import Exchange, NodeError, short_reason
+from sky_flower.gossip.training import FlatModel
 
 
 @pytest.fixture(autouse=True)
@@ -340,13 +341,27 @@ class ThreadedGrid(HoldingGrid):
         return [self.futures.pop(m).result() for m in done]
 
 
+class ThreadSafeModel(FlatModel):
+    """FlatModel whose torch calls take turns: ``torch.func`` transforms are not safe to
+    run from several threads at once (the engines run each node in its own process)."""
+
+    lock = threading.Lock()
+
+    def loss_and_grad(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        with self.lock:
+            return super().loss_and_grad(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        with self.lock:
+            return super().evaluate(*args, **kwargs)
+
+
 def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
     from sky_flower.emulation.devices import Emulation
-    from sky_flower.gossip.training import FlatModel
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data_fn
     from sky_flower.sky.client import fleet_emulation
 
-    model = FlatModel(8)
+    model = ThreadSafeModel(8)
     load = hermes_data_fn(num_workers)
     fleet = [Emulation(name=f"w{i}", slowdown=float(i)) for i in range(num_workers)]
     device = NominalDevice(0.002, 0.0001)
