@@ -141,7 +141,7 @@ class DecentralizedStrategy(Strategy):
             Message(RecordDict(), dst_node_id=nid, message_type="query.dec_hello")
             for nid in node_ids
         ]
-        replies = order_by_position(self._request(hello), n, DecentralizedNodeError)
+        replies = order_by_position(self._request(hello), n, self._exchange)
         self._ids = [r.metadata.src_node_id for r in replies]
         return self._ids
 
@@ -185,11 +185,8 @@ class DecentralizedStrategy(Strategy):
             rec = reply.content.array_records.get("grad")
             if rec is None or "grad" not in rec or rec["grad"].shape != (grads.shape[1],):
                 nid = reply.metadata.src_node_id
-                raise DecentralizedNodeError(
-                    f"position {pos} (node {nid}): malformed gradient reply",
-                    nodes=[f"position {pos}"],
-                    node_ids=[nid],
-                )
+                assert self._exchange is not None
+                raise self._exchange.fail(f"{self._exchange.name(nid)}: malformed gradient", [nid])
             grads[pos] = rec["grad"].numpy()
             metrics = reply.content.metric_records["metrics"]
             losses.append(float(metrics["loss"]))

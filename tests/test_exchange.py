@@ -17,9 +17,19 @@ from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from reference import ProcessPerMessageGrid
+from sky_flower.strategies.decentralized import DecentralizedNodeError, DeTAGStrategy, DPSGDStrategy
+from sky_flower.strategies.hermes import STRATEGIES, ASPStrategy, HermesNodeError
 
+from sky_flower.bench.decentralized import simulate
+from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.exchange import Exchange, NodeError, short_reason
-from sky_flower.gossip.training import FlatModel
+from sky_flower.flower.vectors import vector_record
+from sky_flower.gossip.client import DecentralizedClient, heterogeneous_data_fn
+from sky_flower.gossip.matrices import gossip_matrix
+from sky_flower.gossip.training import FlatModel, node_splits
+from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data_fn
+from sky_flower.pipeline.data import load_split
+from sky_flower.sky.client import fleet_emulation
 
 
 @pytest.fixture(autouse=True)
@@ -207,16 +217,12 @@ def test_bad_settings_refused():
 
 # --- the strategies on it ------------------------------------------------------------
 def test_strategy_errors_are_node_errors():
-    from sky_flower.strategies.decentralized import DecentralizedNodeError
-    from sky_flower.strategies.hermes import HermesNodeError
 
     assert issubclass(DecentralizedNodeError, NodeError)
     assert issubclass(HermesNodeError, NodeError)
 
 
 def _decentralized(num_nodes: int, rounds: int):  # noqa: ANN202
-    from sky_flower.gossip.client import DecentralizedClient, heterogeneous_data_fn
-    from sky_flower.gossip.training import FlatModel
 
     model = FlatModel(8)
     app = DecentralizedClient(model, heterogeneous_data_fn(num_nodes, 0.0)).register(ClientApp())
@@ -226,13 +232,6 @@ def _decentralized(num_nodes: int, rounds: int):  # noqa: ANN202
 def test_detag_through_the_exchange_equals_the_fast_path():
     """The decentralized strategy in this process (4 nodes on a ring, sorted data,
     phases of 2 rounds): its rows are the benchmark's one-process rows."""
-    from sky_flower.strategies.decentralized import DeTAGStrategy
-
-    from sky_flower.bench.decentralized import simulate
-    from sky_flower.flower.vectors import vector_record
-    from sky_flower.gossip.matrices import gossip_matrix
-    from sky_flower.gossip.training import node_splits
-    from sky_flower.pipeline.data import load_split
 
     model, app = _decentralized(4, 8)
     train, test = load_split("digits", 0.2, 0)
@@ -260,10 +259,6 @@ def test_detag_through_the_exchange_equals_the_fast_path():
 
 
 def test_a_silent_decentralized_node_is_named_by_position():
-    from sky_flower.strategies.decentralized import DecentralizedNodeError, DPSGDStrategy
-
-    from sky_flower.flower.vectors import vector_record
-    from sky_flower.gossip.matrices import gossip_matrix
 
     model, app = _decentralized(3, 2)
     grid = HoldingGrid(app, 3)
@@ -348,9 +343,6 @@ class ThreadSafeModel(FlatModel):
 
 
 def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
-    from sky_flower.emulation.devices import Emulation
-    from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data_fn
-    from sky_flower.sky.client import fleet_emulation
 
     model = ThreadSafeModel(8)
     load = hermes_data_fn(num_workers)
@@ -377,9 +369,6 @@ def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
 def test_the_asynchronous_driver_runs_through_the_exchange(name):
     """Hermes and BSP on 3 workers (slowdowns 0, 1, 2) for 2 s, replies taken as they
     arrive: every round is counted, sent or minor; BSP runs in lockstep."""
-    from sky_flower.strategies.hermes import STRATEGIES
-
-    from sky_flower.flower.vectors import vector_record
 
     model, grid, common, val_loss = _hermes(3)
     extra = {"val_loss_fn": val_loss, "profile_repeats": 1} if name == "hermes" else {}
@@ -398,9 +387,6 @@ def test_the_asynchronous_driver_runs_through_the_exchange(name):
 
 
 def test_a_failing_worker_is_named_by_position():
-    from sky_flower.strategies.hermes import ASPStrategy, HermesNodeError
-
-    from sky_flower.flower.vectors import vector_record
 
     model, grid, common, _ = _hermes(3, fail=(102, "train.hermes_round"))
     strategy = ASPStrategy(**common)
@@ -408,3 +394,17 @@ def test_a_failing_worker_is_named_by_position():
         strategy.start(grid=grid, initial_arrays=vector_record("x", model.initial(0)))
     assert info.value.node_ids == [102] and info.value.nodes == ["worker 1"]
     assert not hasattr(strategy, "wall_time_s")  # the run did not end
+
+
+def test_nodes_reporting_the_same_position_are_all_named():
+    app = ClientApp()
+
+    @app.query("dec_hello")
+    def hello(msg: Message, context: Context) -> Message:
+        metrics = MetricRecord({"position": 0, "n": 1})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    strategy = DPSGDStrategy(gossip=gossip_matrix("complete", 3), poll_interval_s=0.0)
+    with pytest.raises(DecentralizedNodeError, match=r"positions \[0, 0, 0\], expected 0..2") as e:
+        strategy.connect(HoldingGrid(app, 3))
+    assert e.value.node_ids == [101, 102, 103]

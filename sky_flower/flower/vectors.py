@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 
-from sky_flower.flower.exchange import NodeError
+from sky_flower.flower.exchange import Exchange
 
 
 def vector_record(key: str, vec: np.ndarray) -> ArrayRecord:
@@ -42,7 +42,7 @@ def node_position(context: Context) -> int:
 
 
 def order_by_position(
-    replies: Sequence[Message], num_nodes: int, error_cls: type[NodeError] = NodeError
+    replies: Sequence[Message], num_nodes: int, exchange: Exchange
 ) -> list[Message]:
     """The hello replies of a fleet ordered by the ``position`` each reports in its
     ``metrics`` record (:func:`node_position` on the node side).
@@ -50,14 +50,14 @@ def order_by_position(
     Raises
     ------
     NodeError
-        Of ``error_cls``, naming every replying node, if the positions are not exactly
-        ``0 .. num_nodes - 1``.
+        Of ``exchange.error_cls``, naming every replying node, if the positions are not
+        exactly ``0 .. num_nodes - 1``.
     """
     by_pos = {int(r.content.metric_records["metrics"]["position"]): r for r in replies}  # type: ignore[arg-type]
     if len(replies) != num_nodes or sorted(by_pos) != list(range(num_nodes)):
         positions = sorted(int(r.content.metric_records["metrics"]["position"]) for r in replies)  # type: ignore[arg-type]
-        raise error_cls(
+        raise exchange.fail(
             f"nodes reported positions {positions}, expected 0..{num_nodes - 1}",
-            node_ids=[r.metadata.src_node_id for r in replies],
+            [r.metadata.src_node_id for r in replies],
         )
     return [by_pos[i] for i in range(num_nodes)]

@@ -41,7 +41,7 @@ def hello(
         ``pool_size``, or positions that are not exactly ``0 .. len(node_ids) - 1``.
     """
     replies = exchange.request(to_all(node_ids, HELLO))
-    replies = order_by_position(replies, len(node_ids), exchange.error_cls)
+    replies = order_by_position(replies, len(node_ids), exchange)
     for reply in replies:
         pool = int(reply.content.metric_records["metrics"]["pool"])  # type: ignore[arg-type]
         if pool != pool_size:
