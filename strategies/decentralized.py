@@ -33,6 +33,7 @@ from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
 from sky_flower.flower.vectors import order_by_position, vector_record
+from sky_flower.gossip import protocol
 from sky_flower.gossip.algorithms import DecentralizedAlgorithm, make_algorithm
 from sky_flower.gossip.matrices import GossipMatrix
 
@@ -138,8 +139,7 @@ class DecentralizedStrategy(Strategy):
             error_cls=DecentralizedNodeError,
         )
         hello = [
-            Message(RecordDict(), dst_node_id=nid, message_type="query.dec_hello")
-            for nid in node_ids
+            Message(RecordDict(), dst_node_id=nid, message_type=protocol.HELLO) for nid in node_ids
         ]
         replies = order_by_position(self._request(hello), n, self._exchange)
         self._ids = [r.metadata.src_node_id for r in replies]
@@ -165,7 +165,7 @@ class DecentralizedStrategy(Strategy):
             Message(
                 RecordDict({"x": vector_record("x", alg.x[i]), "xbar": xbar, "cfg": cfg}),
                 dst_node_id=nid,
-                message_type="train.dec_grad",
+                message_type=protocol.GRAD,
                 group_id=str(server_round),
             )
             for i, nid in enumerate(self._ids)
@@ -203,7 +203,7 @@ class DecentralizedStrategy(Strategy):
         """``query.dec_eval`` to every node: training loss of the averaged model."""
         xbar = vector_record("xbar", arrays["x"].numpy())
         return [
-            Message(RecordDict({"xbar": xbar}), dst_node_id=nid, message_type="query.dec_eval")
+            Message(RecordDict({"xbar": xbar}), dst_node_id=nid, message_type=protocol.EVAL)
             for nid in self._ids
         ]
 

@@ -23,6 +23,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from sky_flower.flower.vectors import node_position, vector_record
+from sky_flower.gossip.protocol import EVAL, GRAD, HELLO
 from sky_flower.gossip.training import FlatModel, minibatch_indices
 from sky_flower.pipeline.data import Split
 
@@ -45,9 +46,9 @@ class DecentralizedClient:
 
     def register(self, app: ClientApp) -> ClientApp:
         """Add the handlers to ``app`` and return it."""
-        app.query("dec_hello")(self.hello)
-        app.train("dec_grad")(self.grad)
-        app.query("dec_eval")(self.eval)
+        app.query(HELLO.removeprefix("query."))(self.hello)
+        app.train(GRAD.removeprefix("train."))(self.grad)
+        app.query(EVAL.removeprefix("query."))(self.eval)
         return app
 
     def hello(self, msg: Message, context: Context) -> Message:

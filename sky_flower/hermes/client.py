@@ -42,7 +42,7 @@ from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.vectors import node_position, vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import SignificanceGate
-from sky_flower.hermes.protocol import HELLO, PROFILE, ROUND, action
+from sky_flower.hermes.protocol import HELLO, PROFILE, ROUND
 from sky_flower.pipeline.data import Split
 
 MODEL_KEY, GATE_KEY = "hermes_model", "hermes_gate"
@@ -148,9 +148,9 @@ class HermesClient:
 
     def register(self, app: ClientApp) -> ClientApp:
         """Add the handlers to ``app`` and return it."""
-        app.query(action(HELLO))(self.hello)
-        app.query(action(PROFILE))(self.profile)
-        app.train(action(ROUND))(self.round)
+        app.query(HELLO.removeprefix("query."))(self.hello)
+        app.query(PROFILE.removeprefix("query."))(self.profile)
+        app.train(ROUND.removeprefix("train."))(self.round)
         return app
 
     # --- one emulated step -------------------------------------------------------------

@@ -17,11 +17,6 @@ from sky_flower.flower.vectors import order_by_position
 HELLO, PROFILE, ROUND = "query.hermes_hello", "query.hermes_profile", "train.hermes_round"
 
 
-def action(message_type: str) -> str:
-    """The handler name of ``message_type`` (``"query.hermes_hello"`` -> ``"hermes_hello"``)."""
-    return message_type.split(".", 1)[1]
-
-
 def to_all(ids: Sequence[int], message_type: str, cfg: ConfigRecord | None = None) -> list[Message]:
     """One ``message_type`` message to each node of ``ids`` (in order), carrying ``cfg``."""
     content = RecordDict() if cfg is None else RecordDict({"cfg": cfg})
