@@ -2,9 +2,9 @@
 
 Flower has no peer-to-peer channel, so the server plays the network: it holds every
 node's model (and tracker) as a row of the ``(n, d)`` stack of the gossip core
-(:mod:`sky_flower.gossip.matrices`) and applies the gossip matrix; each node (a SuperNode running
-:class:`sky_flower.gossip.client.DecentralizedClient`) computes stochastic gradients on
-its own data. One *step* of an algorithm is one Flower message per node
+(:mod:`sky_flower.gossip.algorithms`) and applies the gossip matrix; each node (a
+SuperNode running :class:`sky_flower.gossip.client.DecentralizedClient`) computes
+stochastic gradients on its own data. One *step* of an algorithm is one Flower message per node
 (``train.dec_grad``) and costs ``rounds_per_step`` gossip rounds (DeTAG: a phase of
 ``R``; the others: 1). ``num_rounds`` in :meth:`DecentralizedStrategy.start` counts
 gossip (communication) rounds, so the algorithms are compared at equal communication.
@@ -31,12 +31,16 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
-from sky_flower.gossip.client import vector_record
-from sky_flower.gossip.matrices import DecentralizedAlgorithm, GossipMatrix, make_algorithm
+from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.flower.vectors import order_by_position, vector_record
+from sky_flower.gossip import protocol
+from sky_flower.gossip.algorithms import DecentralizedAlgorithm, make_algorithm
+from sky_flower.gossip.matrices import GossipMatrix
 
 
-class DecentralizedNodeError(RuntimeError):
-    """A node failed, timed out, or replied with something malformed (named in the text)."""
+class DecentralizedNodeError(NodeError):
+    """A node failed, timed out, or replied with something malformed; ``node_ids`` and
+    ``nodes`` name it (``nodes``: ``"position <i>"``)."""
 
 
 class DecentralizedStrategy(Strategy):
@@ -57,14 +61,17 @@ class DecentralizedStrategy(Strategy):
         Seeds the nodes' mini-batch draws.
     message_timeout_s : float (default: 120.0)
         A node silent for longer fails the run, by position.
+    poll_interval_s : float (default: 0.002)
+        Pause (s) between two polls for replies (:class:`sky_flower.flower.exchange.Exchange`);
+        raise it against a real SuperLink, where every poll is an RPC.
     on_event : Callable[[str, dict], None], optional
         Called with ``("round", row)`` after each step.
 
     Raises
     ------
     ValueError
-        On a bad setting (``lr``, ``batch_size``, D2's ``lambda_min``), at construction,
-        before any node is contacted.
+        On a bad setting (``lr``, ``batch_size``, ``poll_interval_s``, D2's
+        ``lambda_min``), at construction, before any node is contacted.
     """
 
     algorithm_name: ClassVar[str] = ""
@@ -78,49 +85,41 @@ class DecentralizedStrategy(Strategy):
         seed: int = 0,
         message_timeout_s: float = 120.0,
         on_event: Callable[[str, dict], None] | None = None,
+        poll_interval_s: float = 0.002,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not message_timeout_s > 0 or not poll_interval_s >= 0:
+            raise ValueError(
+                f"message_timeout_s must be > 0 (got {message_timeout_s}) and "
+                f"poll_interval_s >= 0 (got {poll_interval_s})"
+            )
         self.gossip = gossip
         self.algorithm: DecentralizedAlgorithm = make_algorithm(
             self.algorithm_name, gossip, lr, phase_rounds
         )
         self.batch_size, self.seed = int(batch_size), int(seed)
         self.message_timeout_s = float(message_timeout_s)
+        self.poll_interval_s = float(poll_interval_s)
         self.on_event = on_event or (lambda kind, payload: None)
         self.rounds: list[dict[str, Any]] = []
         self._ids: list[int] = []  # node id of each gossip-matrix position
+        self._exchange: Exchange | None = None
 
     # --- messaging -------------------------------------------------------------------
-    def _exchange(self, grid: Grid, messages: list[Message]) -> list[Message]:
-        """Push ``messages``; return the replies in message order (polls every 2 ms).
+    def _describe(self, node_id: int) -> str | None:
+        return f"position {self._ids.index(node_id)}" if node_id in self._ids else None
+
+    def _request(self, messages: list[Message]) -> list[Message]:
+        """Push ``messages``; return the replies in message order.
 
         Raises
         ------
         DecentralizedNodeError
-            Naming the position(s) that timed out or replied with an error.
+            Naming the node(s) that timed out or replied with an error.
         """
-        ids = list(grid.push_messages(messages))
-        where = {mid: self._where(m.metadata.dst_node_id) for mid, m in zip(ids, messages)}  # noqa: B905
-        pending, got = set(ids), {}
-        deadline = time.monotonic() + self.message_timeout_s
-        while pending and time.monotonic() < deadline:
-            for reply in grid.pull_messages(pending):
-                got[reply.metadata.reply_to_message_id] = reply
-                pending.discard(reply.metadata.reply_to_message_id)
-            if pending:
-                time.sleep(0.002)
-        if pending or len(ids) != len(messages):
-            names = ", ".join(where[m] for m in pending) or "some nodes"
-            raise DecentralizedNodeError(f"no reply within {self.message_timeout_s:g} s: {names}")
-        errors = [f"{where[m]}: {got[m].error.reason}" for m in ids if got[m].has_error()]
-        if errors:
-            raise DecentralizedNodeError("node error: " + "; ".join(errors))
-        return [got[m] for m in ids]
-
-    def _where(self, node_id: int) -> str:
-        pos = self._ids.index(node_id) if node_id in self._ids else "?"
-        return f"node {node_id} (position {pos})"
+        assert self._exchange is not None, "connect() first"
+        return self._exchange.request(messages)
 
     def connect(self, grid: Grid) -> list[int]:
         """Wait for ``n`` nodes, ask each its position; return node ids by position.
@@ -128,23 +127,22 @@ class DecentralizedStrategy(Strategy):
         Raises
         ------
         DecentralizedNodeError
-            Positions that are not exactly ``0..n-1``.
+            A node failed, or positions that are not exactly ``0..n-1``.
         """
         n = self.gossip.n
         node_ids, _ = sample_nodes(grid, n, n)
+        self._exchange = Exchange(
+            grid,
+            self.message_timeout_s,
+            self.poll_interval_s,
+            describe=self._describe,
+            error_cls=DecentralizedNodeError,
+        )
         hello = [
-            Message(RecordDict(), dst_node_id=nid, message_type="query.dec_hello")
-            for nid in node_ids
+            Message(RecordDict(), dst_node_id=nid, message_type=protocol.HELLO) for nid in node_ids
         ]
-        by_pos: dict[int, int] = {}
-        for reply in self._exchange(grid, hello):
-            pos = int(reply.content.metric_records["metrics"]["position"])
-            by_pos[pos] = reply.metadata.src_node_id
-        if sorted(by_pos) != list(range(n)):
-            raise DecentralizedNodeError(
-                f"nodes reported positions {sorted(by_pos)}, expected 0..{n - 1}"
-            )
-        self._ids = [by_pos[i] for i in range(n)]
+        replies = order_by_position(self._request(hello), n, self._exchange)
+        self._ids = [r.metadata.src_node_id for r in replies]
         return self._ids
 
     # --- Strategy interface ----------------------------------------------------------
@@ -167,7 +165,7 @@ class DecentralizedStrategy(Strategy):
             Message(
                 RecordDict({"x": vector_record("x", alg.x[i]), "xbar": xbar, "cfg": cfg}),
                 dst_node_id=nid,
-                message_type="train.dec_grad",
+                message_type=protocol.GRAD,
                 group_id=str(server_round),
             )
             for i, nid in enumerate(self._ids)
@@ -186,9 +184,9 @@ class DecentralizedStrategy(Strategy):
             pos = self._ids.index(reply.metadata.src_node_id)
             rec = reply.content.array_records.get("grad")
             if rec is None or "grad" not in rec or rec["grad"].shape != (grads.shape[1],):
-                raise DecentralizedNodeError(
-                    f"{self._where(reply.metadata.src_node_id)}: malformed gradient reply"
-                )
+                nid = reply.metadata.src_node_id
+                assert self._exchange is not None
+                raise self._exchange.fail(f"{self._exchange.name(nid)}: malformed gradient", [nid])
             grads[pos] = rec["grad"].numpy()
             metrics = reply.content.metric_records["metrics"]
             losses.append(float(metrics["loss"]))
@@ -205,7 +203,7 @@ class DecentralizedStrategy(Strategy):
         """``query.dec_eval`` to every node: training loss of the averaged model."""
         xbar = vector_record("xbar", arrays["x"].numpy())
         return [
-            Message(RecordDict({"xbar": xbar}), dst_node_id=nid, message_type="query.dec_eval")
+            Message(RecordDict({"xbar": xbar}), dst_node_id=nid, message_type=protocol.EVAL)
             for nid in self._ids
         ]
 
@@ -263,43 +261,21 @@ class DecentralizedStrategy(Strategy):
         self.connect(grid)
         alg.reset(initial_arrays["x"].numpy())
         result = Result(arrays=initial_arrays)
-
-        def record(step: int, node_loss: float | None) -> None:
-            xbar = vector_record("x", alg.average)
-            row: dict[str, Any] = {
-                "round": step * alg.rounds_per_step,
-                "loss": None,  # filled in from the next step's replies
-                "node_loss": node_loss,
-                "consensus_distance": alg.consensus_distance(),
-            }
-            if evaluate_fn is not None and (res := evaluate_fn(step, xbar)) is not None:
-                result.evaluate_metrics_serverapp[step] = res
-                row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
-            self.rounds.append(row)
-
-        record(0, None)
+        self._record(result, 0, None, evaluate_fn)
         log(INFO, "%6s %10s %10s %10s %12s", "round", "loss", "node loss", "test acc", "consensus")
         for step in range(steps):
             xbar = vector_record("x", alg.average)
             msgs = list(self.configure_train(step + 1, xbar, ConfigRecord({"step": step}), grid))
-            arrays, metrics = self.aggregate_train(step + 1, self._exchange(grid, msgs))
+            arrays, metrics = self.aggregate_train(step + 1, self._request(msgs))
             assert arrays is not None and metrics is not None
-            self.rounds[-1]["loss"] = float(metrics["avg_model_loss"])  # type: ignore[arg-type]
-            self._log(self.rounds[-1])
-            self.on_event("round", self.rounds[-1])
+            self._close_row(float(metrics["avg_model_loss"]))  # type: ignore[arg-type]
             result.arrays = arrays
             result.train_metrics_clientapp[step + 1] = metrics
-            record(step + 1, float(metrics["node_loss"]))  # type: ignore[arg-type]
-        final = self.aggregate_evaluate(
-            steps,
-            self._exchange(
-                grid, list(self.configure_evaluate(steps, result.arrays, ConfigRecord(), grid))
-            ),
-        )
+            self._record(result, step + 1, float(metrics["node_loss"]), evaluate_fn)  # type: ignore[arg-type]
+        msgs = list(self.configure_evaluate(steps, result.arrays, ConfigRecord(), grid))
+        final = self.aggregate_evaluate(steps, self._request(msgs))
         assert final is not None
-        self.rounds[-1]["loss"] = float(final["avg_model_loss"])  # type: ignore[arg-type]
-        self._log(self.rounds[-1])
-        self.on_event("round", self.rounds[-1])
+        self._close_row(float(final["avg_model_loss"]))  # type: ignore[arg-type]
         log(
             INFO,
             "%s finished %d gossip rounds in %.1f s",
@@ -308,6 +284,34 @@ class DecentralizedStrategy(Strategy):
             time.time() - t_start,
         )
         return result
+
+    def _record(
+        self,
+        result: Result,
+        step: int,
+        node_loss: float | None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> None:
+        """Open the row of ``step`` (its ``loss`` comes with the next replies)."""
+        alg = self.algorithm
+        row: dict[str, Any] = {
+            "round": step * alg.rounds_per_step,
+            "loss": None,
+            "node_loss": node_loss,
+            "consensus_distance": alg.consensus_distance(),
+        }
+        xbar = vector_record("x", alg.average)
+        if evaluate_fn is not None and (res := evaluate_fn(step, xbar)) is not None:
+            result.evaluate_metrics_serverapp[step] = res
+            row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
+        self.rounds.append(row)
+
+    def _close_row(self, loss: float) -> None:
+        """Fill in the last row's ``loss`` (of the averaged model, from the nodes' own
+        data), log it and report it."""
+        self.rounds[-1]["loss"] = loss
+        self._log(self.rounds[-1])
+        self.on_event("round", self.rounds[-1])
 
     @staticmethod
     def _log(row: dict[str, Any]) -> None:
@@ -354,7 +358,7 @@ class DeTAGStrategy(DecentralizedStrategy):
     Algorithm 2): gradient tracking, accelerated gossip over a phase of ``R`` rounds
     (``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``), the gradient accumulated over
     ``R`` mini-batches per phase (each node gets one message per phase, asking for ``R``
-    mini-batches). See :class:`sky_flower.gossip.matrices.DeTAG`."""
+    mini-batches). See :class:`sky_flower.gossip.algorithms.DeTAG`."""
 
     algorithm_name = "detag"
 

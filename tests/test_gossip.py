@@ -9,16 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sky_flower.gossip.algorithms import ALGORITHMS, D2, DeTAG, make_algorithm
 from sky_flower.gossip.matrices import (
-    ALGORITHMS,
-    D2,
     TOPOLOGIES,
-    DeTAG,
     accelerated_gossip,
     acceleration_eta,
     consensus_distance,
     gossip_matrix,
-    make_algorithm,
     plain_gossip,
     torus_shape,
 )

@@ -1,6 +1,6 @@
 """Benchmark of D-PSGD, D2, DSGT and DeTAG (the fast path: one process, no Flower).
 
-Runs the same gossip core (:mod:`sky_flower.gossip.matrices`), model and mini-batch draws
+Runs the same gossip core (:mod:`sky_flower.gossip.algorithms`), model and mini-batch draws
 (:mod:`sky_flower.gossip.training`) as the Flower strategies, but with all ``n`` nodes'
 gradients computed at once (``torch.func.vmap``) in one process, so the whole grid of
 settings fits in minutes on 2 cores. ``tests/test_decentralized_sim.py`` checks that this
@@ -35,13 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sky_flower.gossip.matrices import (
-    ALGORITHMS,
-    TOPOLOGIES,
-    GossipMatrix,
-    gossip_matrix,
-    make_algorithm,
-)
+from sky_flower.gossip.algorithms import ALGORITHMS, make_algorithm
+from sky_flower.gossip.matrices import TOPOLOGIES, GossipMatrix, gossip_matrix
 from sky_flower.gossip.training import FlatModel, minibatch_indices, node_splits
 from sky_flower.pipeline.data import Split, load_split
 
@@ -84,7 +79,7 @@ def simulate(  # noqa: PLR0913
     Raises
     ------
     ValueError
-        As :func:`sky_flower.gossip.matrices.make_algorithm`; ``len(splits) != gossip.n``.
+        As :func:`sky_flower.gossip.algorithms.make_algorithm`; ``len(splits) != gossip.n``.
     """
     if len(splits) != gossip.n:
         raise ValueError(f"{len(splits)} data splits for {gossip.n} nodes")

@@ -16,6 +16,8 @@ Example
 >>> while ex.pending:
 ...     for reply in ex.poll():             # raises NodeError past a deadline
 ...         handle(reply)
+>>> for reply in ex.wait_any(until=end):    # asynchronous drivers: whatever arrived
+...     ex.raise_errors([reply])
 """
 
 from __future__ import annotations
@@ -201,6 +203,26 @@ class Exchange:
         if raise_errors:
             self.raise_errors(replies)
         return replies
+
+    def wait_any(self, until: float | None = None) -> list[Message]:
+        """Poll until at least one pending message is answered: the replies that arrived
+        (error replies included, in arrival order). For drivers that hand out new work
+        as soon as any reply is in (Hermes, ASP, SSP). Returns ``[]`` at once when nothing
+        is pending, or once ``time.monotonic()`` passes ``until`` (e.g. the end of a
+        wall-time budget) with no reply yet.
+
+        Raises
+        ------
+        NodeError
+            As :meth:`poll` (stop flag, a pending message past its deadline).
+        """
+        while self.deadline:
+            got = self.poll()
+            if got or (until is not None and time.monotonic() >= until):
+                return got
+            if self.poll_interval_s > 0:
+                time.sleep(self.poll_interval_s)
+        return []
 
     def raise_errors(self, replies: Sequence[Message]) -> None:
         """Raise one :class:`NodeError` naming every node whose reply is an error."""

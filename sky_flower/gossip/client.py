@@ -1,4 +1,4 @@
-"""ClientApp handlers of the decentralized strategies (:mod:`sky_flower.strategies.decentralized`).
+"""ClientApp handlers of the decentralized strategies (server: ``strategies/decentralized.py``).
 
 Flower has no peer-to-peer channel, so the server holds every node's model and applies
 the gossip matrix; a node only computes stochastic gradients on its own data.
@@ -19,23 +19,13 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from sky_flower.flower.vectors import node_position, vector_record
+from sky_flower.gossip.protocol import EVAL, GRAD, HELLO
 from sky_flower.gossip.training import FlatModel, minibatch_indices
 from sky_flower.pipeline.data import Split
-
-
-def vector_record(key: str, vec: np.ndarray) -> ArrayRecord:
-    """A flat vector (``(d,)``) as an ArrayRecord holding one float32 array ``key``."""
-    return ArrayRecord({key: Array(np.asarray(vec, dtype=np.float32))})
-
-
-def node_position(context: Context) -> int:
-    """This node's row in the gossip matrix: its simulation ``partition-id``, or
-    ``node_config["dec-position"]`` on a SuperNode."""
-    cfg = context.node_config
-    return int(cfg.get("dec-position", cfg.get("partition-id", 0)))
 
 
 class DecentralizedClient:
@@ -56,9 +46,9 @@ class DecentralizedClient:
 
     def register(self, app: ClientApp) -> ClientApp:
         """Add the handlers to ``app`` and return it."""
-        app.query("dec_hello")(self.hello)
-        app.train("dec_grad")(self.grad)
-        app.query("dec_eval")(self.eval)
+        app.query(HELLO.removeprefix("query."))(self.hello)
+        app.train(GRAD.removeprefix("train."))(self.grad)
+        app.query(EVAL.removeprefix("query."))(self.eval)
         return app
 
     def hello(self, msg: Message, context: Context) -> Message:

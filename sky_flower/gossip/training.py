@@ -5,7 +5,7 @@
   cut it into ``n`` equal contiguous parts (``X = 100``: IID; ``X = 0``: every node
   sees only one or two labels).
 - :class:`FlatModel`: a small MLP whose parameters are one flat vector (what the gossip
-  core of :mod:`sky_flower.gossip.matrices` averages), with the loss and gradient on a batch for
+  core of :mod:`sky_flower.gossip.algorithms` averages), with the loss and gradient on a batch for
   one node (the Flower client) or for all ``n`` nodes at once (the one-process
   benchmark, ``torch.func.vmap``); both compute the same numbers.
 - :func:`minibatch_indices`: the seeded mini-batch of a node at a step, shared by both

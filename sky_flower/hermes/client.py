@@ -1,4 +1,4 @@
-"""Worker side of Hermes and its baselines (:mod:`sky_flower.strategies.hermes`), and
+"""Worker side of Hermes and its baselines (server side: ``strategies/hermes.py``), and
 their data layout.
 
 =========================  ============================================================
@@ -39,9 +39,10 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from sky_flower.emulation.devices import Emulation
-from sky_flower.gossip.client import node_position, vector_record
+from sky_flower.flower.vectors import node_position, vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import SignificanceGate
+from sky_flower.hermes.protocol import HELLO, PROFILE, ROUND
 from sky_flower.pipeline.data import Split
 
 MODEL_KEY, GATE_KEY = "hermes_model", "hermes_gate"
@@ -147,9 +148,9 @@ class HermesClient:
 
     def register(self, app: ClientApp) -> ClientApp:
         """Add the handlers to ``app`` and return it."""
-        app.query("hermes_hello")(self.hello)
-        app.query("hermes_profile")(self.profile)
-        app.train("hermes_round")(self.round)
+        app.query(HELLO.removeprefix("query."))(self.hello)
+        app.query(PROFILE.removeprefix("query."))(self.profile)
+        app.train(ROUND.removeprefix("train."))(self.round)
         return app
 
     # --- one emulated step -------------------------------------------------------------
@@ -225,9 +226,9 @@ class HermesClient:
         cfg = msg.content.config_records["cfg"]
         pos, data, emu = self._position(context), self.load_data(), self.emulation_fn(context)
         if "global" in msg.content.array_records:
-            vec = msg.content.array_records["global"]["x"].numpy().astype(np.float64)
+            vec = vector_of(msg.content, "global")
         elif MODEL_KEY in context.state.array_records:
-            vec = context.state.array_records[MODEL_KEY]["x"].numpy().astype(np.float64)
+            vec = vector_of(context.state, MODEL_KEY)
         else:
             raise ValueError("first round without a global model: the server must send one")
         if vec.shape != (self.model.dim,):

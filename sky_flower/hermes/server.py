@@ -1,0 +1,275 @@
+"""The server's side of Hermes and its baselines without Flower: the per-worker book, the
+Hermes sizing (benchmark fit, dual binary search, straggler re-search) and the
+loss-weighted merge with its cached global loss. The rules themselves are in
+:mod:`sky_flower.hermes.core`; the Flower strategies (``strategies/hermes.py``) hold one
+of each and call them from their hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sky_flower.hermes.core import (
+    Sizes,
+    StepTimeModel,
+    is_straggler,
+    loss_weighted_merge,
+    search_sizes,
+    target_round_s,
+)
+
+
+def check_driver_settings(  # noqa: PLR0913
+    num_workers: int,
+    pool_size: int,
+    lr: float,
+    batch_size: int,
+    max_time_s: float,
+    poll_interval_s: float,
+) -> None:
+    """Check the asynchronous driver's settings (the gate's and SSP's:
+    :func:`sky_flower.hermes.core.validate_settings`).
+
+    Raises
+    ------
+    ValueError
+        Naming the first bad setting: ``num_workers < 1``, ``lr <= 0``, ``batch_size``
+        outside ``[1, pool_size // num_workers]`` (a worker's equal share),
+        ``max_time_s <= 0``, ``poll_interval_s < 0``.
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not 1 <= batch_size <= pool_size // num_workers:
+        raise ValueError(
+            f"batch_size={batch_size} must be in [1, {pool_size // num_workers}] "
+            "(a worker's equal share)"
+        )
+    if not max_time_s > 0:
+        raise ValueError(f"max_time_s must be > 0, got {max_time_s}")
+    if not poll_interval_s >= 0:
+        raise ValueError(f"poll_interval_s must be >= 0, got {poll_interval_s}")
+
+
+@dataclass
+class WorkerBook:
+    """Per-worker settings and counters, by position (lists of length ``n``).
+
+    Attributes
+    ----------
+    data, batch : list[int]
+        The share (samples per round) and mini-batch of each worker's next round.
+    clock : list[int]
+        Rounds completed.
+    updates_sent, minor_rounds : list[int]
+        Rounds whose model went back / that stayed local (Hermes' gate).
+    round_times : list[list[float]]
+        Measured training seconds of each completed round.
+    """
+
+    data: list[int]
+    batch: list[int]
+    clock: list[int] = field(default_factory=list)
+    updates_sent: list[int] = field(default_factory=list)
+    minor_rounds: list[int] = field(default_factory=list)
+    round_times: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def equal(cls, num_workers: int, pool_size: int, batch_size: int) -> WorkerBook:
+        """Every worker at its equal share ``pool_size // num_workers`` and ``batch_size``."""
+        n = num_workers
+        return cls(
+            data=[pool_size // n] * n,
+            batch=[batch_size] * n,
+            clock=[0] * n,
+            updates_sent=[0] * n,
+            minor_rounds=[0] * n,
+            round_times=[[] for _ in range(n)],
+        )
+
+    @property
+    def n(self) -> int:
+        """Number of workers."""
+        return len(self.data)
+
+    def count(self, worker: int, sent: bool, seconds: float) -> None:
+        """Count one completed round of ``worker`` (``sent``: its model went back) that
+        trained for ``seconds``."""
+        self.clock[worker] += 1
+        self.round_times[worker].append(float(seconds))
+        if sent:
+            self.updates_sent[worker] += 1
+        else:
+            self.minor_rounds[worker] += 1
+
+    def rows(self, slowdowns: Sequence[float]) -> list[dict[str, Any]]:
+        """Per worker: slowdown (``None`` if unknown), share, batch, rounds, updates sent,
+        minor rounds, median round time (s, ``None`` before its first round)."""
+        return [
+            {
+                "worker": w,
+                "slowdown": slowdowns[w] if slowdowns else None,
+                "data": self.data[w],
+                "batch": self.batch[w],
+                "rounds": self.clock[w],
+                "updates_sent": self.updates_sent[w],
+                "minor_rounds": self.minor_rounds[w],
+                "median_round_s": float(np.median(self.round_times[w]))
+                if self.round_times[w]
+                else None,
+            }
+            for w in range(self.n)
+        ]
+
+
+class HermesSizing:
+    """Hermes' speed-aware sizes: fit each worker's step time from the benchmark round,
+    set the target round to the median worker's at equal shares, search every worker's
+    share and batch for it; re-search a worker that turns straggler. Writes the sizes
+    into ``book.data`` / ``book.batch``.
+
+    Parameters
+    ----------
+    book : WorkerBook
+        The run's book (its equal shares are the benchmark's reference).
+    batch_size : int
+        Every worker's starting batch (the search's preferred batch).
+    data_range : (int, int)
+        Smallest and largest share the search may choose.
+    batch_range : (int, int)
+        Batches the search may choose.
+    straggler_tolerance : float
+        A straggler by the IQR fences is re-searched only if its round is also more than
+        this fraction off the target.
+    """
+
+    def __init__(
+        self,
+        book: WorkerBook,
+        batch_size: int,
+        data_range: tuple[int, int],
+        batch_range: tuple[int, int],
+        straggler_tolerance: float,
+    ) -> None:
+        self.book, self.batch_size = book, int(batch_size)
+        self.data_range, self.batch_range = data_range, batch_range
+        self.straggler_tolerance = float(straggler_tolerance)
+        self.step_models: list[StepTimeModel] = []
+        self.sizes: list[Sizes] = []
+        self.target_s = 0.0
+        self.searches = [0] * book.n  # size searches per worker (the first included)
+        self.straggler_events = [0] * book.n
+
+    def plan(self, measured: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
+        """Fit the step-time models from ``measured`` (per worker: batch sizes, median
+        seconds per step), set the target round (s), search every worker's sizes.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`sky_flower.hermes.core.StepTimeModel.fit` and
+            :func:`sky_flower.hermes.core.search_sizes`.
+        """
+        self.step_models = [StepTimeModel.fit(b, s) for b, s in measured]
+        self.target_s = target_round_s(self.step_models, self.book.data, self.book.batch)
+        self.sizes = []
+        for w in range(self.book.n):
+            self.search(w)
+
+    def search(self, worker: int) -> None:
+        """Search ``worker``'s sizes for the target round; write them into the book."""
+        sizes = search_sizes(
+            self.step_models[worker],
+            self.target_s,
+            self.batch_size,
+            self.data_range,
+            self.batch_range,
+        )
+        if len(self.sizes) <= worker:
+            self.sizes.append(sizes)
+        else:
+            self.sizes[worker] = sizes
+        self.book.data[worker], self.book.batch[worker] = sizes.data, sizes.batch
+        self.searches[worker] += 1
+
+    def check_straggler(self, worker: int) -> tuple[tuple[int, int], float] | None:
+        """After a round of ``worker``: if its latest round time is an outlier of every
+        worker's latest (and more than the tolerance off the target), rescale its step
+        model by measured / predicted and search again.
+
+        Returns
+        -------
+        ((data, batch), seconds) or None
+            Its sizes before the new search and its latest round time; ``None`` if
+            nothing changed.
+        """
+        times = self.book.round_times
+        if any(not t for t in times):
+            return None  # not every worker has a round time yet
+        latest = [t[-1] for t in times]
+        if not is_straggler(latest, worker):
+            return None
+        self.straggler_events[worker] += 1
+        if abs(latest[worker] / self.target_s - 1) <= self.straggler_tolerance:
+            return None  # balanced rounds make the fences tight: ignore jitter near the target
+        data, batch = self.book.data[worker], self.book.batch[worker]
+        predicted = self.step_models[worker].round_s(data, batch)
+        self.step_models[worker] = self.step_models[worker].scaled(latest[worker] / predicted)
+        self.search(worker)
+        return (data, batch), latest[worker]
+
+    def benchmark(
+        self,
+        slowdowns: Sequence[float],
+        measured: Sequence[tuple[Sequence[float], Sequence[float]]],
+    ) -> dict[str, Any]:
+        """The benchmark round as data: target round (s) and, per worker, its slowdown,
+        the timed batches, seconds per step, and the fitted model."""
+        return {
+            "target_round_s": self.target_s,
+            "workers": [
+                {
+                    "worker": w,
+                    "slowdown": slowdowns[w],
+                    "batches": list(measured[w][0]),
+                    "step_seconds": list(measured[w][1]),
+                    "overhead_s": self.step_models[w].overhead_s,
+                    "per_sample_s": self.step_models[w].per_sample_s,
+                }
+                for w in range(self.book.n)
+            ],
+        }
+
+
+class LossWeightedMerger:
+    """Hermes' server merge (:func:`sky_flower.hermes.core.loss_weighted_merge`) with the
+    global model's validation loss kept between merges.
+
+    Parameters
+    ----------
+    val_loss_fn : Callable[[np.ndarray], float]
+        Loss of a flat model ``(d,)`` on the server's validation split.
+    """
+
+    def __init__(self, val_loss_fn: Callable[[np.ndarray], float]) -> None:
+        self.val_loss_fn = val_loss_fn
+        self.global_loss: float | None = None
+
+    def merge(self, global_vec: np.ndarray, update: np.ndarray) -> np.ndarray:
+        """The new global model ``(d,)`` after merging ``update`` ``(d,)``.
+
+        Raises
+        ------
+        ValueError
+            As :func:`sky_flower.hermes.core.loss_weighted_merge` (shapes, losses).
+        """
+        if self.global_loss is None:
+            self.global_loss = self.val_loss_fn(global_vec)
+        merged = loss_weighted_merge(global_vec, self.global_loss, update, self.val_loss_fn(update))
+        self.global_loss = self.val_loss_fn(merged)
+        return merged
