@@ -58,8 +58,8 @@ from sky_flower.core.profile import (
     time_layers,
 )
 from sky_flower.emulation.devices import expand_fleet
+from sky_flower.jobs.common import conf_dir as _conf_dir
 from sky_flower.pipeline.models import build_model
-from sky_flower.run import _conf_dir
 
 MIB = 2**20
 ROW_FILE = "plan_row.json"

@@ -12,10 +12,8 @@ worker's share and batch, the target round time), ``results.json`` and ``model.p
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -28,28 +26,21 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import validate_settings
+from sky_flower.jobs.common import (
+    backend_config,
+    describe_error,
+    log,
+    one_log_stream,
+    write_json,
+)
 from sky_flower.pipeline.data import load_split
 
-log = logging.getLogger("sky_flower")
 NAMES = ("hermes", "bsp", "asp", "ssp")
 
 
 def is_hermes(cfg: DictConfig) -> bool:
     """True for ``strategy=hermes|bsp|asp|ssp``."""
     return str(OmegaConf.select(cfg, "strategy.name", default="sky")) in NAMES
-
-
-def write_hermes_results(out_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """Write ``results.json`` (also for a job refused before it started) and return it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_plain))
-    return payload
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, np.generic):
-        return v.item()
-    return str(v)
 
 
 @contextmanager
@@ -73,7 +64,7 @@ def concurrent_messages(n: int) -> Iterator[None]:
         vce_api.ThreadPoolExecutor = original  # type: ignore[misc]
 
 
-def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
+def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     """Run Hermes or a baseline for ``cfg``; write the output files; return the results.
 
     ``results.json``: ``strategy``, ``fleet``, ``target_accuracy``, ``time_to_target_s``
@@ -102,7 +93,6 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
 
     from sky_flower.gossip.client import vector_record
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
-    from sky_flower.run import _one_log_stream
     from sky_flower.sky.client import fleet_emulation
     from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
 
@@ -186,7 +176,7 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
         )
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    _one_log_stream()
+    one_log_stream()
     client_app = HermesClient(model, lambda: layout, n, fleet_emulation(fleet), device).register(
         ClientApp()
     )
@@ -206,22 +196,19 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
                 server_app=server_app,
                 client_app=client_app,
                 num_supernodes=n,
-                backend_config={
-                    "client_resources": {"num_cpus": per_worker, "num_gpus": 0.0},
-                    "init_args": {"num_cpus": cpus, "logging_level": "error"},
-                },
+                backend_config=backend_config(cpus, per_worker),
             )
         if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
             raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        cause = err.__cause__ or err
-        error = f"{type(cause).__name__}: {cause}"
+        error = describe_error(err)
         raise
     finally:
         results = _results(cfg, strategy, fleet, error)
-        write_hermes_results(out_dir, results)
-        (out_dir / "benchmark.json").write_text(
-            json.dumps(strategy.benchmark or {"note": f"{name}: no benchmark round"}, indent=2)
+        write_json(out_dir / "results.json", results)
+        write_json(
+            out_dir / "benchmark.json",
+            strategy.benchmark or {"note": f"{name}: no benchmark round"},
         )
         plan = {
             "strategy": name,
@@ -234,7 +221,7 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
         if isinstance(strategy, HermesStrategy):
             for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
                 row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
-        (out_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+        write_json(out_dir / "plan.json", plan)
         if strategy.global_vec is not None:
             params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
             torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
@@ -265,28 +252,32 @@ def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> 
     }
 
 
-def main_hermes(cfg: DictConfig, out_dir: Path, multirun: bool) -> None:
-    """What ``sky_flower.run.main`` does for Hermes and its baselines: run the job, log
-    the outcome; a failed job exits 1 (in a multirun it is recorded and the sweep goes on)."""
-    try:
-        results = run_hermes_job(cfg, out_dir)
-    except Exception as err:  # noqa: BLE001
-        cause = err.__cause__ or err
-        log.error("run failed: %s (outputs in %s)", cause, out_dir)
-        if not (out_dir / "results.json").exists():  # refused before it started
-            write_hermes_results(
-                out_dir,
-                {"strategy": str(cfg.strategy.name), "error": f"{type(cause).__name__}: {cause}"},
-            )
-        if multirun:
-            return
-        raise SystemExit(1) from None
-    log.info(
-        "[%s]: test accuracy %s reached %.3f at %s s; %d updates sent; outputs in %s",
-        results["strategy"],
-        results["final_test_accuracy"],
-        results["target_accuracy"],
-        "never" if results["time_to_target_s"] is None else f"{results['time_to_target_s']:.1f}",
-        results["updates_sent_total"],
-        out_dir,
-    )
+def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
+    """The ``results.json`` writer for a Hermes job refused before it started."""
+
+    def write(error: str) -> None:
+        write_json(out_dir / "results.json", {"strategy": str(cfg.strategy.name), "error": error})
+
+    return write
+
+
+def outcome(out_dir: Path) -> Callable[[dict[str, Any]], None]:
+    """Log a finished Hermes job's outcome."""
+
+    def report(results: dict[str, Any]) -> None:
+        log.info(
+            "[%s]: test accuracy %s reached %.3f at %s s; %d updates sent; outputs in %s",
+            results["strategy"],
+            results["final_test_accuracy"],
+            results["target_accuracy"],
+            "never"
+            if results["time_to_target_s"] is None
+            else f"{results['time_to_target_s']:.1f}",
+            results["updates_sent_total"],
+            out_dir,
+        )
+
+    return report
+
+
+run_hermes_job = run_job  # the name before sky_flower.jobs.common
