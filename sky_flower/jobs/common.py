@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,73 @@ def backend_config(cpus: int, per_node: float) -> dict[str, Any]:
         "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
         "init_args": {"num_cpus": cpus, "logging_level": "error"},
     }
+
+
+def simulate(
+    start: Callable[[Any], None],
+    client_app: Any,  # noqa: ANN401 - flwr.clientapp.ClientApp
+    num_supernodes: int,
+    cpus_per_node: tuple[int, float],
+    record: Callable[[str | None], dict[str, Any]],
+    check: Callable[[], None] = lambda: None,
+    on_error: Callable[[], None] = lambda: None,
+    engine: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, Any]:
+    """Run ``start(grid)`` as the ServerApp and ``client_app`` on ``num_supernodes``
+    nodes in Flower's simulation engine; return ``record(error)``, which also runs when
+    the run fails (with the error's description) before the error is re-raised.
+
+    Parameters
+    ----------
+    start : callable
+        ``(grid) -> None``: the strategy's run.
+    client_app : ClientApp
+        The nodes' app.
+    num_supernodes : int
+        Simulated nodes.
+    cpus_per_node : (int, float)
+        CPUs of this machine and each node's share (:func:`simulation_cpus`).
+    record : callable
+        ``(error or None) -> results``: writes the job's files.
+    check : callable
+        Called after the engine returns; raises if the run did not end (the ServerApp's
+        own error stays in the engine's log).
+    on_error : callable
+        Called first on a failure (e.g. to stop a ServerApp still waiting on nodes).
+    engine : callable
+        A context manager around the engine (e.g. a wider message thread pool).
+
+    Raises
+    ------
+    BaseException
+        Whatever the engine or ``check`` raised, after ``record``.
+    """
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Any, context: Any) -> None:  # noqa: ANN401 - Flower's Grid, Context
+        start(grid)
+
+    error: str | None = None
+    try:
+        with engine():
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=num_supernodes,
+                backend_config=backend_config(*cpus_per_node),
+            )
+        check()
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        on_error()
+        error = describe_error(err)
+        raise
+    finally:
+        results = record(error)
+    return results
 
 
 def plain(v: Any) -> Any:  # noqa: ANN401 - any JSON-bound value

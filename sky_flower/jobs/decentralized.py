@@ -20,10 +20,9 @@ from omegaconf import DictConfig
 from sky_flower.gossip.matrices import gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
 from sky_flower.jobs.common import (
-    backend_config,
-    describe_error,
     log,
     one_log_stream,
+    simulate,
     simulation_cpus,
     write_json,
 )
@@ -68,10 +67,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     sky_flower.strategies.decentralized.DecentralizedNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
-    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from sky_flower.gossip.client import (
         DecentralizedClient,
@@ -110,23 +107,34 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     steps_per = strategy.algorithm.rounds_per_step
     if int(s.rounds) < steps_per:
         raise ValueError(f"strategy.rounds={s.rounds} is shorter than one phase ({steps_per})")
-    cpus, per_node = simulation_cpus(cfg)
+    simulation_cpus(cfg)  # refuses a bad CPU share before anything starts
 
     def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
         res = model.evaluate(arrays["x"].numpy(), test)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     x0 = model.initial(seed)
-    server_app = ServerApp()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
+    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
         strategy.start(
             grid=grid,
             initial_arrays=vector_record("x", x0),
             num_rounds=int(s.rounds),
             evaluate_fn=evaluate,
         )
+
+    def check() -> None:
+        if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(
+            r["loss"] is None for r in strategy.rounds
+        ):
+            raise RuntimeError(
+                f"the ServerApp stopped after {len(strategy.rounds) - 1} of "
+                f"{int(s.rounds) // steps_per} steps (see the log above)"
+            )
+
+    def record(error: str | None) -> dict[str, Any]:
+        rows = [{k: _float(v) for k, v in r.items()} for r in strategy.rounds]
+        return write_decentralized_results(out_dir, cfg, gossip.describe(), rows, error)
 
     one_log_stream()
     load = heterogeneous_data_fn(n, float(s.homogeneity), test_fraction, seed)
@@ -140,28 +148,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         gossip.lambda_min,
         s.homogeneity,
     )
-    error: str | None = None
-    try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=n,
-            backend_config=backend_config(cpus, per_node),
-        )
-        if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(
-            r["loss"] is None for r in strategy.rounds
-        ):
-            raise RuntimeError(
-                f"the ServerApp stopped after {len(strategy.rounds) - 1} of "
-                f"{int(s.rounds) // steps_per} steps (see the log above)"
-            )
-    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        error = describe_error(err)
-        raise
-    finally:
-        rows = [{k: _float(v) for k, v in r.items()} for r in strategy.rounds]
-        results = write_decentralized_results(out_dir, cfg, gossip.describe(), rows, error)
-    return results
+    return simulate(start, client_app, n, simulation_cpus(cfg), record, check=check)
 
 
 def _float(v: Any) -> Any:  # noqa: ANN401 - a round row's value

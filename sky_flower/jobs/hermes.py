@@ -27,10 +27,9 @@ from sky_flower.emulation.devices import expand_fleet
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import validate_settings
 from sky_flower.jobs.common import (
-    backend_config,
-    describe_error,
     log,
     one_log_stream,
+    simulate,
     write_json,
 )
 from sky_flower.pipeline.data import load_split
@@ -86,15 +85,13 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     sky_flower.strategies.hermes.HermesNodeError
         If a worker fails; ``results.json`` is still written.
     """
-    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from sky_flower.gossip.client import vector_record
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
     from sky_flower.sky.client import fleet_emulation
-    from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
+    from sky_flower.strategies.hermes import STRATEGIES
 
     s = cfg.strategy
     name = str(s.name)
@@ -126,54 +123,25 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     if device.overhead_s < 0 or device.per_sample_s < 0:
         raise ValueError("strategy.device times must be >= 0")
 
-    def val_loss(vec: np.ndarray) -> float:
-        return model.evaluate(vec, layout.server_val)["loss"]
-
-    common: dict[str, Any] = {
-        "model": model,
-        "num_workers": n,
-        "pool_size": len(layout.pool),
-        "lr": float(s.lr),
-        "batch_size": int(s.batch_size),
-        "target_accuracy": float(s.target_accuracy),
-        "stop_at_target": bool(s.stop_at_target),
-        "max_time_s": float(s.max_time_s),
-        "staleness": int(s.staleness),
-        "seed": seed,
-        "message_timeout_s": float(cfg.message_timeout_s),
-    }
-    if name == "hermes":
-        strategy = HermesStrategy(
-            **common,
-            val_loss_fn=val_loss,
-            window=int(s.window),
-            threshold=float(s.threshold),
-            patience=int(s.patience),
-            relax=float(s.relax),
-            profile_batches=tuple(int(b) for b in s.profile_batches),
-            profile_repeats=int(s.profile_repeats),
-            batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
-            min_data=int(s.min_data),
-            straggler_tolerance=float(s.straggler_tolerance),
-        )
-    else:
-        strategy = STRATEGIES[name](**common)
+    strategy = _strategy(cfg, model, layout, n)
 
     def evaluate(k: int, arrays: ArrayRecord) -> MetricRecord:
         res = model.evaluate(arrays["x"].numpy(), test)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     x0 = model.initial(seed)
-    server_app = ServerApp()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
+    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
         strategy.start(
             grid=grid,
             initial_arrays=vector_record("x", x0),
             num_rounds=int(s.max_rounds),
             evaluate_fn=evaluate,
         )
+
+    def check() -> None:
+        if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
+            raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     one_log_stream()
@@ -189,42 +157,87 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
         len(layout.pool),
         float(s.target_accuracy),
     )
-    error: str | None = None
-    try:
-        with concurrent_messages(n):
-            run_simulation(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=n,
-                backend_config=backend_config(cpus, per_worker),
-            )
-        if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
-            raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
-    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        error = describe_error(err)
-        raise
-    finally:
-        results = _results(cfg, strategy, fleet, error)
-        write_json(out_dir / "results.json", results)
-        write_json(
-            out_dir / "benchmark.json",
-            strategy.benchmark or {"note": f"{name}: no benchmark round"},
-        )
-        plan = {
-            "strategy": name,
-            "target_round_s": getattr(strategy, "target_s", None),
-            "workers": [
-                {"worker": w, "data": strategy.data[w], "batch": strategy.batch[w]}
-                for w in range(n)
-            ],
-        }
-        if isinstance(strategy, HermesStrategy):
-            for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
-                row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
-        write_json(out_dir / "plan.json", plan)
-        if strategy.global_vec is not None:
-            params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
-            torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
+    return simulate(
+        start,
+        client_app,
+        n,
+        (cpus, per_worker),
+        partial(_write_outputs, out_dir, cfg, strategy, fleet, model),
+        check=check,
+        engine=partial(concurrent_messages, n),
+    )
+
+
+def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  # noqa: ANN401
+    """The Hermes or baseline strategy of ``cfg.strategy`` for ``n`` workers."""
+    from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
+
+    s = cfg.strategy
+
+    def val_loss(vec: np.ndarray) -> float:
+        return model.evaluate(vec, layout.server_val)["loss"]
+
+    common: dict[str, Any] = {
+        "model": model,
+        "num_workers": n,
+        "pool_size": len(layout.pool),
+        "lr": float(s.lr),
+        "batch_size": int(s.batch_size),
+        "target_accuracy": float(s.target_accuracy),
+        "stop_at_target": bool(s.stop_at_target),
+        "max_time_s": float(s.max_time_s),
+        "staleness": int(s.staleness),
+        "seed": int(cfg.seed),
+        "message_timeout_s": float(cfg.message_timeout_s),
+    }
+    if str(s.name) != "hermes":
+        return STRATEGIES[str(s.name)](**common)
+    return HermesStrategy(
+        **common,
+        val_loss_fn=val_loss,
+        window=int(s.window),
+        threshold=float(s.threshold),
+        patience=int(s.patience),
+        relax=float(s.relax),
+        profile_batches=tuple(int(b) for b in s.profile_batches),
+        profile_repeats=int(s.profile_repeats),
+        batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
+        min_data=int(s.min_data),
+        straggler_tolerance=float(s.straggler_tolerance),
+    )
+
+
+def _write_outputs(
+    out_dir: Path,
+    cfg: DictConfig,
+    strategy: Any,  # noqa: ANN401 - a Hermes or baseline strategy
+    fleet: list,
+    model: FlatModel,
+    error: str | None,
+) -> dict[str, Any]:
+    """Write ``results.json``, ``benchmark.json``, ``plan.json`` and ``model.pt``."""
+    from sky_flower.strategies.hermes import HermesStrategy
+
+    name, n = str(cfg.strategy.name), len(fleet)
+    results = write_json(out_dir / "results.json", _results(cfg, strategy, fleet, error))
+    write_json(
+        out_dir / "benchmark.json",
+        strategy.benchmark or {"note": f"{name}: no benchmark round"},
+    )
+    plan = {
+        "strategy": name,
+        "target_round_s": getattr(strategy, "target_s", None),
+        "workers": [
+            {"worker": w, "data": strategy.data[w], "batch": strategy.batch[w]} for w in range(n)
+        ],
+    }
+    if isinstance(strategy, HermesStrategy):
+        for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
+            row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
+    write_json(out_dir / "plan.json", plan)
+    if strategy.global_vec is not None:
+        params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
+        torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
     return results
 
 

@@ -21,10 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import (
     SkyRecorder,
-    backend_config,
-    describe_error,
     log,
     one_log_stream,
+    simulate,
     simulation_cpus,
     sky_results,
     write_json,
@@ -153,10 +152,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     sky_flower.strategies.sky.SkyNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
-    from flwr.app import ArrayRecord, Context
+    from flwr.app import ArrayRecord
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
+    from flwr.serverapp import Grid
 
     from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
     from sky_flower.strategies.sky import SkyStrategy
@@ -189,18 +187,6 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     evaluate = evaluate_fn_for(model_fn, inputs["test"])
     torch.manual_seed(settings.seed)
     initial = ArrayRecord(model_fn().state_dict())
-
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        strategy.start(
-            grid=grid,
-            initial_arrays=initial,
-            num_rounds=settings.num_rounds,
-            evaluate_fn=evaluate,
-        )
-
     client_app = SkyClient(
         model_fn=model_fn,
         load_data=owner_data_fn(
@@ -209,23 +195,27 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         emulation_fn=fleet_emulation(fleet),
     ).register(ClientApp())
 
-    error: str | None = None
-    try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=len(fleet),
-            backend_config=backend_config(inputs["cpus"], inputs["per_node"]),
+    def start(grid: Grid) -> None:
+        strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=settings.num_rounds,
+            evaluate_fn=evaluate,
         )
-    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        strategy.request_stop()  # the ServerApp thread may still be waiting on nodes
-        error = describe_error(err)
-        raise
-    finally:
-        results = recorder.write(error)
+
+    def record(error: str | None) -> dict[str, Any]:
         if strategy.global_arrays is not None:  # last good global model
             torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
-    return results
+        return recorder.write(error)
+
+    return simulate(
+        start,
+        client_app,
+        len(fleet),
+        (inputs["cpus"], inputs["per_node"]),
+        record,
+        on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
+    )
 
 
 def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
