@@ -53,7 +53,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _jobs(cfg: DictConfig, out_dir: Path) -> tuple[Callable, Callable, Callable]:
-    """``(run, refused, outcome)`` of the job ``cfg`` selects (see ``main_job``)."""
+    """``(run, refused, summary)`` of the job ``cfg`` selects (see ``main_job``)."""
     kind = job_for(cfg)
     if kind == "hermes":
         from sky_flower.jobs import hermes as job
@@ -61,7 +61,7 @@ def _jobs(cfg: DictConfig, out_dir: Path) -> tuple[Callable, Callable, Callable]
         from sky_flower.jobs import decentralized as job  # type: ignore[no-redef]
     else:
         from sky_flower.jobs import sky as job  # type: ignore[no-redef]
-    return job.run_job, job.refused(cfg, out_dir), job.outcome(out_dir)
+    return job.run_job, job.refused(cfg, out_dir), job.summary
 
 
 @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
@@ -70,8 +70,8 @@ def main(cfg: DictConfig) -> None:
     ``results.json`` carries the error) and the sweep goes on."""
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    run, refused, outcome = _jobs(cfg, out_dir)
-    main_job(run, refused, outcome, cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
+    run, refused, summary = _jobs(cfg, out_dir)
+    main_job(run, refused, summary, cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":

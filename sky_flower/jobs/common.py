@@ -176,13 +176,13 @@ def one_log_stream() -> None:
 def main_job(
     run: Callable[[DictConfig, Path], dict[str, Any]],
     refused: Callable[[str], None],
-    outcome: Callable[[dict[str, Any]], None],
+    summary: Callable[[dict[str, Any]], str],
     cfg: DictConfig,
     out_dir: Path,
     multirun: bool,
 ) -> None:
     """What the entry point does with a job: ``run(cfg, out_dir)``, then log its
-    ``outcome``. A failed job is logged; one refused before it wrote ``results.json``
+    ``summary`` line. A failed job is logged; one refused before it wrote ``results.json``
     gets one through ``refused(error)``; it exits 1 (in a multirun it is recorded and
     the sweep goes on).
 
@@ -200,7 +200,12 @@ def main_job(
         if multirun:
             return
         raise SystemExit(1) from None
-    outcome(results)
+    log.info("%s; outputs in %s", summary(results), out_dir)
+
+
+def number(v: float | None, digits: int = 4) -> str:
+    """``v`` with ``digits`` decimals, ``-`` for ``None`` (a summary line's figure)."""
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def sky_results(

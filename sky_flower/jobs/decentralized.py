@@ -21,6 +21,7 @@ from sky_flower.gossip.matrices import gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
 from sky_flower.jobs.common import (
     log,
+    number,
     one_log_stream,
     simulate,
     simulation_cpus,
@@ -164,21 +165,13 @@ def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
     return write
 
 
-def outcome(out_dir: Path) -> Callable[[dict[str, Any]], None]:
-    """Log a finished decentralized job's outcome."""
-
-    def report(results: dict[str, Any]) -> None:
-        log.info(
-            "[%s, %s, homogeneity %s%%]: final loss %.4f, test accuracy %.4f; outputs in %s",
-            results["strategy"],
-            results["network"]["topology"],
-            results["homogeneity"],
-            results["final_loss"],
-            results["final_test_accuracy"],
-            out_dir,
-        )
-
-    return report
+def summary(results: dict[str, Any]) -> str:
+    """A finished decentralized job's outcome in one line."""
+    head = f"[{results['strategy']}, {results['network']['topology']}, "
+    return (
+        f"{head}homogeneity {results['homogeneity']}%]: final loss "
+        f"{number(results['final_loss'])}, test accuracy {number(results['final_test_accuracy'])}"
+    )
 
 
 run_decentralized_job = run_job  # the name before sky_flower.jobs.common

@@ -274,23 +274,15 @@ def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
     return write
 
 
-def outcome(out_dir: Path) -> Callable[[dict[str, Any]], None]:
-    """Log a finished Hermes job's outcome."""
-
-    def report(results: dict[str, Any]) -> None:
-        log.info(
-            "[%s]: test accuracy %s reached %.3f at %s s; %d updates sent; outputs in %s",
-            results["strategy"],
-            results["final_test_accuracy"],
-            results["target_accuracy"],
-            "never"
-            if results["time_to_target_s"] is None
-            else f"{results['time_to_target_s']:.1f}",
-            results["updates_sent_total"],
-            out_dir,
-        )
-
-    return report
+def summary(results: dict[str, Any]) -> str:
+    """A finished Hermes job's outcome in one line."""
+    t = results["time_to_target_s"]
+    reached = "never" if t is None else f"{t:.1f}"
+    return (
+        f"[{results['strategy']}]: test accuracy {results['final_test_accuracy']} reached "
+        f"{results['target_accuracy']:.3f} at {reached} s; "
+        f"{results['updates_sent_total']} updates sent"
+    )
 
 
 run_hermes_job = run_job  # the name before sky_flower.jobs.common

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import (
     SkyRecorder,
-    log,
+    number,
     one_log_stream,
     simulate,
     simulation_cpus,
@@ -228,16 +228,7 @@ def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
     return write
 
 
-def outcome(out_dir: Path) -> Callable[[dict[str, Any]], None]:
-    """Log a finished Sky job's outcome."""
-
-    def report(results: dict[str, Any]) -> None:
-        log.info(
-            "[%s on %s]: final test accuracy %.4f; outputs in %s",
-            results["allocation"],
-            results["fleet"],
-            results["final_test_accuracy"],
-            out_dir,
-        )
-
-    return report
+def summary(results: dict[str, Any]) -> str:
+    """A finished Sky job's outcome in one line."""
+    where = f"[{results['allocation']} on {results['fleet']}]"
+    return f"{where}: final test accuracy {number(results['final_test_accuracy'])}"
