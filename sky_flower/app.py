@@ -10,24 +10,13 @@ A Flower app adopts Sky with two calls (see ``examples/sky-app``)::
     strategy = sky_strategy(context.run_config, model_fn=Net, input_shape=[64])
 
 Run config (``[tool.flwr.app.config]`` in the app's ``pyproject.toml``, overridable with
-``flwr run --run-config``), the names and values of the Hydra configs
-(``conf/config.yaml``, ``conf/allocation/*.yaml``, ``conf/fleet/*.yaml``):
-
-=====================  ===================================================================
-``allocation``         ``even`` | ``heuristic`` | ``optimal``
-``fleet``              a packaged fleet (``sky_flower.conf.fleet``: ``edge3``, ``edge4``, ...):
-                       the nodes' pipeline order and, in simulation, node ``i``'s device
-``transport``          ``relay`` (through the server) | ``direct`` (peer-to-peer, issue 4)
-``schedule-kind``      ``sequential`` (relay only) | ``gpipe`` | ``1f1b`` (``schedule.kind``)
-``direct-host``        ``transport=direct``: the address of the round's TCPStore (the
-                       ServerApp's host, reachable from every stage node; ``127.0.0.1``)
-``num-server-rounds``  rounds of split training
-``lr``, ``local-epochs``, ``steps-per-round``, ``batch-size``, ``microbatches``,
-``microbatches-per-message``, ``optimizer``, ``benchmark-repeats``, ``echo-repeats``,
-``state-probe-mb``, ``message-timeout-s``, ``direct-timeout-s``,
-``direct-join-timeout-s``: as ``train.*``, ``schedule.*``, ``benchmark.*`` in
-``conf/config.yaml``
-=====================  ===================================================================
+``flwr run --run-config``): the keys of :class:`sky_flower.sky.settings.SkySettings`, with
+its defaults (those of the Hydra configs ``conf/config.yaml``, ``conf/allocation/*.yaml``,
+``conf/transport/relay.yaml``), e.g. ``allocation`` (``even`` | ``heuristic`` |
+``optimal``), ``fleet`` (a packaged fleet, ``sky_flower.conf.fleet``: the nodes' pipeline
+order and, in simulation, node ``i``'s device), ``transport`` (``relay`` | ``direct``),
+``schedule-kind``, ``num-server-rounds``, ``lr``, ``max-failed-rounds``, ... and
+``results-path`` (write the run's ``results.json`` there; ``""``: none).
 
 :func:`validate_run_config` refuses an unknown key or value, listing the valid choices,
 before any node is contacted.
@@ -47,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
@@ -55,38 +45,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from sky_flower.emulation.devices import Emulation, expand_fleet
+from sky_flower.sky.settings import SkySettings, run_config_keys
 
 if TYPE_CHECKING:
     from sky_flower.pipeline.data import Split
 
-TRANSPORTS = ("relay", "direct")
-SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.core.cost (torch-free here)
-OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
-
-# run-config key -> (type, default); the defaults are conf/config.yaml's
-RUN_CONFIG_KEYS: dict[str, tuple[type, Any]] = {
-    "num-server-rounds": (int, 3),
-    "allocation": (str, "heuristic"),
-    "fleet": (str, "edge4"),
-    "transport": (str, "relay"),
-    "schedule-kind": (str, "sequential"),
-    "lr": (float, 1e-4),
-    "local-epochs": (float, 1.0),
-    "steps-per-round": (int, 0),
-    "batch-size": (int, 64),
-    "microbatches": (int, 1),
-    "microbatches-per-message": (int, 0),
-    "optimizer": (str, "adam"),
-    "benchmark-repeats": (int, 7),
-    "echo-repeats": (int, 7),
-    "state-probe-mb": (float, 64.0),
-    "message-timeout-s": (float, 120.0),
-    "direct-timeout-s": (float, 30.0),
-    "direct-join-timeout-s": (float, 60.0),
-    "direct-host": (str, "127.0.0.1"),
-}
-
-POLL_INTERVAL_S = 0.05  # the ServerApp's reply polling period under `flwr run`
+# run-config key -> (type, default): SkySettings' fields (sky_flower/sky/settings.py)
+RUN_CONFIG_KEYS: dict[str, tuple[type, Any]] = run_config_keys()
 
 # node-config key -> Emulation field
 NODE_CONFIG_KEYS = {
@@ -125,41 +90,29 @@ def load_fleet(name: str) -> tuple[Emulation, ...]:
 
 @dataclass(frozen=True)
 class SkyRunConfig:
-    """A validated run config (see the module docstring for the keys)."""
+    """A validated run config: its :class:`SkySettings` and the fleet's nodes."""
 
-    num_server_rounds: int
-    allocation: str
-    fleet: str
-    transport: str
-    schedule_kind: str
-    lr: float
-    local_epochs: float
-    steps_per_round: int
-    batch_size: int
-    microbatches: int
-    microbatches_per_message: int
-    optimizer: str
-    benchmark_repeats: int
-    echo_repeats: int
-    state_probe_mb: float
-    message_timeout_s: float
-    direct_timeout_s: float
-    direct_join_timeout_s: float
-    direct_host: str
+    settings: SkySettings
+
+    @property
+    def allocation(self) -> str:
+        """The allocation method."""
+        return self.settings.allocation
+
+    @property
+    def fleet(self) -> str:
+        """The packaged fleet's name."""
+        return self.settings.fleet
+
+    @property
+    def transport(self) -> str:
+        """``relay`` or ``direct``."""
+        return self.settings.schedule.transport
 
     @property
     def nodes(self) -> tuple[Emulation, ...]:
         """The fleet's nodes."""
-        return load_fleet(self.fleet)
-
-
-def _choice(key: str, value: str, choices: tuple[str, ...] | list[str]) -> str:
-    if value not in choices:
-        raise ValueError(
-            f"run config {key}={value!r} is not valid: choose one of {', '.join(choices)} "
-            f"(e.g. flwr run <app> --run-config \"{key}='{choices[0]}'\")"
-        )
-    return value
+        return load_fleet(self.settings.fleet)
 
 
 def validate_run_config(
@@ -177,78 +130,22 @@ def validate_run_config(
     Returns
     -------
     SkyRunConfig
-        With the defaults of ``conf/config.yaml`` for keys not set.
+        With :class:`SkySettings`' defaults (``conf/config.yaml``'s) for keys not set.
 
     Raises
     ------
     ValueError
-        On an unknown key (lists the valid keys), a value of the wrong type, or an
-        unknown ``allocation`` / ``fleet`` / ``transport`` / ``schedule-kind`` /
-        ``optimizer`` (lists the valid choices), ``schedule-kind='sequential'`` with
-        ``transport='direct'``, micro-batches that do not divide the batch, or a count
-        or timeout that is not positive.
+        As :meth:`SkySettings.from_run_config` (unknown key, wrong type, unknown choice,
+        a value outside its rule), or on an unknown ``fleet`` (lists the packaged ones).
     """
-    unknown = sorted(set(run_config) - set(RUN_CONFIG_KEYS) - set(app_keys))
-    if unknown:
+    settings = SkySettings.from_run_config(run_config, app_keys)
+    fleets = fleet_names()
+    if settings.fleet not in fleets:
         raise ValueError(
-            f"unknown run config key(s) {unknown}: valid keys are "
-            f"{', '.join(list(RUN_CONFIG_KEYS) + list(app_keys))}"
+            f"run config fleet={settings.fleet!r} is not valid: choose one of "
+            f"{', '.join(fleets)} (e.g. flwr run <app> --run-config \"fleet='{fleets[0]}'\")"
         )
-    values: dict[str, Any] = {}
-    for key, (kind, default) in RUN_CONFIG_KEYS.items():
-        raw = run_config.get(key, default)
-        if isinstance(raw, bool) or (kind is str and not isinstance(raw, str)):
-            raise ValueError(f"run config {key}={raw!r} must be a {kind.__name__}")
-        try:
-            value = kind(raw)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"run config {key}={raw!r} must be a {kind.__name__}") from err
-        if kind is int and value != raw:
-            raise ValueError(f"run config {key}={raw!r} must be an integer")
-        values[key.replace("-", "_")] = value
-    from sky_flower.core.partition import METHODS  # scipy: not imported on ClientApp start
-
-    _choice("allocation", values["allocation"], METHODS)
-    _choice("fleet", values["fleet"], fleet_names())
-    _choice("transport", values["transport"], TRANSPORTS)
-    _choice("schedule-kind", values["schedule_kind"], SCHEDULE_KINDS)
-    if values["transport"] == "direct" and values["schedule_kind"] == "sequential":
-        raise ValueError(
-            "run config schedule-kind='sequential' runs on transport='relay' only: with "
-            "transport='direct' choose one of gpipe, 1f1b "
-            "(e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
-        )
-    if values["batch_size"] % max(values["microbatches"], 1):
-        raise ValueError(
-            f"run config microbatches={values['microbatches']} must divide "
-            f"batch-size={values['batch_size']}"
-        )
-    mpm = values["microbatches_per_message"]
-    if mpm < 0 or (mpm and values["microbatches"] % mpm):
-        raise ValueError(
-            f"run config microbatches-per-message={mpm} must be 0 (the cost model picks it) "
-            f"or a divisor of microbatches={values['microbatches']}"
-        )
-    if not values["direct_timeout_s"] > 0 or not values["direct_join_timeout_s"] > 0:
-        raise ValueError("run config direct-timeout-s and direct-join-timeout-s must be > 0")
-    if not values["direct_host"].strip():
-        raise ValueError("run config direct-host must name the ServerApp's address")
-    _choice("optimizer", values["optimizer"], OPTIMIZERS)
-    for key in ("num_server_rounds", "batch_size", "microbatches", "benchmark_repeats"):
-        if values[key] < 1:
-            raise ValueError(f"run config {key.replace('_', '-')} must be >= 1, got {values[key]}")
-    for key, ok, rule in (
-        ("echo_repeats", values["echo_repeats"] >= 1, ">= 1"),
-        ("steps_per_round", values["steps_per_round"] >= 0, ">= 0 (0: use local-epochs)"),
-        ("lr", values["lr"] > 0, "> 0"),
-        ("local_epochs", values["local_epochs"] > 0, "> 0"),
-        ("state_probe_mb", values["state_probe_mb"] >= 0, ">= 0"),
-        ("message_timeout_s", values["message_timeout_s"] > 0, "> 0"),
-    ):
-        if not ok:
-            name = key.replace("_", "-")
-            raise ValueError(f"run config {name} must be {rule}, got {values[key]}")
-    cfg = SkyRunConfig(**values)
+    cfg = SkyRunConfig(settings)
     cfg.nodes  # noqa: B018 - loads and checks the fleet file now
     return cfg
 
@@ -261,6 +158,10 @@ def sky_strategy(
     **kwargs: Any,
 ) -> Any:  # noqa: ANN401 - sky_flower.strategies.sky.SkyStrategy, imported lazily
     """A :class:`sky_flower.strategies.sky.SkyStrategy` built from the run config.
+
+    With ``results-path`` set, the run's ``results.json`` (the Hydra job's structure,
+    :func:`sky_flower.jobs.common.sky_results`) is written there after every round and
+    at the end (:class:`sky_flower.jobs.common.SkyRecorder`).
 
     Parameters
     ----------
@@ -282,43 +183,26 @@ def sky_strategy(
         (e.g. a transport it does not run yet) and from the memory pre-check against the
         fleet's memory caps.
     """
-    from sky_flower.core.cost import Schedule
+    from sky_flower.jobs.common import SkyRecorder
     from sky_flower.strategies.sky import SkyStrategy
 
     cfg = validate_run_config(run_config, app_keys)
+    settings, nodes = cfg.settings, cfg.nodes
     strategy = SkyStrategy(
         model_fn=model_fn,
         input_shape=input_shape,
-        allocation=cfg.allocation,
-        schedule=Schedule(
-            batch_size=cfg.batch_size,
-            microbatches=cfg.microbatches,
-            kind=cfg.schedule_kind,  # type: ignore[arg-type]
-            transport=cfg.transport,  # type: ignore[arg-type]
-            microbatches_per_message=cfg.microbatches_per_message,
-        ),
-        optimizer=cfg.optimizer,
-        lr=cfg.lr,
-        local_epochs=cfg.local_epochs,
-        steps_per_round=cfg.steps_per_round,
-        node_order=[n.name for n in cfg.nodes],
-        min_nodes=len(cfg.nodes),
-        benchmark_repeats=cfg.benchmark_repeats,
-        echo_repeats=cfg.echo_repeats,
-        state_probe_bytes=int(cfg.state_probe_mb * 2**20),
-        message_timeout_s=cfg.message_timeout_s,
-        direct_timeout_s=cfg.direct_timeout_s,
-        direct_host=cfg.direct_host,
-        direct_join_timeout_s=cfg.direct_join_timeout_s,
-        **kwargs,
+        node_order=[n.name for n in nodes],
+        min_nodes=len(nodes),
+        **{**settings.strategy_kwargs(), **kwargs},
     )
-    # under `flwr run` every poll for replies is an HTTP call to the SuperLink: 2 ms polls
-    # would take the CPU from the nodes themselves (a SuperLink ran at 17 % CPU with
-    # 20 ms polls); hops cost about 0.05 s in simulation and seconds in deployment
-    strategy.poll_interval_s = POLL_INTERVAL_S
+    settings.configure(strategy)  # flwr run: polls every 0.05 s (see settings)
+    if settings.results_path:
+        SkyRecorder(Path(settings.results_path), settings.allocation, settings.fleet).attach(
+            strategy
+        )
     strategy.precheck(
-        [n.name for n in cfg.nodes],
-        [None if n.memory_mb is None else n.memory_mb * 2**20 for n in cfg.nodes],
+        [n.name for n in nodes],
+        [None if n.memory_mb is None else n.memory_mb * 2**20 for n in nodes],
     )
     return strategy
 

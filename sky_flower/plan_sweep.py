@@ -31,7 +31,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from sky_flower.plan import ROW_FILE
+from sky_flower.jobs.plan import ROW_FILE
 
 COLUMNS = [
     "job",

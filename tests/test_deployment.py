@@ -23,7 +23,6 @@ from sky_flower.deploy import (
     app_run_config,
     flower_processes,
     make_credentials,
-    parse_rounds,
     run_local,
 )
 
@@ -36,7 +35,7 @@ QUICK = (
 )
 
 
-def _run(tls: bool, workdir: Path) -> tuple[str, list[int]]:
+def _run(tls: bool, workdir: Path) -> tuple[str, list[int], dict]:
     return run_local(
         SKY_APP, "edge3", tls=tls, run_config=QUICK, workdir=workdir, timeout_s=540, echo=False
     )
@@ -64,7 +63,9 @@ def _run_node_leaving(workdir: Path) -> tuple[str, list[int], list[int]]:
         dep.start_superlink()
         dep.start_fleet(load_fleet("edge3"))
         threading.Thread(target=kill_phone_when_training_starts, daemon=True).start()
-        config = f"fleet='edge3' {QUICK}".replace("timeout-s=90.0", "timeout-s=45.0")
+        config = f"fleet='edge3' {QUICK} max-failed-rounds=1".replace(
+            "timeout-s=90.0", "timeout-s=45.0"
+        )
         text = dep.flwr_run(SKY_APP, config, timeout_s=540, echo=False)
     finally:
         left = dep.stop()
@@ -93,12 +94,13 @@ def test_sky_app_trains_on_superlink_with_3_supernodes_plain_and_tls(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         futures = {tls: pool.submit(_run, tls, d) for tls, d in dirs.items()}
         results = {tls: f.result(timeout=600) for tls, f in futures.items()}
-    for tls, (text, pids) in results.items():
+    for tls, (text, pids, saved) in results.items():
         mode = "tls" if tls else "plain"
         assert "Benchmark round:" in text and "Final results:" in text, (mode, text[-3000:])
         for name in ("phone", "cloud", "box"):
             assert name in text, (mode, name)
-        rows = parse_rounds(text)
+        assert saved["completed"] and not saved["error"], (mode, saved)
+        rows = _rows(saved)
         initial = [r["test_accuracy"] for r in rows if r["round"] == 0]
         trained = [r for r in rows if r["round"] > 0]
         assert initial and [r["round"] for r in trained] == [1, 2], (mode, rows)
@@ -127,7 +129,7 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     ServerApp's TCPStore on 127.0.0.1 and run a GPipe schedule peer to peer."""
     # allocation=even: one stage per SuperNode, so all 3 join the round's group
     config = f"{QUICK} allocation='even' transport='direct' schedule-kind='gpipe' microbatches=4"
-    text, pids = run_local(
+    text, pids, saved = run_local(
         SKY_APP, "edge3", run_config=config, workdir=tmp_path, timeout_s=540, echo=False
     )
     assert "Final results:" in text, text[-3000:]
@@ -138,7 +140,8 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
         table = text.split(f"Round {rnd} (direct, ", 1)[1].split("\n")[2:5]
         assert [ln.split()[:2] for ln in table] == [["0", "phone"], ["1", "cloud"], ["2", "box"]]
     assert "Round 1 failed" not in text and "Round 2 failed" not in text, text[-3000:]
-    rows = parse_rounds(text)
+    assert saved["completed"] and not saved["error"], saved
+    rows = _rows(saved)
     initial = [r["test_accuracy"] for r in rows if r["round"] == 0]
     trained = [r for r in rows if r["round"] > 0]
     assert initial and [r["round"] for r in trained] == [1, 2], rows
@@ -162,6 +165,22 @@ def _expected_rounds() -> list[dict[str, float]]:
         acc = round(task.test(model, test)[1], 4)
         rows.append({"test_accuracy": acc, "train_loss": round(sum(losses) / len(losses), 4)})
     return rows
+
+
+def _rows(saved: dict) -> list[dict[str, float]]:
+    """The run's results.json (written by the ServerApp, run config results-path) as
+    round rows: round 0 (the initial model's accuracy), then each trained round."""
+    rows = [{"round": 0, "test_accuracy": saved["initial_test_accuracy"]}]
+    for r in saved["rounds"]:
+        rows.append(
+            {
+                "round": r["round"],
+                "train_loss": r["train_loss"],
+                "test_accuracy": r["test_accuracy"],
+                "step_time_s": r["measured_step_time_s"],
+            }
+        )
+    return [r for r in rows if r["test_accuracy"] is not None]
 
 
 def rows_sorted(rows: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sky_flower.deploy import evaluate_accuracies, parse_rounds, run_local
+from sky_flower.deploy import round_accuracies, run_local
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_CONFIG = {
@@ -18,7 +18,7 @@ RUN_CONFIG = {
 @pytest.mark.simulation
 @pytest.mark.parametrize("app", ["fedavg-app", "sky-app"])
 def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_processes):
-    text, pids = run_local(
+    text, pids, results = run_local(
         EXAMPLES / app,
         "edge4",
         simulation=True,
@@ -29,11 +29,14 @@ def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_process
     )
     assert "(4 simulated SuperNodes)" in text, text[-3000:]
     assert "Final results:" in text, text[-3000:]
-    acc = evaluate_accuracies(text)
+    assert results["completed"] and not results["error"], results  # the app's results.json
+    acc = round_accuracies(results)
     assert sorted(acc) == [0, 1, 2], text[-3000:]
     assert acc[2] > acc[0] + 0.2  # untrained: ~0.1
     if app == "sky-app":  # the same per-round table as `make run`, and the plan
         assert "Benchmark round:" in text and "Plan (heuristic):" in text
-        assert [r["round"] for r in parse_rounds(text)] == [0, 1, 2]
+        assert results["initial_test_accuracy"] is not None
+        assert [r["round"] for r in results["rounds"]] == [1, 2]
+        assert all(r["measured_step_time_s"] > 0 for r in results["rounds"])
         for node in ("phone", "laptop", "cloud-gpu", "edge-box"):
             assert node in text

@@ -10,8 +10,7 @@ test split. Writes ``results.json`` into the job's output directory.
 
 from __future__ import annotations
 
-import json
-import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,15 @@ from omegaconf import DictConfig
 
 from sky_flower.gossip.matrices import gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
+from sky_flower.jobs.common import (
+    log,
+    number,
+    one_log_stream,
+    simulate,
+    simulation_cpus,
+    write_json,
+)
 from sky_flower.pipeline.data import load_split
-
-log = logging.getLogger("sky_flower")
 
 
 def write_decentralized_results(
@@ -43,12 +48,10 @@ def write_decentralized_results(
         "rounds": rounds,
         "error": error,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    return results
+    return write_json(out_dir / "results.json", results)
 
 
-def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run the decentralized job for ``cfg``; write ``results.json``; return the results.
 
     ``results.json``: the settings, ``network`` (topology, nodes, lambda_2, lambda_min,
@@ -65,17 +68,14 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     sky_flower.strategies.decentralized.DecentralizedNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
-    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from sky_flower.gossip.client import (
         DecentralizedClient,
         heterogeneous_data_fn,
         vector_record,
     )
-    from sky_flower.run import _one_log_stream
     from sky_flower.strategies.decentralized import STRATEGIES
 
     s = cfg.strategy
@@ -108,19 +108,15 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     steps_per = strategy.algorithm.rounds_per_step
     if int(s.rounds) < steps_per:
         raise ValueError(f"strategy.rounds={s.rounds} is shorter than one phase ({steps_per})")
-    from sky_flower.run import simulation_cpus
-
-    cpus, per_node = simulation_cpus(cfg)
+    simulation_cpus(cfg)  # refuses a bad CPU share before anything starts
 
     def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
         res = model.evaluate(arrays["x"].numpy(), test)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     x0 = model.initial(seed)
-    server_app = ServerApp()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
+    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
         strategy.start(
             grid=grid,
             initial_arrays=vector_record("x", x0),
@@ -128,7 +124,20 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             evaluate_fn=evaluate,
         )
 
-    _one_log_stream()
+    def check() -> None:
+        if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(
+            r["loss"] is None for r in strategy.rounds
+        ):
+            raise RuntimeError(
+                f"the ServerApp stopped after {len(strategy.rounds) - 1} of "
+                f"{int(s.rounds) // steps_per} steps (see the log above)"
+            )
+
+    def record(error: str | None) -> dict[str, Any]:
+        rows = [{k: _float(v) for k, v in r.items()} for r in strategy.rounds]
+        return write_decentralized_results(out_dir, cfg, gossip.describe(), rows, error)
+
+    one_log_stream()
     load = heterogeneous_data_fn(n, float(s.homogeneity), test_fraction, seed)
     client_app = DecentralizedClient(model, load).register(ClientApp())
     log.info(
@@ -140,57 +149,29 @@ def run_decentralized_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         gossip.lambda_min,
         s.homogeneity,
     )
-    error: str | None = None
-    try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=n,
-            backend_config={
-                "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
-                "init_args": {"num_cpus": cpus, "logging_level": "error"},
-            },
-        )
-        if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(
-            r["loss"] is None for r in strategy.rounds
-        ):
-            raise RuntimeError(
-                f"the ServerApp stopped after {len(strategy.rounds) - 1} of "
-                f"{int(s.rounds) // steps_per} steps (see the log above)"
-            )
-    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        cause = err.__cause__ or err
-        error = f"{type(cause).__name__}: {cause}"
-        raise
-    finally:
-        rows = [{k: _plain(v) for k, v in r.items()} for r in strategy.rounds]
-        results = write_decentralized_results(out_dir, cfg, gossip.describe(), rows, error)
-    return results
+    return simulate(start, client_app, n, simulation_cpus(cfg), record, check=check)
 
 
-def _plain(v: Any) -> Any:
+def _float(v: Any) -> Any:  # noqa: ANN401 - a round row's value
     return float(v) if isinstance(v, np.floating) else v
 
 
-def main_decentralized(cfg: DictConfig, out_dir: Path, multirun: bool) -> None:
-    """What ``sky_flower.run.main`` does for a decentralized strategy: run the job, log the
-    outcome; a failed job exits 1 (in a multirun it is recorded and the sweep goes on)."""
-    try:
-        results = run_decentralized_job(cfg, out_dir)
-    except Exception as err:  # noqa: BLE001
-        cause = err.__cause__ or err
-        log.error("run failed: %s (outputs in %s)", cause, out_dir)
-        if not (out_dir / "results.json").exists():  # refused before it started
-            write_decentralized_results(out_dir, cfg, None, [], f"{type(cause).__name__}: {cause}")
-        if multirun:
-            return
-        raise SystemExit(1) from None
-    log.info(
-        "[%s, %s, homogeneity %s%%]: final loss %.4f, test accuracy %.4f; outputs in %s",
-        results["strategy"],
-        results["network"]["topology"],
-        results["homogeneity"],
-        results["final_loss"],
-        results["final_test_accuracy"],
-        out_dir,
+def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
+    """The ``results.json`` writer for a decentralized job refused before it started."""
+
+    def write(error: str) -> None:
+        write_decentralized_results(out_dir, cfg, None, [], error)
+
+    return write
+
+
+def summary(results: dict[str, Any]) -> str:
+    """A finished decentralized job's outcome in one line."""
+    head = f"[{results['strategy']}, {results['network']['topology']}, "
+    return (
+        f"{head}homogeneity {results['homogeneity']}%]: final loss "
+        f"{number(results['final_loss'])}, test accuracy {number(results['final_test_accuracy'])}"
     )
+
+
+run_decentralized_job = run_job  # the name before sky_flower.jobs.common

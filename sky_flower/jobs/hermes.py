@@ -12,10 +12,8 @@ worker's share and batch, the target round time), ``results.json`` and ``model.p
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -28,28 +26,20 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import validate_settings
+from sky_flower.jobs.common import (
+    log,
+    one_log_stream,
+    simulate,
+    write_json,
+)
 from sky_flower.pipeline.data import load_split
 
-log = logging.getLogger("sky_flower")
 NAMES = ("hermes", "bsp", "asp", "ssp")
 
 
 def is_hermes(cfg: DictConfig) -> bool:
     """True for ``strategy=hermes|bsp|asp|ssp``."""
     return str(OmegaConf.select(cfg, "strategy.name", default="sky")) in NAMES
-
-
-def write_hermes_results(out_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """Write ``results.json`` (also for a job refused before it started) and return it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_plain))
-    return payload
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, np.generic):
-        return v.item()
-    return str(v)
 
 
 @contextmanager
@@ -73,7 +63,7 @@ def concurrent_messages(n: int) -> Iterator[None]:
         vce_api.ThreadPoolExecutor = original  # type: ignore[misc]
 
 
-def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
+def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     """Run Hermes or a baseline for ``cfg``; write the output files; return the results.
 
     ``results.json``: ``strategy``, ``fleet``, ``target_accuracy``, ``time_to_target_s``
@@ -95,16 +85,13 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
     sky_flower.strategies.hermes.HermesNodeError
         If a worker fails; ``results.json`` is still written.
     """
-    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from sky_flower.gossip.client import vector_record
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
-    from sky_flower.run import _one_log_stream
     from sky_flower.sky.client import fleet_emulation
-    from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
+    from sky_flower.strategies.hermes import STRATEGIES
 
     s = cfg.strategy
     name = str(s.name)
@@ -136,6 +123,57 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
     if device.overhead_s < 0 or device.per_sample_s < 0:
         raise ValueError("strategy.device times must be >= 0")
 
+    strategy = _strategy(cfg, model, layout, n)
+
+    def evaluate(k: int, arrays: ArrayRecord) -> MetricRecord:
+        res = model.evaluate(arrays["x"].numpy(), test)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    x0 = model.initial(seed)
+
+    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
+        strategy.start(
+            grid=grid,
+            initial_arrays=vector_record("x", x0),
+            num_rounds=int(s.max_rounds),
+            evaluate_fn=evaluate,
+        )
+
+    def check() -> None:
+        if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
+            raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    one_log_stream()
+    client_app = HermesClient(model, lambda: layout, n, fleet_emulation(fleet), device).register(
+        ClientApp()
+    )
+    log.info(
+        "%s on %s: %d workers, slowdowns %s, pool %d, target accuracy %.3f",
+        name,
+        cfg.fleet.name,
+        n,
+        [f.slowdown for f in fleet],
+        len(layout.pool),
+        float(s.target_accuracy),
+    )
+    return simulate(
+        start,
+        client_app,
+        n,
+        (cpus, per_worker),
+        partial(_write_outputs, out_dir, cfg, strategy, fleet, model),
+        check=check,
+        engine=partial(concurrent_messages, n),
+    )
+
+
+def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  # noqa: ANN401
+    """The Hermes or baseline strategy of ``cfg.strategy`` for ``n`` workers."""
+    from sky_flower.strategies.hermes import STRATEGIES, HermesStrategy
+
+    s = cfg.strategy
+
     def val_loss(vec: np.ndarray) -> float:
         return model.evaluate(vec, layout.server_val)["loss"]
 
@@ -149,95 +187,57 @@ def run_hermes_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: P
         "stop_at_target": bool(s.stop_at_target),
         "max_time_s": float(s.max_time_s),
         "staleness": int(s.staleness),
-        "seed": seed,
+        "seed": int(cfg.seed),
         "message_timeout_s": float(cfg.message_timeout_s),
     }
-    if name == "hermes":
-        strategy = HermesStrategy(
-            **common,
-            val_loss_fn=val_loss,
-            window=int(s.window),
-            threshold=float(s.threshold),
-            patience=int(s.patience),
-            relax=float(s.relax),
-            profile_batches=tuple(int(b) for b in s.profile_batches),
-            profile_repeats=int(s.profile_repeats),
-            batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
-            min_data=int(s.min_data),
-            straggler_tolerance=float(s.straggler_tolerance),
-        )
-    else:
-        strategy = STRATEGIES[name](**common)
-
-    def evaluate(k: int, arrays: ArrayRecord) -> MetricRecord:
-        res = model.evaluate(arrays["x"].numpy(), test)
-        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
-
-    x0 = model.initial(seed)
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        strategy.start(
-            grid=grid,
-            initial_arrays=vector_record("x", x0),
-            num_rounds=int(s.max_rounds),
-            evaluate_fn=evaluate,
-        )
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _one_log_stream()
-    client_app = HermesClient(model, lambda: layout, n, fleet_emulation(fleet), device).register(
-        ClientApp()
+    if str(s.name) != "hermes":
+        return STRATEGIES[str(s.name)](**common)
+    return HermesStrategy(
+        **common,
+        val_loss_fn=val_loss,
+        window=int(s.window),
+        threshold=float(s.threshold),
+        patience=int(s.patience),
+        relax=float(s.relax),
+        profile_batches=tuple(int(b) for b in s.profile_batches),
+        profile_repeats=int(s.profile_repeats),
+        batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
+        min_data=int(s.min_data),
+        straggler_tolerance=float(s.straggler_tolerance),
     )
-    log.info(
-        "%s on %s: %d workers, slowdowns %s, pool %d, target accuracy %.3f",
-        name,
-        cfg.fleet.name,
-        n,
-        [f.slowdown for f in fleet],
-        len(layout.pool),
-        float(s.target_accuracy),
+
+
+def _write_outputs(
+    out_dir: Path,
+    cfg: DictConfig,
+    strategy: Any,  # noqa: ANN401 - a Hermes or baseline strategy
+    fleet: list,
+    model: FlatModel,
+    error: str | None,
+) -> dict[str, Any]:
+    """Write ``results.json``, ``benchmark.json``, ``plan.json`` and ``model.pt``."""
+    from sky_flower.strategies.hermes import HermesStrategy
+
+    name, n = str(cfg.strategy.name), len(fleet)
+    results = write_json(out_dir / "results.json", _results(cfg, strategy, fleet, error))
+    write_json(
+        out_dir / "benchmark.json",
+        strategy.benchmark or {"note": f"{name}: no benchmark round"},
     )
-    error: str | None = None
-    try:
-        with concurrent_messages(n):
-            run_simulation(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=n,
-                backend_config={
-                    "client_resources": {"num_cpus": per_worker, "num_gpus": 0.0},
-                    "init_args": {"num_cpus": cpus, "logging_level": "error"},
-                },
-            )
-        if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
-            raise RuntimeError("the ServerApp stopped before the run ended (see the log above)")
-    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
-        cause = err.__cause__ or err
-        error = f"{type(cause).__name__}: {cause}"
-        raise
-    finally:
-        results = _results(cfg, strategy, fleet, error)
-        write_hermes_results(out_dir, results)
-        (out_dir / "benchmark.json").write_text(
-            json.dumps(strategy.benchmark or {"note": f"{name}: no benchmark round"}, indent=2)
-        )
-        plan = {
-            "strategy": name,
-            "target_round_s": getattr(strategy, "target_s", None),
-            "workers": [
-                {"worker": w, "data": strategy.data[w], "batch": strategy.batch[w]}
-                for w in range(n)
-            ],
-        }
-        if isinstance(strategy, HermesStrategy):
-            for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
-                row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
-        (out_dir / "plan.json").write_text(json.dumps(plan, indent=2))
-        if strategy.global_vec is not None:
-            params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
-            torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
+    plan = {
+        "strategy": name,
+        "target_round_s": getattr(strategy, "target_s", None),
+        "workers": [
+            {"worker": w, "data": strategy.data[w], "batch": strategy.batch[w]} for w in range(n)
+        ],
+    }
+    if isinstance(strategy, HermesStrategy):
+        for row, sizes, k in zip(plan["workers"], strategy.sizes, strategy.searches):  # noqa: B905
+            row.update({"predicted_round_s": sizes.predicted_s, "searches": k})
+    write_json(out_dir / "plan.json", plan)
+    if strategy.global_vec is not None:
+        params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
+        torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
     return results
 
 
@@ -265,28 +265,24 @@ def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> 
     }
 
 
-def main_hermes(cfg: DictConfig, out_dir: Path, multirun: bool) -> None:
-    """What ``sky_flower.run.main`` does for Hermes and its baselines: run the job, log
-    the outcome; a failed job exits 1 (in a multirun it is recorded and the sweep goes on)."""
-    try:
-        results = run_hermes_job(cfg, out_dir)
-    except Exception as err:  # noqa: BLE001
-        cause = err.__cause__ or err
-        log.error("run failed: %s (outputs in %s)", cause, out_dir)
-        if not (out_dir / "results.json").exists():  # refused before it started
-            write_hermes_results(
-                out_dir,
-                {"strategy": str(cfg.strategy.name), "error": f"{type(cause).__name__}: {cause}"},
-            )
-        if multirun:
-            return
-        raise SystemExit(1) from None
-    log.info(
-        "[%s]: test accuracy %s reached %.3f at %s s; %d updates sent; outputs in %s",
-        results["strategy"],
-        results["final_test_accuracy"],
-        results["target_accuracy"],
-        "never" if results["time_to_target_s"] is None else f"{results['time_to_target_s']:.1f}",
-        results["updates_sent_total"],
-        out_dir,
+def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
+    """The ``results.json`` writer for a Hermes job refused before it started."""
+
+    def write(error: str) -> None:
+        write_json(out_dir / "results.json", {"strategy": str(cfg.strategy.name), "error": error})
+
+    return write
+
+
+def summary(results: dict[str, Any]) -> str:
+    """A finished Hermes job's outcome in one line."""
+    t = results["time_to_target_s"]
+    reached = "never" if t is None else f"{t:.1f}"
+    return (
+        f"[{results['strategy']}]: test accuracy {results['final_test_accuracy']} reached "
+        f"{results['target_accuracy']:.3f} at {reached} s; "
+        f"{results['updates_sent_total']} updates sent"
     )
+
+
+run_hermes_job = run_job  # the name before sky_flower.jobs.common

@@ -4,7 +4,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from .task import Net, load_test
+from .task import Net, load_test, save_results
 from .task import test as test_fn
 
 app = ServerApp()
@@ -24,10 +24,11 @@ def main(grid: Grid, context: Context) -> None:
     num_rounds = int(context.run_config["num-server-rounds"])
     lr = float(context.run_config["lr"])
     strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0)
-    strategy.start(
+    result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(Net().state_dict()),
         train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
         evaluate_fn=central_evaluate,
     )
+    save_results(context.run_config, result)  # results.json for the launcher

@@ -77,3 +77,26 @@ def test(net: nn.Module, data: Split) -> tuple[float, float]:
     with torch.no_grad():
         out = net(x)
     return float(nn.functional.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
+
+
+def save_results(run_config: dict, result: object) -> None:
+    """Write the run's per-round server-side metrics (a Flower ``Result``) as JSON to the
+    run config's ``results-path`` (nothing when it is ``""``). What a strategy recorded
+    there itself (Sky: every round's measurements) is kept."""
+    import json
+    from pathlib import Path
+
+    path = str(run_config.get("results-path", ""))
+    if not path:
+        return
+    evaluated = {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()}  # type: ignore[attr-defined]
+    rounds = [{"round": r, **{f"test_{k}": v for k, v in m.items()}} for r, m in evaluated.items()]
+    results = {
+        "initial_test_accuracy": evaluated.get(0, {}).get("accuracy"),
+        "final_test_accuracy": rounds[-1].get("test_accuracy") if rounds else None,
+        "rounds": [row for row in rounds if row["round"] > 0],
+        "error": None,
+        "completed": True,
+    }
+    own = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    Path(path).write_text(json.dumps({**results, **own}, indent=2))

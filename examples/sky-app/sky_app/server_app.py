@@ -5,7 +5,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from sky_flower.app import sky_strategy  # Sky
 
-from .task import Net, load_test
+from .task import Net, load_test, save_results
 from .task import test as test_fn
 
 app = ServerApp()
@@ -25,10 +25,11 @@ def main(grid: Grid, context: Context) -> None:
     num_rounds = int(context.run_config["num-server-rounds"])
     lr = float(context.run_config["lr"])
     strategy = sky_strategy(context.run_config, model_fn=Net, input_shape=[64])  # Sky
-    strategy.start(
+    result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(Net().state_dict()),
         train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
         evaluate_fn=central_evaluate,
     )
+    save_results(context.run_config, result)  # results.json for the launcher

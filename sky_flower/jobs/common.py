@@ -1,0 +1,311 @@
+"""What every job shares: the Hydra config directory, the simulation engine's CPUs,
+one log stream, result files as JSON, error recording and the entry point's outcome
+handling (:func:`main_job`); and :class:`SkyRecorder`, which writes a Sky run's
+``results.json`` under Hydra and under ``flwr run`` alike (no Flower import here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+log = logging.getLogger("sky_flower")
+
+# the keys of a Sky round row kept in results.json (SkyStrategy.rounds has more)
+ROUND_KEYS = (
+    "round",
+    "train_loss",
+    "test_accuracy",
+    "measured_step_time_s",
+    "predicted_step_time_s",
+    "train_accuracy",
+    "test_loss",
+    "steps",
+    "round_time_s",
+    "microbatches_per_message",
+    "stages",
+    "setup_s",
+    "error",
+)
+
+
+def conf_dir() -> str:
+    """The Hydra config directory: the installed ``sky_flower/conf``, else the checkout's
+    ``conf/``."""
+    here = Path(__file__).resolve().parent.parent
+    installed = here / "conf"  # pip install . puts conf/ here (see pyproject)
+    return str(installed if (installed / "config.yaml").exists() else here.parent / "conf")
+
+
+def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
+    """``(CPUs of this machine, cfg.simulation.num_cpus_per_node)``.
+
+    Raises
+    ------
+    ValueError
+        If a node's CPU share is not in ``(0, CPUs]`` (Ray could not place a node).
+    """
+    cpus, per_node = os.cpu_count() or 1, float(cfg.simulation.num_cpus_per_node)
+    if not 0 < per_node <= cpus:
+        raise ValueError(
+            f"simulation.num_cpus_per_node={per_node:g} must be in (0, {cpus}] (this machine "
+            f"has {cpus} CPUs; Ray could not place a single node)"
+        )
+    return cpus, per_node
+
+
+def backend_config(cpus: int, per_node: float) -> dict[str, Any]:
+    """``run_simulation``'s backend config: ``per_node`` CPUs per node of ``cpus``."""
+    return {
+        "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
+        "init_args": {"num_cpus": cpus, "logging_level": "error"},
+    }
+
+
+def simulate(
+    start: Callable[[Any], None],
+    client_app: Any,  # noqa: ANN401 - flwr.clientapp.ClientApp
+    num_supernodes: int,
+    cpus_per_node: tuple[int, float],
+    record: Callable[[str | None], dict[str, Any]],
+    check: Callable[[], None] = lambda: None,
+    on_error: Callable[[], None] = lambda: None,
+    engine: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, Any]:
+    """Run ``start(grid)`` as the ServerApp and ``client_app`` on ``num_supernodes``
+    nodes in Flower's simulation engine; return ``record(error)``, which also runs when
+    the run fails (with the error's description) before the error is re-raised.
+
+    Parameters
+    ----------
+    start : callable
+        ``(grid) -> None``: the strategy's run.
+    client_app : ClientApp
+        The nodes' app.
+    num_supernodes : int
+        Simulated nodes.
+    cpus_per_node : (int, float)
+        CPUs of this machine and each node's share (:func:`simulation_cpus`).
+    record : callable
+        ``(error or None) -> results``: writes the job's files.
+    check : callable
+        Called after the engine returns; raises if the run did not end (the ServerApp's
+        own error stays in the engine's log).
+    on_error : callable
+        Called first on a failure (e.g. to stop a ServerApp still waiting on nodes).
+    engine : callable
+        A context manager around the engine (e.g. a wider message thread pool).
+
+    Raises
+    ------
+    BaseException
+        Whatever the engine or ``check`` raised, after ``record``.
+    """
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Any, context: Any) -> None:  # noqa: ANN401 - Flower's Grid, Context
+        start(grid)
+
+    error: str | None = None
+    try:
+        with engine():
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=num_supernodes,
+                backend_config=backend_config(*cpus_per_node),
+            )
+        check()
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised
+        on_error()
+        error = describe_error(err)
+        raise
+    finally:
+        results = record(error)
+    return results
+
+
+def plain(v: Any) -> Any:  # noqa: ANN401 - any JSON-bound value
+    """A JSON-serialisable form of ``v`` (numpy scalars as Python numbers, else ``str``)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
+
+
+def write_json(path: Path, payload: Any) -> Any:  # noqa: ANN401 - a JSON-able payload
+    """Write ``payload`` as indented JSON to ``path`` (parents created); return it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=plain))
+    return payload
+
+
+def describe_error(err: BaseException) -> str:
+    """``"Type: message"`` of ``err``'s cause (what ``results.json`` records)."""
+    cause = err.__cause__ or err
+    return f"{type(cause).__name__}: {cause}"
+
+
+def one_log_stream() -> None:
+    """Flower's logger prints to the console itself; also send its lines to the job's
+    ``run.log`` (Hydra's file handler on the root logger) without printing them twice."""
+    flwr_logger = logging.getLogger("flwr")
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:  # no Hydra logging (e.g. called from a test): leave Flower as it is
+        return
+    flwr_logger.propagate = False
+    for handler in list(flwr_logger.handlers):  # a previous multirun job's file
+        if isinstance(handler, logging.FileHandler) and handler not in files:
+            flwr_logger.removeHandler(handler)
+    for handler in files:
+        if handler not in flwr_logger.handlers:
+            flwr_logger.addHandler(handler)
+
+
+def main_job(
+    run: Callable[[DictConfig, Path], dict[str, Any]],
+    refused: Callable[[str], None],
+    summary: Callable[[dict[str, Any]], str],
+    cfg: DictConfig,
+    out_dir: Path,
+    multirun: bool,
+) -> None:
+    """What the entry point does with a job: ``run(cfg, out_dir)``, then log its
+    ``summary`` line. A failed job is logged; one refused before it wrote ``results.json``
+    gets one through ``refused(error)``; it exits 1 (in a multirun it is recorded and
+    the sweep goes on).
+
+    Raises
+    ------
+    SystemExit
+        With status 1 when the job failed outside a multirun.
+    """
+    try:
+        results = run(cfg, out_dir)
+    except Exception as err:  # noqa: BLE001
+        log.error("run failed: %s (outputs in %s)", err.__cause__ or err, out_dir)
+        if not (out_dir / "results.json").exists():  # refused before it started
+            refused(describe_error(err))
+        if multirun:
+            return
+        raise SystemExit(1) from None
+    log.info("%s; outputs in %s", summary(results), out_dir)
+
+
+def number(v: float | None, digits: int = 4) -> str:
+    """``v`` with ``digits`` decimals, ``-`` for ``None`` (a summary line's figure)."""
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def sky_results(
+    allocation: str,
+    fleet: str,
+    rounds: list[dict],
+    error: str | None,
+    failed_rounds: list[dict] | None = None,
+    initial_test_accuracy: float | None = None,
+    completed: bool = False,
+) -> dict[str, Any]:
+    """The ``results.json`` of a Sky run (Hydra job and ``flwr run``).
+
+    ``rounds`` are the strategy's round rows (only :data:`ROUND_KEYS` are kept);
+    ``final_test_accuracy`` is the last good round's (a failed round keeps the previous
+    global model); ``initial_test_accuracy`` the untrained model's (round 0);
+    ``completed`` whether every round ran.
+    """
+    rows = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
+    return {
+        "allocation": allocation,
+        "fleet": fleet,
+        "initial_test_accuracy": initial_test_accuracy,
+        "final_test_accuracy": next(
+            (r["test_accuracy"] for r in reversed(rows) if r.get("test_accuracy") is not None),
+            None,
+        ),
+        "rounds": rows,
+        "error": error,
+        "failed_rounds": failed_rounds or [],
+        "completed": completed,
+    }
+
+
+class SkyRecorder:
+    """Keeps a Sky run's ``results.json`` at ``path`` up to date.
+
+    :meth:`attach` hooks a ``SkyStrategy``: the file is rewritten after every round (its
+    ``on_event``), records the initial evaluation (round 0 of ``evaluate_fn``), and at
+    the end of ``start`` whether it completed or the error that ended it.
+
+    Parameters
+    ----------
+    path : Path
+        The ``results.json`` to write.
+    allocation, fleet : str
+        Recorded as they are.
+    """
+
+    def __init__(self, path: Path, allocation: str, fleet: str) -> None:
+        self.path, self.allocation, self.fleet = Path(path), allocation, fleet
+        self.strategy: Any = None
+        self.initial_test_accuracy: float | None = None
+        self.completed = False
+
+    def attach(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
+        """Hook ``strategy`` (its ``on_event`` and ``start``) and return it."""
+        self.strategy = strategy
+        inner_event, inner_start = strategy.on_event, strategy.start
+
+        def on_event(kind: str, payload: dict) -> None:
+            inner_event(kind, payload)
+            if kind == "round":
+                self.write()
+
+        def start(*args: Any, evaluate_fn: Callable | None = None, **kwargs: Any) -> Any:  # noqa: ANN401
+            try:
+                result = inner_start(*args, evaluate_fn=self._evaluate(evaluate_fn), **kwargs)
+            except BaseException as err:
+                self.write(describe_error(err))
+                raise
+            self.completed = True
+            self.write()
+            return result
+
+        strategy.on_event, strategy.start = on_event, start
+        return strategy
+
+    def _evaluate(self, evaluate_fn: Callable | None) -> Callable | None:
+        if evaluate_fn is None:
+            return None
+
+        def evaluate(server_round: int, arrays: Any) -> Any:  # noqa: ANN401 - Flower records
+            res = evaluate_fn(server_round, arrays)
+            if server_round == 0 and res is not None and "accuracy" in res:
+                self.initial_test_accuracy = float(res["accuracy"])  # type: ignore[arg-type]
+            return res
+
+        return evaluate
+
+    def write(self, error: str | None = None) -> dict[str, Any]:
+        """Write the results so far (with ``error`` if the run failed) and return them."""
+        s = self.strategy
+        results = sky_results(
+            self.allocation,
+            self.fleet,
+            list(s.rounds) if s is not None else [],
+            error,
+            list(s.failed_rounds) if s is not None else [],
+            self.initial_test_accuracy,
+            self.completed,
+        )
+        return write_json(self.path, results)

@@ -1,0 +1,234 @@
+"""The main job of the entry point: ``python -m sky_flower.run [allocation=...] [fleet=...]``.
+
+Starts Flower's simulation engine with one SuperNode per fleet node, runs the Sky
+strategy (benchmark round, plan, split training) for ``num_rounds`` rounds, prints the
+plan and a per-round table, and writes into the job's output directory:
+``benchmark.json``, ``plan.json``, ``results.json`` (:func:`sky_flower.jobs.common.
+sky_results`) and ``model.pt`` (the last good global model's state dict). Its settings
+are :class:`sky_flower.sky.settings.SkySettings` (``SkySettings.from_hydra``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sky_flower.emulation.devices import expand_fleet
+from sky_flower.jobs.common import (
+    SkyRecorder,
+    number,
+    one_log_stream,
+    simulate,
+    simulation_cpus,
+    sky_results,
+    write_json,
+)
+from sky_flower.pipeline.data import Split, load_split
+from sky_flower.pipeline.models import build_model
+from sky_flower.sky.settings import SkySettings
+
+
+def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None:
+    """``transport=direct`` runs every stage of a round at the same time; the simulation
+    engine runs ``floor(cpus / per_node)`` nodes at once. The planner may use every
+    node, so all of them must fit.
+
+    Raises
+    ------
+    ValueError
+        If fewer than ``num_nodes`` simulated nodes can run at once.
+    """
+    slots = int(cpus / per_node + 1e-9)
+    if slots < num_nodes:
+        raise ValueError(
+            f"transport=direct runs all stages of a round at once, but with "
+            f"simulation.num_cpus_per_node={per_node:g} on {cpus} CPUs the simulation engine "
+            f"runs only {slots} of the fleet's {num_nodes} nodes at a time: lower "
+            f"simulation.num_cpus_per_node to <= {cpus / num_nodes:g}"
+        )
+
+
+def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
+    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = model_fn()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        model.eval()
+        with torch.no_grad():
+            out = model(x)
+            loss = float(torch.nn.functional.cross_entropy(out, y))
+            acc = float((out.argmax(1) == y).float().mean())
+        return MetricRecord({"accuracy": acc, "loss": loss})
+
+    return evaluate
+
+
+def write_results(
+    out_dir: Path,
+    allocation: str,
+    fleet: str,
+    rounds: list[dict],
+    error: str | None,
+    failed_rounds: list[dict] | None = None,
+) -> dict[str, Any]:
+    """Write ``results.json`` (also for a job refused before it started) and return it."""
+    results = sky_results(allocation, fleet, rounds, error, failed_rounds)
+    return write_json(out_dir / "results.json", results)
+
+
+def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
+    """Everything the job needs from ``cfg``, checked before Flower starts.
+
+    Raises
+    ------
+    ValueError
+        On a planning-only or bad model, a fleet the simulation cannot run, a direct
+        transport whose stages cannot all run at once, or a batch larger than the data
+        owner's examples.
+    """
+    fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    assert isinstance(model_cfg, dict) and isinstance(dataset, dict)
+    if model_cfg.get("planning_only"):  # e.g. bert_large: profiled from shapes, never built
+        raise ValueError(
+            f"model {model_cfg.get('name')!r} is for planning only (planning_only: true) and "
+            "cannot be trained by sky_flower.run: use `python -m sky_flower.plan "
+            f"model={model_cfg.get('name')}` instead"
+        )
+    model_fn = partial(build_model, model_cfg)
+    model_fn()  # fail early on a bad model config
+    schedule = settings.schedule_object()
+    cpus, per_node = simulation_cpus(cfg)
+    if schedule.transport == "direct":
+        direct_concurrency_check(len(fleet), cpus, per_node)
+    max_nodes = int(cfg.simulation.get("max_nodes", 16))
+    if len(fleet) > max_nodes:
+        raise ValueError(
+            f"the fleet has {len(fleet)} nodes; this job simulates every node in Flower's "
+            f"simulation engine on {cpus} CPUs and benchmarks them one at a time, which "
+            f"allows at most simulation.max_nodes={max_nodes}. Use a smaller fleet (e.g. "
+            "fleet.nodes=8), preview large fleets with `python -m sky_flower.plan`, or "
+            "raise simulation.max_nodes"
+        )
+    owners = [n for n in fleet if n.holds_data]
+    train, test = load_split(dataset["name"], float(dataset["test_fraction"]), settings.seed)
+    smallest = len(train) // len(owners)  # np.array_split: the smallest partition
+    if schedule.batch_size > smallest:
+        raise ValueError(
+            f"schedule.batch_size={schedule.batch_size} is larger than the data owner's "
+            f"{smallest} training examples: lower schedule.batch_size"
+        )
+    return {
+        "fleet": fleet,
+        "model_cfg": model_cfg,
+        "dataset": dataset,
+        "model_fn": model_fn,
+        "test": test,
+        "cpus": cpus,
+        "per_node": per_node,
+    }
+
+
+def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    """Run the main job for ``cfg``; write JSON files to ``out_dir``; return results.
+
+    Every setting is validated before Flower starts (unknown allocation, fleet keys,
+    schedule, model), so bad input fails before any node is contacted.
+
+    Raises
+    ------
+    ValueError
+        On invalid configuration.
+    sky_flower.strategies.sky.SkyNodeError
+        If a node fails; ``results.json`` is still written with the rounds done.
+    """
+    from flwr.app import ArrayRecord
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid
+
+    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.strategies.sky import SkyStrategy
+
+    settings = SkySettings.from_hydra(cfg)
+    inputs = _checked_inputs(cfg, settings)
+    fleet, model_fn, dataset = inputs["fleet"], inputs["model_fn"], inputs["dataset"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    one_log_stream()
+
+    def on_event(kind: str, payload: dict) -> None:
+        if kind in ("benchmark", "plan"):
+            write_json(out_dir / f"{kind}.json", payload)
+
+    strategy = SkyStrategy(
+        model_fn=model_fn,
+        input_shape=list(inputs["model_cfg"]["input_shape"]),
+        node_order=[n.name for n in fleet],
+        min_nodes=len(fleet),
+        on_event=on_event,
+        **settings.strategy_kwargs(),
+    )
+    settings.configure(strategy)
+    recorder = SkyRecorder(out_dir / "results.json", settings.allocation, str(cfg.fleet.name))
+    recorder.attach(strategy)
+    strategy.precheck(
+        [n.name for n in fleet],
+        [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
+    )
+    evaluate = evaluate_fn_for(model_fn, inputs["test"])
+    torch.manual_seed(settings.seed)
+    initial = ArrayRecord(model_fn().state_dict())
+    client_app = SkyClient(
+        model_fn=model_fn,
+        load_data=owner_data_fn(
+            fleet, dataset["name"], float(dataset["test_fraction"]), settings.seed
+        ),
+        emulation_fn=fleet_emulation(fleet),
+    ).register(ClientApp())
+
+    def start(grid: Grid) -> None:
+        strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=settings.num_rounds,
+            evaluate_fn=evaluate,
+        )
+
+    def record(error: str | None) -> dict[str, Any]:
+        if strategy.global_arrays is not None:  # last good global model
+            torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
+        return recorder.write(error)
+
+    return simulate(
+        start,
+        client_app,
+        len(fleet),
+        (inputs["cpus"], inputs["per_node"]),
+        record,
+        on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
+    )
+
+
+def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
+    """The ``results.json`` writer for a Sky job refused before it started."""
+
+    def write(error: str) -> None:
+        allocation, fleet = str(cfg.allocation.get("method")), str(cfg.fleet.get("name"))
+        write_results(out_dir, allocation, fleet, [], error)
+
+    return write
+
+
+def summary(results: dict[str, Any]) -> str:
+    """A finished Sky job's outcome in one line."""
+    where = f"[{results['allocation']} on {results['fleet']}]"
+    return f"{where}: final test accuracy {number(results['final_test_accuracy'])}"

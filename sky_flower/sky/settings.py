@@ -1,0 +1,378 @@
+"""One source of the Sky strategy's settings: frozen dataclasses whose defaults are the
+only defaults.
+
+Every field names where it is set: its Hydra path (``conf/config.yaml``, the
+``transport`` and ``allocation`` groups) and its run-config key (``flwr run
+--run-config``, ``[tool.flwr.app.config]``; ``None``: Hydra only). :meth:`SkySettings.
+from_hydra` and :meth:`SkySettings.from_run_config` read and validate them,
+:meth:`SkySettings.strategy_kwargs` gives ``SkyStrategy``'s keyword arguments. A test
+(``tests/test_settings.py``) compares every default here with the Hydra YAML and
+``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
+line in the app's ``pyproject.toml``.
+
+No torch, scipy or Flower is imported here (a ClientApp imports this module on start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
+TRANSPORTS = ("relay", "direct")
+SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.core.cost
+OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+
+# the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
+# SuperLink; 2 ms polls would take the CPU from the nodes themselves (a SuperLink ran at
+# 17 % CPU with 20 ms polls); hops cost about 0.05 s in simulation, seconds in deployment
+FLWR_RUN_POLL_INTERVAL_S = 0.05
+
+Rule = tuple[str, Callable[[Any], bool]]
+AT_LEAST_1: Rule = (">= 1", lambda v: v >= 1)
+AT_LEAST_0: Rule = (">= 0", lambda v: v >= 0)
+POSITIVE: Rule = ("> 0", lambda v: v > 0)
+NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
+
+
+def _setting(
+    default: Any,  # noqa: ANN401 - a scalar or a tuple of ints
+    key: str | None,
+    hydra: str | None,
+    rule: Rule | None = None,
+    choices: tuple[str, ...] | None = None,
+    run_default: Any = None,  # noqa: ANN401 - as default
+) -> Any:  # noqa: ANN401 - a dataclasses.field
+    """A settings field: its default, run-config ``key``, ``hydra`` path and check."""
+    meta = {"key": key, "hydra": hydra, "rule": rule, "choices": choices}
+    if run_default is not None:  # the run config's default differs (documented there)
+        meta["run_default"] = run_default
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What every stage trains with."""
+
+    optimizer: str = _setting("adam", "optimizer", "train.optimizer", choices=OPTIMIZERS)
+    lr: float = _setting(1e-4, "lr", "train.lr", POSITIVE)
+    local_epochs: float = _setting(1.0, "local-epochs", "train.local_epochs", POSITIVE)
+    steps_per_round: int = _setting(
+        0, "steps-per-round", "train.steps_per_round", (">= 0 (0: use local-epochs)", AT_LEAST_0[1])
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """One training step: batch, micro-batches, pipeline schedule and transport."""
+
+    batch_size: int = _setting(64, "batch-size", "schedule.batch_size", AT_LEAST_1)
+    microbatches: int = _setting(1, "microbatches", "schedule.microbatches", AT_LEAST_1)
+    kind: str = _setting("sequential", "schedule-kind", "schedule.kind", choices=SCHEDULE_KINDS)
+    transport: str = _setting("relay", "transport", "schedule.transport", choices=TRANSPORTS)
+    microbatches_per_message: int = _setting(
+        0, "microbatches-per-message", "schedule.microbatches_per_message", AT_LEAST_0
+    )
+
+
+@dataclass(frozen=True)
+class DirectSettings:
+    """``transport=direct``: the round's process group."""
+
+    timeout_s: float = _setting(30.0, "direct-timeout-s", "schedule.direct_timeout_s", POSITIVE)
+    join_timeout_s: float = _setting(
+        60.0, "direct-join-timeout-s", "schedule.direct_join_timeout_s", POSITIVE
+    )
+    host: str = _setting("127.0.0.1", "direct-host", "schedule.direct_host", NOT_BLANK)
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings:
+    """The benchmark round: layer timing, link echoes, the state probe."""
+
+    warmup: int = _setting(2, "benchmark-warmup", "benchmark.warmup", AT_LEAST_0)
+    repeats: int = _setting(7, "benchmark-repeats", "benchmark.repeats", AT_LEAST_1)
+    echo_bytes: tuple[int, ...] = _setting((1024, 4194304), None, "benchmark.echo_bytes")
+    echo_repeats: int = _setting(7, "echo-repeats", "benchmark.echo_repeats", AT_LEAST_1)
+    echo_jitter_s: float = _setting(0.1, "echo-jitter-s", "benchmark.echo_jitter_s", AT_LEAST_0)
+    state_probe_mb: float = _setting(64.0, "state-probe-mb", "benchmark.state_probe_mb", AT_LEAST_0)
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """When a node fails a round, and how many failed rounds end the run."""
+
+    max_failed_rounds: int = _setting(2, "max-failed-rounds", "train.max_failed_rounds", AT_LEAST_1)
+    message_timeout_s: float = _setting(120.0, "message-timeout-s", "message_timeout_s", POSITIVE)
+
+
+@dataclass(frozen=True)
+class MessagingSettings:
+    """How the ServerApp waits: reply polling period and the wait for nodes."""
+
+    poll_interval_s: float = _setting(
+        0.002,
+        "poll-interval-s",
+        "messaging.poll_interval_s",
+        POSITIVE,
+        run_default=FLWR_RUN_POLL_INTERVAL_S,
+    )
+    node_wait_s: float = _setting(300.0, "node-wait-s", "messaging.node_wait_s", POSITIVE)
+
+
+GROUPS = {
+    "train": TrainSettings,
+    "schedule": ScheduleSettings,
+    "direct": DirectSettings,
+    "benchmark": BenchmarkSettings,
+    "failure": FailurePolicy,
+    "messaging": MessagingSettings,
+}
+
+
+@dataclass(frozen=True)
+class SkySettings:
+    """Every setting of a Sky run (see the module docstring).
+
+    ``fleet`` is a packaged fleet's name (under Hydra the ``fleet`` group's ``name``;
+    the nodes themselves come from the fleet), ``results_path`` the file a ``flwr run``
+    writes ``results.json`` to (``""``: none; the Hydra job writes its own).
+    """
+
+    num_rounds: int = _setting(3, "num-server-rounds", "num_rounds", AT_LEAST_1)
+    allocation: str = _setting("heuristic", "allocation", "allocation.method", choices=ALLOCATIONS)
+    milp_time_limit_s: float = _setting(
+        30.0, "milp-time-limit-s", "allocation.time_limit_s", POSITIVE
+    )
+    fleet: str = _setting("edge4", "fleet", "fleet.name")
+    seed: int = _setting(0, "seed", "seed")
+    results_path: str = _setting("", "results-path", None)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
+    direct: DirectSettings = field(default_factory=DirectSettings)
+    benchmark: BenchmarkSettings = field(default_factory=BenchmarkSettings)
+    failure: FailurePolicy = field(default_factory=FailurePolicy)
+    messaging: MessagingSettings = field(default_factory=MessagingSettings)
+
+    @classmethod
+    def from_hydra(cls, cfg: Any) -> SkySettings:  # noqa: ANN401 - an omegaconf DictConfig
+        """The settings of a composed Hydra config (``conf/config.yaml``).
+
+        A path the config does not have takes the default here.
+
+        Raises
+        ------
+        ValueError
+            On a value of the wrong type or outside its rule, naming its path
+            (e.g. ``train.lr must be > 0, got -1.0``), or an unknown allocation,
+            transport, schedule kind or optimizer (lists the choices).
+        """
+        from omegaconf import OmegaConf
+
+        def read(path: str, default: Any) -> Any:  # noqa: ANN401
+            value = OmegaConf.select(cfg, path, default=default)
+            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+        return cls._build(lambda meta, f: meta["hydra"], read, _hydra_error)
+
+    @classmethod
+    def from_run_config(
+        cls, run_config: Mapping[str, Any], app_keys: tuple[str, ...] = ()
+    ) -> SkySettings:
+        """The settings of a Flower app's ``context.run_config``.
+
+        Parameters
+        ----------
+        run_config : mapping
+            ``[tool.flwr.app.config]`` plus ``--run-config``; keys not set take the
+            defaults here.
+        app_keys : tuple of str
+            Keys the app itself uses besides Sky's (allowed, not checked).
+
+        Raises
+        ------
+        ValueError
+            On an unknown key (lists the valid keys), a value of the wrong type, an
+            unknown choice (lists the valid ones), a value outside its rule (names the
+            rule), ``schedule-kind='sequential'`` with ``transport='direct'``,
+            micro-batches that do not divide the batch, or ``microbatches-per-message``
+            that does not divide ``microbatches``.
+        """
+        keys = run_config_keys()
+        unknown = sorted(set(run_config) - set(keys) - set(app_keys))
+        if unknown:
+            raise ValueError(
+                f"unknown run config key(s) {unknown}: valid keys are "
+                f"{', '.join(list(keys) + list(app_keys))}"
+            )
+
+        def read(key: str, default: Any) -> Any:  # noqa: ANN401
+            return run_config.get(key, default)
+
+        settings = cls._build(lambda meta, f: meta["key"], read, _run_config_error)
+        settings._check_run_config_combinations()
+        return settings
+
+    @classmethod
+    def _build(
+        cls,
+        name_of: Callable[[Mapping[str, Any], dataclasses.Field], str | None],
+        read: Callable[[str, Any], Any],
+        error: Callable[[str, Any, str], ValueError],
+    ) -> SkySettings:
+        """Read every field (``name_of`` its path or key, ``None``: not settable there)."""
+        run = error is _run_config_error
+
+        def build(kind: type) -> Any:  # noqa: ANN401 - one settings dataclass
+            values: dict[str, Any] = {}
+            for f in dataclasses.fields(kind):
+                if f.name in GROUPS:
+                    values[f.name] = build(GROUPS[f.name])
+                    continue
+                name = name_of(f.metadata, f)
+                default = f.metadata.get("run_default", f.default) if run else f.default
+                if name is None:
+                    values[f.name] = default
+                    continue
+                values[f.name] = _checked(name, read(name, default), f, error)
+            return kind(**values)
+
+        return build(cls)
+
+    def _check_run_config_combinations(self) -> None:
+        s = self.schedule
+        if s.transport == "direct" and s.kind == "sequential":
+            raise ValueError(
+                "run config schedule-kind='sequential' runs on transport='relay' only: with "
+                "transport='direct' choose one of gpipe, 1f1b "
+                "(e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+            )
+        if s.batch_size % s.microbatches:
+            raise ValueError(
+                f"run config microbatches={s.microbatches} must divide batch-size={s.batch_size}"
+            )
+        if s.microbatches_per_message and s.microbatches % s.microbatches_per_message:
+            raise ValueError(
+                f"run config microbatches-per-message={s.microbatches_per_message} must be 0 "
+                f"(the cost model picks it) or a divisor of microbatches={s.microbatches}"
+            )
+
+    def schedule_object(self) -> Any:  # noqa: ANN401 - sky_flower.core.cost.Schedule
+        """The :class:`sky_flower.core.cost.Schedule` (which checks its own rules).
+
+        Raises
+        ------
+        ValueError
+            If micro-batches do not divide the batch, or a count is out of range.
+        """
+        from sky_flower.core.cost import Schedule
+
+        s = self.schedule
+        return Schedule(
+            batch_size=s.batch_size,
+            microbatches=s.microbatches,
+            kind=s.kind,  # type: ignore[arg-type]
+            transport=s.transport,  # type: ignore[arg-type]
+            microbatches_per_message=s.microbatches_per_message,
+        )
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
+        ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``; the messaging
+        settings are applied by :meth:`configure`)."""
+        t, b, d, f = self.train, self.benchmark, self.direct, self.failure
+        return {
+            "allocation": self.allocation,
+            "schedule": self.schedule_object(),
+            "optimizer": t.optimizer,
+            "lr": t.lr,
+            "local_epochs": t.local_epochs,
+            "steps_per_round": t.steps_per_round,
+            "milp_time_limit_s": self.milp_time_limit_s,
+            "benchmark_warmup": b.warmup,
+            "benchmark_repeats": b.repeats,
+            "echo_bytes": tuple(b.echo_bytes),
+            "echo_repeats": b.echo_repeats,
+            "echo_jitter_s": b.echo_jitter_s,
+            "state_probe_bytes": int(b.state_probe_mb * 2**20),
+            "message_timeout_s": f.message_timeout_s,
+            "max_failed_rounds": f.max_failed_rounds,
+            "direct_timeout_s": d.timeout_s,
+            "direct_host": d.host,
+            "direct_join_timeout_s": d.join_timeout_s,
+            "seed": self.seed,
+        }
+
+    def configure(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
+        """Apply the messaging settings to ``strategy`` (attributes until ``SkyStrategy``
+        takes them as keywords) and return it."""
+        strategy.poll_interval_s = self.messaging.poll_interval_s
+        strategy.node_wait_s = self.messaging.node_wait_s
+        return strategy
+
+
+def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Field, Any]]:
+    """Every leaf field of the settings, with its default: ``(field, default)``."""
+    for f in dataclasses.fields(kind):
+        if f.name in GROUPS:
+            yield from settings_fields(GROUPS[f.name])
+        else:
+            yield f, f.default
+
+
+def run_config_keys() -> dict[str, tuple[type, Any]]:
+    """Run-config key -> ``(type, default)``, in field order."""
+    kinds = {"int": int, "float": float, "str": str}
+    keys: dict[str, tuple[type, Any]] = {}
+    for f, default in settings_fields():
+        if f.metadata["key"] is not None:
+            kind = kinds[str(f.type)]
+            keys[f.metadata["key"]] = (kind, f.metadata.get("run_default", default))
+    return keys
+
+
+def _run_config_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
+    return ValueError(f"run config {name} must be {rule}, got {value}")
+
+
+def _hydra_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
+    return ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _checked(
+    name: str,
+    raw: Any,  # noqa: ANN401 - a config value
+    f: dataclasses.Field,
+    error: Callable[[str, Any, str], ValueError],
+) -> Any:  # noqa: ANN401 - the field's type
+    """``raw`` converted to ``f``'s type and checked against its rule and choices."""
+    run = error is _run_config_error
+    if str(f.type).startswith("tuple"):
+        try:
+            return tuple(int(v) for v in raw)
+        except (TypeError, ValueError) as err:
+            raise error(name, raw, "a list of integers") from err
+    kind = {"int": int, "float": float, "str": str}[str(f.type)]
+    prefix = "run config " if run else ""
+    if isinstance(raw, bool) or (run and kind is str and not isinstance(raw, str)):
+        raise ValueError(f"{prefix}{name}={raw!r} must be a {kind.__name__}")
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{prefix}{name}={raw!r} must be a {kind.__name__}") from err
+    if kind is int and value != raw:
+        raise ValueError(f"{prefix}{name}={raw!r} must be an integer")
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        if run:
+            raise ValueError(
+                f"run config {name}={value!r} is not valid: choose one of {', '.join(choices)} "
+                f"(e.g. flwr run <app> --run-config \"{name}='{choices[0]}'\")"
+            )
+        raise ValueError(f"unknown {f.name} {value!r} ({name}): choose one of {', '.join(choices)}")
+    rule = f.metadata["rule"]
+    if rule is not None and not rule[1](value):
+        raise error(name, value, rule[0])
+    return value

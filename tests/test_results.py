@@ -1,0 +1,71 @@
+"""Results are data: a Sky run under ``flwr run`` semantics (in this process, a fresh
+ClientApp per message) writes ``results.json`` at the run config's ``results-path``, in
+the Hydra job's structure; the launcher reads accuracies from it (fast, no engine)."""
+
+import json
+
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.clientapp import ClientApp
+from flwr.common.config import parse_config_args
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
+from reference import SKY_APP, ProcessPerMessageGrid, sky_app_task
+
+from sky_flower.app import load_fleet, register_sky_client, sky_strategy
+from sky_flower.deploy import app_run_config, node_config, round_accuracies
+from sky_flower.jobs.common import ROUND_KEYS
+
+RUN = {
+    "fleet": "edge3",
+    "allocation": "even",
+    "num-server-rounds": 2,
+    "steps-per-round": 2,
+    "benchmark-repeats": 1,
+    "echo-repeats": 1,
+    "state-probe-mb": 0.0,
+}
+
+
+def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
+    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)  # as a ServerApp process has them
+    task = sky_app_task()
+    path = tmp_path / "results.json"
+    run_config = {**app_run_config(SKY_APP), **RUN, "results-path": str(path)}
+    fleet = load_fleet("edge3")
+    node_configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
+
+    def fresh_app() -> ClientApp:
+        return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = task.Net()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, acc = task.test(model, task.load_test())
+        return MetricRecord({"accuracy": acc, "loss": loss})
+
+    grid = ProcessPerMessageGrid(fresh_app, node_configs, run_config)
+    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
+    strategy.echo_jitter_s = 0.0
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(task.Net().state_dict()),
+        num_rounds=2,
+        evaluate_fn=evaluate,
+    )
+    saved = json.loads(path.read_text())
+    assert saved["completed"] and saved["error"] is None and saved["failed_rounds"] == []
+    assert (saved["allocation"], saved["fleet"]) == ("even", "edge3")
+    assert [r["round"] for r in saved["rounds"]] == [1, 2]
+    assert all(set(r) == set(ROUND_KEYS) for r in saved["rounds"])
+    assert all(r["measured_step_time_s"] > 0 and r["steps"] == 2 for r in saved["rounds"])
+    initial = float(result.evaluate_metrics_serverapp[0]["accuracy"])
+    assert saved["initial_test_accuracy"] == initial
+    assert saved["final_test_accuracy"] == saved["rounds"][-1]["test_accuracy"]
+    assert round_accuracies(saved) == {
+        0: initial,
+        **{r["round"]: r["test_accuracy"] for r in saved["rounds"]},
+    }
+    # the app's own save_results (identical in both example apps) keeps Sky's record
+    task.save_results(run_config, result)
+    assert json.loads(path.read_text())["rounds"] == saved["rounds"]
