@@ -56,28 +56,6 @@ def _bin(name: str) -> str:
     return found
 
 
-def own_interpreter_scripts(out: Path) -> Path:
-    """Flower's commands (``flower-*``, ``flwr*`` of this environment) copied into ``out``
-    with this interpreter in their ``#!`` line; returns ``out``.
-
-    A virtualenv copied from another checkout keeps that one's interpreter in its
-    scripts' ``#!`` lines, and with it that checkout's editable ``sky_flower``: the
-    SuperLink, SuperNodes and the app processes they start by name would run other code
-    than this process. Started from ``out`` (first on their ``PATH``) they run this one.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    here = Path(sys.executable).parent
-    for script in sorted(here.glob("fl*")):
-        if not script.name.startswith(("flower-", "flwr")) or (out / script.name).exists():
-            continue
-        lines = script.read_text(errors="replace").splitlines(keepends=True)
-        if not lines or not lines[0].startswith("#!") or "python" not in lines[0]:
-            continue
-        (out / script.name).write_text(f"#!{sys.executable}\n" + "".join(lines[1:]))
-        (out / script.name).chmod(0o755)
-    return out
-
-
 def node_config(node: Emulation, partition_id: int, num_partitions: int) -> str:
     """The ``--node-config`` string of a SuperNode emulating ``node``."""
     items = {
@@ -134,20 +112,9 @@ class LocalDeployment:
         env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")  # default 1 s per hop
-        # the SuperLink / SuperNode start flower-superexec etc. by name: this
-        # interpreter's first (see own_interpreter_scripts)
-        env["PATH"] = os.pathsep.join(
-            [str(self._scripts()), str(Path(sys.executable).parent), env.get("PATH", "")]
-        )
+        # the SuperLink / SuperNode start flower-superexec etc. by name: this env's first
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         return env
-
-    def _scripts(self) -> Path:
-        return own_interpreter_scripts(self.workdir / "bin")
-
-    def _exe(self, name: str) -> str:
-        """Flower command ``name``, run by this interpreter (see :meth:`_scripts`)."""
-        mine = self._scripts() / name
-        return str(mine) if mine.exists() else _bin(name)
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         (self.workdir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
@@ -182,7 +149,7 @@ class LocalDeployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         cmd = [
-            self._exe("flower-superlink"),
+            _bin("flower-superlink"),
             "--host",
             "127.0.0.1",
             "--port",
@@ -248,7 +215,7 @@ class LocalDeployment:
     def _cli(self, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
         """Run ``flwr <args>`` against this SuperLink (bounded by ``timeout_s``)."""
         return subprocess.run(
-            [self._exe("flwr"), *args],
+            [_bin("flwr"), *args],
             env=self._home("cli"),
             cwd=self.workdir,
             capture_output=True,
@@ -284,7 +251,7 @@ class LocalDeployment:
         ``max_wait_s`` without its SuperLink (it also stops by itself).
         """
         cmd = [
-            self._exe("flower-supernode"),
+            _bin("flower-supernode"),
             "--superlink",
             f"127.0.0.1:{self.port}",
             "--port",
@@ -330,7 +297,7 @@ class LocalDeployment:
             If ``flwr run`` fails, a process exits early, or the run outlasts
             ``timeout_s`` seconds.
         """
-        cmd = [self._exe("flwr"), "run", str(app.resolve()), "sky", "--stream"]
+        cmd = [_bin("flwr"), "run", str(app.resolve()), "sky", "--stream"]
         if run_config:
             cmd += ["--run-config", run_config]
         if federation_config:
