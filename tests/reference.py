@@ -330,19 +330,21 @@ class ConcurrentGrid(ProcessPerMessageGrid):
             recv.close()
 
 
-def run_sky_app(
-    grid_cls: type[ProcessPerMessageGrid], run: dict[str, Any]
-) -> tuple[Any, Any, ProcessPerMessageGrid]:
-    """``examples/sky-app`` trained by Sky's strategy (``sky_strategy``) on an in-process
-    Grid of ``grid_cls`` with one node per node of ``run["fleet"]`` (their
-    ``--node-config`` as the deployment launcher writes and ``flower-supernode`` parses
-    it). ``run`` overrides the app's run config. Call it in a test that uses the
-    ``server_identity`` fixture (a ServerApp process's task identity).
+def sky_app_on_grid(
+    grid_cls: type[ProcessPerMessageGrid],
+    run: dict[str, Any],
+    node_extra: dict[int, dict[str, Any]] | None = None,
+) -> tuple[Any, ProcessPerMessageGrid, dict[str, Any]]:
+    """Sky's strategy (``sky_strategy``) for ``examples/sky-app`` and an in-process Grid
+    of ``grid_cls`` with one node per node of ``run["fleet"]`` (their ``--node-config``
+    as the deployment launcher writes and ``flower-supernode`` parses it, updated with
+    ``node_extra[i]`` for node ``i``, e.g. a fault). ``run`` overrides the app's run
+    config. Use it in a test with the ``server_identity`` fixture.
 
     Returns
     -------
-    (SkyStrategy, Result, Grid)
-        The strategy (``.rounds``, ``.plan``), what ``start`` returned, the Grid.
+    (SkyStrategy, Grid, dict)
+        The strategy, the Grid and the keyword arguments of ``strategy.start``.
     """
     from sky_flower.app import load_fleet, sky_strategy
     from sky_flower.deploy import app_run_config, node_config
@@ -351,14 +353,32 @@ def run_sky_app(
     run_config = {**app_run_config(SKY_APP), **run}
     fleet = load_fleet(str(run_config["fleet"]))
     node_configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
+    for i, extra in (node_extra or {}).items():
+        node_configs[i].update(extra)
     grid = grid_cls(sky_app_client, node_configs, run_config)
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
+    start = {
+        "grid": grid,
+        "initial_arrays": ArrayRecord(task.Net().state_dict()),
+        "num_rounds": int(run_config["num-server-rounds"]),
+    }
+    return strategy, grid, start
+
+
+def run_sky_app(
+    grid_cls: type[ProcessPerMessageGrid], run: dict[str, Any]
+) -> tuple[Any, Any, ProcessPerMessageGrid]:
+    """``examples/sky-app`` trained by Sky's strategy on an in-process Grid (see
+    :func:`sky_app_on_grid`).
+
+    Returns
+    -------
+    (SkyStrategy, Result, Grid)
+        The strategy (``.rounds``, ``.plan``), what ``start`` returned, the Grid.
+    """
+    strategy, grid, start = sky_app_on_grid(grid_cls, run)
     try:
-        result = strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(task.Net().state_dict()),
-            num_rounds=int(run_config["num-server-rounds"]),
-        )
+        result = strategy.start(**start)
     finally:
         if isinstance(grid, ConcurrentGrid):
             grid.close()

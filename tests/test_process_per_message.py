@@ -12,8 +12,10 @@ from reference import (
     ProcessPerMessageGrid,
     reference_rounds,
     run_sky_app,
+    sky_app_on_grid,
     sky_app_task,
 )
+from sky_flower.strategies.sky import SkyNodeError
 
 from sky_flower.deploy import app_run_config
 
@@ -92,3 +94,19 @@ def test_direct_training_equals_local_training(kind, server_identity):
     assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
     assert [s["node"] for s in row["stages"]] == ["node0", "node1", "node2"]
     _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
+
+
+def test_malformed_node_reply_ends_run_naming_the_node(server_identity):
+    """box (the last stage) replies to its forward messages with arrays of the wrong
+    shape: round 1 fails naming it, and with max_failed_rounds=1 (the default under
+    ``flwr run``) the run ends; round 2 never starts. (A node that raises is the Ray
+    version: tests/test_simulation.py.)"""
+    run = {**QUICK, "fleet": "edge3", "num-server-rounds": 2, "steps-per-round": 2}
+    fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "malformed"}
+    strategy, _, start = sky_app_on_grid(ProcessPerMessageGrid, run, {2: fault})
+    with pytest.raises(
+        SkyNodeError, match=r"round 1 failed.*box.*has shape.*max_failed_rounds=1 reached"
+    ):
+        strategy.start(**start)
+    assert [r["round"] for r in strategy.rounds] == [1]  # round 2 never started
+    assert all("box" in r["error"] and "has shape" in r["error"] for r in strategy.rounds)
