@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
+PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint format clean
 
@@ -30,10 +31,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 test-fast: lint
-	$(PY) -m pytest -q -p no:cacheprovider tests -m "not simulation and not deployment"
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests -m "not simulation and not deployment"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis
