@@ -186,6 +186,25 @@ def reference_rounds(  # noqa: PLR0913
     return out
 
 
+def assert_pipelined_relay_row(row: dict[str, Any], per_message: int, microbatches: int) -> None:
+    """A 3-stage pipelined relay round's row: ``per_message`` micro-batches per message,
+    every stage handled the planned number of messages (forward and backward groups;
+    the last stage one per group) and reported its measured and predicted compute.
+
+    Raises
+    ------
+    AssertionError
+        If one of these does not hold.
+    """
+    assert row["microbatches_per_message"] == per_message
+    groups = microbatches // per_message
+    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
+    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
+    assert all(
+        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
+    )
+
+
 def _wire(msg: Message) -> Message:
     return message_from_proto(message_to_proto(msg))
 
@@ -271,13 +290,8 @@ class ConcurrentGrid(ProcessPerMessageGrid):
     ``app_fn`` must be picklable (a module-level function such as :func:`sky_app_client`).
     """
 
-    def __init__(
-        self,
-        app_fn: Callable[[], ClientApp],
-        node_configs: list[dict],
-        run_config: dict,
-    ) -> None:
-        super().__init__(app_fn, node_configs, run_config)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - as the base
+        super().__init__(*args, **kwargs)
         self._mp = forkserver()
         self._lock = threading.Lock()
         self._queues: dict[int, queue.Queue] = {}

@@ -10,6 +10,7 @@ from reference import (
     SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
+    assert_pipelined_relay_row,
     reference_rounds,
     run_sky_app,
     sky_app_on_grid,
@@ -70,13 +71,7 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
     _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
     (row,) = strategy.rounds
     assert row.get("error") is None
-    assert row["microbatches_per_message"] == per_message
-    groups = 4 // per_message
-    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
-    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
-    assert all(
-        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
-    )
+    assert_pipelined_relay_row(row, per_message, 4)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import open_dict
+from reference import assert_pipelined_relay_row
 from simhelpers import FAST, make_cfg, reference_weights
 from sky_flower.strategies.sky import SkyNodeError
 
@@ -74,13 +75,7 @@ def test_pipelined_relay_equals_unpipelined(tmp_path, no_leftover_processes):
     for k, v in reference_weights(cfg, 3, 4).items():
         np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
     (row,) = json.loads((tmp_path / "results.json").read_text())["rounds"]
-    assert row["microbatches_per_message"] == per_message
-    groups = 4 // per_message
-    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
-    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
-    assert all(
-        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
-    )
+    assert_pipelined_relay_row(row, per_message, 4)
 
 
 def test_infeasible_memory_refused_before_flower_starts(tmp_path):
