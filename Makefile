@@ -1,10 +1,13 @@
-# sky-flower: `make run` (main job on the embedded digits data), `make test`.
+# sky-flower: `make run` (main job on the embedded digits data), `make test` (everything,
+# what CI runs), `make test-fast` (lint, unit and in-process protocol tests: no Ray, no
+# SuperLink).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
+PYTEST_ARGS ?=
 
-.PHONY: install run test lint format clean
+.PHONY: install run test test-fast lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,7 +31,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+test-fast: lint
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests -m "not simulation and not deployment"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis

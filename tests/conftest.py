@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
 from simhelpers import ray_processes, wait_no_ray
 
 
@@ -14,3 +16,11 @@ def no_leftover_processes():
     yield
     left = wait_no_ray(ignore=before)
     assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.fixture
+def server_identity(monkeypatch):
+    """This process has a ServerApp process's task identity (run 1, the SuperLink's
+    node id), so a strategy can build messages outside Flower's runtime."""
+    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)

@@ -1,18 +1,33 @@
-"""What split training must compute, computed without Flower: the sky-app's model trained
-unsplit in this process on the data owner's batches, and an in-process Grid that runs
-every message the way Flower's deployment engine does (a fresh ClientApp per message,
-``context.state`` carried between messages only through Flower's protobuf)."""
+"""What split training must compute, computed without Flower, and in-process Grids that
+run Sky's ClientApp with the deployment engine's message semantics.
+
+- :func:`reference_rounds`: the one unsplit reference training loop of the test suite
+  (every equivalence test compares against it).
+- :class:`ProcessPerMessageGrid`: every message handled synchronously, in this process,
+  by a fresh ClientApp whose node context was carried over only as protobuf bytes (what
+  a SuperNode of Flower's deployment engine does). Enough for the relay transport.
+- :class:`ConcurrentGrid`: the same semantics, but ``push_messages`` returns at once and
+  each node handles its messages on its own thread, each message in a fresh process;
+  the direct transport's stages must run at the same time (and each joins a
+  ``torch.distributed`` process group, one per process).
+- :func:`run_sky_app`: ``examples/sky-app`` trained by Sky's strategy on such a Grid.
+"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import queue
 import sys
+import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.config import parse_config_args
 from flwr.common.serde import (
     context_from_proto,
     context_to_proto,
@@ -20,11 +35,31 @@ from flwr.common.serde import (
     message_to_proto,
 )
 from flwr.proto.message_pb2 import Context as ProtoContext
+from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp import Grid
 
 from sky_flower.pipeline.data import batch_indices
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
+
+# imported once by the forkserver, not by every child (imports are not state: each child
+# still builds its ClientApp, model and data afresh)
+PRELOAD = [
+    "reference",
+    "sky_flower.app",
+    "sky_flower.sky.client",
+    "sky_flower.pipeline.direct",
+    "torch.distributed.pipelining",
+    "sklearn.datasets",
+    "sklearn.model_selection",
+    "sky_app.task",
+]
+
+OPTIMIZERS: dict[str, Callable[[Iterable[torch.nn.Parameter], float], torch.optim.Optimizer]] = {
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "sgd_momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+}
 
 
 def sky_app_task():  # noqa: ANN201 - the example app's task module
@@ -36,31 +71,109 @@ def sky_app_task():  # noqa: ANN201 - the example app's task module
     return task
 
 
-def reference_rounds(
+def sky_app_client() -> ClientApp:
+    """A fresh ClientApp with Sky's handlers for the sky-app's model and data (a
+    module-level function: :class:`ConcurrentGrid` builds it in a child process)."""
+    from sky_flower.app import register_sky_client
+
+    task = sky_app_task()
+    return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
+
+
+def forkserver():  # noqa: ANN201 - a multiprocessing context
+    """The ``forkserver`` multiprocessing context, whose server imports :data:`PRELOAD`
+    once (a child then starts in well under a second instead of importing torch and
+    Flower again, as a ``spawn`` child does). Child targets must be picklable."""
+    sky_app_task()  # on sys.path before the forkserver starts, so it can preload the app
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def make_optimizer(
+    name: str, params: Iterable[torch.nn.Parameter], lr: float
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (``adam``, ``sgd``, ``sgd_momentum`` with momentum 0.9).
+
+    Raises
+    ------
+    KeyError
+        On another name.
+    """
+    return OPTIMIZERS[name](params, lr)
+
+
+def _step_batch(data: Any, step: int, rnd: int, batch_size: int, seed: int):  # noqa: ANN202, ANN401
+    """Batch of step ``step`` of round ``rnd``: ``data[step % len(data)]`` when ``data``
+    is a sequence of ``(x, y)`` tensor pairs; else Sky's data owner's batch
+    (``batch_indices``, epoch ``rnd * 1000 + step // per_epoch``) of a Split."""
+    if isinstance(data, Sequence):
+        return data[step % len(data)]
+    per_epoch = len(data) // batch_size
+    epoch = rnd * 1000 + step // per_epoch
+    idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
+    return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+
+
+def reference_rounds(  # noqa: PLR0913
     model_fn: Callable[[], torch.nn.Module],
-    data,  # noqa: ANN001 - a Split (x, y numpy arrays)
+    data: Any,  # noqa: ANN401 - a Split (x, y numpy arrays) or a list of (x, y) tensors
     rounds: int,
     steps: int,
     lr: float,
     batch_size: int = 64,
     microbatches: int = 1,
     seed: int = 0,
+    *,
+    optimizer: str = "adam",
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
-    """Unsplit training as Sky's relay defines it: each round a fresh Adam, step ``s`` of
-    round ``r`` on batch ``s % per_epoch`` of epoch ``r * 1000 + s // per_epoch`` of the
-    data owner's data (``batch_indices``), the batch's mean loss over ``microbatches``
-    equal micro-batches. Returns, per round, the weights after it and its step losses."""
+    """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
+    batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
+    micro-batches (each micro-batch's mean loss divided by ``microbatches``), one
+    optimizer step.
+
+    Parameters
+    ----------
+    model_fn : callable
+        ``() -> nn.Module``, the whole model.
+    data : Split or sequence of (Tensor, Tensor)
+        A Split (``x`` ``(n, ...)`` float32, ``y`` ``(n,)`` int64, numpy): step ``s`` of
+        round ``r`` takes batch ``s % per_epoch`` of epoch ``r * 1000 + s // per_epoch``
+        (``batch_indices(len(data), batch_size, epoch, seed)``), as Sky's data owner
+        does. A sequence of ``(x (B, ...), y (B,))`` tensors: step ``s`` takes
+        ``data[s % len(data)]`` (``batch_size`` and ``seed`` unused).
+    rounds, steps : int
+        Rounds, and optimizer steps per round.
+    lr : float
+        Learning rate.
+    batch_size, microbatches, seed : int
+        Samples per step, micro-batches per step (must divide the batch), batch order seed.
+    optimizer : {"adam", "sgd", "sgd_momentum"}
+        The optimizer (:data:`OPTIMIZERS`).
+    weights : dict of str to Tensor, optional
+        Initial state dict (default: ``model_fn()``'s own).
+
+    Returns
+    -------
+    list of (dict of str to Tensor, list of float)
+        Per round, the weights after it and its per-step losses.
+
+    Raises
+    ------
+    ValueError
+        If ``microbatches`` does not divide a batch (from ``zip(strict=True)``).
+    """
     torch.set_num_threads(1)
     model = model_fn()
-    per_epoch = len(data) // batch_size
+    if weights is not None:
+        model.load_state_dict(weights)
     out = []
     for rnd in range(1, rounds + 1):
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        opt = make_optimizer(optimizer, model.parameters(), lr)
         losses = []
         for step in range(steps):
-            epoch = rnd * 1000 + step // per_epoch
-            idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
-            x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+            x, y = _step_batch(data, step, rnd, batch_size, seed)
             opt.zero_grad()
             total = 0.0
             for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
@@ -71,6 +184,25 @@ def reference_rounds(
             losses.append(total)
         out.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, losses))
     return out
+
+
+def assert_pipelined_relay_row(row: dict[str, Any], per_message: int, microbatches: int) -> None:
+    """A 3-stage pipelined relay round's row: ``per_message`` micro-batches per message,
+    every stage handled the planned number of messages (forward and backward groups;
+    the last stage one per group) and reported its measured and predicted compute.
+
+    Raises
+    ------
+    AssertionError
+        If one of these does not hold.
+    """
+    assert row["microbatches_per_message"] == per_message
+    groups = microbatches // per_message
+    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
+    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
+    assert all(
+        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
+    )
 
 
 def _wire(msg: Message) -> Message:
@@ -128,3 +260,140 @@ class ProcessPerMessageGrid(Grid):
 
     create_message = send_and_receive = set_run = _unused
     run = property(_unused)
+
+
+def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, conn) -> None:  # noqa: ANN001
+    """Child process body of :class:`ConcurrentGrid`: one message, one fresh ClientApp;
+    sends back ``(reply bytes, context bytes)``. A raising handler gives an error
+    reply, as a SuperNode's ClientApp process does."""
+    message = message_from_proto(ProtoMessage.FromString(msg))
+    context = context_from_proto(ProtoContext.FromString(ctx))
+    try:
+        reply = app_fn()(message, context)
+    except Exception as err:  # noqa: BLE001 - every handler error becomes an error reply
+        reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+    conn.send(
+        (message_to_proto(reply).SerializeToString(), context_to_proto(context).SerializeToString())
+    )
+    conn.close()
+
+
+class ConcurrentGrid(ProcessPerMessageGrid):
+    """:class:`ProcessPerMessageGrid`'s semantics with the nodes running at once.
+
+    ``push_messages`` returns at once; each node has one thread that handles its
+    messages one at a time, in the order pushed, each in a fresh process (a
+    ``forkserver`` child: ``torch.distributed`` allows one default process group per
+    process, so the direct transport's stages cannot share one); the node's context
+    travels to and from the child as protobuf bytes. A child that dies without replying
+    gives an error reply naming its exit code. Replies are collected by ``pull_messages``.
+    ``app_fn`` must be picklable (a module-level function such as :func:`sky_app_client`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - as the base
+        super().__init__(*args, **kwargs)
+        self._mp = forkserver()
+        self._lock = threading.Lock()
+        self._queues: dict[int, queue.Queue] = {}
+        for nid in self.ids:
+            self._queues[nid] = queue.Queue()
+            threading.Thread(target=self._serve, args=(nid,), daemon=True).start()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            self._queues[msg.metadata.dst_node_id].put(message_to_proto(msg).SerializeToString())
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        with self._lock:
+            return super().pull_messages(message_ids)
+
+    def close(self) -> None:
+        """Stop the node threads (after the messages already pushed)."""
+        for q in self._queues.values():
+            q.put(None)
+
+    def _serve(self, nid: int) -> None:
+        while (msg := self._queues[nid].get()) is not None:
+            reply = self._run_in_child(nid, msg)
+            with self._lock:
+                self.replies[reply.metadata.reply_to_message_id] = reply
+                self.handled.append((nid, reply.metadata.message_type))
+
+    def _run_in_child(self, nid: int, msg: bytes) -> Message:
+        recv, send = self._mp.Pipe(duplex=False)
+        child = self._mp.Process(
+            target=_handle_in_child, args=(self.app_fn, msg, self.saved[nid], send)
+        )
+        child.start()
+        send.close()
+        try:
+            reply, self.saved[nid] = recv.recv()
+            return message_from_proto(ProtoMessage.FromString(reply))
+        except EOFError:  # the child died without replying
+            original = message_from_proto(ProtoMessage.FromString(msg))
+            child.join()
+            reason = f"ClientApp process exited with code {child.exitcode}"
+            return Message(Error(code=0, reason=reason), reply_to=original)
+        finally:
+            child.join()
+            recv.close()
+
+
+def sky_app_on_grid(
+    grid_cls: type[ProcessPerMessageGrid],
+    run: dict[str, Any],
+    node_extra: dict[int, dict[str, Any]] | None = None,
+) -> tuple[Any, ProcessPerMessageGrid, dict[str, Any]]:
+    """Sky's strategy (``sky_strategy``) for ``examples/sky-app`` and an in-process Grid
+    of ``grid_cls`` with one node per node of ``run["fleet"]`` (their ``--node-config``
+    as the deployment launcher writes and ``flower-supernode`` parses it, updated with
+    ``node_extra[i]`` for node ``i``, e.g. a fault). ``run`` overrides the app's run
+    config. Use it in a test with the ``server_identity`` fixture.
+
+    Returns
+    -------
+    (SkyStrategy, Grid, dict)
+        The strategy, the Grid and the keyword arguments of ``strategy.start``.
+    """
+    from sky_flower.app import load_fleet, sky_strategy
+    from sky_flower.deploy import app_run_config, node_config
+
+    task = sky_app_task()
+    run_config = {**app_run_config(SKY_APP), **run}
+    fleet = load_fleet(str(run_config["fleet"]))
+    node_configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
+    for i, extra in (node_extra or {}).items():
+        node_configs[i].update(extra)
+    grid = grid_cls(sky_app_client, node_configs, run_config)
+    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
+    start = {
+        "grid": grid,
+        "initial_arrays": ArrayRecord(task.Net().state_dict()),
+        "num_rounds": int(run_config["num-server-rounds"]),
+    }
+    return strategy, grid, start
+
+
+def run_sky_app(
+    grid_cls: type[ProcessPerMessageGrid], run: dict[str, Any]
+) -> tuple[Any, Any, ProcessPerMessageGrid]:
+    """``examples/sky-app`` trained by Sky's strategy on an in-process Grid (see
+    :func:`sky_app_on_grid`).
+
+    Returns
+    -------
+    (SkyStrategy, Result, Grid)
+        The strategy (``.rounds``, ``.plan``), what ``start`` returned, the Grid.
+    """
+    strategy, grid, start = sky_app_on_grid(grid_cls, run)
+    try:
+        result = strategy.start(**start)
+    finally:
+        if isinstance(grid, ConcurrentGrid):
+            grid.close()
+    return strategy, result, grid

@@ -46,3 +46,32 @@ def wait_no_ray(timeout: float = 30.0, ignore: set[int] = frozenset()) -> list[p
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+def reference_weights(cfg, steps: int, microbatches: int) -> dict:
+    """``reference_rounds`` for a one-round simulation job ``cfg``: the unsplit model
+    (seeded with ``cfg.seed``) trained in this process on the data owner's first
+    ``steps`` batches of round 1, each batch's mean loss accumulated over
+    ``microbatches`` equal micro-batches, one optimizer step per batch (what every split
+    schedule must compute)."""
+    import torch
+    from reference import reference_rounds
+
+    from sky_flower.pipeline.data import load_split, owner_partition
+    from sky_flower.pipeline.models import build_model
+
+    torch.manual_seed(int(cfg.seed))
+    weights = build_model(dict(cfg.model)).state_dict()
+    train, _ = load_split("digits", 0.2, int(cfg.seed))
+    ((expected, _),) = reference_rounds(
+        lambda: build_model(dict(cfg.model)),
+        owner_partition(train, 0, 1, int(cfg.seed)),
+        rounds=1,
+        steps=steps,
+        lr=float(cfg.train.lr),
+        batch_size=int(cfg.schedule.batch_size),
+        microbatches=microbatches,
+        optimizer=str(cfg.train.optimizer),
+        weights=weights,
+    )
+    return expected

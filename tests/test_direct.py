@@ -3,12 +3,12 @@ local processes, no Flower."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 import torch
+from reference import forkserver, reference_rounds
 
 from sky_flower.pipeline.direct import (
     PEER_FAILURE,
@@ -24,22 +24,11 @@ from sky_flower.pipeline.models import build_model
 from sky_flower.pipeline.stage import build_stage
 
 MODEL = {"name": "mlp", "hidden_width": 32, "hidden_layers": 3}
+ROUND_TIMEOUT_S = 2.0  # the failure tests' round timeout (every peer operation)
+STALL_S = 9.0  # a stalled stage's silence: far longer than the round timeout
 
 
-def _reference(weights: dict, batches: list, microbatches: int, lr: float) -> dict:
-    """The unsplit model trained on the same batches and micro-batch split."""
-    model = build_model(MODEL)
-    model.load_state_dict(weights)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for x, y in batches:
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            (torch.nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
-        opt.step()
-    return model.state_dict()
-
-
-@pytest.mark.parametrize("kind", ["1f1b"])  # gpipe too in tests/test_direct_sim.py
+@pytest.mark.parametrize("kind", ["1f1b"])  # gpipe: tests/test_process_per_message.py
 def test_local_pipeline_equals_unsplit_training(kind):
     torch.manual_seed(0)
     weights = build_model(MODEL).state_dict()
@@ -51,7 +40,9 @@ def test_local_pipeline_equals_unsplit_training(kind):
     merged, results = run_local(
         MODEL, [(0, 1), (2, 2), (3, 3)], weights, batches, kind=kind, microbatches=4, lr=1e-3
     )
-    expected = _reference(weights, batches, 4, 1e-3)
+    ((expected, _),) = reference_rounds(
+        lambda: build_model(MODEL), batches, 1, 3, 1e-3, microbatches=4, weights=weights
+    )
     assert set(merged) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-6)
@@ -88,7 +79,7 @@ def _failing_worker(rdv: Rendezvous, mode: str, queue) -> None:  # noqa: ANN001
         if mode == "kill" and step == 2:
             os._exit(1)  # killed mid-round: no clean-up at all
         if mode == "stall" and step == 2:
-            time.sleep(12.0)  # silent, far longer than the 3 s round timeout
+            time.sleep(STALL_S)  # silent, far longer than the round timeout
 
     t0 = time.monotonic()
     try:
@@ -111,12 +102,12 @@ def _failing_worker(rdv: Rendezvous, mode: str, queue) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_failed_stage_ends_the_round_for_all_within_the_timeout(mode):
-    """Stage 1's process dies mid-round (os._exit) or stalls (12 s): stages 0 and 2 stop
-    with an error saying a peer failed, within the 3 s round timeout (not the 30 s join
-    timeout), and every process ends by itself."""
-    ctx = mp.get_context("spawn")
+    """Stage 1's process dies mid-round (os._exit) or stalls (``STALL_S``): stages 0 and
+    2 stop with an error saying a peer failed, within the ``ROUND_TIMEOUT_S`` round
+    timeout (not the 30 s join timeout), and every process ends by itself."""
+    ctx = forkserver()  # fresh processes, without importing torch in each
     queue = ctx.Queue()
-    with RoundHost(3, timeout_s=3.0, join_timeout_s=30.0) as host:
+    with RoundHost(3, timeout_s=ROUND_TIMEOUT_S, join_timeout_s=30.0) as host:
         procs = [
             ctx.Process(
                 target=_failing_worker, args=(host.rendezvous(k), mode if k == 1 else "", queue)
@@ -140,6 +131,6 @@ def test_failed_stage_ends_the_round_for_all_within_the_timeout(mode):
     for rank in (0, 2):
         msg, elapsed = got[rank]
         assert msg.startswith(f"stage {rank} of 3") and PEER_FAILURE in msg
-        assert elapsed < 11.0  # stopped before the stalled stage woke up
+        assert elapsed < STALL_S - 1.0  # stopped before the stalled stage woke up
     if mode == "kill":
         assert procs[1].exitcode == 1

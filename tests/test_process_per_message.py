@@ -1,62 +1,107 @@
 """Sky under the deployment engine's message semantics, in this process (fast, no
 engine): every message handled by a fresh ClientApp whose context was carried over only
-as protobuf bytes. Three stages (``even`` on edge3), two micro-batches, two rounds: the
-global model after each round equals the unsplit model trained on the same batches."""
+as protobuf bytes (``tests/reference.py``). Split training, relay (sequential and
+pipelined) and direct, equals the unsplit model trained on the same batches
+(``reference_rounds``)."""
 
 import numpy as np
-from flwr.app import ArrayRecord
-from flwr.clientapp import ClientApp
-from flwr.common.config import parse_config_args
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
-from reference import SKY_APP, ProcessPerMessageGrid, reference_rounds, sky_app_task
+import pytest
+from reference import (
+    SKY_APP,
+    ConcurrentGrid,
+    ProcessPerMessageGrid,
+    assert_pipelined_relay_row,
+    reference_rounds,
+    run_sky_app,
+    sky_app_on_grid,
+    sky_app_task,
+)
+from sky_flower.strategies.sky import SkyNodeError
 
-from sky_flower.app import load_fleet, register_sky_client, sky_strategy
-from sky_flower.deploy import app_run_config, node_config
+from sky_flower.deploy import app_run_config
 
-RUN = {
-    "fleet": "edge3",
-    "allocation": "even",
-    "num-server-rounds": 2,
-    "steps-per-round": 3,
-    "microbatches": 2,
-    "benchmark-repeats": 1,
-    "echo-repeats": 1,
-    "state-probe-mb": 0.0,
-}
+QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 
 
-def test_relay_with_a_fresh_clientapp_per_message_equals_unsplit_training(monkeypatch):
-    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)  # as a ServerApp process has them
+def _expected(run: dict, fleet_size: int = 3) -> list:
+    """``reference_rounds`` for the sky-app run ``run`` (its data owner's partition)."""
     task = sky_app_task()
-    run_config = {**app_run_config(SKY_APP), **RUN}
-    fleet = load_fleet("edge3")
-    # the node configs the launcher gives its SuperNodes, parsed as flower-supernode does
-    node_configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
-
-    def fresh_app() -> ClientApp:
-        return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
-
-    grid = ProcessPerMessageGrid(fresh_app, node_configs, run_config)
-    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
-    strategy.echo_jitter_s = 0.0
-    result = strategy.start(
-        grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()), num_rounds=2
+    run = {**app_run_config(SKY_APP), **run}
+    return reference_rounds(
+        task.Net,
+        task.load_data(0, fleet_size),
+        rounds=int(run["num-server-rounds"]),
+        steps=int(run["steps-per-round"]),
+        lr=float(run["lr"]),
+        batch_size=int(run["batch-size"]),
+        microbatches=int(run["microbatches"]),
     )
+
+
+def _assert_weights(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_relay_with_a_fresh_clientapp_per_message_equals_unsplit_training(server_identity):
+    """Three stages (``even`` on edge3), two micro-batches, two rounds: the global model
+    and the mean train loss after each round equal unsplit training's."""
+    run = {**QUICK, "fleet": "edge3", "num-server-rounds": 2, "steps-per-round": 3}
+    run |= {"microbatches": 2}
+    strategy, result, grid = run_sky_app(ProcessPerMessageGrid, run)
     assert len(strategy.plan.stages) == 3
     assert ("train.sky_backward" in {t for _, t in grid.handled}) and len(strategy.rounds) == 2
-
-    expected = reference_rounds(
-        task.Net,
-        task.load_data(0, 3),
-        rounds=2,
-        steps=3,
-        lr=float(run_config["lr"]),
-        microbatches=2,
-    )
+    expected = _expected(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
         assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
-    got = result.arrays.to_torch_state_dict()
-    for key, value in expected[-1][0].items():
-        np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-4, atol=1e-6)
+    _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
+
+
+@pytest.mark.parametrize(("kind", "per_message"), [("gpipe", 1), ("1f1b", 2)])
+def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
+    """The pipelined relay (3 stages, 4 micro-batches in flight in groups of
+    ``per_message``, gradients accumulated across messages) gives the weights of
+    unpipelined training with the same micro-batch split after 3 steps; every stage
+    handled the planned number of messages and reported its compute. (The Ray
+    version of the 1f1b case is in tests/test_simulation.py.)"""
+    run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 1, "steps-per-round": 3}
+    run |= {"microbatches": 4, "schedule-kind": kind, "microbatches-per-message": per_message}
+    strategy, result, _ = run_sky_app(ProcessPerMessageGrid, run)
+    _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
+    (row,) = strategy.rounds
+    assert row.get("error") is None
+    assert_pipelined_relay_row(row, per_message, 4)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_direct_training_equals_local_training(kind, server_identity):
+    """transport=direct, every stage in its own process at once, peer to peer: weights
+    after 3 steps through 3 stages (4 micro-batches) equal those of the unsplit model
+    trained on the same batches and micro-batches. (The Ray version of the gpipe case
+    is in tests/test_direct_sim.py.)"""
+    run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 1, "steps-per-round": 3}
+    run |= {"transport": "direct", "schedule-kind": kind, "microbatches": 4}
+    run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
+    strategy, result, _ = run_sky_app(ConcurrentGrid, run)
+    (row,) = strategy.rounds
+    assert row.get("error") is None, row
+    assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
+    assert [s["node"] for s in row["stages"]] == ["node0", "node1", "node2"]
+    _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
+
+
+def test_malformed_node_reply_ends_run_naming_the_node(server_identity):
+    """box (the last stage) replies to its forward messages with arrays of the wrong
+    shape: round 1 fails naming it, and with max_failed_rounds=1 (the default under
+    ``flwr run``) the run ends; round 2 never starts. (A node that raises is the Ray
+    version: tests/test_simulation.py.)"""
+    run = {**QUICK, "fleet": "edge3", "num-server-rounds": 2, "steps-per-round": 2}
+    fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "malformed"}
+    strategy, _, start = sky_app_on_grid(ProcessPerMessageGrid, run, {2: fault})
+    with pytest.raises(
+        SkyNodeError, match=r"round 1 failed.*box.*has shape.*max_failed_rounds=1 reached"
+    ):
+        strategy.start(**start)
+    assert [r["round"] for r in strategy.rounds] == [1]  # round 2 never started
+    assert all("box" in r["error"] and "has shape" in r["error"] for r in strategy.rounds)

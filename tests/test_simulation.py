@@ -1,4 +1,5 @@
-"""End to end in Flower's simulation engine (Ray): digits, 3 emulated nodes."""
+"""End to end in Flower's simulation engine (Ray): digits, 3 emulated nodes; and the
+job's settings refused before Flower starts (no Ray: these run in the fast tier)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,16 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import open_dict
-from simhelpers import FAST, make_cfg
+from reference import assert_pipelined_relay_row
+from simhelpers import FAST, make_cfg, reference_weights
 from sky_flower.strategies.sky import SkyNodeError
 
 from sky_flower.core.partition import InfeasibleMemoryError
-from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
 from sky_flower.pipeline.models import build_model
 from sky_flower.run import run_job
 
-pytestmark = pytest.mark.simulation
 
-
+@pytest.mark.simulation
 @pytest.mark.parametrize("allocation", ["even", "heuristic", "optimal"])
 def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_processes):
     cfg = make_cfg(
@@ -48,51 +48,15 @@ def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_proces
     assert [n["name"] for n in bench["nodes"]] == ["phone", "cloud", "box"]
 
 
-def _local_weights(cfg, steps: int, microbatches: int) -> dict:
-    """The unsplit model trained in this process on the data owner's first ``steps``
-    batches of round 1, each batch's mean loss accumulated over ``microbatches`` equal
-    micro-batches, one Adam step per batch (what every relay schedule must compute)."""
-    torch.manual_seed(int(cfg.seed))
-    model = build_model(dict(cfg.model))
-    opt = torch.optim.Adam(model.parameters(), lr=float(cfg.train.lr))
-    train, _ = load_split("digits", 0.2, int(cfg.seed))
-    data = owner_partition(train, 0, 1, int(cfg.seed))
-    bs = int(cfg.schedule.batch_size)
-    for step in range(steps):
-        idx = batch_indices(len(data), bs, 1 * 1000 + step // (len(data) // bs), 0)[step]
-        x, y = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            (torch.nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
-        opt.step()
-    return model.state_dict()
-
-
-def test_relay_training_equals_local_training(tmp_path, no_leftover_processes):
-    """Weights after 3 steps through Flower (3 stages, 2 micro-batches) equal those of
-    the unsplit model trained on the same batches in this process."""
-    cfg = make_cfg(
-        [
-            *FAST,
-            "fleet=uniform3",
-            "allocation=even",
-            "num_rounds=1",
-            "train.steps_per_round=3",
-            "schedule.microbatches=2",
-        ]
-    )
-    run_job(cfg, tmp_path)
-    split = torch.load(tmp_path / "model.pt")
-    for k, v in _local_weights(cfg, 3, 2).items():
-        np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize(("kind", "per_message"), [("gpipe", 1), ("1f1b", 2)])
-def test_pipelined_relay_equals_unpipelined(kind, per_message, tmp_path, no_leftover_processes):
-    """The pipelined relay (3 stages, 4 micro-batches in flight in groups of
-    ``per_message``, gradients accumulated across messages) gives the weights of
-    unpipelined training with the same micro-batch split after 3 steps; every stage
-    handled the planned number of messages and reported its compute."""
+@pytest.mark.simulation
+def test_pipelined_relay_equals_unpipelined(tmp_path, no_leftover_processes):
+    """The relay transport's one equivalence test under Ray (its other schedules, and
+    the sequential relay, are checked in-process: tests/test_process_per_message.py).
+    The pipelined relay (3 stages, 4 micro-batches in flight in groups of 2, 1F1B,
+    gradients accumulated across messages) gives the weights of unpipelined training
+    with the same micro-batch split after 3 steps; every stage handled the planned
+    number of messages and reported its compute."""
+    kind, per_message = "1f1b", 2
     cfg = make_cfg(
         [
             *FAST,
@@ -108,16 +72,10 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, tmp_path, no_left
     results = run_job(cfg, tmp_path)
     assert results["error"] is None
     split = torch.load(tmp_path / "model.pt")
-    for k, v in _local_weights(cfg, 3, 4).items():
+    for k, v in reference_weights(cfg, 3, 4).items():
         np.testing.assert_allclose(split[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
     (row,) = json.loads((tmp_path / "results.json").read_text())["rounds"]
-    assert row["microbatches_per_message"] == per_message
-    groups = 4 // per_message
-    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
-    assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
-    assert all(
-        st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]
-    )
+    assert_pipelined_relay_row(row, per_message, 4)
 
 
 def test_infeasible_memory_refused_before_flower_starts(tmp_path):
@@ -133,16 +91,16 @@ def test_infeasible_memory_refused_before_flower_starts(tmp_path):
     assert not (tmp_path / "results.json").exists()  # nothing ran
 
 
-@pytest.mark.parametrize(
-    ("fail_mode", "expected"), [("raise", "replied with an error"), ("malformed", "has shape")]
-)
+@pytest.mark.simulation
+# a malformed reply (the strategy's check, not the engine's): tests/test_process_per_message.py
+@pytest.mark.parametrize(("fail_mode", "expected"), [("raise", "replied with an error")])
 def test_bad_node_reply_ends_run_naming_the_node(
     fail_mode, expected, tmp_path, no_leftover_processes
 ):
-    """box fails: the failed round is recorded naming it, and with
-    train.max_failed_rounds=1 the first failed round ends the run."""
+    """box fails (its ClientApp raises under Ray): the failed round is recorded naming
+    it, and with train.max_failed_rounds=1 the first failed round ends the run."""
     cfg = make_cfg(
-        [*FAST, "fleet=edge3", "allocation=even", "num_rounds=3", "train.max_failed_rounds=1"]
+        [*FAST, "fleet=edge3", "allocation=even", "num_rounds=2", "train.max_failed_rounds=1"]
     )
     with open_dict(cfg):
         cfg.fleet.nodes[2].fail_on = "train.sky_forward"  # box: the last stage
@@ -193,6 +151,7 @@ def test_even_with_more_nodes_than_layers_refused_before_flower_starts(tmp_path)
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.simulation
 def test_node_failing_the_benchmark_is_left_out(tmp_path, no_leftover_processes):
     cfg = make_cfg([*FAST, "fleet=edge3", "allocation=optimal", "num_rounds=1"])
     with open_dict(cfg):
@@ -206,6 +165,7 @@ def test_node_failing_the_benchmark_is_left_out(tmp_path, no_leftover_processes)
     assert sorted(nodes) == ["cloud", "phone"] and plan["stages"][0]["node"] == "phone"
 
 
+@pytest.mark.simulation
 def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_processes):
     """Pipelined relay (GPipe, one micro-batch per message): the last stage fails in
     the middle of round 1 (its first forward message raises, with other stages' messages

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from reference import make_optimizer, reference_rounds
 
 from sky_flower.pipeline.models import build_model
 from sky_flower.pipeline.stage import (
@@ -23,25 +23,22 @@ def _model():
     return build_model(MODEL)
 
 
+LR = {"adam": 1e-2, "sgd_momentum": 0.1}
+
+
 def _reference(state, x, y, opt_name, steps, microbatches=1):
-    model = _model()
-    model.load_state_dict(state)
-    opt = _make_opt(opt_name, model.parameters())
-    for _ in range(steps):
-        opt.zero_grad()
-        if microbatches == 1:
-            nn.functional.cross_entropy(model(x), y).backward()
-        else:  # same accumulation as the pipeline, to compare like with like
-            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-                (nn.functional.cross_entropy(model(xm), ym) / microbatches).backward()
-        opt.step()
-    return model.state_dict()
-
-
-def _make_opt(name, params):
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    """The unsplit model after ``steps`` steps on the batch ``(x, y)``."""
+    ((weights, _),) = reference_rounds(
+        _model,
+        [(x, y)],
+        1,
+        steps,
+        LR.get(opt_name, 0.1),
+        microbatches=microbatches,
+        optimizer=opt_name,
+        weights=state,
+    )
+    return weights
 
 
 PLANS = [
@@ -63,7 +60,8 @@ def test_split_equals_whole(bounds, opt_name, microbatches):
     stages = []
     for a, b in bounds:
         module = build_stage(_model, a, b, slice_state(state, a, b))
-        stages.append(StageExecutor(module, _make_opt(opt_name, module.parameters()), microbatches))
+        opt = make_optimizer(opt_name, module.parameters(), LR[opt_name])
+        stages.append(StageExecutor(module, opt, microbatches))
     for _ in range(steps):
         run_split_step(stages, x, y)
     split = {}
@@ -85,7 +83,7 @@ def test_microbatched_gradients_match_whole_batch():
     st.forward_backward_loss(x, y, input_grad=False)
     expected = _reference(copy.deepcopy(state), x, y, "sgd", 1, microbatches=1)
     for k, v in module.state_dict().items():
-        # SGD without momentum: w - lr * grad; whole-batch and micro-batched agree
+        # SGD: w - lr * grad; whole-batch and micro-batched agree
         torch.testing.assert_close(v, expected[k], rtol=1e-5, atol=1e-6)
 
 
