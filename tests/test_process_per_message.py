@@ -93,10 +93,10 @@ def test_direct_training_equals_local_training(kind, server_identity):
 
 def test_malformed_node_reply_ends_run_naming_the_node(server_identity):
     """box (the last stage) replies to its forward messages with arrays of the wrong
-    shape: round 1 fails naming it, and with max_failed_rounds=1 (the default under
-    ``flwr run``) the run ends; round 2 never starts. (A node that raises is the Ray
-    version: tests/test_simulation.py.)"""
+    shape: round 1 fails naming it, and with max-failed-rounds=1 the run ends; round 2
+    never starts. (A node that raises is the Ray version: tests/test_simulation.py.)"""
     run = {**QUICK, "fleet": "edge3", "num-server-rounds": 2, "steps-per-round": 2}
+    run["max-failed-rounds"] = 1
     fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "malformed"}
     strategy, _, start = sky_app_on_grid(ProcessPerMessageGrid, run, {2: fault})
     with pytest.raises(
