@@ -71,6 +71,10 @@ COMPUTE_S = "compute_s"  # seconds of the stage's own compute (native, before sl
 BUSY_S = "busy_s"  # wall seconds inside the handler (added by the node's wrapper)
 READY = "ready"  # setup's acknowledgement
 
+# the last stage's objective, by reference (sky_flower.pipeline.objective)
+DEFAULT_LOSS = "torch.nn.functional:cross_entropy"
+DEFAULT_METRIC = "sky_flower.pipeline.objective:correct_count"
+
 
 def action(message_type: str) -> str:
     """The handler action of a message type: ``"train.sky_setup" -> "sky_setup"``."""
@@ -231,6 +235,13 @@ class StageConfig(Record):
         Server round (seeds the data order).
     seed : int
         Run seed.
+    loss : str
+        ``"module:qualname"`` of the last stage's ``loss(output, labels) -> scalar``
+        (:mod:`sky_flower.pipeline.objective`); default cross-entropy.
+    metric : str
+        ``"module:qualname"`` of the last stage's ``metric(output, labels) -> int``;
+        default correct predictions. A node built with its own ``loss_fn`` /
+        ``metric_fn`` uses those instead.
     """
 
     stage: int
@@ -244,6 +255,8 @@ class StageConfig(Record):
     lr: float
     round: int
     seed: int
+    loss: str = DEFAULT_LOSS
+    metric: str = DEFAULT_METRIC
 
     def __post_init__(self) -> None:
         if not 0 <= self.first <= self.last:
@@ -392,6 +405,8 @@ __all__ = [
     "COMPUTE_S",
     "CONFIG",
     "CORRECT",
+    "DEFAULT_LOSS",
+    "DEFAULT_METRIC",
     "DIRECT",
     "ECHO",
     "FORWARD",
