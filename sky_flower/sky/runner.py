@@ -176,6 +176,17 @@ class Runner(Protocol):
     """One round of split training on one transport."""
 
     label: str  # how the report names the transport
+    peer_links: bool  # the benchmark takes emulated peer links instead of timing echoes
+
+    @staticmethod
+    def check_schedule(schedule: Schedule) -> None:
+        """Raise ``ValueError`` if the transport cannot run ``schedule`` (before any
+        node is contacted)."""
+        ...
+
+    def check_plan(self, plan: Pipeline) -> None:
+        """Raise ``ValueError`` if the transport cannot run ``plan``."""
+        ...
 
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
