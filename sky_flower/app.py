@@ -58,6 +58,7 @@ from sky_flower.emulation.devices import Emulation, expand_fleet
 
 if TYPE_CHECKING:
     from sky_flower.pipeline.data import Split
+    from sky_flower.pipeline.stage import LossFn, MetricFn
 
 TRANSPORTS = ("relay", "direct")
 SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.core.cost (torch-free here)
@@ -402,6 +403,8 @@ def register_sky_client(
     app: ClientApp,
     model_fn: Callable[[], nn.Module],
     load_data: Callable[[int, int], Split],
+    loss_fn: LossFn | None = None,
+    metric_fn: MetricFn | None = None,
 ) -> ClientApp:
     """Add Sky's handlers to a ClientApp, beside its own.
 
@@ -416,6 +419,10 @@ def register_sky_client(
         (numpy ``x`` of shape ``(n, *input_shape)``, int64 ``y`` of shape ``(n,)``). It is
         called only on data owners (the node's emulated device ``holds_data``), with the
         node config's ``partition-id`` and ``num-partitions``, and cached per node.
+    loss_fn, metric_fn : callable, optional
+        The last stage's ``(output, labels) -> scalar`` loss and ``(output, labels) ->
+        int`` metric (default: those the ServerApp's strategy names; cross-entropy and
+        correct predictions), see :class:`sky_flower.sky.client.SkyClient`.
 
     Returns
     -------
@@ -437,6 +444,11 @@ def register_sky_client(
             cached[key] = load_data(*key)
         return cached[key]
 
-    return SkyClient(model_fn=model_fn, load_data=owner_data, emulation_fn=node_emulation).register(
-        app
+    client = SkyClient(
+        model_fn=model_fn,
+        load_data=owner_data,
+        emulation_fn=node_emulation,
+        loss_fn=loss_fn,
+        metric_fn=metric_fn,
     )
+    return client.register(app)

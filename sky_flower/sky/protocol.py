@@ -137,28 +137,30 @@ def _flat(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _build(cls: type, rec: Mapping[str, Any]) -> Any:
+def _build(cls: type, rec: Mapping[str, Any], where: str = "") -> Any:
     """Instance of dataclass ``cls`` from the flat mapping ``rec`` (see :func:`_flat`);
-    a missing key takes the field's default, if it has one; extra keys are ignored."""
+    a missing key takes the field's default, if it has one; extra keys are ignored.
+    ``where`` names the record in errors (default: the class)."""
+    where = where or cls.__name__
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            kwargs[f.name] = _build(hint, rec)
+            kwargs[f.name] = _build(hint, rec, f"{where}.{f.name}")
         elif f.name in rec:
-            kwargs[f.name] = _check(cls.__name__, f.name, hint, rec[f.name])
+            kwargs[f.name] = _check(where, f.name, hint, rec[f.name])
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if type(None) in typing.get_args(hint):
                 kwargs[f.name] = None
             else:
-                raise ProtocolError(f"{cls.__name__}: the record lacks key {f.name!r}")
+                raise ProtocolError(f"{where}: the record lacks key {f.name!r}")
     try:
         return cls(**kwargs)
     except ProtocolError:
         raise
     except (TypeError, ValueError) as err:  # the dataclass's own checks
-        raise ProtocolError(f"{cls.__name__}: {err}") from err
+        raise ProtocolError(f"{where}: {err}") from err
 
 
 class Record:
