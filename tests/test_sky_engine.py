@@ -15,6 +15,7 @@ from flwr.common.config import parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from reference import SKY_APP, ProcessPerMessageGrid, sky_app_task
+from sky_flower.strategies.sky import RUNNERS, SkyNodeError, SkyStrategy
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.deploy import app_run_config, node_config
@@ -22,7 +23,6 @@ from sky_flower.flower.exchange import NodeError
 from sky_flower.sky import protocol as P
 from sky_flower.sky.report import stage_table
 from sky_flower.sky.runner import RoundOutcome
-from sky_flower.strategies.sky import RUNNERS, SkyNodeError, SkyStrategy
 
 RUN = {
     "fleet": "edge3",
