@@ -21,7 +21,6 @@ evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +47,7 @@ from sky_flower.sky.benchmark import (
     Link,
     benchmark_event,
     benchmark_table,
+    wait_for_nodes,
 )
 from sky_flower.sky.direct import DirectRunner
 from sky_flower.sky.protocol import ARRAYS
@@ -91,18 +91,10 @@ class SkyStrategy(Strategy):
         fleet's size: nodes that connect later are not in the plan).
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
-    benchmark_warmup, benchmark_repeats : int (default: 2, 5)
-        Untimed and timed passes per layer in the benchmark round.
-    echo_bytes : tuple[int, int] (default: (1 KiB, 4 MiB))
-        The two payload sizes timed for latency and bandwidth.
-    echo_repeats : int (default: 7)
-        Echoes per size (median taken: robust to a stray slow echo).
-    echo_jitter_s : float (default: 0.1)
-        Random pause (uniform in [0, echo_jitter_s)) before each echo, so the echoes
-        sample every phase of the nodes' polling tick (0.1 s in the simulation engine).
-    state_probe_bytes : int (default: 64 MiB)
-        Size of the probe array stored in a node's ``context.state`` to time what the
-        state costs per message (0 disables; see :mod:`sky_flower.core.cost`).
+    benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \
+    state_probe_bytes : (default: 2, 5, (1 KiB, 4 MiB), 7, 0.1, 64 MiB)
+        The benchmark round's settings, as
+        :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them.
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
     max_failed_rounds : int (default: 1)
@@ -112,16 +104,12 @@ class SkyStrategy(Strategy):
         benchmark round's profiles, and the next round starts from the last good global
         model. This many consecutive failed rounds end the run with
         :class:`SkyNodeError` (1: the first failed round does).
-    direct_timeout_s : float (default: 30.0)
-        ``transport=direct``: bound (s) on joining the round's process group and on
-        every peer operation; a stage that fails or stalls ends the round for all
-        stages within about this time.
-    direct_host : str (default: "127.0.0.1")
-        ``transport=direct``: address of the round's TCPStore, hosted by the server;
-        it must be reachable from every stage node.
-    direct_join_timeout_s : float (default: 60.0)
-        ``transport=direct``: bound (s) on the stages joining a round (their messages
-        may start seconds apart); a stage that never joins ends the round after it.
+    direct_timeout_s, direct_host, direct_join_timeout_s : (default: 30.0, \
+    "127.0.0.1", 60.0)
+        ``transport=direct``: bound (s) on every peer operation (a stage that fails or
+        stalls ends the round for all within about this time); the address of the
+        round's TCPStore, hosted by the server (reachable from every stage node); bound
+        (s) on the stages joining a round.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -258,34 +246,15 @@ class SkyStrategy(Strategy):
 
     # -- wait, benchmark, plan ---------------------------------------------------------
     def wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
-        """Block until ``min_nodes`` nodes are connected (bounded by ``timeout``); after
-        it, the nodes that are connected go on with a warning.
+        """Block until ``min_nodes`` nodes are connected, at most ``timeout`` s
+        (:func:`sky_flower.sky.benchmark.wait_for_nodes`).
 
         Raises
         ------
         SkyNodeError
             If no node is connected after ``timeout`` seconds, or the run is stopped.
         """
-        deadline = time.monotonic() + timeout
-        while len(nodes := sorted(grid.get_node_ids())) < self.min_nodes:
-            if self._stop.is_set():
-                raise SkyNodeError("run stopped by the caller")
-            if time.monotonic() > deadline:
-                if not nodes:
-                    raise SkyNodeError(f"no node connected after {timeout:g} s")
-                log(
-                    WARNING,
-                    "Only %d of %d nodes connected after %g s: the missing %d are left out "
-                    "of the plan",
-                    len(nodes),
-                    self.min_nodes,
-                    timeout,
-                    self.min_nodes - len(nodes),
-                )
-                return nodes
-            log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), self.min_nodes)
-            time.sleep(0.5)
-        return nodes
+        return wait_for_nodes(grid, self.min_nodes, timeout, self._stop)
 
     def profile_model(self) -> list[LayerProfile]:
         """Per-layer FLOPs and bytes of the model (computed once, on the server)."""
@@ -560,16 +529,5 @@ class SkyStrategy(Strategy):
         return dropped
 
     def log_final_summary(self, result: Result) -> None:
-        """Log the plan and the final results the way Flower's ``Strategy.start`` ends
-        (``Final results:`` and the ``Result``), after Sky's own per-round table."""
-        log(INFO, "")
-        if self.plan is not None:
-            stages = ", ".join(
-                f"{st.node} [{st.first_layer}-{st.last_layer}]" for st in self.plan.stages
-            )
-            log(INFO, "Plan (%s): %s", self.allocation, stages)
-        log(INFO, "Final results:")
-        log(INFO, "")
-        for line in io.StringIO(str(result)):
-            log(INFO, "\t%s", line.strip("\n"))
-        log(INFO, "")
+        """Log the plan and the final results (:func:`sky_flower.sky.report.log_final`)."""
+        report.log_final(self.plan, self.allocation, result)

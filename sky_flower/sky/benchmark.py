@@ -6,6 +6,7 @@ are ordered for the pipeline (the data owner first)."""
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
+from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from sky_flower.core.cost import Schedule
@@ -309,3 +311,36 @@ def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> 
         "layers": [lp.to_dict() for lp in layers],
         "nodes": [{**n.to_dict(), "emulation": result.emulation[n.name]} for n in result.nodes],
     }
+
+
+def wait_for_nodes(
+    grid: Grid, min_nodes: int, timeout: float, stop: threading.Event | None = None
+) -> list[int]:
+    """Block until ``min_nodes`` nodes are connected (bounded by ``timeout`` s); after
+    it, the nodes that are connected go on with a warning (the missing ones are left
+    out of the plan). Returns their ids, sorted.
+
+    Raises
+    ------
+    SkyNodeError
+        If no node is connected after ``timeout`` seconds, or ``stop`` is set.
+    """
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < min_nodes:
+        if stop is not None and stop.is_set():
+            raise SkyNodeError("run stopped by the caller")
+        if time.monotonic() > deadline:
+            if not nodes:
+                raise SkyNodeError(f"no node connected after {timeout:g} s")
+            log(
+                WARNING,
+                "Only %d of %d nodes connected after %g s: the missing %d are left out of the plan",
+                len(nodes),
+                min_nodes,
+                timeout,
+                min_nodes - len(nodes),
+            )
+            return nodes
+        log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), min_nodes)
+        time.sleep(0.5)
+    return nodes

@@ -4,11 +4,15 @@ transport (the columns are those the row's ``stages`` hold)."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from logging import INFO
 from typing import Any
 
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
+
+from sky_flower.core.partition import Plan
 
 # (stage-row key, header, width, format) in display order
 STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
@@ -75,3 +79,18 @@ def log_round_line(row: dict[str, Any]) -> None:
         row["predicted_step_time_s"],
         row["round_time_s"],
     )
+
+
+def log_final(plan: Plan | None, allocation: str, result: Result) -> None:
+    """Log the plan and the final results the way Flower's ``Strategy.start`` ends
+    (``Final results:`` and the ``Result``; ``sky_flower.deploy`` reads it), after
+    Sky's own per-round table."""
+    log(INFO, "")
+    if plan is not None:
+        stages = ", ".join(f"{st.node} [{st.first_layer}-{st.last_layer}]" for st in plan.stages)
+        log(INFO, "Plan (%s): %s", allocation, stages)
+    log(INFO, "Final results:")
+    log(INFO, "")
+    for line in io.StringIO(str(result)):
+        log(INFO, "\t%s", line.strip("\n"))
+    log(INFO, "")
