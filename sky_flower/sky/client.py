@@ -60,7 +60,6 @@ from sky_flower.pipeline.stage import (
     build_stage,
     optimizer_from_tensors,
     optimizer_to_tensors,
-    stage_optimizer,
     step_batch,
 )
 from sky_flower.sky import protocol as P
@@ -85,8 +84,27 @@ def _tensor(msg: Message, key: str) -> torch.Tensor:
     return msg.content.array_records[key].to_torch_state_dict()[key]
 
 
-def _arrays(module: nn.Module) -> ArrayRecord:
-    return ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
+def save_stage(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[ArrayRecord, ArrayRecord]:
+    """A stage as records: its weights and its optimizer's state tensors."""
+    weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
+    return weights, ArrayRecord(optimizer_to_tensors(opt))
+
+
+def load_stage(
+    model_fn: Callable[[], nn.Module],
+    first: int,
+    last: int,
+    records: tuple[ArrayRecord, ArrayRecord | None],
+    make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """Layers ``first..last`` rebuilt from ``records`` (weights, optimizer state or None
+    for a fresh optimizer) as :func:`save_stage` wrote them."""
+    weights, optim = records
+    module = build_stage(model_fn, first, last, weights.to_torch_state_dict())
+    opt = make_opt([p for p in module.parameters() if p.requires_grad])
+    if optim is not None:
+        optimizer_from_tensors(opt, optim.to_torch_state_dict())
+    return module, opt
 
 
 class SkyClient:
@@ -176,11 +194,14 @@ class SkyClient:
         """The stage from ``context.state`` (weights, optimizer state, the gradients
         accumulated so far), for inputs of ``count`` micro-batches; the loss is always
         divided by the step's ``M``."""
-        weights = context.state.array_records[WEIGHTS].to_torch_state_dict()
-        module = build_stage(self.model_fn, st.first, st.last, weights)
-        opt = stage_optimizer(module, st.optimizer, st.lr)
-        if OPTIM in context.state.array_records:
-            optimizer_from_tensors(opt, context.state.array_records[OPTIM].to_torch_state_dict())
+        records = context.state.array_records
+        module, opt = load_stage(
+            self.model_fn,
+            st.first,
+            st.last,
+            (records[WEIGHTS], records.get(OPTIM)),
+            default_optimizer_factory(st.optimizer, st.lr),
+        )
         ex = StageExecutor(module, opt, count, loss_divisor=st.microbatches)
         if GRADS in context.state:
             ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
@@ -221,8 +242,7 @@ class SkyClient:
     def _keep(context: Context, ex: StageExecutor, step: int, done: int, M: int) -> None:
         """Save the stepped stage (``done == M``), else the gradients accumulated so far."""
         if done >= M:
-            context.state[WEIGHTS] = _arrays(ex.module)
-            context.state[OPTIM] = ArrayRecord(optimizer_to_tensors(ex.optimizer))
+            context.state[WEIGHTS], context.state[OPTIM] = save_stage(ex.module, ex.optimizer)
             for key in (GRADS, ACCUM):
                 if key in context.state:
                     del context.state[key]
@@ -413,24 +433,20 @@ def time_state_roundtrip(
     whole model, median of ``repeats``."""
     import statistics
 
-    layers = as_layers(model_fn())
-    stage = build_stage(model_fn, 0, len(layers) - 1)
+    last = len(as_layers(model_fn())) - 1
+    stage = build_stage(model_fn, 0, last)
     opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
     for p in stage.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # populate the optimizer state
-    weights = ArrayRecord({k: v.detach() for k, v in stage.state_dict().items()})
-    state = ArrayRecord(optimizer_to_tensors(opt))
+    weights, state = save_stage(stage, opt)
     nbytes = max(weights.count_bytes() + state.count_bytes(), 1)
     rebuild, save = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        module = build_stage(model_fn, 0, len(layers) - 1, weights.to_torch_state_dict())
-        opt2 = optimizer_factory([p for p in module.parameters() if p.requires_grad])
-        optimizer_from_tensors(opt2, state.to_torch_state_dict())
+        module, opt2 = load_stage(model_fn, 0, last, (weights, state), optimizer_factory)
         t1 = time.perf_counter()
-        weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
-        state = ArrayRecord(optimizer_to_tensors(opt2))
+        weights, state = save_stage(module, opt2)
         save.append(time.perf_counter() - t1)
         rebuild.append(t1 - t0)
     return statistics.median(rebuild) / nbytes, statistics.median(save) / nbytes

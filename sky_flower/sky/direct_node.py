@@ -15,6 +15,7 @@ from torch import nn
 
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.direct import Emulated, RankRefusedError, run_stage
 from sky_flower.pipeline.stage import LossFn, MetricFn, build_stage, stage_optimizer
 from sky_flower.sky import protocol as P
 
@@ -25,6 +26,17 @@ def link_delay(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable
     slower NIC (as :mod:`sky_flower.core.cost` charges direct hops)."""
     bw = min(bw_a, bw_b)
     return lambda nbytes: 0.5 * (lat_a + lat_b) + (nbytes / bw if bw > 0 else 0.0)
+
+
+def emulated(emu: Emulation, ln: P.DirectLinks) -> Emulated:
+    """The stage's emulation: the node's slowdown, the links to its next and previous
+    stage (:func:`link_delay`)."""
+    own = (ln.link_latency_s, ln.link_bandwidth_bps)
+    return Emulated(
+        slowdown=float(emu.slowdown),
+        send_next_s=link_delay(*own, ln.next_latency_s, ln.next_bandwidth_bps),
+        send_prev_s=link_delay(*own, ln.prev_latency_s, ln.prev_bandwidth_bps),
+    )
 
 
 def run_direct_stage(  # noqa: PLR0913
@@ -71,24 +83,13 @@ def run_direct_stage(  # noqa: PLR0913
     DirectStageError
         If this stage or a peer fails or stalls (bounded by ``timeout_s``).
     """
-    from sky_flower.pipeline.direct import Emulated, RankRefusedError, run_stage
-
-    rdv, st, ln = cfg.rendezvous, cfg.stage, cfg.links
+    rdv, st = cfg.rendezvous, cfg.stage
     if cfg.node_id != int(node_id):
         raise RankRefusedError(
             f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
             f"not for this node ({node_id})"
         )
     module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
-    emulated = Emulated(
-        slowdown=float(emu.slowdown),
-        send_next_s=link_delay(
-            ln.link_latency_s, ln.link_bandwidth_bps, ln.next_latency_s, ln.next_bandwidth_bps
-        ),
-        send_prev_s=link_delay(
-            ln.link_latency_s, ln.link_bandwidth_bps, ln.prev_latency_s, ln.prev_bandwidth_bps
-        ),
-    )
     res = run_stage(
         rdv,
         module,
@@ -99,7 +100,7 @@ def run_direct_stage(  # noqa: PLR0913
         batch_size=st.batch_size,
         input_shape=list(cfg.input_shape),
         batch_fn=batch_fn if rdv.rank == 0 else None,
-        emulated=emulated,
+        emulated=emulated(emu, cfg.links),
         fault=faults.step_hook(),
         loss_fn=loss_fn,
         metric_fn=metric_fn,
