@@ -54,7 +54,7 @@ from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 
-RUNNERS: dict[str, type[RelayRunner] | type[DirectRunner]] = {
+RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
     "relay": RelayRunner,
     "direct": DirectRunner,
 }

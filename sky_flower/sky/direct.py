@@ -23,10 +23,10 @@ from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shap
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.relay import stage_config
-from sky_flower.sky.runner import Pipeline, RoundOutcome, RunSettings, merge_weights, message
+from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
-class DirectRunner:
+class DirectRunner(Runner):
     """Runs a round on the direct transport.
 
     Waits at most ``message_timeout_s`` plus 3 x the predicted round; once one stage
@@ -34,10 +34,6 @@ class DirectRunner:
     ``direct_timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
     close).
 
-    Parameters
-    ----------
-    settings : RunSettings
-        Model, schedule, optimizer, objective, messaging and direct settings.
     """
 
     label = "direct"
@@ -76,21 +72,13 @@ class DirectRunner:
                 "schedule.kind=gpipe"
             )
 
-    def __init__(self, settings: RunSettings) -> None:
-        self.s = settings
-        self.expected = set(settings.model_fn().state_dict().keys())
-
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
-        """Host the rendezvous, run the round on the stages, merge their weights.
-
-        Raises
-        ------
-        SkyNodeError
-            Naming the stage(s) that failed or did not answer first, then those that
-            stopped waiting for them; ``nodes`` holds only the former.
-        """
+        """Host the rendezvous, run the round on the stages, merge their weights (see
+        :meth:`Runner.run_round`). An error names the stage(s) that failed or did not
+        answer first, then those that stopped waiting for them; ``nodes`` holds only
+        the former."""
         s, S = self.s, plan.num_stages
         budget = s.message_timeout_s + 3.0 * steps * plan.plan.predicted_step_time_s
         ex = s.exchange(grid, timeout_s=budget)

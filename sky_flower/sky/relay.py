@@ -24,12 +24,18 @@ from typing import Any
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from sky_flower.core.cost import Schedule
 from sky_flower.core.simulate import stage_order
 from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
-from sky_flower.sky.runner import Pipeline, RoundOutcome, RunSettings, merge_weights, message
+from sky_flower.sky.runner import (
+    Pipeline,
+    RoundOutcome,
+    Runner,
+    RunSettings,
+    merge_weights,
+    message,
+)
 
 
 @dataclass
@@ -54,40 +60,18 @@ class _Step:
         )
 
 
-class RelayRunner:
-    """Runs a round on the relay transport (see the module docstring).
-
-    Parameters
-    ----------
-    settings : RunSettings
-        Model, schedule, optimizer, objective and messaging settings.
-    """
+class RelayRunner(Runner):
+    """Runs a round on the relay transport (see the module docstring); every schedule
+    kind and plan runs on it."""
 
     label = "relay"
-    peer_links = False  # the benchmark times relay echoes
-
-    @staticmethod
-    def check_schedule(schedule: Schedule) -> None:
-        """Every schedule kind runs on the relay."""
-
-    def check_plan(self, plan: Pipeline) -> None:
-        """Every plan runs on the relay."""
-
-    def __init__(self, settings: RunSettings) -> None:
-        self.s = settings
-        self.expected = set(settings.model_fn().state_dict().keys())
 
     # -- the round ---------------------------------------------------------------------
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
-        """Set up every stage, run ``steps`` steps, collect the stages' weights.
-
-        Raises
-        ------
-        SkyNodeError
-            Naming the node that failed, sent a malformed reply or timed out.
-        """
+        """Set up every stage, run ``steps`` steps, collect the stages' weights (see
+        :meth:`Runner.run_round`)."""
         ex = self.s.exchange(grid)
         group = str(server_round)
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in plan.node_ids]

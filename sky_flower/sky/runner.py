@@ -14,9 +14,10 @@ can later run their rounds concurrently, one runner instance each.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -172,26 +173,36 @@ class RoundOutcome:
         }
 
 
-class Runner(Protocol):
-    """One round of split training on one transport."""
+class Runner(ABC):
+    """One round of split training on one transport, for one pipeline.
 
-    label: str  # how the report names the transport
-    peer_links: bool  # the benchmark takes emulated peer links instead of timing echoes
+    Parameters
+    ----------
+    settings : RunSettings
+        Model, schedule, optimizer, objective and messaging settings.
+    """
 
-    @staticmethod
+    label: ClassVar[str]  # how the report names the transport
+    peer_links: ClassVar[bool] = False  # benchmark: emulated peer links, no relay echoes
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.s = settings
+        self.expected = set(settings.model_fn().state_dict().keys())  # the model's keys
+
+    @staticmethod  # noqa: B027 - an optional hook
     def check_schedule(schedule: Schedule) -> None:
-        """Raise ``ValueError`` if the transport cannot run ``schedule`` (before any
-        node is contacted)."""
-        ...
+        """Raise ``ValueError`` if the transport cannot run ``schedule`` (called before
+        any node is contacted); every schedule by default."""
 
-    def check_plan(self, plan: Pipeline) -> None:
-        """Raise ``ValueError`` if the transport cannot run ``plan``."""
-        ...
+    def check_plan(self, plan: Pipeline) -> None:  # noqa: B027 - an optional hook
+        """Raise ``ValueError`` if the transport cannot run ``plan``; any by default."""
 
+    @abstractmethod
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
-        """Train ``plan``'s stages for ``steps`` steps from ``arrays``.
+        """Train ``plan``'s stages for ``steps`` steps of round ``server_round`` from
+        the global model ``arrays``.
 
         Raises
         ------
@@ -199,7 +210,6 @@ class Runner(Protocol):
             Naming (``nodes``, ``node_ids``) the nodes that failed, stalled or replied
             malformed.
         """
-        ...
 
 
 def merge_weights(
