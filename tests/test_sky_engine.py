@@ -5,6 +5,7 @@ semantics), failures that name their node, the report formatter and the round ro
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 import numpy as np
@@ -58,6 +59,24 @@ class ErrorReplyGrid(ProcessPerMessageGrid):
         return ids
 
 
+class SlowReplyGrid(ErrorReplyGrid):
+    """Each reply can be pulled only ``delay_s`` after its push; counts the pulls."""
+
+    delay_s, pulls = 0.0, 0
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        ids = super().push_messages(messages)
+        self.ready_at = {**getattr(self, "ready_at", {})}
+        self.ready_at.update({m: time.monotonic() + self.delay_s for m in ids})
+        return ids
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        self.pulls += 1
+        now = time.monotonic()
+        ready = [m for m in message_ids if m in self.replies and self.ready_at[m] <= now]
+        return [self.replies.pop(m) for m in ready]
+
+
 def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessageGrid]:
     """A strategy benchmarked and planned on a fresh in-process grid of ``fleet``."""
     task = sky_app_task()
@@ -68,7 +87,7 @@ def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessag
     def fresh_app() -> ClientApp:
         return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
 
-    grid = ErrorReplyGrid(fresh_app, configs, run_config)
+    grid = SlowReplyGrid(fresh_app, configs, run_config)
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
     strategy.echo_jitter_s = 0.0
     strategy.benchmark(grid, list(grid.get_node_ids()))
@@ -97,6 +116,17 @@ def test_sequential_is_the_pipelined_relay_with_one_group(server_identity):
     assert [st["messages"] for st in a.stages] == [2, 2, 1]
     assert [st["messages"] for st in b.stages] == [4, 4, 2]
     assert all(st["predicted_messages"] == st["messages"] for st in a.stages + b.stages)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "gpipe"])
+def test_relay_polls_at_the_configured_period(kind, server_identity):
+    strategy, grid = _planned({"schedule-kind": kind, "microbatches-per-message": 1})
+    strategy.poll_interval_s, grid.delay_s, grid.pulls, grid.ready_at = 0.05, 0.1, 0, {}
+    t0 = time.monotonic()
+    _round(strategy, grid)
+    wall, pushed = time.monotonic() - t0, len(grid.ready_at)
+    # at most one pull per period, plus one per reply (a pull that got one goes on at once)
+    assert grid.pulls <= wall / 0.05 + pushed, (grid.pulls, wall, pushed)
 
 
 def test_failing_node_raises_a_node_error_carrying_its_id(server_identity):

@@ -4,7 +4,7 @@ A runner executes one round of split training for one pipeline: it takes the
 :class:`Pipeline` (the plan with the node of every stage and what the cost model
 predicts per stage), the global model's arrays and the number of steps, and returns a
 :class:`RoundOutcome`. :class:`sky_flower.strategies.sky.SkyStrategy` picks its runner
-once from the transport (:data:`sky_flower.sky.RUNNERS`) and never branches on it again.
+once from the transport (``RUNNERS`` there) and never branches on it again.
 
 A runner holds no strategy state: each call builds its own
 :class:`sky_flower.flower.exchange.Exchange`, so several pipelines (one per data owner)
