@@ -197,3 +197,22 @@ def test_round_row_keys_and_one_stage_table_for_both_transports():
     assert row["train_loss"] == 0.75 and row["train_accuracy"] == 0.75
     table = stage_table(row["stages"])
     assert "compute s" in table and "median step s" in table and "msgs" not in table
+
+
+def test_direct_messages_carry_a_typed_config_per_stage(server_identity):
+    from sky_flower.pipeline.direct import RoundHost
+    from sky_flower.sky.direct import DirectRunner
+
+    strategy, _ = _planned({"transport": "direct", "schedule-kind": "gpipe"})
+    runner, plan = strategy.runner(), strategy.pipeline
+    assert isinstance(runner, DirectRunner)
+    arrays = ArrayRecord(sky_app_task().Net().state_dict())
+    with RoundHost(plan.num_stages, 5.0, "127.0.0.1", 5.0) as host:
+        msgs = runner.configure(plan, arrays, 3, 1, host)
+    for k, msg in enumerate(msgs):
+        assert msg.metadata.message_type == P.DIRECT
+        cfg = P.DirectConfig.from_config_record(msg.content.config_records[P.CONFIG])
+        assert (cfg.stage.stage, cfg.rendezvous.rank, cfg.steps) == (k, k, 3)
+        assert cfg.node_id == plan.node_ids[k] == msg.metadata.dst_node_id
+        assert cfg.stage.loss == P.DEFAULT_LOSS and cfg.stage.metric == P.DEFAULT_METRIC
+        assert set(msg.content.array_records[P.ARRAYS]) <= set(arrays)
