@@ -62,6 +62,35 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
 
 
+def _check_settings(  # noqa: PLR0913
+    allocation: str,
+    optimizer: str,
+    lr: float,
+    local_epochs: float,
+    steps_per_round: int,
+    max_failed_rounds: int,
+) -> None:
+    """Refuse bad strategy settings before anything starts.
+
+    Raises
+    ------
+    ValueError
+        Naming the setting, its value and the rule.
+    """
+    if allocation not in METHODS:
+        raise ValueError(f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}")
+    _opt_factory(optimizer, lr)  # validates the name early
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not local_epochs > 0 or steps_per_round < 0:
+        raise ValueError(
+            f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
+            f"(got {steps_per_round}; 0 means: use local_epochs)"
+        )
+    if max_failed_rounds < 1:
+        raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
+
+
 class SkyStrategy(Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
@@ -163,24 +192,10 @@ class SkyStrategy(Strategy):
         metric_fn: Callable[..., int] = correct_count,
         link_cache: dict[int, Link] | None = None,
     ) -> None:
-        if allocation not in METHODS:
-            raise ValueError(
-                f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}"
-            )
-        _opt_factory(optimizer, lr)  # validates the name early
-        ref(loss_fn), ref(metric_fn)  # must travel by name
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not local_epochs > 0 or steps_per_round < 0:
-            raise ValueError(
-                f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
-                f"(got {steps_per_round}; 0 means: use local_epochs)"
-            )
-        if max_failed_rounds < 1 or not direct_timeout_s > 0:
-            raise ValueError(
-                f"max_failed_rounds must be >= 1 (got {max_failed_rounds}) and "
-                f"direct_timeout_s > 0 (got {direct_timeout_s})"
-            )
+        _check_settings(allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds)
+        ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
+        if not direct_timeout_s > 0:
+            raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
         self.schedule = schedule or Schedule()
         self.runner_cls = RUNNERS[self.schedule.transport]
         self.runner_cls.check_schedule(self.schedule)
