@@ -102,25 +102,33 @@ def inject(handler: H) -> H:
         ``fail_mode="raise"`` (before the handler runs), or ``crash`` / ``stall`` from
         the step hook inside the handler.
     """
+    return _Faulty(handler)  # type: ignore[return-value]
 
-    def faulty(msg: Message, context: Context, emu: Emulation) -> RecordDict:
+
+class _Faulty:
+    """:func:`inject`'s wrapper: a module-level class, so that Flower's simulation
+    engine can pickle the ClientApp that holds it (a closure would carry the
+    unpicklable context variable with it)."""
+
+    def __init__(self, handler: Callable[..., RecordDict]) -> None:
+        self.handler = handler
+        self.__name__ = getattr(handler, "__name__", "handler")
+
+    def __call__(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         cfg = msg.content.config_records.get("config")
         rnd = int(cfg["round"]) if cfg is not None and "round" in cfg else None
         mtype = msg.metadata.message_type
         if not fails_in(emu, mtype, rnd):
-            return handler(msg, context, emu)
+            return self.handler(msg, context, emu)
         if emu.fail_mode == "raise":
             raise FaultInjected(f"node {emu.name!r}: fault injected on {mtype} (fleet fail_on)")
         if emu.fail_mode in MID_ROUND:
             timeout_s = float(cfg.get("timeout_s", 0.0)) if cfg is not None else 0.0
             token = _STEP_HOOK.set(_mid_round(emu, timeout_s))
             try:
-                return handler(msg, context, emu)
+                return self.handler(msg, context, emu)
             finally:
                 _STEP_HOOK.reset(token)
-        content = handler(msg, context, emu)
+        content = self.handler(msg, context, emu)
         _malform(content)
         return content
-
-    faulty.__name__ = getattr(handler, "__name__", "handler")
-    return faulty  # type: ignore[return-value]
