@@ -280,3 +280,13 @@ def test_fault_wrapper_acts_only_on_its_message_type_and_round(server_identity, 
     else:
         wrapped(msg(P.FORWARD, 2), None, emu)
         assert callable(seen[-1]) and faults.step_hook() is None  # only while handling
+
+
+def test_registered_clientapp_pickles():
+    """Flower's simulation engine sends the ClientApp to its Ray actors (cloudpickle)."""
+    import cloudpickle
+
+    task = sky_app_task()
+    fleet = [Emulation("a", holds_data=True, fail_on=P.DIRECT, fail_mode="crash")]
+    app = SkyClient(task.Net, lambda ctx: None, lambda ctx: fleet[0]).register(ClientApp())
+    assert isinstance(cloudpickle.loads(cloudpickle.dumps(app)), ClientApp)
