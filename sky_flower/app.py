@@ -49,6 +49,7 @@ from sky_flower.sky.settings import SkySettings, run_config_keys
 
 if TYPE_CHECKING:
     from sky_flower.pipeline.data import Split
+    from sky_flower.pipeline.stage import LossFn, MetricFn
 
 # run-config key -> (type, default): SkySettings' fields (sky_flower/sky/settings.py)
 RUN_CONFIG_KEYS: dict[str, tuple[type, Any]] = run_config_keys()
@@ -286,6 +287,8 @@ def register_sky_client(
     app: ClientApp,
     model_fn: Callable[[], nn.Module],
     load_data: Callable[[int, int], Split],
+    loss_fn: LossFn | None = None,
+    metric_fn: MetricFn | None = None,
 ) -> ClientApp:
     """Add Sky's handlers to a ClientApp, beside its own.
 
@@ -300,6 +303,10 @@ def register_sky_client(
         (numpy ``x`` of shape ``(n, *input_shape)``, int64 ``y`` of shape ``(n,)``). It is
         called only on data owners (the node's emulated device ``holds_data``), with the
         node config's ``partition-id`` and ``num-partitions``, and cached per node.
+    loss_fn, metric_fn : callable, optional
+        The last stage's ``(output, labels) -> scalar`` loss and ``(output, labels) ->
+        int`` metric (default: those the ServerApp's strategy names; cross-entropy and
+        correct predictions), see :class:`sky_flower.sky.client.SkyClient`.
 
     Returns
     -------
@@ -321,6 +328,11 @@ def register_sky_client(
             cached[key] = load_data(*key)
         return cached[key]
 
-    return SkyClient(model_fn=model_fn, load_data=owner_data, emulation_fn=node_emulation).register(
-        app
+    client = SkyClient(
+        model_fn=model_fn,
+        load_data=owner_data,
+        emulation_fn=node_emulation,
+        loss_fn=loss_fn,
+        metric_fn=metric_fn,
     )
+    return client.register(app)

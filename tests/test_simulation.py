@@ -184,7 +184,7 @@ def test_failed_stage_ends_round_and_next_round_runs(tmp_path, no_leftover_proce
         ]
     )
     with open_dict(cfg):
-        cfg.fleet.nodes[2].fail_on = "train.sky_pipe_fwd"  # box: the last stage
+        cfg.fleet.nodes[2].fail_on = "train.sky_forward"  # box: the last stage (gpipe too)
     results = run_job(cfg, tmp_path)
     assert results["error"] is None
     (failed,) = results["failed_rounds"]

@@ -153,14 +153,8 @@ def flower_cases(
     out: dict[tuple[str, int], dict[str, Any]] = {}
     links: dict[int, tuple[float, float, float]] = {}
 
-    class _Strategy(SkyStrategy):
-        def _time_link(self, grid: Grid, nid: int) -> tuple[float, float, float]:
-            if nid not in links:  # the relay link does not depend on M: time it once
-                links[nid] = super()._time_link(grid, nid)
-            return links[nid]
-
     def make(M: int, transport: str, case_kind: str) -> SkyStrategy:
-        return _Strategy(
+        return SkyStrategy(
             model_fn=model_fn,
             input_shape=[int(model_cfg["in_features"])],
             allocation="even",
@@ -180,6 +174,7 @@ def flower_cases(
             echo_repeats=3,
             state_probe_bytes=4 * 2**20,
             direct_timeout_s=60.0,
+            link_cache=links,  # the relay link does not depend on M: time it once
         )
 
     server_app = ServerApp()

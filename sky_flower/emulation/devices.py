@@ -19,16 +19,18 @@ from dataclasses import asdict, dataclass, fields
 import psutil
 
 from sky_flower.core.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
+from sky_flower.emulation.faults import FAIL_MODES, FaultInjected
 
 MIB = 1024 * 1024
 
-
-FAIL_MODES = ("raise", "malformed", "crash", "stall")
-MID_ROUND = ("crash", "stall")
-
-
-class FaultInjected(RuntimeError):
-    """Raised by a node whose fleet entry sets ``fail_on`` (for failure tests)."""
+__all__ = [
+    "GENERATED_FLEET_KEYS",
+    "MIB",
+    "Emulation",
+    "FaultInjected",
+    "expand_fleet",
+    "parse_fleet",
+]
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,8 @@ class Emulation:
     bandwidth_mb_s : float or None
         Link bandwidth in MB/s (10^6 bytes/s); None = no bandwidth emulation.
     fail_on : str
-        Fault injection for tests: misbehave when a message of this type arrives
-        (e.g. ``"train.sky_forward"``); empty = never.
+        Fault injection for tests (:mod:`sky_flower.emulation.faults`): misbehave when a
+        message of this type arrives (e.g. ``"train.sky_forward"``); empty = never.
     fail_mode : {"raise", "malformed", "crash", "stall"}
         How: raise (Flower turns it into an error reply), reply with arrays of the
         wrong shape, or (``direct`` transport, ``fail_on: train.sky_direct``) mid-round
@@ -135,23 +137,6 @@ class Emulation:
         if self.memory_mb is None:
             return available
         return min(available, int(self.memory_mb * MIB))
-
-    def fails_in(self, message_type: str, server_round: int | None) -> bool:
-        """True if this node is configured to misbehave on ``message_type`` in this round
-        (``server_round`` None: the round is not known, ``fail_round`` is ignored)."""
-        if not self.fail_on or self.fail_on != message_type:
-            return False
-        return self.fail_round == 0 or server_round in (None, self.fail_round)
-
-    def check_fault(self, message_type: str, server_round: int | None = None) -> bool:
-        """Raise :class:`FaultInjected` if this node is configured to fail here; return
-        True if it should instead send a malformed reply. ``crash`` / ``stall`` strike
-        mid-round, in the handler (:meth:`mid_round_fault`), not here."""
-        if not self.fails_in(message_type, server_round) or self.fail_mode in MID_ROUND:
-            return False
-        if self.fail_mode == "malformed":
-            return True
-        raise FaultInjected(f"node {self.name!r}: fault injected on {message_type} (fleet fail_on)")
 
     def describe(self) -> str:
         """One-line summary for the benchmark table."""

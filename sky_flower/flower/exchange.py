@@ -158,15 +158,22 @@ class Exchange:
                 self.deadline[mid] = cap
                 self.budget[mid] = limit_s
 
-    def poll(self, ids: Iterable[str] | None = None) -> list[Message]:
+    def late(self, ids: Iterable[str] | None = None) -> list[str]:
+        """Pending messages (of ``ids``, default all) past their deadline."""
+        now = time.monotonic()
+        wanted = self.pending if ids is None else set(ids) & self.pending
+        return [m for m in wanted if now > self.deadline[m]]
+
+    def poll(self, ids: Iterable[str] | None = None, raise_late: bool = True) -> list[Message]:
         """One ``Grid.pull_messages`` over the pending messages (or those of ``ids``):
-        the replies that arrived, error replies included.
+        the replies that arrived, error replies included. ``raise_late=False``: return
+        them even when another message is past its deadline (see :meth:`late`).
 
         Raises
         ------
         NodeError
-            If the stop flag is set, or a pending message is past its deadline (naming
-            its node).
+            If the stop flag is set, or (``raise_late``) a pending message is past its
+            deadline (naming its node).
         """
         if self.stop is not None and self.stop.is_set():
             raise self.error_cls("run stopped by the caller")
@@ -174,8 +181,7 @@ class Exchange:
         got = list(self.grid.pull_messages(wanted)) if wanted else []
         for reply in got:
             self.deadline.pop(reply.metadata.reply_to_message_id, None)
-        now = time.monotonic()
-        late = [m for m in wanted if m in self.deadline and now > self.deadline[m]]
+        late = self.late(wanted) if raise_late else []
         if late:
             budget = max(self.budget[m] for m in late)
             names = ", ".join(self.name(self.dst[m]) for m in late)

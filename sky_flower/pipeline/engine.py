@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from sky_flower.pipeline.emulated import Emulated, EmulatedStage
+from sky_flower.pipeline.objective import correct_count
 from sky_flower.pipeline.rendezvous import (
     _PEER_SIGNS,
     PEER_FAILURE,
@@ -79,6 +80,8 @@ def run_stage(  # noqa: PLR0913
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     emulated: Emulated | None = None,
     fault: Callable[[int], None] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -109,6 +112,12 @@ def run_stage(  # noqa: PLR0913
         Fleet emulation (slowdown, link delay) of this stage.
     fault : callable, optional
         Called with the step index before each step (fault injection for tests).
+    loss_fn : callable, optional
+        ``(output, labels) -> scalar`` mean loss of a micro-batch (last stage; default
+        cross-entropy).
+    metric_fn : callable, optional
+        ``(output (B, ...), labels (B,)) -> int`` of a step (last stage; default correct
+        predictions, :func:`sky_flower.pipeline.objective.correct_count`).
 
     Returns
     -------
@@ -146,14 +155,14 @@ def run_stage(  # noqa: PLR0913
         schedule = SCHEDULES[kind](
             stage,
             n_microbatches=microbatches,
-            loss_fn=nn.functional.cross_entropy,  # every rank: it sets has_backward
+            loss_fn=loss_fn or nn.functional.cross_entropy,  # every rank: sets has_backward
             scale_grads=True,
         )
         for step in range(steps):
             if fault is not None:
                 fault(step)
             t_step = time.perf_counter()
-            _step(rdv, schedule, optimizer, batch_size, batch_fn, step, result)
+            _step(rdv, schedule, optimizer, batch_size, batch_fn, step, result, metric_fn)
             result.step_times_s.append(time.perf_counter() - t_step)
     except DirectStageError:
         raise
@@ -204,6 +213,7 @@ def _step(  # noqa: PLR0913
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,
     result: StageResult,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> None:
     """One step of the schedule on this stage: labels to the last stage, the pipelined
     forward and backward, the optimizer; the last stage records loss and accuracy."""
@@ -229,5 +239,5 @@ def _step(  # noqa: PLR0913
         label_work.wait()
     if is_last:
         result.losses.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
-        result.correct += int((out.argmax(dim=1) == labels).sum())
+        result.correct += int((metric_fn or correct_count)(out.detach(), labels))
         result.samples += int(labels.shape[0])

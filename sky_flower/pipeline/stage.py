@@ -14,11 +14,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from sky_flower.core.profile import as_layers
+from sky_flower.core.profile import as_layers, default_optimizer_factory
+from sky_flower.pipeline.data import Split, batch_indices
+from sky_flower.pipeline.objective import correct_count
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 def build_stage(
@@ -48,6 +54,44 @@ def build_stage(
         stage = stage.to_empty(device="cpu")
         stage.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=True)
     return stage
+
+
+def stage_optimizer(module: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
+    """A fresh optimizer ``name`` (:func:`sky_flower.core.profile.default_optimizer_factory`)
+    over the trainable parameters of ``module``.
+
+    Raises
+    ------
+    ValueError
+        On an unknown optimizer name.
+    """
+    return default_optimizer_factory(name, lr)([p for p in module.parameters() if p.requires_grad])
+
+
+def step_batch(
+    data: Split, batch_size: int, server_round: int, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data owner's batch of training step ``step`` of round ``server_round``.
+
+    The owner's examples are shuffled once per epoch (1000 epochs per round at most,
+    the order seeded by ``seed``); step ``step`` takes the next ``batch_size`` of them.
+
+    Returns
+    -------
+    x : torch.Tensor, shape (batch_size, *input_shape)
+    labels : torch.Tensor, shape (batch_size,), int64
+
+    Raises
+    ------
+    ValueError
+        If the owner holds fewer than ``batch_size`` examples.
+    """
+    per_epoch = len(data) // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"the data owner holds {len(data)} examples, fewer than a batch")
+    epoch = server_round * 1000 + step // per_epoch
+    idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
+    return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
 
 
 def slice_state(full: Mapping, first: int, last: int) -> dict:
@@ -157,15 +201,37 @@ class StageExecutor:
         x: torch.Tensor,
         labels: torch.Tensor,
         input_grad: bool,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        loss_fn: LossFn | None = None,
         step: bool = True,
+        metric_fn: MetricFn | None = None,
     ) -> tuple[torch.Tensor | None, float, int]:
         """Last stage: forward, loss (mean per micro-batch / ``loss_divisor``), backward,
         optimizer step (unless ``step=False``).
 
-        Returns ``(input_grad or None, batch loss, correct predictions)``.
+        Parameters
+        ----------
+        x : torch.Tensor, shape (B, ...)
+            The stage's input.
+        labels : torch.Tensor, shape (B,)
+            Targets.
+        input_grad : bool
+            Return the input's gradient (every stage but the first).
+        loss_fn : callable, optional
+            ``(output, labels) -> scalar`` mean loss of a micro-batch (default
+            cross-entropy).
+        step : bool
+            Step the optimizer (else the gradients stay accumulated).
+        metric_fn : callable, optional
+            ``(output, labels) -> int`` summed over the micro-batches (default correct
+            predictions, :func:`sky_flower.pipeline.objective.correct_count`).
+
+        Returns
+        -------
+        tuple
+            ``(input gradient (B, ...) or None, batch loss, metric total)``.
         """
         loss_fn = loss_fn or nn.functional.cross_entropy
+        metric_fn = metric_fn or correct_count
         grads, total, correct = [], 0.0, 0
         for xm, ym in zip(self._chunks(x), self._chunks(labels), strict=True):
             xm = xm.detach().requires_grad_(input_grad)
@@ -173,7 +239,7 @@ class StageExecutor:
             loss = loss_fn(out, ym) / self.loss_divisor
             loss.backward()
             total += loss.detach().item()
-            correct += int((out.argmax(dim=1) == ym).sum())
+            correct += int(metric_fn(out.detach(), ym))
             if input_grad:
                 grads.append(xm.grad)
         if step:

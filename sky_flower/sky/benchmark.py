@@ -1,0 +1,346 @@
+"""The benchmark round: every node times the model's own layers
+(``query.sky_profile``), the server times each node's link with echoes
+(``query.sky_echo``: latency, bandwidth, ``context.state`` cost per byte), and the nodes
+are ordered for the pipeline (the data owner first)."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from sky_flower.core.cost import Schedule
+from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.flower.exchange import Exchange
+from sky_flower.sky import protocol as P
+from sky_flower.sky.runner import SkyNodeError, message
+
+Link = tuple[float, float, float]  # latency s, bandwidth bytes/s, state s/byte/message
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings:
+    """How the benchmark round measures.
+
+    Attributes
+    ----------
+    warmup, repeats : int
+        Untimed and timed passes per layer on the node.
+    echo_bytes : tuple[int, int]
+        The two payload sizes timed for latency and bandwidth.
+    echo_repeats : int
+        Echoes per size (median taken).
+    echo_jitter_s : float
+        Random pause (uniform in [0, echo_jitter_s)) before each echo, so the echoes
+        sample every phase of the nodes' polling tick.
+    state_probe_bytes : int
+        Probe array stored in a node's ``context.state`` to time the state's cost per
+        message (0: not timed).
+    peer_links : bool
+        ``direct`` transport: take each node's link as its emulation reports it (the
+        stages talk peer to peer) instead of timing relay echoes.
+    """
+
+    warmup: int = 2
+    repeats: int = 5
+    echo_bytes: tuple[int, int] = (1024, 4 * 1024 * 1024)
+    echo_repeats: int = 7
+    echo_jitter_s: float = 0.1
+    state_probe_bytes: int = 64 * 1024 * 1024
+    peer_links: bool = False
+
+
+@dataclass
+class BenchmarkResult:
+    """What the benchmark round found.
+
+    Attributes
+    ----------
+    nodes : list[NodeProfile]
+        The nodes that answered, in pipeline order (the data owner first).
+    node_ids : dict[str, int]
+        Node name -> Flower node id.
+    num_examples : int
+        The (first) data owner's examples.
+    handler_rate : dict[str, float]
+        Node name -> seconds per state byte a relay stage message spends rebuilding
+        (and, half of the time, saving) its stage.
+    emulation : dict[str, str]
+        Node name -> its emulation's description.
+    """
+
+    nodes: list[NodeProfile]
+    node_ids: dict[str, int]
+    num_examples: int
+    handler_rate: dict[str, float] = field(default_factory=dict)
+    emulation: dict[str, str] = field(default_factory=dict)
+
+
+class BenchmarkRound:
+    """Runs the benchmark round over an :class:`Exchange`.
+
+    Parameters
+    ----------
+    exchange : Exchange
+        Raises :class:`SkyNodeError`; its ``describe`` should read ``names``.
+    layers : Sequence[LayerProfile]
+        The model's layer profiles (their count is checked against every node's).
+    schedule : Schedule
+        Micro-batch size and ``M`` (the optimizer step is spread over ``M``).
+    input_shape : Sequence[int]
+        One sample's shape.
+    optimizer, lr : str, float
+        The stages' optimizer (its step is timed too).
+    settings : BenchmarkSettings
+        What to measure.
+    names : dict[int, str]
+        Filled with node id -> name as nodes answer.
+    seed : int
+        Seeds the echo jitter.
+    link_cache : dict[int, Link], optional
+        Node id -> timed link; a node found there is not timed again (benchmarks that
+        run several strategies on one grid).
+    """
+
+    def __init__(  # noqa: PLR0913
+        self,
+        exchange: Exchange,
+        layers: Sequence[LayerProfile],
+        schedule: Schedule,
+        input_shape: Sequence[int],
+        optimizer: str,
+        lr: float,
+        settings: BenchmarkSettings,
+        names: dict[int, str],
+        seed: int = 0,
+        link_cache: dict[int, Link] | None = None,
+    ) -> None:
+        self.ex, self.layers, self.schedule = exchange, list(layers), schedule
+        self.input_shape, self.optimizer, self.lr = list(input_shape), optimizer, lr
+        self.settings, self.names = settings, names
+        self.rng = np.random.default_rng(seed)
+        self.link_cache = link_cache
+
+    def run(self, node_ids: Sequence[int], node_order: Sequence[str] = ()) -> BenchmarkResult:
+        """Profile every node (one at a time: concurrent timing on shared cores lies),
+        time its link; a node that fails or answers malformed is left out with a
+        warning.
+
+        Raises
+        ------
+        SkyNodeError
+            If no data owner answered.
+        """
+        result = BenchmarkResult(nodes=[], node_ids={}, num_examples=0)
+        examples: dict[str, int] = {}
+        for nid in node_ids:
+            try:
+                node, prof = self.profile(nid, result)
+            except (SkyNodeError, P.ProtocolError, KeyError, TypeError, ValueError) as err:
+                log(WARNING, "Benchmark: leaving %s out of the plan: %s", self.ex.name(nid), err)
+                continue
+            result.nodes.append(node)
+            result.node_ids[node.name] = nid
+            result.emulation[node.name] = prof.emulation
+            examples[node.name] = prof.num_examples
+        if not any(n.holds_data for n in result.nodes):
+            raise SkyNodeError("no data owner answered the benchmark round: cannot train")
+        result.nodes = order_nodes(result.nodes, node_order)
+        owners = [n for n in result.nodes if n.holds_data]
+        result.num_examples = examples[owners[0].name]
+        if len(owners) > 1:
+            log(
+                WARNING,
+                "%d data owners; one pipeline headed by %r is built, the others' data is "
+                "unused (several pipelines are not built yet)",
+                len(owners),
+                owners[0].name,
+            )
+        log(INFO, "Benchmark round:\n%s", benchmark_table(result.nodes, result.emulation))
+        return result
+
+    def profile(self, nid: int, result: BenchmarkResult) -> tuple[NodeProfile, P.ProfileReply]:
+        """One node's profile (and link). Raises on a failed or malformed answer."""
+        req = P.ProfileRequest(
+            input_shape=tuple(self.input_shape),
+            microbatch_size=self.schedule.microbatch_size,
+            warmup=self.settings.warmup,
+            repeats=self.settings.repeats,
+            optimizer=self.optimizer,
+            lr=self.lr,
+        )
+        (reply,) = self.ex.request(
+            [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, "benchmark")]
+        )
+        prof = P.ProfileReply.from_config_record(reply.content.config_records[P.PROFILE_KEY])
+        if prof.name in result.node_ids:
+            raise SkyNodeError(f"node name {prof.name!r} is already taken by another node")
+        self.names[nid] = prof.name
+        L = len(self.layers)
+        fwd, bwd, steps = prof.layer_fwd_s, prof.layer_bwd_s, prof.layer_step_s or (0.0,) * L
+        if len(fwd) != L or len(bwd) != L:
+            raise SkyNodeError(
+                f"reported times for {len(fwd)}/{len(bwd)} layers, the model has "
+                f"{L}: is it running the same model_fn?"
+            )
+        if len(steps) != L:
+            raise SkyNodeError(f"reported optimizer steps for {len(steps)} layers")
+        # one optimizer step per training step, spread over its micro-batches
+        M = self.schedule.microbatches
+        bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
+        if self.settings.peer_links:
+            lat, bw, state_rate = peer_link(prof)
+        else:
+            lat, bw, state_rate = self.link(nid)
+            # every stage message rebuilds its stage from the state; about half of
+            # them (those that step the optimizer) also save it back
+            rate = prof.state_rebuild_s_per_byte + 0.5 * prof.state_save_s_per_byte
+            result.handler_rate[prof.name] = rate
+            state_rate += rate
+        node = NodeProfile(
+            name=prof.name,
+            layer_fwd_s=tuple(fwd),
+            layer_bwd_s=bwd,
+            memory_bytes=prof.memory_bytes,
+            latency_s=lat,
+            bandwidth_bps=bw,
+            state_s_per_byte=state_rate,
+            holds_data=prof.holds_data,
+            slowdown=prof.slowdown,
+            node_id=nid,
+        )
+        return node, prof
+
+    def echo(self, nid: int, size: int, store_bytes: int = 0) -> float:
+        """Seconds for one echo of ``size`` bytes (after a random pause: Flower's nodes
+        pick up messages on a fixed polling tick, so back-to-back echoes would all land
+        on the same phase of it and hide both the tick and the payload's own cost)."""
+        if self.settings.echo_jitter_s > 0:
+            time.sleep(self.rng.uniform(0.0, self.settings.echo_jitter_s))
+        content: dict[str, Any] = {
+            P.PAYLOAD: ArrayRecord({"p": torch.zeros(size, dtype=torch.uint8)}),
+            P.CONFIG: P.EchoRequest(store_bytes=store_bytes).to_config_record(),
+        }
+        t0 = time.perf_counter()
+        self.ex.request([message(nid, P.ECHO, content, "echo")])
+        return time.perf_counter() - t0
+
+    def link(self, nid: int) -> Link:
+        """Latency (s per round trip), bandwidth (bytes/s) and context-state cost (s per
+        byte per message) from echoes: two payload sizes, then the small one again with
+        a ``state_probe_bytes`` array stored in the node's ``context.state``."""
+        if self.link_cache is not None and nid in self.link_cache:
+            return self.link_cache[nid]
+        s = self.settings
+        small, big = s.echo_bytes
+        self.echo(nid, small)  # warm-up, not timed
+        t_small = statistics.median(self.echo(nid, small) for _ in range(s.echo_repeats))
+        t_big = statistics.median(self.echo(nid, big) for _ in range(s.echo_repeats))
+        dt = t_big - t_small
+        bandwidth = 2.0 * (big - small) / dt if dt > 1e-4 else float("inf")
+        latency = t_small - (2.0 * small / bandwidth if bandwidth != float("inf") else 0.0)
+        state_rate = 0.0
+        if s.state_probe_bytes > 0:
+            self.echo(nid, small, store_bytes=s.state_probe_bytes)
+            t_state = statistics.median(self.echo(nid, small) for _ in range(s.echo_repeats))
+            self.echo(nid, small, store_bytes=-1)
+            state_rate = max(t_state - t_small, 0.0) / s.state_probe_bytes
+        link = (max(latency, 0.0), bandwidth, state_rate)
+        if self.link_cache is not None:
+            self.link_cache[nid] = link
+        return link
+
+
+def peer_link(prof: P.ProfileReply) -> Link:
+    """``transport=direct``: a stage's peer link as the fleet emulates it (latency s,
+    bandwidth bytes/s, no per-message state cost). Stages talk over loopback here, so
+    the emulated link, which each stage sleeps per peer message, is what the planner
+    charges."""
+    bw = prof.link_bandwidth_bps
+    return prof.link_latency_s, bw if bw > 0 else float("inf"), 0.0
+
+
+def order_nodes(nodes: Sequence[NodeProfile], node_order: Sequence[str]) -> list[NodeProfile]:
+    """Pipeline order: by ``node_order`` (names not listed follow in name order), then
+    the first data owner moved to the front.
+
+    Raises
+    ------
+    StopIteration
+        If no node holds data.
+    """
+    rank = {name: i for i, name in enumerate(node_order)}
+    ordered = sorted(nodes, key=lambda n: (rank.get(n.name, len(rank)), n.name))
+    owner = next(n for n in ordered if n.holds_data)
+    return [owner] + [n for n in ordered if n is not owner]
+
+
+def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | None = None) -> str:
+    """The benchmark round's results as a text table."""
+    emulation = emulation or {}
+    head = (
+        f"{'node':<12} {'data':>4} {'fwd+bwd ms':>10} {'memory MiB':>10} "
+        f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MiB':>12}  emulation"
+    )
+    rows = [head, "-" * (len(head) + 20)]
+    for n in nodes:
+        bw = "inf" if n.bandwidth_bps == float("inf") else f"{n.bandwidth_bps / 1e6:.1f}"
+        rows.append(
+            f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} "
+            f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:10.2f} "
+            f"{n.memory_bytes / 2**20:10.1f} {n.latency_s * 1e3:10.1f} {bw:>9} "
+            f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
+            f"{emulation.get(n.name, '')}"
+        )
+    return "\n".join(rows)
+
+
+def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> dict[str, Any]:
+    """The ``("benchmark", ...)`` event's payload."""
+    return {
+        "layers": [lp.to_dict() for lp in layers],
+        "nodes": [{**n.to_dict(), "emulation": result.emulation[n.name]} for n in result.nodes],
+    }
+
+
+def wait_for_nodes(
+    grid: Grid, min_nodes: int, timeout: float, stop: threading.Event | None = None
+) -> list[int]:
+    """Block until ``min_nodes`` nodes are connected (bounded by ``timeout`` s); after
+    it, the nodes that are connected go on with a warning (the missing ones are left
+    out of the plan). Returns their ids, sorted.
+
+    Raises
+    ------
+    SkyNodeError
+        If no node is connected after ``timeout`` seconds, or ``stop`` is set.
+    """
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < min_nodes:
+        if stop is not None and stop.is_set():
+            raise SkyNodeError("run stopped by the caller")
+        if time.monotonic() > deadline:
+            if not nodes:
+                raise SkyNodeError(f"no node connected after {timeout:g} s")
+            log(
+                WARNING,
+                "Only %d of %d nodes connected after %g s: the missing %d are left out of the plan",
+                len(nodes),
+                min_nodes,
+                timeout,
+                min_nodes - len(nodes),
+            )
+            return nodes
+        log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), min_nodes)
+        time.sleep(0.5)
+    return nodes

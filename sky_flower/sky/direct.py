@@ -1,0 +1,238 @@
+"""The direct runner: one round peer to peer in a ``torch.distributed.pipelining``
+schedule (GPipe or 1F1B, :mod:`sky_flower.pipeline.direct` runs it on the nodes).
+
+The server hosts the round's TCPStore, pushes one ``train.sky_direct`` message per stage
+(its layer slice, settings, rank, the node it is planned for and the round's
+rendezvous: only these messages carry it), and waits for every stage's weights and
+timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Message
+from flwr.serverapp import Grid
+
+from sky_flower.core.cost import Schedule
+from sky_flower.flower.exchange import Exchange, short_reason
+from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
+from sky_flower.pipeline.stage import slice_state
+from sky_flower.sky import protocol as P
+from sky_flower.sky.relay import stage_config
+from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+
+
+class DirectRunner(Runner):
+    """Runs a round on the direct transport.
+
+    Waits at most ``message_timeout_s`` plus 3 x the predicted round; once one stage
+    has failed, at most ``direct_timeout_s`` + 5 s more for the others (they stop within
+    ``direct_timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
+    close).
+
+    """
+
+    label = "direct"
+    peer_links = True  # stages talk peer to peer: the benchmark takes the emulated links
+
+    @staticmethod
+    def check_schedule(schedule: Schedule) -> None:
+        """Refuse ``schedule.kind=sequential`` (torch's pipelining runs gpipe, 1f1b).
+
+        Raises
+        ------
+        ValueError
+            Naming every kind/transport pair that runs.
+        """
+        if schedule.kind == "sequential":
+            raise ValueError(
+                "schedule.kind=sequential runs on transport=relay, gpipe and 1f1b on "
+                "transport=direct (torch.distributed.pipelining) and on relay: got "
+                "kind=sequential, transport=direct"
+            )
+
+    def check_plan(self, plan: Pipeline) -> None:
+        """Refuse ``1f1b`` with fewer micro-batches than stages.
+
+        Raises
+        ------
+        ValueError
+            Saying how to fix it.
+        """
+        S, M = plan.num_stages, self.s.schedule.microbatches
+        if self.s.schedule.kind == "1f1b" and M < S:
+            raise ValueError(
+                f"schedule.kind=1f1b needs at least as many micro-batches as stages: the "
+                f"plan has {S} stages, schedule.microbatches={M}. Raise "
+                f"schedule.microbatches to >= {S} (dividing schedule.batch_size) or use "
+                "schedule.kind=gpipe"
+            )
+
+    def run_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """Host the rendezvous, run the round on the stages, merge their weights (see
+        :meth:`Runner.run_round`). An error names the stage(s) that failed or did not
+        answer first, then those that stopped waiting for them; ``nodes`` holds only
+        the former."""
+        s, S = self.s, plan.num_stages
+        budget = s.message_timeout_s + 3.0 * steps * plan.plan.predicted_step_time_s
+        ex = s.exchange(grid, timeout_s=budget)
+        t0 = time.perf_counter()
+        with RoundHost(S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s) as host:
+            ids = ex.push(self.configure(plan, arrays, steps, server_round, host))
+            got = self.collect(ex, ids)
+        wall = time.perf_counter() - t0
+        self.raise_failures(ex, plan, ids, got, budget)
+        replies = [got[m] for m in ids]
+        try:
+            return self.parse(ex, plan, replies, arrays, steps, wall)
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed reply
+            raise ex.fail(f"a stage sent a malformed reply: {type(err).__name__}: {err}") from err
+
+    def configure(
+        self, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int, host: RoundHost
+    ) -> list[Message]:
+        """One ``train.sky_direct`` message per stage: :class:`DirectConfig` and its
+        weights."""
+        full = arrays.to_torch_state_dict()
+        stages = plan.plan.stages
+        bounds = [(st.first_layer, st.last_layer) for st in stages]
+        shapes = stage_input_shapes(self.s.model_fn, list(self.s.input_shape), bounds)
+
+        def link(k: int) -> tuple[float, float]:
+            return plan.links[k] if 0 <= k < len(stages) else (0.0, 0.0)
+
+        msgs = []
+        for k, st in enumerate(stages):
+            (lat, bw), (nlat, nbw), (plat, pbw) = link(k), link(k + 1), link(k - 1)
+            cfg = P.DirectConfig(
+                stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round),
+                rendezvous=host.rendezvous(k),
+                links=P.DirectLinks(lat, bw, nlat, nbw, plat, pbw),
+                kind=self.s.schedule.kind,
+                steps=steps,
+                input_shape=tuple(shapes[k]),
+                node_id=plan.node_ids[k],
+            )
+            weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
+            content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
+            msgs.append(message(plan.node_ids[k], P.DIRECT, content, str(server_round)))
+        return msgs
+
+    def collect(self, ex: Exchange, ids: Sequence[str]) -> dict[str, Message]:
+        """Every stage's reply, or those that came before the deadline (a stage's error
+        shortens the others' deadlines to ``direct_timeout_s`` + 5 s)."""
+        got: dict[str, Message] = {}
+        while len(got) < len(ids):
+            for reply in ex.poll(ids, raise_late=False):
+                got[reply.metadata.reply_to_message_id] = reply
+                if reply.has_error():  # the others stop within direct_timeout_s
+                    ex.shorten(self.s.direct_timeout_s + 5.0)
+            if ex.late(ids):  # the missing ones are named by the caller
+                return got
+            if len(got) < len(ids) and ex.poll_interval_s > 0:
+                time.sleep(ex.poll_interval_s)
+        return got
+
+    @staticmethod
+    def raise_failures(
+        ex: Exchange, plan: Pipeline, ids: Sequence[str], got: dict[str, Message], budget: float
+    ) -> None:
+        """Raise one error naming the stages that failed or stayed silent, then those
+        that stopped because of them (``nodes``: the former only)."""
+        culprits, waited, causes = [], [], []
+        for k, mid in enumerate(ids):
+            nid = plan.node_ids[k]
+            who = f"stage {k} on {ex.name(nid)}"
+            if mid not in got:
+                culprits.append(f"{who} did not answer within {budget:g} s")
+                causes.append(nid)
+            elif got[mid].has_error():
+                reason = short_reason(got[mid].error.reason)
+                peer = PEER_FAILURE in reason
+                (waited if peer else culprits).append(f"{who} failed: {reason}")
+                if not peer:
+                    causes.append(nid)
+        if culprits or waited:
+            raise ex.fail("; ".join(culprits + waited), causes or None)
+
+    def parse(
+        self,
+        ex: Exchange,
+        plan: Pipeline,
+        replies: list[Message],
+        arrays: ArrayRecord,
+        steps: int,
+        wall: float,
+    ) -> RoundOutcome:
+        """Check and merge the stages' replies (weights of the shapes sent, metrics for
+        every step).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node whose reply is malformed.
+        """
+        sent = {k: tuple(v.shape) for k, v in arrays.items()}
+        metrics = []
+        for reply in replies:
+            src = reply.metadata.src_node_id
+            rec = reply.content.array_records.get(P.ARRAYS)
+            for key in rec.keys() if rec is not None else ():
+                if key not in sent or tuple(rec[key].shape) != sent[key]:
+                    raise ex.fail(
+                        f"{ex.name(src)}: weight {key!r} has shape {tuple(rec[key].shape)}, "
+                        f"expected {sent.get(key)}",
+                        [src],
+                    )
+            try:
+                metrics.append(
+                    P.DirectMetrics.from_record(reply.content.metric_records.get(P.METRICS))
+                )
+            except P.ProtocolError as err:
+                raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
+        new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
+        return self.outcome(ex, plan, new_arrays, metrics, steps, wall)
+
+    def outcome(
+        self,
+        ex: Exchange,
+        plan: Pipeline,
+        new_arrays: ArrayRecord,
+        metrics: list[P.DirectMetrics],
+        steps: int,
+        wall: float,
+    ) -> RoundOutcome:
+        """The round's outcome from the stages' metrics (the last stage's losses)."""
+        S, last = plan.num_stages, metrics[-1]
+        times = np.array([list(m.step_times_s) for m in metrics], dtype=float)
+        if times.shape != (S, steps) or len(last.losses) != steps:
+            raise ex.fail(
+                f"stages reported {times.shape} step times and {len(last.losses)} losses "
+                f"for {S} stages x {steps} steps"
+            )
+        M = self.s.schedule.microbatches
+        stages: list[dict[str, Any]] = [
+            {
+                "stage": k,
+                "node": st.node,
+                "measured_compute_s": m.compute_s * (1.0 + plan.slowdowns[k]) / steps,
+                "predicted_compute_s": M * st.compute_s,
+                "median_step_s": float(np.median(times[k])),
+            }
+            for k, (st, m) in enumerate(zip(plan.plan.stages, metrics, strict=True))
+        ]
+        return RoundOutcome(
+            arrays=new_arrays,
+            losses=list(last.losses),
+            correct=last.correct,
+            seen=last.n,
+            step_times=[float(t) for t in times.max(axis=0)],
+            stages=stages,
+            extra={"setup_s": max(m.setup_s for m in metrics), "wall_s": wall},
+        )

@@ -1,0 +1,121 @@
+"""The node's ``train.sky_direct`` handler body: one stage of a ``direct`` round.
+
+Set-up from the message's :class:`sky_flower.sky.protocol.DirectConfig` (refuse a rank
+planned for another node, build the stage and a fresh optimizer, the emulated links to
+its peers), then :func:`sky_flower.pipeline.direct.run_stage`, then the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from flwr.app import ArrayRecord, RecordDict
+from torch import nn
+
+from sky_flower.emulation import faults
+from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.direct import Emulated, RankRefusedError, run_stage
+from sky_flower.pipeline.stage import LossFn, MetricFn, build_stage, stage_optimizer
+from sky_flower.sky import protocol as P
+
+
+def link_delay(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable[[int], float]:
+    """Seconds a peer message of ``nbytes`` takes between NICs ``a`` and ``b`` (latency
+    s, bandwidth bytes/s, 0 = unlimited): half of each latency, and the bytes over the
+    slower NIC (as :mod:`sky_flower.core.cost` charges direct hops)."""
+    bw = min(bw_a, bw_b)
+    return lambda nbytes: 0.5 * (lat_a + lat_b) + (nbytes / bw if bw > 0 else 0.0)
+
+
+def emulated(emu: Emulation, ln: P.DirectLinks) -> Emulated:
+    """The stage's emulation: the node's slowdown, the links to its next and previous
+    stage (:func:`link_delay`)."""
+    own = (ln.link_latency_s, ln.link_bandwidth_bps)
+    return Emulated(
+        slowdown=float(emu.slowdown),
+        send_next_s=link_delay(*own, ln.next_latency_s, ln.next_bandwidth_bps),
+        send_prev_s=link_delay(*own, ln.prev_latency_s, ln.prev_bandwidth_bps),
+    )
+
+
+def run_direct_stage(  # noqa: PLR0913
+    cfg: P.DirectConfig,
+    weights: ArrayRecord,
+    model_fn: Callable[[], nn.Module],
+    node_id: int,
+    emu: Emulation,
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    metric_fn: MetricFn,
+) -> RecordDict:
+    """Run this node's stage for one whole round on the ``direct`` transport.
+
+    The node joins the round's process group, runs the ``torch.distributed.pipelining``
+    schedule for ``cfg.steps`` steps with a fresh optimizer, leaves the group and
+    returns its weights (:data:`~sky_flower.sky.protocol.ARRAYS`) and timings
+    (:class:`~sky_flower.sky.protocol.DirectMetrics`). Emulation: the fleet's slowdown
+    after each forward and backward of the stage module; link delay per peer message,
+    slept by the sender (:class:`sky_flower.pipeline.direct.Emulated`).
+
+    Parameters
+    ----------
+    cfg : DirectConfig
+        The stage, its rendezvous and links.
+    weights : ArrayRecord
+        The stage's layers' weights (keys of the full model).
+    model_fn : callable
+        ``() -> nn.Sequential``, the model.
+    node_id : int
+        This node's Flower node id (must be the one the rank was planned for).
+    emu : Emulation
+        This node's emulated device.
+    batch_fn : callable
+        ``step -> (x, labels)``, the data owner's batches (used on rank 0 only).
+    loss_fn, metric_fn : callable
+        The last stage's objective.
+
+    Raises
+    ------
+    RankRefusedError
+        If the message was planned for another node, or its rank's ticket does not
+        match the store's (before the node joins the group).
+    DirectStageError
+        If this stage or a peer fails or stalls (bounded by ``timeout_s``).
+    """
+    rdv, st = cfg.rendezvous, cfg.stage
+    if cfg.node_id != int(node_id):
+        raise RankRefusedError(
+            f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
+            f"not for this node ({node_id})"
+        )
+    module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
+    res = run_stage(
+        rdv,
+        module,
+        stage_optimizer(module, st.optimizer, st.lr),
+        kind=cfg.kind,
+        microbatches=st.microbatches,
+        steps=cfg.steps,
+        batch_size=st.batch_size,
+        input_shape=list(cfg.input_shape),
+        batch_fn=batch_fn if rdv.rank == 0 else None,
+        emulated=emulated(emu, cfg.links),
+        fault=faults.step_hook(),
+        loss_fn=loss_fn,
+        metric_fn=metric_fn,
+    )
+    metrics = P.DirectMetrics(
+        losses=tuple(float(v) for v in res.losses),
+        correct=int(res.correct),
+        n=int(res.samples),
+        step_times_s=tuple(float(t) for t in res.step_times_s),
+        setup_s=float(res.setup_s),
+        compute_s=float(res.compute_s),
+    )
+    return RecordDict(
+        {
+            P.ARRAYS: ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
+            P.METRICS: metrics.to_record(),
+        }
+    )

@@ -1,0 +1,96 @@
+"""Sky's log tables, formatted from the round rows (the data in ``results.json``): the
+per-round table and one per-stage table, measured against predicted, for every
+transport (the columns are those the row's ``stages`` hold)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from logging import INFO
+from typing import Any
+
+from flwr.serverapp.strategy import Result
+from flwr.supercore import log
+
+from sky_flower.core.partition import Plan
+
+# (stage-row key, header, width, format) in display order
+STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
+    ("messages", "msgs", 5, ".0f"),
+    ("measured_compute_s", "compute s", 10, ".4f"),
+    ("predicted_compute_s", "predicted", 10, ".4f"),
+    ("measured_busy_s", "busy s", 8, ".4f"),
+    ("predicted_busy_s", "predicted", 10, ".4f"),
+    ("median_step_s", "median step s", 13, ".4f"),
+)
+ROUND_COLUMNS = ("round", "train loss", "test acc", "step time (s)", "predicted (s)", "round (s)")
+
+
+def stage_table(stages: Sequence[dict[str, Any]]) -> str:
+    """Per-stage table of a round's ``stages`` rows: stage, node, then every column of
+    :data:`STAGE_COLUMNS` the rows hold (seconds per step)."""
+    cols = [c for c in STAGE_COLUMNS if stages and c[0] in stages[0]]
+    lines = [f"{'stage':>5} {'node':<12}" + "".join(f" {h:>{w}}" for _, h, w, _ in cols)]
+    for st in stages:
+        cells = "".join(f" {st[key]:>{w}{fmt}}" for key, _, w, fmt in cols)
+        lines.append(f"{st['stage']:>5} {st['node']:<12}{cells}")
+    return "\n".join(lines)
+
+
+def stage_report(row: dict[str, Any], label: str) -> str:
+    """A round's measured against predicted step time, then its per-stage table.
+
+    ``label`` names the transport and schedule (e.g. ``"relay, gpipe"``)."""
+    measured, predicted = row["measured_step_time_s"], row["predicted_step_time_s"]
+    head = (
+        f"round {row['round']} ({label}): step measured {measured:.4f} s, predicted "
+        f"{predicted:.4f} s ({measured / predicted - 1:+.0%})"
+    )
+    if "microbatches_per_message" in row:
+        head += f"; {row['microbatches_per_message']} micro-batch(es) per message"
+    if "setup_s" in row:
+        head += f"; set-up {row['setup_s']:.3f} s"
+    return f"{head}\n{stage_table(row['stages'])}"
+
+
+def log_stage_report(row: dict[str, Any], label: str) -> None:
+    """Log :func:`stage_report` (compute includes the emulated slowdown)."""
+    log(
+        INFO,
+        "Measured vs predicted, per step (compute includes the emulated slowdown):\n%s",
+        stage_report(row, label),
+    )
+
+
+def log_round_header() -> None:
+    """Log the per-round table's header."""
+    log(INFO, "%5s  %10s  %9s  %13s  %14s  %8s", *ROUND_COLUMNS)
+
+
+def log_round_line(row: dict[str, Any]) -> None:
+    """Log a round's line of the per-round table (``sky_flower.deploy`` reads it)."""
+    log(
+        INFO,
+        "%5d  %10.4f  %9s  %13.4f  %14.4f  %8.1f",
+        row["round"],
+        row["train_loss"],
+        f"{row['test_accuracy']:.4f}" if "test_accuracy" in row else "-",
+        row["measured_step_time_s"],
+        row["predicted_step_time_s"],
+        row["round_time_s"],
+    )
+
+
+def log_final(plan: Plan | None, allocation: str, result: Result) -> None:
+    """Log the plan and the final results the way Flower's ``Strategy.start`` ends
+    (``Final results:`` and the ``Result``; ``sky_flower.deploy`` reads it), after
+    Sky's own per-round table."""
+    log(INFO, "")
+    if plan is not None:
+        stages = ", ".join(f"{st.node} [{st.first_layer}-{st.last_layer}]" for st in plan.stages)
+        log(INFO, "Plan (%s): %s", allocation, stages)
+    log(INFO, "Final results:")
+    log(INFO, "")
+    for line in io.StringIO(str(result)):
+        log(INFO, "\t%s", line.strip("\n"))
+    log(INFO, "")

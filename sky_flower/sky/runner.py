@@ -1,0 +1,240 @@
+"""What a transport runner is given and what it returns.
+
+A runner executes one round of split training for one pipeline: it takes the
+:class:`Pipeline` (the plan with the node of every stage and what the cost model
+predicts per stage), the global model's arrays and the number of steps, and returns a
+:class:`RoundOutcome`. :class:`sky_flower.strategies.sky.SkyStrategy` picks its runner
+once from the transport (``RUNNERS`` there) and never branches on it again.
+
+A runner holds no strategy state: each call builds its own
+:class:`sky_flower.flower.exchange.Exchange`, so several pipelines (one per data owner)
+can later run their rounds concurrently, one runner instance each.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from torch import nn
+
+from sky_flower.core.cost import Schedule
+from sky_flower.core.partition import Plan
+from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.pipeline.objective import ref
+
+
+class SkyNodeError(NodeError):
+    """A Sky node failed to answer, or answered with an error or a malformed reply.
+
+    ``nodes`` / ``node_ids``: the nodes that caused it, where known (a ``direct`` round
+    also names, in the text, the peers that stopped because of them; those are not in
+    ``nodes``). The strategy drops exactly these nodes after a failed round.
+    """
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A plan as a runner executes it.
+
+    Attributes
+    ----------
+    plan : Plan
+        Stages in pipeline order (stage 0: the data owner).
+    node_ids : tuple[int, ...]
+        Flower node id of every stage, shape (S,).
+    group_size : int
+        Relay: micro-batches per Flower message (``c``; ``M // c`` message groups per
+        step). ``sequential`` is one group (``c = M``).
+    predictions : tuple[dict, ...]
+        Per stage, the cost model's per-step figures (seconds): ``compute_s``,
+        ``busy_s`` and ``messages`` (see :func:`sky_flower.sky.planning.stage_predictions`).
+    slowdowns : tuple[float, ...]
+        Per stage, the node's emulated slowdown (measured compute times ``1 + slowdown``).
+    links : tuple[tuple[float, float], ...]
+        Per stage, the node's link ``(latency s, bandwidth bytes/s; 0 = unlimited)``.
+    """
+
+    plan: Plan
+    node_ids: tuple[int, ...]
+    group_size: int
+    predictions: tuple[dict[str, Any], ...]
+    slowdowns: tuple[float, ...]
+    links: tuple[tuple[float, float], ...]
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages ``S``."""
+        return len(self.plan.stages)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every runner needs beyond the pipeline: the model, the schedule, the
+    stages' optimizer, the objective and the messaging settings.
+
+    ``loss_fn`` / ``metric_fn`` travel to the nodes by reference
+    (:func:`sky_flower.pipeline.objective.ref`): they must be importable module-level
+    functions on the nodes too. ``stop``: set it to end the round at its next poll.
+    ``describe``: node id -> node name (errors name nodes by it).
+    """
+
+    model_fn: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    schedule: Schedule
+    optimizer: str
+    lr: float
+    seed: int
+    num_layers: int
+    message_timeout_s: float = 120.0
+    poll_interval_s: float = 0.002
+    direct_timeout_s: float = 30.0
+    direct_host: str = "127.0.0.1"
+    direct_join_timeout_s: float = 60.0
+    loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
+    metric_fn: Callable[..., int] | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    describe: Callable[[int], str | None] = lambda nid: None
+
+    def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
+        """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`."""
+        return Exchange(
+            grid,
+            timeout_s=self.message_timeout_s if timeout_s is None else timeout_s,
+            poll_interval_s=self.poll_interval_s,
+            stop=self.stop,
+            describe=self.describe,
+            error_cls=SkyNodeError,
+        )
+
+    def objective(self) -> dict[str, str]:
+        """The stage-config entries naming the loss and metric functions."""
+        from sky_flower.pipeline.objective import correct_count
+
+        return {"loss": ref(self.loss_fn), "metric": ref(self.metric_fn or correct_count)}
+
+
+def message(node_id: int, mtype: str, content: dict[str, Any], group: str) -> Message:
+    """A Flower message of type ``mtype`` to ``node_id`` holding ``content``."""
+    return Message(RecordDict(content), dst_node_id=node_id, message_type=mtype, group_id=group)
+
+
+@dataclass
+class RoundOutcome:
+    """One successful round of one pipeline.
+
+    Attributes
+    ----------
+    arrays : ArrayRecord
+        The new global model.
+    losses : list[float]
+        Training loss of every step, shape (steps,).
+    correct, seen : int
+        Correct predictions and samples over the round.
+    step_times : list[float]
+        Wall seconds of every step, shape (steps,).
+    stages : list[dict]
+        Per stage: measured against predicted figures (:mod:`sky_flower.sky.report`).
+    extra : dict
+        Transport-specific row entries (relay: ``microbatches_per_message``; direct:
+        ``setup_s``, ``wall_s``), placed before ``stages`` in the row.
+    """
+
+    arrays: ArrayRecord
+    losses: list[float]
+    correct: int
+    seen: int
+    step_times: list[float]
+    stages: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_row(
+        self, server_round: int, steps: int, predicted_step_time_s: float, round_time_s: float
+    ) -> dict[str, Any]:
+        """The round's row of ``results.json`` (before the server's evaluation adds its
+        ``test_*`` entries)."""
+        return {
+            "round": server_round,
+            "train_loss": float(np.mean(self.losses)),
+            "train_accuracy": self.correct / max(self.seen, 1),
+            "measured_step_time_s": float(np.median(self.step_times)),
+            "predicted_step_time_s": predicted_step_time_s,
+            "steps": steps,
+            "round_time_s": round_time_s,
+            **self.extra,
+            "stages": self.stages,
+        }
+
+
+class Runner(ABC):
+    """One round of split training on one transport, for one pipeline.
+
+    Parameters
+    ----------
+    settings : RunSettings
+        Model, schedule, optimizer, objective and messaging settings.
+    """
+
+    label: ClassVar[str]  # how the report names the transport
+    peer_links: ClassVar[bool] = False  # benchmark: emulated peer links, no relay echoes
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.s = settings
+        self.expected = set(settings.model_fn().state_dict().keys())  # the model's keys
+
+    @staticmethod  # noqa: B027 - an optional hook
+    def check_schedule(schedule: Schedule) -> None:
+        """Raise ``ValueError`` if the transport cannot run ``schedule`` (called before
+        any node is contacted); every schedule by default."""
+
+    def check_plan(self, plan: Pipeline) -> None:  # noqa: B027 - an optional hook
+        """Raise ``ValueError`` if the transport cannot run ``plan``; any by default."""
+
+    @abstractmethod
+    def run_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """Train ``plan``'s stages for ``steps`` steps of round ``server_round`` from
+        the global model ``arrays``.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming (``nodes``, ``node_ids``) the nodes that failed, stalled or replied
+            malformed.
+        """
+
+
+def merge_weights(
+    replies: Sequence[Message], ex: Exchange, expected: set[str], key: str
+) -> ArrayRecord:
+    """Reassemble the global model from the stages' weight replies (record ``key``).
+
+    Raises
+    ------
+    SkyNodeError
+        If a reply is an error or lacks its weights (naming its node), or a layer
+        tensor comes back twice or not at all.
+    """
+    ex.raise_errors(replies)
+    merged: dict[str, torch.Tensor] = {}
+    for reply in replies:
+        rec = reply.content.array_records.get(key)
+        if rec is None:
+            src = reply.metadata.src_node_id
+            raise ex.fail(f"{ex.name(src)}: reply lacks its weights", [src])
+        for name, value in rec.to_torch_state_dict().items():
+            if name in merged:
+                raise ex.fail(f"layer tensor {name} returned twice")
+            merged[name] = value
+    if set(merged) != expected:
+        missing = sorted(expected - set(merged))
+        raise ex.fail(f"stages returned an incomplete model; missing {missing[:5]}")
+    return ArrayRecord(merged)
