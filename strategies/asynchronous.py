@@ -33,6 +33,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.flower.vectors import vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes import protocol
@@ -45,7 +46,7 @@ class HermesNodeError(NodeError):
     ``nodes`` (``"worker <position>"``) name it."""
 
 
-class AsyncStrategy(Strategy):
+class AsyncStrategy(ServerSideEvaluation, Strategy):
     """The shared asynchronous driver; subclasses set the start rule and the merge.
 
     Parameters
@@ -234,18 +235,6 @@ class AsyncStrategy(Strategy):
         metrics = MetricRecord({"train_loss": float(np.mean(losses))}) if losses else None
         assert self.global_vec is not None
         return (vector_record("x", self.global_vec) if changed else None), metrics
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """None: the global model is evaluated on the server (``evaluate_fn``)."""
-        return []
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """None (no federated evaluation)."""
-        return None
 
     def summary(self) -> None:
         """Log the settings."""

@@ -39,6 +39,7 @@ from sky_flower.core.partition import METHODS, Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.flower.exchange import Exchange
+from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.objective import correct_count, ref
 from sky_flower.sky import planning, report
 from sky_flower.sky.benchmark import (
@@ -91,7 +92,7 @@ def _check_settings(  # noqa: PLR0913
         raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
 
 
-class SkyStrategy(Strategy):
+class SkyStrategy(ServerSideEvaluation, Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
     Parameters
@@ -377,18 +378,6 @@ class SkyStrategy(Strategy):
         ex = Exchange(None, 1.0, describe=self._names.get, error_cls=SkyNodeError)  # type: ignore[arg-type]
         expected = set(self.model_fn().state_dict().keys())
         return merge_weights(list(replies), ex, expected, ARRAYS), None
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No node-side evaluation: the server evaluates on its held-out test split."""
-        return []
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """No node-side evaluation."""
-        return None
 
     def summary(self) -> None:
         """Log the strategy's settings."""

@@ -309,3 +309,34 @@ class SkyRecorder:
             self.completed,
         )
         return write_json(self.path, results)
+
+
+def flat_model_start(
+    strategy: Any,  # noqa: ANN401 - a Hermes or decentralized strategy
+    model: Any,  # noqa: ANN401 - a sky_flower.gossip.training.FlatModel
+    test: Any,  # noqa: ANN401 - the held-out Split
+    seed: int,
+    num_rounds: int,
+) -> Callable[[Any], None]:
+    """The ServerApp body of a job whose model is one flat vector (Hermes and the
+    decentralized strategies): ``strategy.start`` from ``model.initial(seed)`` under key
+    ``"x"``, the global model evaluated on ``test`` (accuracy, loss) every round."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    from sky_flower.flower.vectors import vector_record
+
+    def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
+        res = model.evaluate(arrays["x"].numpy(), test)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    x0 = model.initial(seed)
+
+    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
+        strategy.start(
+            grid=grid,
+            initial_arrays=vector_record("x", x0),
+            num_rounds=num_rounds,
+            evaluate_fn=evaluate,
+        )
+
+    return start

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from sky_flower.gossip.matrices import gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
 from sky_flower.jobs.common import (
+    flat_model_start,
     log,
     number,
     one_log_stream,
@@ -68,13 +69,11 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     sky_flower.strategies.decentralized.DecentralizedNodeError
         If a node fails; ``results.json`` is still written with the rounds done.
     """
-    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
 
     from sky_flower.gossip.client import (
         DecentralizedClient,
         heterogeneous_data_fn,
-        vector_record,
     )
     from sky_flower.strategies.decentralized import STRATEGIES
 
@@ -110,19 +109,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"strategy.rounds={s.rounds} is shorter than one phase ({steps_per})")
     simulation_cpus(cfg)  # refuses a bad CPU share before anything starts
 
-    def evaluate(step: int, arrays: ArrayRecord) -> MetricRecord:
-        res = model.evaluate(arrays["x"].numpy(), test)
-        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
-
-    x0 = model.initial(seed)
-
-    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
-        strategy.start(
-            grid=grid,
-            initial_arrays=vector_record("x", x0),
-            num_rounds=int(s.rounds),
-            evaluate_fn=evaluate,
-        )
+    start = flat_model_start(strategy, model, test, seed, int(s.rounds))
 
     def check() -> None:
         if len(strategy.rounds) < int(s.rounds) // steps_per + 1 or any(

@@ -27,6 +27,7 @@ from sky_flower.emulation.devices import expand_fleet
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import validate_settings
 from sky_flower.jobs.common import (
+    flat_model_start,
     log,
     one_log_stream,
     simulate,
@@ -85,10 +86,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     sky_flower.strategies.hermes.HermesNodeError
         If a worker fails; ``results.json`` is still written.
     """
-    from flwr.app import ArrayRecord, MetricRecord
     from flwr.clientapp import ClientApp
 
-    from sky_flower.gossip.client import vector_record
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
     from sky_flower.sky.client import fleet_emulation
     from sky_flower.strategies.hermes import STRATEGIES
@@ -125,19 +124,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
 
     strategy = _strategy(cfg, model, layout, n)
 
-    def evaluate(k: int, arrays: ArrayRecord) -> MetricRecord:
-        res = model.evaluate(arrays["x"].numpy(), test)
-        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
-
-    x0 = model.initial(seed)
-
-    def start(grid: Any) -> None:  # noqa: ANN401 - flwr.serverapp.Grid
-        strategy.start(
-            grid=grid,
-            initial_arrays=vector_record("x", x0),
-            num_rounds=int(s.max_rounds),
-            evaluate_fn=evaluate,
-        )
+    start = flat_model_start(strategy, model, test, seed, int(s.max_rounds))
 
     def check() -> None:
         if not strategy.timeline or not hasattr(strategy, "wall_time_s"):
