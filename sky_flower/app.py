@@ -196,7 +196,6 @@ def sky_strategy(
         min_nodes=len(nodes),
         **{**settings.strategy_kwargs(), **kwargs},
     )
-    settings.configure(strategy)  # flwr run: polls every 0.05 s (see settings)
     if settings.results_path:
         SkyRecorder(Path(settings.results_path), settings.allocation, settings.fleet).attach(
             strategy

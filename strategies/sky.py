@@ -122,12 +122,12 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
     benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \
-    state_probe_bytes : (default: 2, 5, (1 KiB, 4 MiB), 7, 0.1, 64 MiB)
+    state_probe_bytes : (default: 2, 7, (1 KiB, 4 MiB), 7, 0.1, 64 MiB)
         The benchmark round's settings, as
         :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them.
     message_timeout_s : float (default: 120.0)
         A node that does not answer within this time fails the round, by name.
-    max_failed_rounds : int (default: 1)
+    max_failed_rounds : int (default: 2)
         A round that fails (a node errs, stalls or replies malformed) is recorded with
         its error (``rounds`` and ``failed_rounds``); the nodes it names are dropped
         (the data owner cannot be) and the model is re-planned on the others from the
@@ -175,13 +175,13 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         min_nodes: int = 2,
         milp_time_limit_s: float = 30.0,
         benchmark_warmup: int = 2,
-        benchmark_repeats: int = 5,
+        benchmark_repeats: int = 7,
         echo_bytes: tuple[int, int] = (1024, 4 * 1024 * 1024),
         echo_repeats: int = 7,
         echo_jitter_s: float = 0.1,
         state_probe_bytes: int = 64 * 1024 * 1024,
         message_timeout_s: float = 120.0,
-        max_failed_rounds: int = 1,
+        max_failed_rounds: int = 2,
         direct_timeout_s: float = 30.0,
         direct_host: str = "127.0.0.1",
         direct_join_timeout_s: float = 60.0,

@@ -24,9 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SKY_APP = ROOT / "examples" / "sky-app" / "pyproject.toml"
 # the example app's own choices (its README figures are measured with them)
 APP_CHOICES = {"num-server-rounds": 2, "lr": 0.001}
-# SkyStrategy's own keyword defaults that still differ (strategies/sky.py; its owner
-# removes an entry when the default there becomes the one here)
-STRATEGY_DRIFT = {"benchmark_repeats": 5, "max_failed_rounds": 1}
 
 
 def _hydra(overrides: list[str] | None = None):
@@ -81,8 +78,7 @@ def test_settings_reach_skystrategy_keywords_and_defaults():
     for name, value in kwargs.items():
         if name == "schedule":
             continue
-        default = STRATEGY_DRIFT.get(name, value)
-        assert params[name].default == default, (name, params[name].default, value)
+        assert params[name].default == value, (name, params[name].default, value)
 
 
 def test_hydra_overrides_and_refusals():

@@ -177,7 +177,6 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         on_event=on_event,
         **settings.strategy_kwargs(),
     )
-    settings.configure(strategy)
     recorder = SkyRecorder(out_dir / "results.json", settings.allocation, str(cfg.fleet.name))
     recorder.attach(strategy)
     strategy.precheck(

@@ -280,8 +280,7 @@ class SkySettings:
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
-        ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``; the messaging
-        settings are applied by :meth:`configure`)."""
+        ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``)."""
         t, b, d, f = self.train, self.benchmark, self.direct, self.failure
         return {
             "allocation": self.allocation,
@@ -303,14 +302,9 @@ class SkySettings:
             "direct_host": d.host,
             "direct_join_timeout_s": d.join_timeout_s,
             "seed": self.seed,
+            "poll_interval_s": self.messaging.poll_interval_s,
+            "node_wait_s": self.messaging.node_wait_s,
         }
-
-    def configure(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
-        """Apply the messaging settings to ``strategy`` (attributes until ``SkyStrategy``
-        takes them as keywords) and return it."""
-        strategy.poll_interval_s = self.messaging.poll_interval_s
-        strategy.node_wait_s = self.messaging.node_wait_s
-        return strategy
 
 
 def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Field, Any]]:
