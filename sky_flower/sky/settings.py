@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sky_flower.core.schedule import SCHEDULE_KINDS, TRANSPORTS
+
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
-TRANSPORTS = ("relay", "direct")
-SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b")  # as sky_flower.core.cost
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 
 # the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
