@@ -28,11 +28,13 @@ def make_cfg(overrides: list[str]):
 
 def ray_processes() -> list[psutil.Process]:
     found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
             text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # exited; only waits to be reaped (this container's init may never)
         if "raylet" in text or "gcs_server" in text or "ray::" in text:
             found.append(proc)
     return found
