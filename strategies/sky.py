@@ -197,6 +197,11 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
+        if len(echo_bytes) != 2 or not 0 < echo_bytes[0] < echo_bytes[1]:
+            raise ValueError(
+                f"echo_bytes (benchmark.echo_bytes) must be two payload sizes in bytes, "
+                f"0 < small < large, e.g. [1024, 4194304]; got {list(echo_bytes)}"
+            )
         self.schedule = schedule or Schedule()
         self.runner_cls = RUNNERS[self.schedule.transport]
         self.runner_cls.check_schedule(self.schedule)

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,21 @@ def test_plan_sweep_cli_on_a_sweep(tmp_path, capsys):
     assert plan_sweep.main([str(tmp_path)]) == 0
     assert "1 jobs (1 refused)" in capsys.readouterr().out
     assert (tmp_path / "plan_sweep.csv").exists()
+
+
+def test_training_job_names_a_non_numeric_setting(tmp_path):
+    """``num_rounds=abc``: the error names the key and the type, not Python's int()."""
+    done = _run("sky_flower.run", "num_rounds=abc", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    assert "num_rounds='abc' must be an integer" in done.stderr + done.stdout, done.stderr[-2000:]
+    assert "invalid literal" not in done.stderr + done.stdout
+
+
+def test_deploy_workdir_that_is_a_file_is_refused_before_anything_starts(tmp_path):
+    from sky_flower.deploy import run_local
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    app = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
+    with pytest.raises(ValueError, match="is a file: pass a directory"):
+        run_local(app, "edge3", workdir=afile, echo=False)

@@ -100,7 +100,7 @@ def test_hydra_overrides_and_refusals():
         ({"max-failed-rounds": 0}, ["max-failed-rounds must be >= 1, got 0"]),
         ({"benchmark-warmup": -1}, ["benchmark-warmup must be >= 0"]),
         ({"poll-interval-s": 0.0}, ["poll-interval-s must be > 0"]),
-        ({"results-path": 3}, ["results-path=3 must be a str"]),
+        ({"results-path": 3}, ["results-path=3 must be a string"]),
         ({"optimizer": "lbfgs"}, ["optimizer", "adam, sgd, sgd_momentum"]),
     ],
 )

@@ -216,3 +216,30 @@ def test_direct_messages_carry_a_typed_config_per_stage(server_identity):
         assert cfg.node_id == plan.node_ids[k] == msg.metadata.dst_node_id
         assert cfg.stage.loss == P.DEFAULT_LOSS and cfg.stage.metric == P.DEFAULT_METRIC
         assert set(msg.content.array_records[P.ARRAYS]) <= set(arrays)
+
+
+@pytest.mark.parametrize("echo_bytes", [(1024, 1024), (4096, 1024), (1024,), (0, 1024)])
+def test_bad_echo_sizes_are_refused_before_any_node_is_contacted(echo_bytes):
+    with pytest.raises(ValueError, match=r"echo_bytes .* 0 < small < large"):
+        SkyStrategy(sky_app_task().Net, [64], echo_bytes=echo_bytes)
+
+
+def test_a_stopped_run_stops_the_benchmark_instead_of_blaming_the_nodes(server_identity):
+    """Ctrl-C (``request_stop``) during the benchmark round ends it with the stop, not
+    with every node left out of the plan as if it had failed."""
+    task = sky_app_task()
+    run_config = {**app_run_config(SKY_APP), **RUN}
+    fleet = load_fleet("edge3")
+    configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
+    grid = ErrorReplyGrid(
+        lambda: register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data),
+        configs,
+        run_config,
+    )
+    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
+    strategy.request_stop()
+    with pytest.raises(SkyNodeError, match="run stopped by the caller"):
+        strategy.benchmark(grid, list(grid.get_node_ids()))
+    # the first node's profile message was pushed before the next poll saw the stop; the
+    # other nodes were never asked (before, each was "left out" in turn)
+    assert strategy.node_profiles == [] and len(grid.handled) <= 1

@@ -161,9 +161,13 @@ def run_local(
     DeployError
         If a process fails to start, the run fails, or processes are left behind.
     ValueError
-        On an unknown fleet (lists the packaged ones).
+        On an unknown fleet (lists the packaged ones), or a ``workdir`` that is a file.
     """
     fleet, run_config = _checked(app, fleet_name, run_config, timeout_s)
+    if workdir is not None:
+        workdir = Path(workdir).resolve()  # the processes run in other directories
+        if workdir.exists() and not workdir.is_dir():
+            raise ValueError(f"workdir {workdir} is a file: pass a directory (it is created)")
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="sky-deploy-")

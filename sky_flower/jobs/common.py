@@ -151,10 +151,17 @@ def write_json(path: Path, payload: Any) -> Any:  # noqa: ANN401 - a JSON-able p
     return payload
 
 
+def shown_error(err: BaseException) -> BaseException:
+    """The error a user should read: ``err`` itself for a refused setting (a
+    ``ValueError`` that names the key, even when raised from Python's own conversion
+    error), else its cause (what the simulation engine wrapped), else ``err``."""
+    return err if isinstance(err, ValueError) else (err.__cause__ or err)
+
+
 def describe_error(err: BaseException) -> str:
-    """``"Type: message"`` of ``err``'s cause (what ``results.json`` records)."""
-    cause = err.__cause__ or err
-    return f"{type(cause).__name__}: {cause}"
+    """``"Type: message"`` of :func:`shown_error` (what ``results.json`` records)."""
+    shown = shown_error(err)
+    return f"{type(shown).__name__}: {shown}"
 
 
 def one_log_stream() -> None:
@@ -194,7 +201,7 @@ def main_job(
     try:
         results = run(cfg, out_dir)
     except Exception as err:  # noqa: BLE001
-        log.error("run failed: %s (outputs in %s)", err.__cause__ or err, out_dir)
+        log.error("run failed: %s (outputs in %s)", shown_error(err), out_dir)
         if not (out_dir / "results.json").exists():  # refused before it started
             refused(describe_error(err))
         if multirun:

@@ -147,6 +147,8 @@ class BenchmarkRound:
             try:
                 node, prof = self.profile(nid, result)
             except (SkyNodeError, P.ProtocolError, KeyError, TypeError, ValueError) as err:
+                if self.ex.stop is not None and self.ex.stop.is_set():
+                    raise  # the run was stopped (e.g. Ctrl-C): no node is to blame
                 log(WARNING, "Benchmark: leaving %s out of the plan: %s", self.ex.name(nid), err)
                 continue
             result.nodes.append(node)

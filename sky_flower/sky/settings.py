@@ -335,6 +335,9 @@ def _hydra_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN40
     return ValueError(f"{name} must be {rule}, got {value}")
 
 
+_A = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _checked(
     name: str,
     raw: Any,  # noqa: ANN401 - a config value
@@ -351,11 +354,11 @@ def _checked(
     kind = {"int": int, "float": float, "str": str}[str(f.type)]
     prefix = "run config " if run else ""
     if isinstance(raw, bool) or (run and kind is str and not isinstance(raw, str)):
-        raise ValueError(f"{prefix}{name}={raw!r} must be a {kind.__name__}")
+        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
     try:
         value = kind(raw)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{prefix}{name}={raw!r} must be a {kind.__name__}") from err
+        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}") from err
     if kind is int and value != raw:
         raise ValueError(f"{prefix}{name}={raw!r} must be an integer")
     choices = f.metadata["choices"]
