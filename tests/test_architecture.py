@@ -27,7 +27,7 @@ STRATEGY_IMPORTERS = ("sky_flower.app", "sky_flower.jobs", "sky_flower.bench", "
 
 # -- known violations, owned by other branches of issue 12 -------------------------------
 KNOWN_LONG = {
-    "strategies/sky.py": "537 lines, 75 of them the documented 30-keyword constructor",
+    "strategies/sky.py": "542 lines, 75 of them the documented 30-keyword constructor",
 }
 
 

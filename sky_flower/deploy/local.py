@@ -360,13 +360,18 @@ class LocalDeployment:
 
     # --- tear-down ------------------------------------------------------------------
     def descendants(self) -> list[psutil.Process]:
-        """Every live process started here and its children (by PID)."""
+        """Every live process started here and its children (by PID), and any Flower
+        process with this deployment's ``FLWR_HOME`` that has lost its parent (a
+        SuperNode that exits by itself, e.g. refused by the SuperLink, orphans its
+        ``flower-superexec``)."""
         found: dict[int, psutil.Process] = {}
         for _, proc in self.procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p = psutil.Process(proc.pid)
                 for q in [p, *p.children(recursive=True)]:
                     found[q.pid] = q
+        for q in flower_processes(self.workdir):
+            found.setdefault(q.pid, q)
         self.seen_pids.update(found)
         return list(found.values())
 
