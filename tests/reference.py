@@ -28,6 +28,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
+from flwr.common.constant import ErrorCode
 from flwr.common.serde import (
     context_from_proto,
     context_to_proto,
@@ -205,6 +206,13 @@ def assert_pipelined_relay_row(row: dict[str, Any], per_message: int, microbatch
     )
 
 
+def error_reply(msg: Message, err: Exception) -> Message:
+    """The error reply Flower's engines send when a ClientApp handler raises ``err``
+    (code ``CLIENT_APP_RAISED_EXCEPTION``, the engines' reason format)."""
+    reason = str(type(err)) + ":<'" + str(err) + "'>"
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+
 def _wire(msg: Message) -> Message:
     return message_from_proto(message_to_proto(msg))
 
@@ -271,7 +279,7 @@ def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, co
     try:
         reply = app_fn()(message, context)
     except Exception as err:  # noqa: BLE001 - every handler error becomes an error reply
-        reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
+        reply = error_reply(message, err)
     conn.send(
         (message_to_proto(reply).SerializeToString(), context_to_proto(context).SerializeToString())
     )

@@ -13,10 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
-from reference import ProcessPerMessageGrid
+from reference import ProcessPerMessageGrid, error_reply
 from sky_flower.strategies.decentralized import DecentralizedNodeError, DeTAGStrategy, DPSGDStrategy
 from sky_flower.strategies.hermes import STRATEGIES, ASPStrategy, HermesNodeError
 
@@ -67,9 +66,7 @@ class HoldingGrid(ProcessPerMessageGrid):
                 (mid,) = super().push_messages([msg])
             except Exception as ex:  # noqa: BLE001 - as the engines report it
                 mid = msg.metadata.message_id
-                reason = str(type(ex)) + ":<'" + str(ex) + "'>"
-                error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
-                self.replies[mid] = Message(error, reply_to=msg)
+                self.replies[mid] = error_reply(msg, ex)
             self.left[mid] = self.hold.get(msg.metadata.dst_node_id, 0)
             ids.append(mid)
         return ids
@@ -317,9 +314,7 @@ class ThreadedGrid(HoldingGrid):
                 raise RuntimeError(f"injected failure on node {nid}")
             return self.app_fn()(msg, self.contexts[nid])
         except Exception as ex:  # noqa: BLE001 - as the engines report it
-            reason = str(type(ex)) + ":<'" + str(ex) + "'>"
-            error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
-            return Message(error, reply_to=msg)
+            return error_reply(msg, ex)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         self.pulls += 1

@@ -10,12 +10,12 @@ import uuid
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Error, Message
+from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
-from reference import SKY_APP, ProcessPerMessageGrid, sky_app_task
+from reference import SKY_APP, ProcessPerMessageGrid, error_reply, sky_app_task
 from sky_flower.strategies.sky import RUNNERS, SkyNodeError, SkyStrategy
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
@@ -53,8 +53,7 @@ class ErrorReplyGrid(ProcessPerMessageGrid):
             except Exception as err:  # noqa: BLE001 - turned into the reply
                 mid = str(uuid.uuid4())
                 msg.metadata.__dict__["_message_id"] = mid
-                reason = f"{type(err).__name__}: {err}"
-                self.replies[mid] = Message(Error(code=0, reason=reason), reply_to=msg)
+                self.replies[mid] = error_reply(msg, err)
                 ids.append(mid)
         return ids
 
