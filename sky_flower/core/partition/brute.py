@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from sky_flower.core.cost import CostModel, Stage
-from sky_flower.core.partition.heuristic import _Filler, _orders
+from sky_flower.core.partition.heuristic import _Filler, _orders, seed_feasibility
 from sky_flower.core.partition.plan import (
     InfeasibleMemoryError,
     Plan,
@@ -38,8 +38,11 @@ def _count_plans(N: int, L: int) -> int:
     return total
 
 
-def _enumerate(cost: CostModel, objective: str) -> list[Stage] | None:
-    """Best plan over every order (identical nodes deduplicated), idle set and cut."""
+def _enumerate(
+    cost: CostModel, objective: str, deadline: float = math.inf
+) -> tuple[list[Stage] | None, bool]:
+    """Best plan over every order (identical nodes deduplicated), idle set and cut, and
+    whether the enumeration finished before ``deadline`` (``time.perf_counter()``)."""
     L = cost.num_layers
     kinds = _kinds(cost)
     others = [i for i in range(cost.num_nodes) if i != cost.owner]
@@ -52,6 +55,8 @@ def _enumerate(cost: CostModel, objective: str) -> list[Stage] | None:
                 continue
             seen.add(sig)
             order = [cost.owner, *perm]
+            if time.perf_counter() > deadline:
+                return best, False
             for cuts in itertools.combinations(range(1, L), s):
                 counts = np.diff([0, *cuts, L])
                 stages = _counts_to_stages(order, counts)
@@ -60,7 +65,7 @@ def _enumerate(cost: CostModel, objective: str) -> list[Stage] | None:
                 v = cost.objective(stages, objective)
                 if v < best_v:
                     best, best_v = stages, v
-    return best
+    return best, True
 
 
 def brute_force(cost: CostModel, objective: str = "step") -> Plan:
@@ -72,9 +77,11 @@ def brute_force(cost: CostModel, objective: str = "step") -> Plan:
         If none fits memory.
     """
     t0 = time.perf_counter()
-    best = _enumerate(cost, objective)
+    best, _ = _enumerate(cost, objective)
     if best is None:
-        raise InfeasibleMemoryError(_infeasible_message(cost))
+        raise InfeasibleMemoryError(
+            f"{_infeasible_message(cost)} (proven by exhaustive enumeration)"
+        )
     return make_plan(
         cost,
         "brute_force",
@@ -85,24 +92,24 @@ def brute_force(cost: CostModel, objective: str = "step") -> Plan:
     )
 
 
-def feasible_stages(cost: CostModel) -> list[Stage]:
-    """Some plan that fits every node's memory (greedy fill by memory, largest first).
+def feasible_stages(cost: CostModel, time_limit_s: float = 10.0) -> list[Stage]:
+    """Some plan that fits every node's memory: a greedy fill by memory (largest first),
+    else the exact check's witness (:func:`~sky_flower.core.partition.feasible.check_memory`).
 
     Raises
     ------
     InfeasibleMemoryError
-        With the layers that do not fit and memory needed against memory available.
+        With the layers that do not fit, memory needed against memory available, and
+        which check proved it (or that it ran out of ``time_limit_s``: unknown).
     """
     filler = _Filler(cost)
-    sizes: list[int | None] = [None]
-    if cost.schedule.kind == "1f1b" and not cost.relay:  # shorter pipelines stash less
-        sizes += list(range(1, min(cost.num_nodes, cost.num_layers) + 1))
-    for num_stages in sizes:
-        for order in _orders(cost):
-            s = filler.fill(order, math.inf, num_stages=num_stages)
-            if s is not None and cost.fits(s):
-                return s
-    raise InfeasibleMemoryError(_infeasible_message(cost))
+    for order in _orders(cost):
+        s = filler.fill(order, math.inf)
+        if s is not None and cost.fits(s):
+            return s
+    found: list[list[Stage]] = []
+    seed_feasibility(cost, found.append, False, time_limit_s)
+    return found[0]
 
 
 feasible_bounds = feasible_stages  # former name

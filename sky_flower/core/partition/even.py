@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from sky_flower.core.cost import CostModel
+from sky_flower.core.partition.feasible import check_memory
 from sky_flower.core.partition.plan import (
     MIB,
     InfeasibleMemoryError,
@@ -45,6 +46,17 @@ def even(cost: CostModel, objective: str = "step") -> Plan:
             raise InfeasibleMemoryError(
                 f"even allocation puts layers {a}..{b} on node {cost.nodes[i].name!r}: "
                 f"{need / MIB:.1f} MiB needed, {cost.capacity[i] / MIB:.1f} MiB available. "
-                "Use allocation=heuristic or allocation=optimal, which respect memory."
+                "Use allocation=heuristic or allocation=optimal, which respect memory"
+                f"{_fits_elsewhere(cost)}."
             )
     return make_plan(cost, "even", stages, time.perf_counter() - t0, objective=objective)
+
+
+def _fits_elsewhere(cost: CostModel) -> str:
+    """Whether the exact memory check finds another plan that fits (for the message)."""
+    res = check_memory(cost, time_limit_s=5.0)
+    if res.feasible:
+        return f" (a plan that fits exists: {res.method} found one)"
+    if res.status == "infeasible":
+        return f"; but no plan fits at all (proven by {res.method})"
+    return ""

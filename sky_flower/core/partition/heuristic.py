@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from sky_flower.core.cost import CostModel, Stage
+from sky_flower.core.partition.feasible import _KindDP, _pipeline_lengths, check_memory
 from sky_flower.core.partition.plan import (
     InfeasibleMemoryError,
     Plan,
@@ -107,6 +108,15 @@ class _Filler:
             else:
                 hi, best = mid, s
         return hi, best
+
+
+def _cap_grid(least: float, top: float, grid: int) -> np.ndarray:
+    """Caps from ``least`` to ``top`` (geometric; from ``top / grid`` when ``least`` is 0,
+    as when every layer's measured time is 0), without ``least`` itself."""
+    if top <= 0:
+        return np.zeros(0)
+    lo = least if least > 0 else top / grid
+    return np.geomspace(lo, max(top, lo), grid)[1:]
 
 
 def _orders(cost: CostModel) -> list[list[int]]:
@@ -280,7 +290,44 @@ def _polish(
     return [(int(i), int(x), int(y)) for i, x, y in zip(p.node, p.a, p.b, strict=True)]
 
 
-def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
+CHEAP_CHECK_STATES = 4096  # the exact memory check always runs up to this many states
+CHEAP_CHECK_NODES = 64  # ... on fleets up to this size (levels cost time on larger ones)
+
+
+def seed_feasibility(
+    cost: CostModel, consider: Callable[[list[Stage]], None], found: bool, time_limit_s: float
+) -> None:
+    """Run the exact memory check when it is cheap or nothing was found; its witness
+    goes to ``consider``.
+
+    Raises
+    ------
+    InfeasibleMemoryError
+        If nothing was found and the check proves infeasibility or cannot decide (the
+        message names the check).
+    """
+    if found and (
+        cost.num_nodes > CHEAP_CHECK_NODES
+        or _KindDP(cost).num_states * len(_pipeline_lengths(cost)) > CHEAP_CHECK_STATES
+    ):
+        return
+    res = check_memory(cost, time_limit_s)
+    if res.feasible:
+        consider(res.stages)
+        return
+    if found:
+        return
+    if res.status == "infeasible":
+        raise InfeasibleMemoryError(f"{_infeasible_message(cost)} (proven by {res.method})")
+    raise InfeasibleMemoryError(
+        f"no plan found that fits memory, and {res.method}: feasibility unknown, not proven "
+        f"infeasible. {_infeasible_message(cost)}"
+    )
+
+
+def heuristic(
+    cost: CostModel, objective: str = "step", grid: int = 16, time_limit_s: float = 10.0
+) -> Plan:
     """Fast order-aware greedy with bisection on the stage-time cap, then polishing.
 
     See the module docstring. Never worse than :func:`even` when ``even`` fits (it is
@@ -292,11 +339,16 @@ def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
     objective : {"step", "throughput"}
     grid : int
         Caps scored between the least feasible one and one stage per node (``step``).
+    time_limit_s : float
+        Budget (seconds) of the exact memory check
+        (:func:`~sky_flower.core.partition.feasible.check_memory`), whose witness seeds
+        the candidates; it runs whenever it is cheap, and always before a refusal.
 
     Raises
     ------
     InfeasibleMemoryError
-        If no assignment fits memory.
+        If the exact check proves that no assignment fits memory, or cannot decide in
+        ``time_limit_s`` while the greedy fills found nothing (the message says which).
     """
     _check_objective(objective)
     t0 = time.perf_counter()
@@ -321,7 +373,7 @@ def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
                 top = max(
                     filler.time_prefix[i, b + 1] - filler.time_prefix[i, a] for i, a, b in one
                 )
-                for T2 in np.geomspace(T, max(top, T), grid)[1:]:
+                for T2 in _cap_grid(T, top, grid):
                     consider(filler.fill(order, float(T2), owner_max))
     if cost.num_layers >= cost.num_nodes:
         consider(_even_stages(cost))
@@ -332,8 +384,7 @@ def heuristic(cost: CostModel, objective: str = "step", grid: int = 16) -> Plan:
         for order in _orders(cost):
             for S in range(1, min(cost.num_nodes, cost.num_layers) + 1):
                 consider(filler.fill(order, math.inf, num_stages=S))
-    if not cands:
-        raise InfeasibleMemoryError(_infeasible_message(cost))
+    seed_feasibility(cost, consider, bool(cands), time_limit_s)
     ranked = sorted(score, key=score.get)
     # unpolished too: for 1F1B polishing scores GPipe's closed form, a stand-in
     polished = [cands[r] for r in ranked[:2]]

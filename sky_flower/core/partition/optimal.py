@@ -70,11 +70,11 @@ def optimal(
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}: use auto, enumerate, milp or dp")
     t0 = time.perf_counter()
-    h = heuristic(cost, objective)  # raises a clear error before any solving
+    h = heuristic(cost, objective, time_limit_s=time_limit_s)  # proves infeasibility first
     lb = cost.lower_bound(objective)
     small = _count_plans(cost.num_nodes, cost.num_layers) <= ENUMERATION_LIMIT
     if solver == "enumerate" or (solver == "auto" and small):
-        return _by_enumeration(cost, objective, t0, lb)
+        return _by_enumeration(cost, objective, t0, lb, h, time_limit_s)
     uniform = len(set(cost.inv_bw.tolist())) == 1 and len(set(cost.latency.tolist())) == 1
     if objective == "throughput" and uniform and solver in ("auto", "dp"):
         plan = _by_period_dp(cost, objective, t0, lb, h, time_limit_s)
@@ -99,19 +99,27 @@ def optimal(
     return _by_milp(cost, objective, t0, lb, h, time_limit_s, mip_rel_gap)
 
 
-def _by_enumeration(cost: CostModel, objective: str, t0: float, lb: float) -> Plan:
-    """The enumerated optimum, proven."""
-    best = _enumerate(cost, objective)
+def _by_enumeration(  # noqa: PLR0913
+    cost: CostModel, objective: str, t0: float, lb: float, h: Plan, time_limit_s: float
+) -> Plan:
+    """The enumerated optimum, proven; when the time limit stops the enumeration, the
+    better of its best so far and the heuristic's plan, not proven."""
+    best, done = _enumerate(cost, objective, deadline=t0 + time_limit_s)
+    if best is None or (not done and cost.objective(best, objective) > h.objective_value_s):
+        best = h.spec
     v = cost.objective(best, objective)
+    note = "exhaustive enumeration"
+    if not done:
+        note += f": time limit {time_limit_s:g} s reached, not proven"
     return make_plan(
         cost,
         "optimal",
         best,
         time.perf_counter() - t0,
-        lower_bound_s=min(lb, v),
+        lower_bound_s=min(lb, v) if done else lb,
         objective=objective,
-        proven_optimal=True,
-        note="exhaustive enumeration",
+        proven_optimal=done,
+        note=note,
     )
 
 
