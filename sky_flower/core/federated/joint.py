@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from sky_flower.core.cost import Schedule
+from sky_flower.core.federated.greedy import HEURISTIC_BUDGET_S
 from sky_flower.core.federated.instance import Instance
 from sky_flower.core.federated.plan import FederatedPlan
 from sky_flower.core.federated.search import even_solution, heuristic_solution, optimal_solution
@@ -87,7 +88,7 @@ def plan_federation(  # noqa: PLR0913
     if method == "even":
         solution, note = even_solution(inst)
     elif method == "heuristic":
-        solution, note = heuristic_solution(inst)
+        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
     else:
         solution, proven, note = optimal_solution(inst, t0 + time_limit_s)
     plans = [inst.plan(k, s, method) for k, s in solution]
@@ -96,8 +97,13 @@ def plan_federation(  # noqa: PLR0913
             names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
             raise InfeasibleMemoryError(
                 f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
-                f"{names} does not fit memory with equal layer counts (or has more nodes "
-                "than layers). Use heuristic or optimal, which respect memory."
+                f"{names} does not fit memory"
+                + (
+                    " with equal layer counts (or has more nodes than layers). Use "
+                    "heuristic or optimal, which respect memory."
+                    if method == "even"
+                    else "."
+                )
             )
     round_time = max(inst.timeline(solution, plans)[1])
     if method != "even" and fedavg is not None and fedavg <= round_time:
