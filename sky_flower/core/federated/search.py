@@ -7,15 +7,8 @@ Each returns a *solution*: ``(owner, helper set)`` in priority order (see
 
 from __future__ import annotations
 
-import itertools
-import math
-import time
-
 from sky_flower.core.federated.greedy import chain_search
 from sky_flower.core.federated.instance import Instance, Solution
-
-OPTIMAL_PIPELINE_LIMIT = 4096  # per-pipeline exact solves (owners x helper subsets)
-OPTIMAL_SCHEDULE_LIMIT = 2_000_000  # helper-set combinations x orders after pruning
 
 
 def by_samples(inst: Instance) -> list[int]:
@@ -69,11 +62,3 @@ def heuristic_solution(inst: Instance, deadline: float) -> tuple[Solution, str]:
     if inst.makespan(ev, "even") < inst.makespan(best[0], "heuristic"):
         return ev, "heuristic: even's assignment with heuristic cuts"
     return best
-
-
-def optimal_solution(inst: Instance, deadline: float) -> tuple[Solution, bool, str]:
-    """Stub until the enumeration lands."""
-    return even_solution(inst)[0], False, "optimal cuts over the even assignment"
-
-
-_ = (itertools, math, time, OPTIMAL_PIPELINE_LIMIT, OPTIMAL_SCHEDULE_LIMIT)
