@@ -40,6 +40,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp import Grid
 
 from sky_flower.pipeline.data import batch_indices
+from sky_flower.pipeline.stage import RngKey, forward_layers
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
 
@@ -132,7 +133,9 @@ def reference_rounds(  # noqa: PLR0913
     """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
     batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
     micro-batches (each micro-batch's mean loss divided by ``microbatches``), one
-    optimizer step.
+    optimizer step. Each layer's randomness (dropout) is keyed by ``(seed, round,
+    step, micro-batch, layer)`` (:func:`sky_flower.pipeline.stage.forward_layers`), as
+    split stages key it; buffers (BatchNorm) update once per micro-batch, in order.
 
     Parameters
     ----------
@@ -143,7 +146,7 @@ def reference_rounds(  # noqa: PLR0913
         round ``r`` takes batch ``s % per_epoch`` of epoch ``r * 1000 + s // per_epoch``
         (``batch_indices(len(data), batch_size, epoch, seed)``), as Sky's data owner
         does. A sequence of ``(x (B, ...), y (B,))`` tensors: step ``s`` takes
-        ``data[s % len(data)]`` (``batch_size`` and ``seed`` unused).
+        ``data[s % len(data)]`` (``batch_size`` unused; ``seed`` keys the randomness only).
     rounds, steps : int
         Rounds, and optimizer steps per round.
     lr : float
@@ -177,8 +180,10 @@ def reference_rounds(  # noqa: PLR0913
             x, y = _step_batch(data, step, rnd, batch_size, seed)
             opt.zero_grad()
             total = 0.0
-            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-                loss = torch.nn.functional.cross_entropy(model(xm), ym) / microbatches
+            chunks = zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
+            for m, (xm, ym) in enumerate(chunks):  # randomness keyed as split stages key it
+                logits = forward_layers(model, xm, RngKey(seed, rnd, step), m)
+                loss = torch.nn.functional.cross_entropy(logits, ym) / microbatches
                 loss.backward()
                 total += loss.item()
             opt.step()

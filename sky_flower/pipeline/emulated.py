@@ -4,7 +4,8 @@ SkyComputing's emulation (Zhu, Li, You, arXiv 2202.11836): a node ``slowdown`` t
 slower sleeps that multiple of its measured compute, and a link's delay is slept by the
 sender. :class:`EmulatedStage` wraps a stage module with identity autograd functions
 that time its forward and its backward (from the output's gradient arriving to the
-input's gradient computed), numerically the identity.
+input's gradient computed), numerically the identity. It also keys the stage's
+randomness per micro-batch (:func:`sky_flower.pipeline.stage.forward_layers`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from sky_flower.pipeline.stage import RngKey, forward_layers
 
 
 @dataclass
@@ -88,6 +91,10 @@ class EmulatedStage(nn.Module):
         What to emulate; ``emulated.compute_s`` accumulates the measured compute (s).
     is_first, is_last : bool
         Position of the stage in the pipeline.
+
+    The ``i``-th forward since :meth:`start_step` is micro-batch ``i`` of that step
+    (GPipe and 1F1B run a step's forwards in micro-batch order); its layers' randomness
+    is keyed accordingly.
     """
 
     def __init__(self, inner: nn.Module, emulated: Emulated, is_first: bool, is_last: bool):
@@ -97,6 +104,11 @@ class EmulatedStage(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self._t_backward = 0.0
         self._box = [self]
+        self._key, self._microbatch = RngKey(), 0
+
+    def start_step(self, key: RngKey) -> None:
+        """The next forward is micro-batch 0 of step ``key``."""
+        self._key, self._microbatch = key, 0
 
     def _end_backward(self, g: torch.Tensor) -> None:
         elapsed = time.perf_counter() - self._t_backward
@@ -113,7 +125,8 @@ class EmulatedStage(nn.Module):
         if x.requires_grad:
             x = _BackwardEnd.apply(x, self._box)
         t0 = time.perf_counter()
-        y = self.inner(x)
+        y = forward_layers(self.inner, x, self._key, self._microbatch)
+        self._microbatch += 1
         elapsed = time.perf_counter() - t0
         self.emulated.compute_s += elapsed
         if self.emulated.slowdown > 0:

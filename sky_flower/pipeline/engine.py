@@ -8,8 +8,13 @@ stage 0 with its own batches and sends each batch's labels to the last stage
 The loss is the mean cross-entropy per micro-batch and the schedule divides the
 accumulated gradients by ``M`` (``scale_grads=True``), so a step computes exactly the
 gradient of the whole batch's mean loss, as the unsplit model does. Every stage steps
-its own optimizer once per step. :func:`run_stage` always destroys its process group,
-so a long-lived process can join the next round's group.
+its own optimizer once per step (a stage without parameters has none). The schedule
+runs each micro-batch's forward once, with its graph, in micro-batch order, so buffers
+(BatchNorm) update as the whole model's do; each layer's randomness is keyed by
+``(seed, round, step, micro-batch, layer)`` as on every path
+(:func:`sky_flower.pipeline.stage.forward_layers`); the static-shape probe has no side
+effects (:func:`sky_flower.pipeline.stage.probe_forward`). :func:`run_stage` always
+destroys its process group, so a long-lived process can join the next round's group.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from sky_flower.pipeline.rendezvous import (
     _first_line,
     join,
 )
+from sky_flower.pipeline.stage import RngKey, probe_forward
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LABEL_TAG = 7
@@ -71,7 +77,7 @@ class StageResult:
 def run_stage(  # noqa: PLR0913
     rdv: Rendezvous,
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     kind: str,
     microbatches: int,
     steps: int,
@@ -82,6 +88,7 @@ def run_stage(  # noqa: PLR0913
     fault: Callable[[int], None] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    rng: RngKey | None = None,
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -91,8 +98,9 @@ def run_stage(  # noqa: PLR0913
         The round's rendezvous for this stage.
     module : nn.Module
         The stage's layers (trained in place).
-    optimizer : torch.optim.Optimizer
-        Over ``module``'s parameters; stepped once per step.
+    optimizer : torch.optim.Optimizer or None
+        Over ``module``'s parameters; stepped once per step. None for a stage without
+        trainable parameters.
     kind : {"gpipe", "1f1b"}
         The ``torch.distributed.pipelining`` schedule.
     microbatches : int
@@ -118,6 +126,9 @@ def run_stage(  # noqa: PLR0913
     metric_fn : callable, optional
         ``(output (B, ...), labels (B,)) -> int`` of a step (last stage; default correct
         predictions, :func:`sky_flower.pipeline.objective.correct_count`).
+    rng : RngKey, optional
+        The run's seed and the round (its ``step`` is ignored: each step sets its own)
+        of the layers' keyed random stream; default seed 0, round 0.
 
     Returns
     -------
@@ -135,10 +146,10 @@ def run_stage(  # noqa: PLR0913
     rank, S = rdv.rank, rdv.world_size
     example = torch.zeros(batch_size // microbatches, *[int(d) for d in input_shape])
     example.requires_grad_(rank > 0)  # static shapes: requires_grad decides what is sent back
-    with torch.no_grad():
-        example_out = module(example)
+    example_out = probe_forward(module, example)
     emulated = emulated or Emulated()
     wrapped = EmulatedStage(module, emulated, is_first=rank == 0, is_last=rank == S - 1)
+    rng = rng or RngKey()
     result = StageResult()
     t0 = time.perf_counter()
     join(rdv)
@@ -162,6 +173,7 @@ def run_stage(  # noqa: PLR0913
             if fault is not None:
                 fault(step)
             t_step = time.perf_counter()
+            wrapped.start_step(RngKey(rng.seed, rng.round, step))
             _step(rdv, schedule, optimizer, batch_size, batch_fn, step, result, metric_fn)
             result.step_times_s.append(time.perf_counter() - t_step)
     except DirectStageError:
@@ -208,7 +220,7 @@ def _stage_error(rdv: Rendezvous, err: Exception) -> DirectStageError:
 def _step(  # noqa: PLR0913
     rdv: Rendezvous,
     schedule: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     batch_size: int,
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,
@@ -233,8 +245,9 @@ def _step(  # noqa: PLR0913
         out = schedule.step(x, target=labels if is_last else None, losses=losses)
     else:
         out = schedule.step(target=labels if is_last else None, losses=losses)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     if label_work is not None:
         label_work.wait()
     if is_last:

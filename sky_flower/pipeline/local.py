@@ -36,9 +36,8 @@ def _local_worker(  # noqa: PLR0913
     slowdown: float,
     queue: object,
 ) -> None:
-    from sky_flower.core.profile import default_optimizer_factory
     from sky_flower.pipeline.models import build_model
-    from sky_flower.pipeline.stage import build_stage, slice_state
+    from sky_flower.pipeline.stage import build_stage, slice_state, stage_optimizer
 
     torch.set_num_threads(1)
     try:
@@ -46,11 +45,10 @@ def _local_worker(  # noqa: PLR0913
         module = build_stage(
             lambda: build_model(model_cfg), first, last, slice_state(weights, first, last)
         )
-        opt = default_optimizer_factory(optimizer, lr)(list(module.parameters()))
         res = run_stage(
             rdv,
             module,
-            opt,
+            stage_optimizer(module, optimizer, lr),
             kind,
             microbatches,
             steps,
@@ -208,7 +206,7 @@ def stage_input_shapes(
 
     with torch.device("meta"):
         layers = as_layers(model_fn())
-        h = torch.zeros(1, *[int(d) for d in input_shape])
+        h = torch.zeros(2, *[int(d) for d in input_shape])  # 2: BatchNorm in train mode
         shapes = []
         for first, last in bounds:
             shapes.append(tuple(int(d) for d in h.shape[1:]))

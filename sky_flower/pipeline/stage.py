@@ -7,13 +7,34 @@ arXiv 1604.06174); results equal those of keeping the graph for deterministic la
 
 A batch of ``B`` samples is cut into ``M`` equal micro-batches; the last stage scales
 each micro-batch's mean loss by ``1 / M`` so that accumulated gradients equal those of
-the whole batch's mean loss. Every stage steps its own optimizer once per batch.
+the whole batch's mean loss. Every stage steps its own optimizer once per batch (a stage
+without trainable parameters has none and skips the step).
+
+Stateful layers are exact on every path (in-process, relay, direct):
+
+* **Buffers** (BatchNorm running statistics, ``num_batches_tracked``): the graph-free
+  forward leaves them untouched (:func:`buffers_kept`); the recomputation, run once per
+  micro-batch in micro-batch order, is the one that updates them, as the whole model
+  run on the same micro-batches in the same order does.
+* **Randomness** (dropout): layer ``j``'s forward of micro-batch ``m`` of step ``s`` of
+  round ``r`` draws from the CPU generator seeded by ``(seed, r, s, m, j)``
+  (:func:`forward_layers`, :func:`layer_seed`), the global generator being restored
+  after it. The recomputation thus replays the forward's masks exactly (what
+  ``torch.utils.checkpoint`` does with ``preserve_rng_state``), on any node and in any
+  process. Stages on different nodes cannot share one generator stream, so this keyed
+  stream *defines* the reference: the whole model run with :func:`forward_layers` on
+  the same micro-batches (``tests/reference.py``'s ``reference_rounds``); it does not
+  depend on where the model is cut.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,16 +77,98 @@ def build_stage(
     return stage
 
 
-def stage_optimizer(module: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
+def stage_optimizer(module: nn.Module, name: str, lr: float) -> torch.optim.Optimizer | None:
     """A fresh optimizer ``name`` (:func:`sky_flower.core.profile.default_optimizer_factory`)
-    over the trainable parameters of ``module``.
+    over the trainable parameters of ``module``; None for a stage without any (it only
+    forwards activations and back-propagates gradients).
 
     Raises
     ------
     ValueError
         On an unknown optimizer name.
     """
-    return default_optimizer_factory(name, lr)([p for p in module.parameters() if p.requires_grad])
+    return make_stage_optimizer(module, default_optimizer_factory(name, lr))
+
+
+def make_stage_optimizer(
+    module: nn.Module, make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> torch.optim.Optimizer | None:
+    """``make_opt`` over the trainable parameters of ``module``, or None if it has none."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return make_opt(params) if params else None
+
+
+@dataclass(frozen=True)
+class RngKey:
+    """The step a forward belongs to, for the keyed random stream of
+    :func:`forward_layers`: the run's ``seed``, the server ``round``, the ``step``."""
+
+    seed: int = 0
+    round: int = 0
+    step: int = 0
+
+
+def layer_seed(key: RngKey, microbatch: int, layer: int) -> int:
+    """The CPU generator's seed for layer ``layer``'s forward of micro-batch
+    ``microbatch`` of step ``key``: 63 bits of BLAKE2b of the five integers (the same
+    on every machine and process)."""
+    data = struct.pack("<5q", key.seed, key.round, key.step, microbatch, layer)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def forward_layers(
+    module: nn.Module, x: torch.Tensor, key: RngKey, microbatch: int
+) -> torch.Tensor:
+    """``module(x)`` with each layer's randomness keyed (see the module docstring).
+
+    In training mode, each child ``j`` of an ``nn.Sequential`` runs with the CPU
+    generator seeded by :func:`layer_seed` ``(key, microbatch, j)``; the global
+    generator's state is restored afterwards. ``j`` is the child's name when it is an
+    integer (:func:`build_stage` names a stage's layers by their index in the whole
+    model; an ``nn.Sequential``'s default names are positions), else its position.
+    Another module is one layer, ``j = 0``. In eval mode this is ``module(x)``.
+
+    Parameters
+    ----------
+    module : nn.Module
+        A stage, or the whole model; ``(b, ...) -> (b, ...)``.
+    x : torch.Tensor, shape (b, ...)
+        One micro-batch.
+    key : RngKey
+        Seed, round and step.
+    microbatch : int
+        Index of the micro-batch within its step.
+    """
+    if not module.training:
+        return module(x)
+    children = list(module.named_children()) if isinstance(module, nn.Sequential) else []
+    layers = [(int(n) if n.isdigit() else i, m) for i, (n, m) in enumerate(children)]
+    for j, layer in layers or [(0, module)]:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(layer_seed(key, microbatch, j))
+            x = layer(x)
+    return x
+
+
+@contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Run the block without side effects on ``module``'s buffers (BatchNorm running
+    statistics, ``num_batches_tracked``): they are copied before and written back
+    after, in place."""
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                module.get_buffer(name).copy_(value)
+
+
+def probe_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` without a graph and without side effects (buffers and the global
+    random generator as before): for shapes only."""
+    with torch.no_grad(), buffers_kept(module), torch.random.fork_rng(devices=[]):
+        return module(x)
 
 
 def step_batch(
@@ -127,9 +230,10 @@ class StageExecutor:
     Parameters
     ----------
     module : nn.Module
-        The stage's layers.
-    optimizer : torch.optim.Optimizer
-        Over ``module``'s parameters.
+        The stage's layers (as :func:`build_stage` names them).
+    optimizer : torch.optim.Optimizer or None
+        Over ``module``'s parameters; None for a stage without trainable parameters
+        (the step is then skipped).
     microbatches : int
         Micro-batches in each input this executor is given; the batch dimension of every
         input must be divisible by it.
@@ -138,19 +242,30 @@ class StageExecutor:
         ``microbatches``). The pipelined relay hands a stage ``c`` of a step's ``M``
         micro-batches per message and sets it to ``M``, so gradients accumulated over
         the step equal those of the whole batch's mean loss.
+    rng : RngKey, optional
+        The step's key of the layers' random stream (:func:`forward_layers`). Default:
+        seed 0, round 0, and the number of steps this executor has taken.
+    first_microbatch : int
+        Index within the step of the first micro-batch of the inputs given (the relay
+        hands a stage one group of micro-batches per message).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         microbatches: int,
         loss_divisor: int | None = None,
+        rng: RngKey | None = None,
+        first_microbatch: int = 0,
     ):
         self.module = module
         self.optimizer = optimizer
         self.microbatches = microbatches
         self.loss_divisor = loss_divisor or microbatches
+        self.rng = rng
+        self.first_microbatch = first_microbatch
+        self.steps = 0
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The accumulated parameter gradients, keyed by parameter name (those that have one)."""
@@ -163,10 +278,19 @@ class StageExecutor:
             if n in grads:
                 p.grad = torch.as_tensor(grads[n]).clone()
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The stage's state-dict entries that are not parameters (BatchNorm running
+        statistics and ``num_batches_tracked``), detached."""
+        params = {n for n, _ in self.module.named_parameters()}
+        return {k: v.detach() for k, v in self.module.state_dict().items() if k not in params}
+
     def apply_step(self) -> None:
-        """Step the optimizer on the accumulated gradients and clear them."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """Step the optimizer on the accumulated gradients and clear them (a stage
+        without an optimizer only clears them)."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.module.zero_grad(set_to_none=True)
+        self.steps += 1
 
     def _chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if t.shape[0] % self.microbatches:
@@ -175,23 +299,34 @@ class StageExecutor:
             )
         return torch.chunk(t, self.microbatches)
 
+    def _run(self, xm: torch.Tensor, i: int) -> torch.Tensor:
+        """The module on the ``i``-th micro-batch of the input, its randomness keyed."""
+        key = self.rng or RngKey(step=self.steps)
+        return forward_layers(self.module, xm, key, self.first_microbatch + i)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)``."""
-        with torch.no_grad():
-            return torch.cat([self.module(xm) for xm in self._chunks(x)])
+        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)``. Leaves
+        the buffers as they were: the recomputation in :meth:`backward` updates them."""
+        with torch.no_grad(), buffers_kept(self.module):
+            return torch.cat([self._run(xm, i) for i, xm in enumerate(self._chunks(x))])
 
     def backward(
         self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool, step: bool = True
     ) -> torch.Tensor | None:
-        """Recompute each micro-batch's forward from the stashed input ``x``, back-propagate
-        ``grad_out``, step the optimizer (unless ``step=False``: gradients stay
-        accumulated). Returns the input gradient ``(B, ...)`` if ``input_grad`` else None."""
+        """Recompute each micro-batch's forward from the stashed input ``x`` (same
+        random masks as :meth:`forward`; buffers updated once per micro-batch),
+        back-propagate ``grad_out``, step the optimizer (unless ``step=False``: gradients
+        stay accumulated). Returns the input gradient ``(B, ...)`` if ``input_grad``
+        else None."""
         grads = []
-        for xm, gm in zip(self._chunks(x), self._chunks(grad_out), strict=True):
+        chunks = zip(self._chunks(x), self._chunks(grad_out), strict=True)
+        for i, (xm, gm) in enumerate(chunks):
             xm = xm.detach().requires_grad_(input_grad)
-            self.module(xm).backward(gm)
+            out = self._run(xm, i)
+            if out.requires_grad:  # a stage whose output needs no gradient has nothing to do
+                out.backward(gm)
             if input_grad:
-                grads.append(xm.grad)
+                grads.append(xm.grad if xm.grad is not None else torch.zeros_like(xm))
         if step:
             self.apply_step()
         return torch.cat(grads) if input_grad else None
@@ -233,11 +368,13 @@ class StageExecutor:
         loss_fn = loss_fn or nn.functional.cross_entropy
         metric_fn = metric_fn or correct_count
         grads, total, correct = [], 0.0, 0
-        for xm, ym in zip(self._chunks(x), self._chunks(labels), strict=True):
+        chunks = zip(self._chunks(x), self._chunks(labels), strict=True)
+        for i, (xm, ym) in enumerate(chunks):
             xm = xm.detach().requires_grad_(input_grad)
-            out = self.module(xm)
+            out = self._run(xm, i)
             loss = loss_fn(out, ym) / self.loss_divisor
-            loss.backward()
+            if loss.requires_grad:  # not when no stage before or here has parameters
+                loss.backward()
             total += loss.detach().item()
             correct += int(metric_fn(out.detach(), ym))
             if input_grad:
@@ -247,10 +384,23 @@ class StageExecutor:
         return (torch.cat(grads) if input_grad else None), total, correct
 
 
-def run_split_step(stages: list[StageExecutor], x: torch.Tensor, labels: torch.Tensor) -> float:
+def run_split_step(
+    stages: list[StageExecutor],
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    key: RngKey | None = None,
+) -> float:
     """One training step through a chain of stages in one process (the relay protocol's
     logic without the transport): forward through all, loss at the last, backward.
-    Returns the batch loss. Used by tests and as the reference for the transports."""
+    Returns the batch loss. Used by tests and as the reference for the transports.
+
+    ``key`` (default: each stage's own, :class:`StageExecutor`) keys the step's random
+    stream: with ``RngKey(seed, r, s)`` the result equals the whole model's step ``s``
+    of round ``r`` in ``tests/reference.py``'s ``reference_rounds``, weights and buffers.
+    """
+    if key is not None:
+        for st in stages:
+            st.rng, st.first_microbatch = key, 0
     inputs = []
     h = x
     for st in stages[:-1]:

@@ -56,8 +56,10 @@ from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
+    RngKey,
     StageExecutor,
     build_stage,
+    make_stage_optimizer,
     optimizer_from_tensors,
     optimizer_to_tensors,
     step_batch,
@@ -84,10 +86,13 @@ def _tensor(msg: Message, key: str) -> torch.Tensor:
     return msg.content.array_records[key].to_torch_state_dict()[key]
 
 
-def save_stage(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[ArrayRecord, ArrayRecord]:
-    """A stage as records: its weights and its optimizer's state tensors."""
+def save_stage(
+    module: nn.Module, opt: torch.optim.Optimizer | None
+) -> tuple[ArrayRecord, ArrayRecord]:
+    """A stage as records: its weights and its optimizer's state tensors (none for a
+    stage without parameters)."""
     weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
-    return weights, ArrayRecord(optimizer_to_tensors(opt))
+    return weights, ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
 
 
 def load_stage(
@@ -96,13 +101,14 @@ def load_stage(
     last: int,
     records: tuple[ArrayRecord, ArrayRecord | None],
     make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+) -> tuple[nn.Sequential, torch.optim.Optimizer | None]:
     """Layers ``first..last`` rebuilt from ``records`` (weights, optimizer state or None
-    for a fresh optimizer) as :func:`save_stage` wrote them."""
+    for a fresh optimizer) as :func:`save_stage` wrote them; no optimizer for layers
+    without trainable parameters."""
     weights, optim = records
     module = build_stage(model_fn, first, last, weights.to_torch_state_dict())
-    opt = make_opt([p for p in module.parameters() if p.requires_grad])
-    if optim is not None:
+    opt = make_stage_optimizer(module, make_opt)
+    if optim is not None and opt is not None:
         optimizer_from_tensors(opt, optim.to_torch_state_dict())
     return module, opt
 
@@ -190,10 +196,13 @@ class SkyClient:
             raise RuntimeError("no stage installed on this node: train.sky_setup first")
         return P.StageConfig.from_config_record(context.state.config_records[STAGE])
 
-    def _executor(self, context: Context, st: P.StageConfig, count: int) -> StageExecutor:
-        """The stage from ``context.state`` (weights, optimizer state, the gradients
-        accumulated so far), for inputs of ``count`` micro-batches; the loss is always
-        divided by the step's ``M``."""
+    def _executor(
+        self, context: Context, st: P.StageConfig, grp: P.MicroBatchGroup
+    ) -> StageExecutor:
+        """The stage from ``context.state`` (weights and buffers, optimizer state, the
+        gradients accumulated so far), for the ``grp.count`` micro-batches of the group;
+        the loss is always divided by the step's ``M``; the randomness keyed by the
+        run's seed, the round, the step and the micro-batches' indices."""
         records = context.state.array_records
         module, opt = load_stage(
             self.model_fn,
@@ -202,7 +211,8 @@ class SkyClient:
             (records[WEIGHTS], records.get(OPTIM)),
             default_optimizer_factory(st.optimizer, st.lr),
         )
-        ex = StageExecutor(module, opt, count, loss_divisor=st.microbatches)
+        key = RngKey(st.seed, st.round, grp.step)
+        ex = StageExecutor(module, opt, grp.count, st.microbatches, key, grp.first)
         if GRADS in context.state:
             ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
         return ex
@@ -240,7 +250,9 @@ class SkyClient:
 
     @staticmethod
     def _keep(context: Context, ex: StageExecutor, step: int, done: int, M: int) -> None:
-        """Save the stepped stage (``done == M``), else the gradients accumulated so far."""
+        """Save the stepped stage (``done == M``), else the gradients accumulated so far
+        and the buffers this group updated (BatchNorm: every group's micro-batches count,
+        as in the whole model)."""
         if done >= M:
             context.state[WEIGHTS], context.state[OPTIM] = save_stage(ex.module, ex.optimizer)
             for key in (GRADS, ACCUM):
@@ -248,6 +260,9 @@ class SkyClient:
                     del context.state[key]
         else:
             context.state[GRADS] = ArrayRecord({k: v.detach() for k, v in ex.grads().items()})
+            weights = context.state.array_records[WEIGHTS]
+            for name, array in ArrayRecord(ex.buffers()).items():
+                weights[name] = array
             context.state[ACCUM] = ConfigRecord({"step": step, "done": done})
 
     def _group(self, msg: Message, context: Context) -> tuple[P.StageConfig, P.MicroBatchGroup]:
@@ -322,7 +337,7 @@ class SkyClient:
         """Forward of one group of micro-batches (the last stage: loss and backward too,
         gradients accumulated; the optimizer steps after the step's last micro-batch)."""
         st, grp = self._group(msg, context)
-        ex = self._executor(context, st, grp.count)
+        ex = self._executor(context, st, grp)
         out: dict[str, ArrayRecord | MetricRecord] = {}
         t0 = time.perf_counter()
         if st.is_first:
@@ -371,7 +386,7 @@ class SkyClient:
         key = f"{STASH_MB}{grp.first}"
         if key not in context.state:
             raise RuntimeError(f"no stashed input for micro-batch {grp.first}: forward first")
-        ex = self._executor(context, st, grp.count)
+        ex = self._executor(context, st, grp)
         x = context.state.array_records[key].to_torch_state_dict()["x"]
         done = self._accumulated(context, st, grp)
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from torch import nn
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.direct import Emulated, RankRefusedError, run_stage
-from sky_flower.pipeline.stage import LossFn, MetricFn, build_stage, stage_optimizer
+from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, build_stage, stage_optimizer
 from sky_flower.sky import protocol as P
 
 
@@ -52,7 +52,9 @@ def run_direct_stage(  # noqa: PLR0913
     """Run this node's stage for one whole round on the ``direct`` transport.
 
     The node joins the round's process group, runs the ``torch.distributed.pipelining``
-    schedule for ``cfg.steps`` steps with a fresh optimizer, leaves the group and
+    schedule for ``cfg.steps`` steps with a fresh optimizer (none for a stage without
+    parameters), the layers' randomness keyed by the run's seed and the round, leaves
+    the group and
     returns its weights (:data:`~sky_flower.sky.protocol.ARRAYS`) and timings
     (:class:`~sky_flower.sky.protocol.DirectMetrics`). Emulation: the fleet's slowdown
     after each forward and backward of the stage module; link delay per peer message,
@@ -104,6 +106,7 @@ def run_direct_stage(  # noqa: PLR0913
         fault=faults.step_hook(),
         loss_fn=loss_fn,
         metric_fn=metric_fn,
+        rng=RngKey(st.seed, st.round),
     )
     metrics = P.DirectMetrics(
         losses=tuple(float(v) for v in res.losses),

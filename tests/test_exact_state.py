@@ -1,0 +1,275 @@
+"""Split execution computes what the whole model computes, weights AND buffers, on every
+path: in process (``run_split_step``), the relay (sequential and pipelined, every
+micro-batches-per-message grouping) and the direct transport (GPipe, 1F1B).
+
+The model has a BatchNorm and a Dropout in a non-last stage and a stage without
+parameters (:data:`BOUNDS`). The reference is ``reference_rounds``: the whole model on
+the same micro-batches in the same order, each layer's randomness keyed by ``(seed,
+round, step, micro-batch, layer)`` as every split path keys it
+(:func:`sky_flower.pipeline.stage.forward_layers`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from flwr.clientapp import ClientApp
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from reference import ProcessPerMessageGrid, forkserver, reference_rounds
+from torch import nn
+
+from sky_flower.core.partition.plan import Plan, StagePlan
+from sky_flower.core.schedule import Schedule
+from sky_flower.pipeline.data import Split
+from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
+from sky_flower.pipeline.stage import (
+    RngKey,
+    StageExecutor,
+    build_stage,
+    run_split_step,
+    slice_state,
+    stage_optimizer,
+    step_batch,
+)
+from sky_flower.sky.client import SkyClient
+from sky_flower.sky.relay import RelayRunner
+from sky_flower.sky.runner import Pipeline, RunSettings
+
+SEED, ROUND, STEPS, BATCH, LR = 3, 1, 3, 16, 1e-2
+BOUNDS = [(0, 2), (3, 4), (5, 8)]  # BN + dropout | ReLU + dropout (no parameters) | rest
+
+
+def stateful_net() -> nn.Sequential:
+    """9 layers: BatchNorm (1, 6), Dropout (2, 4), parameter-free ReLU (3, 7). A Linear
+    before a BatchNorm has no bias (its gradient is zero up to rounding, which Adam
+    would amplify to a full step)."""
+    return nn.Sequential(
+        nn.Linear(8, 16, bias=False),
+        nn.BatchNorm1d(16),
+        nn.Dropout(0.3),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Linear(16, 16, bias=False),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
+
+
+def _data() -> Split:
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 2.0, size=(64, 8)).astype(np.float32)
+    return Split(x=x, y=rng.integers(0, 4, size=64).astype(np.int64))
+
+
+DATA = _data()
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return stateful_net().state_dict()
+
+
+def _expected(microbatches: int, model_fn=stateful_net) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    ((weights, _),) = reference_rounds(
+        model_fn,
+        DATA,
+        1,
+        STEPS,
+        LR,
+        BATCH,
+        microbatches,
+        SEED,
+        weights=_weights(),
+    )
+    return weights
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every weight and buffer within 1e-6 (``num_batches_tracked`` exactly)."""
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.as_tensor(got[key]), value, rtol=0, atol=1e-6, msg=key)
+
+
+def _in_process(bounds, microbatches: int, weights=None) -> list[StageExecutor]:  # noqa: ANN001
+    weights = weights or _weights()
+    stages = []
+    for a, b in bounds:
+        module = build_stage(stateful_net, a, b, slice_state(weights, a, b))
+        stages.append(StageExecutor(module, stage_optimizer(module, "adam", LR), microbatches))
+    for step in range(STEPS):
+        x, y = step_batch(DATA, BATCH, ROUND, SEED, step)
+        run_split_step(stages, x, y, RngKey(SEED, ROUND, step))
+    return stages
+
+
+def _merged(stages: list[StageExecutor]) -> dict[str, torch.Tensor]:
+    return {k: v for st in stages for k, v in st.module.state_dict().items()}
+
+
+# -- in process -------------------------------------------------------------------------
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_in_process_split_equals_whole_weights_and_buffers(microbatches):
+    _assert_same(_merged(_in_process(BOUNDS, microbatches)), _expected(microbatches))
+
+
+def _recording(masks: dict[int, list[torch.Tensor]]):  # noqa: ANN202
+    """A model builder whose Dropout layers append their keep-mask to ``masks[layer]``."""
+
+    def build() -> nn.Sequential:
+        model = stateful_net()
+        for j, layer in enumerate(model):
+            if isinstance(layer, nn.Dropout):
+                layer.register_forward_hook(
+                    lambda m, args, out, j=j: masks.setdefault(j, []).append(out != 0)
+                )
+        return model
+
+    return build
+
+
+def test_dropout_masks_of_forward_and_recomputation_are_the_whole_models():
+    """Each non-last stage runs a micro-batch twice (graph-free forward, then the
+    recomputation): both draw the whole model's mask for that (step, micro-batch)."""
+    M = 4
+    ref: dict[int, list[torch.Tensor]] = {}
+    _expected(M, _recording(ref))
+    split: dict[int, list[torch.Tensor]] = {}
+    weights = _weights()
+    stages = []
+    for a, b in BOUNDS:  # the stages of the recording model
+        module = build_stage(_recording(split), a, b, slice_state(weights, a, b))
+        stages.append(StageExecutor(module, stage_optimizer(module, "adam", LR), M))
+    for step in range(STEPS):
+        x, y = step_batch(DATA, BATCH, ROUND, SEED, step)
+        run_split_step(stages, x, y, RngKey(SEED, ROUND, step))
+    for j in (2, 4):  # one dropout in each non-last stage
+        assert len(ref[j]) == STEPS * M and len(split[j]) == 2 * STEPS * M
+        assert not torch.equal(ref[j][0], ref[j][1])  # a fresh mask per micro-batch
+        for s in range(STEPS):
+            want = ref[j][s * M : (s + 1) * M]
+            forward, recompute = split[j][2 * s * M : (2 * s + 1) * M], split[j][(2 * s + 1) * M :]
+            for w, f, r in zip(want, forward, recompute[:M], strict=True):
+                assert torch.equal(f, w) and torch.equal(r, w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cuts=hs.sets(hs.integers(1, 8), max_size=5),
+    microbatches=hs.sampled_from([1, 2, 4]),
+)
+def test_any_cut_points_equal_the_whole_model(cuts, microbatches):
+    edges = [0, *sorted(cuts), 9]
+    bounds = [(a, b - 1) for a, b in zip(edges, edges[1:], strict=False)]
+    _assert_same(_merged(_in_process(bounds, microbatches)), _expected(microbatches))
+
+
+def test_parameter_free_stage_has_no_optimizer_and_passes_gradients():
+    module = build_stage(stateful_net, 3, 4)
+    assert stage_optimizer(module, "adam", LR) is None
+    st = StageExecutor(module, None, 2, rng=RngKey(1, 1, 0))
+    x = torch.randn(4, 16)
+    y = st.forward(x)
+    g = st.backward(x, torch.ones_like(y), input_grad=True)
+    assert torch.equal(g, (y != 0).float() / 0.7)  # ReLU then dropout's mask and scale
+
+
+# -- relay ------------------------------------------------------------------------------
+def _owner_data(context) -> Split | None:  # noqa: ANN001
+    return DATA if int(context.node_config["partition-id"]) == 0 else None
+
+
+def _relay_app() -> ClientApp:
+    return SkyClient(model_fn=stateful_net, load_data=_owner_data).register(ClientApp())
+
+
+def _relay_round(kind: str, microbatches: int, per_message: int) -> dict[str, torch.Tensor]:
+    names = [f"n{k}" for k in range(len(BOUNDS))]
+    stages = [
+        StagePlan(name, k, a, b, 0.0, 0.0, 0.0, 0.0)
+        for k, (name, (a, b)) in enumerate(zip(names, BOUNDS, strict=True))
+    ]
+    plan = Plan("even", stages, 0.0, 0.0, 0.0)
+    configs = [{"sky-node": n, "partition-id": k} for k, n in enumerate(names)]
+    grid = ProcessPerMessageGrid(_relay_app, configs, {})
+    pred = [{"node": n, "messages": 0, "compute_s": 0.0, "busy_s": 0.0} for n in names]
+    pipeline = Pipeline(
+        plan, tuple(grid.ids), per_message, tuple(pred), (0.0,) * 3, ((0.0, 0.0),) * 3
+    )
+    settings_ = RunSettings(
+        model_fn=stateful_net,
+        input_shape=(8,),
+        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
+        optimizer="adam",
+        lr=LR,
+        seed=SEED,
+        num_layers=9,
+        poll_interval_s=0.0,
+    )
+    outcome = RelayRunner(settings_).run_round(
+        grid, pipeline, ArrayRecord(_weights()), STEPS, ROUND
+    )
+    return outcome.arrays.to_torch_state_dict()
+
+
+RELAY_CASES = [("sequential", 1, 1), ("sequential", 4, 4)] + [
+    (kind, m, c) for kind in ("gpipe", "1f1b") for m in (1, 4) for c in (1, 2, 4) if m % c == 0
+]
+
+
+@pytest.mark.parametrize(("kind", "microbatches", "per_message"), RELAY_CASES)
+def test_relay_equals_whole_at_every_grouping(kind, microbatches, per_message, server_identity):
+    _assert_same(_relay_round(kind, microbatches, per_message), _expected(microbatches))
+
+
+# -- direct -----------------------------------------------------------------------------
+def _direct_worker(rdv, kind: str, microbatches: int, shape: tuple, queue) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    a, b = BOUNDS[rdv.rank]
+    module = build_stage(stateful_net, a, b, slice_state(_weights(), a, b))
+    try:
+        run_stage(
+            rdv,
+            module,
+            stage_optimizer(module, "adam", LR),
+            kind,
+            microbatches,
+            STEPS,
+            BATCH,
+            shape,
+            batch_fn=lambda s: step_batch(DATA, BATCH, ROUND, SEED, s),
+            rng=RngKey(SEED, ROUND),
+        )
+        queue.put((rdv.rank, {k: v.numpy().copy() for k, v in module.state_dict().items()}))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        queue.put((rdv.rank, repr(err)))
+
+
+@pytest.mark.parametrize(  # torch's 1F1B needs M >= S (3)
+    ("kind", "microbatches"), [("gpipe", 1), ("gpipe", 4), ("1f1b", 4)]
+)
+def test_direct_equals_whole(kind, microbatches):
+    ctx = forkserver()
+    queue = ctx.Queue()
+    shapes = stage_input_shapes(stateful_net, (8,), BOUNDS)
+    with RoundHost(len(BOUNDS), timeout_s=30.0) as host:
+        procs = [
+            ctx.Process(
+                target=_direct_worker,
+                args=(host.rendezvous(k), kind, microbatches, shapes[k], queue),
+            )
+            for k in range(len(BOUNDS))
+        ]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=10)
+    errors = {k: v for k, v in got.items() if isinstance(v, str)}
+    assert not errors, errors
+    merged = {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
+    _assert_same(merged, _expected(microbatches))
