@@ -23,10 +23,11 @@ ratio of actual to ideal time at owner ``k``'s last partitioned pipeline.
    first, each join the chain with the longest estimated time. Then every chain is
    partitioned.
 4. Local search on the longest chain until nothing improves (or
-   :data:`HEURISTIC_BUDGET_S` has passed since planning began): moves that give it an idle helper or
-   another chain's helper, swap one of its helpers with a faster one, or move one of
-   its owners to another chain (or alone) are ranked by estimate and checked by
-   partitioning, best estimate first; the first that improves is taken.
+   :data:`HEURISTIC_BUDGET_S` has passed since planning began): moves that give it an
+   idle helper or another chain's helper, swap one of its helpers with a faster idle
+   one or with another chain's, move one of its owners to another chain (with or
+   without its helpers) or alone, are ranked by estimate and the best
+   :data:`VERIFY_PER_ROUND` checked by partitioning; the first that improves is taken.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 from sky_flower.core.federated.instance import Instance, Solution
 
 HEURISTIC_BUDGET_S = 0.6  # local search stops this long after planning began (seconds)
-VERIFY_PER_ROUND = 6  # moves partitioned per local-search round, best estimates first
+VERIFY_PER_ROUND = 12  # moves partitioned per local-search round, best estimates first
 
 State = list[tuple[tuple[int, ...], frozenset[int]]]  # chains: (owners, helpers)
 
@@ -143,9 +144,14 @@ class _Search:
                 continue
             for h in h2:
                 yield change(**{f"c{i}": (owners, helpers | {h}), f"c{j}": (o2, h2 - {h})})
-            for k in owners if len(owners) > 1 else ():
+                for g in helpers:
+                    mine, theirs = helpers - {g} | {h}, h2 - {h} | {g}
+                    yield change(**{f"c{i}": (owners, mine), f"c{j}": (o2, theirs)})
+            for k in owners:  # an owner joins chain j (its chain's helpers stay or follow)
                 rest = tuple(o for o in owners if o != k)
                 yield change(**{f"c{i}": (rest, helpers), f"c{j}": ((*o2, k), h2)})
+                if not rest:
+                    yield change(**{f"c{i}": (rest, helpers), f"c{j}": ((*o2, k), h2 | helpers)})
         for k in owners if len(owners) > 1 else ():
             rest = tuple(o for o in owners if o != k)
             yield change(**{f"c{i}": (rest, helpers)}, alone=((k,), frozenset()))
