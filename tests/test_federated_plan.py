@@ -246,8 +246,11 @@ def test_larger_fleet_heuristic_beats_even() -> None:
     for fp in (ev, heu, opt):
         check_plan(fp, names)
     assert heu.round_time_s <= ev.round_time_s
+    # past its limits optimal is the heuristic's plan (whose local search has a time
+    # budget, so two runs may stop at different points)
     assert not opt.proven_optimal and "not proven" in opt.note
-    assert opt.round_time_s == pytest.approx(heu.round_time_s)
+    assert opt.round_time_s <= ev.round_time_s
+    assert all(p.plan.method == "heuristic" for p in opt.pipelines)
 
 
 def test_lower_bound_is_work_over_speed_for_identical_nodes() -> None:
