@@ -23,8 +23,10 @@ last partitioned pipeline.
    suffices, every chain with helpers is merged into one.
 3. Speed (on estimates): the free helpers, fastest first, each join the longest
    chain whose estimate they shorten (else stay idle). Then every chain is partitioned.
-4. Local search on the longest chain until nothing improves (or
-   :data:`HEURISTIC_BUDGET_S` has passed since planning began): moves that give it an
+4. Local search on the longest chain until nothing improves, or it has partitioned
+   :data:`NEW_SOLVES` pipelines it had not seen (a deterministic cap that keeps the
+   64-node case under a second; :data:`HEURISTIC_BUDGET_S` after planning began is
+   only a safety net on a starved machine): moves that give it an
    idle helper or another chain's helper, swap one of its helpers with a faster idle
    one or with another chain's, trade one of its owners with another chain's, move
    one of its owners to another chain (with or
@@ -44,7 +46,8 @@ import numpy as np
 
 from sky_flower.core.federated.instance import Instance, Solution
 
-HEURISTIC_BUDGET_S = 0.6  # local search stops this long after planning began (seconds)
+HEURISTIC_BUDGET_S = 5.0  # safety net: local search stops this long after planning began
+NEW_SOLVES = 12  # local search stops after this many new per-pipeline partitions
 VERIFY_PER_ROUND = 12  # moves partitioned per local-search round, best estimates first
 
 State = list[tuple[tuple[int, ...], frozenset[int]]]  # chains: (owners, helpers)
@@ -174,7 +177,12 @@ class _Search:
 
     def improve(self, deadline: float) -> None:
         current = self.key(self.state)
-        while time.perf_counter() < deadline:
+        cap = self.inst.solves + NEW_SOLVES
+
+        def stop() -> bool:
+            return time.perf_counter() > deadline or self.inst.solves >= cap
+
+        while not stop():
             times = [self.chain_time(c, True) for c in self.state]
             i = max(range(len(times)), key=lambda j: times[j])
             ranked = sorted(self.moves(i), key=lambda s: self.key(s, exact=False))
@@ -183,7 +191,7 @@ class _Search:
                 key = self.key(state)
                 if key < best_key:
                     best, best_key = state, key
-                if time.perf_counter() > deadline:
+                if stop():
                     break
             if best is None:
                 return

@@ -11,10 +11,10 @@ import numpy as np
 from sky_flower.core.cost import Schedule
 from sky_flower.core.federated.exact import optimal_solution
 from sky_flower.core.federated.greedy import HEURISTIC_BUDGET_S
-from sky_flower.core.federated.instance import Instance
+from sky_flower.core.federated.instance import Instance, Solution
 from sky_flower.core.federated.plan import FederatedPlan
 from sky_flower.core.federated.search import even_solution, heuristic_solution
-from sky_flower.core.partition import METHODS, InfeasibleMemoryError
+from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 
 
@@ -85,34 +85,14 @@ def plan_federation(  # noqa: PLR0913
     inst.check_owners()
     alone = [inst.alone_time(k) for k in range(inst.K)]
     fedavg = max(alone) if all(math.isfinite(t) for t in alone) else None
-    proven, cuts = False, method
-    if method == "even":
-        solution, note = even_solution(inst)
-    else:
-        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
-    if method == "optimal":
-        solution, proven, note, cuts = optimal_solution(inst, t0 + time_limit_s, solution)
-    plans = [inst.plan(k, s, cuts) for k, s in solution]
-    for (k, s), plan in zip(solution, plans, strict=True):
-        if plan is None:
-            names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
-            raise InfeasibleMemoryError(
-                f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
-                f"{names} does not fit memory"
-                + (
-                    " with equal layer counts (or has more nodes than layers). Use "
-                    "heuristic or optimal, which respect memory."
-                    if method == "even"
-                    else "."
-                )
-            )
+    solution, plans, proven, note, cuts = _choose(inst, method, t0, time_limit_s)
     round_time = max(inst.timeline(solution, plans)[1])
     if method != "even" and fedavg is not None and fedavg <= round_time:
         solution = [(k, frozenset()) for k in range(inst.K)]
         plans = [inst.plan(k, (), cuts) for k in range(inst.K)]
         round_time = fedavg
         note = "every owner trains alone (FedAvg): predicted no slower than any split"
-    pipes = inst.pipelines(solution, plans)  # type: ignore[arg-type]
+    pipes = inst.pipelines(solution, plans)
     bound, owner_bounds = lower_bounds(inst)
     used = {n for p in pipes for n in p.nodes}
     return FederatedPlan(
@@ -127,6 +107,42 @@ def plan_federation(  # noqa: PLR0913
         idle_helpers=tuple(h.name for h in inst.helpers if h.name not in used),
         note=note,
     )
+
+
+def _choose(
+    inst: Instance, method: str, t0: float, time_limit_s: float
+) -> tuple[Solution, list[Plan], bool, str, str]:
+    """Solution, its plans, proven, note and the per-pipeline method of the cuts.
+
+    Raises
+    ------
+    InfeasibleMemoryError
+        If a chosen pipeline does not fit (``even``'s equal cuts).
+    """
+    proven, cuts = False, method
+    if method == "even":
+        solution, note = even_solution(inst)
+    else:
+        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
+    if method == "optimal":
+        solution, proven, note, cuts = optimal_solution(inst, t0 + time_limit_s, solution)
+    plans = []
+    for k, s in solution:
+        plan = inst.plan(k, s, cuts)
+        if plan is None:
+            names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
+            why = (
+                " with equal layer counts (or has more nodes than layers). Use heuristic "
+                "or optimal, which respect memory."
+                if method == "even"
+                else "."
+            )
+            raise InfeasibleMemoryError(
+                f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
+                f"{names} does not fit memory{why}"
+            )
+        plans.append(plan)
+    return solution, plans, proven, note, cuts
 
 
 def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
