@@ -65,6 +65,9 @@ def test_steps_in_round_rule() -> None:
     assert steps_in_round(0, 2.0, 100, 8) == 24  # 2 x (100 // 8)
     with pytest.raises(ValueError, match="fewer than one batch"):
         steps_in_round(0, 1.0, 3, 8)
+    from sky_flower.sky import planning  # the Sky strategy's rule is this one
+
+    assert planning.steps_in_round is steps_in_round
 
 
 def test_even_deals_helpers_round_robin_by_samples() -> None:
