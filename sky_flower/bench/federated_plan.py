@@ -131,11 +131,12 @@ def scale(args: argparse.Namespace) -> None:
     samples = {n.name: 320 * (1 + i % 4) for i, n in enumerate(nodes[:16])}
     print("\n2. Scale: 64 nodes (16 owners of 4 GiB, 48 helpers of 16 GiB), BERT-large")
     for method in ("even", "heuristic"):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fp = plan_federation(layers, nodes, samples, schedule, method)
-        took = time.perf_counter() - t0
+        took, cpu = time.perf_counter() - t0, time.process_time() - c0
         print(
-            f"   {method:<9} planner {took:.3f} s, round {fp.round_time_s:.1f} s, "
+            f"   {method:<9} planner {took:.3f} s ({cpu:.3f} s CPU), "
+            f"round {fp.round_time_s:.1f} s, "
             f"bound {fp.lower_bound_s:.1f} s (x{fp.round_time_s / fp.lower_bound_s:.2f}), "
             f"idle helpers {len(fp.idle_helpers)}"
         )

@@ -17,6 +17,8 @@ from sky_flower.core.federated.search import even_solution, heuristic_solution
 from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 
+BOUND_LP_VARIABLES = 2_000  # owner bounds use the memory LP up to this many variables
+
 
 def plan_federation(  # noqa: PLR0913
     layers: Sequence[LayerProfile],
@@ -155,8 +157,9 @@ def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
     nodes): ``T >= M sum_k steps_k sum_j w_j / sum_n max_j (w_j / c_nj)`` (total work
     over total speed; exact for nodes that differ by a speed factor). Owner ``k``: its
     pipeline uses a subset of the owner and every helper, so ``T >= steps_k x``
-    :meth:`~sky_flower.core.cost.CostModel.step_lower_bound` over them. The round bound
-    is the largest of these.
+    :meth:`~sky_flower.core.cost.CostModel.step_lower_bound` over them (its memory LP
+    only up to :data:`BOUND_LP_VARIABLES` nodes x layers: tens of milliseconds per
+    owner kind beyond). The round bound is the largest of these.
     """
     nodes = [*inst.owners, *inst.helpers]
     c = np.array([n.layer_fwd_s for n in nodes], float) + np.array(
@@ -174,6 +177,8 @@ def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
     for k, o in enumerate(inst.owners):
         kind = inst.owner_kind[k]
         if kind not in per_kind:
-            per_kind[kind] = inst.cost(k, range(inst.H)).step_lower_bound()
+            cost = inst.cost(k, range(inst.H))
+            cost.memory_lp_bound(max_variables=BOUND_LP_VARIABLES)  # cached for the next
+            per_kind[kind] = cost.step_lower_bound()
         owners[o.name] = inst.steps[k] * per_kind[kind]
     return max(total, *owners.values()), owners
