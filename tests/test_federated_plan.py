@@ -155,8 +155,9 @@ def instances(draw):
     K = draw(st.integers(2, 3))
     H = draw(st.integers(0, 3))
     kind = draw(st.sampled_from(["sequential", "gpipe"]))
+    transport = draw(st.sampled_from(["direct", "relay"]))
     schedule = Schedule(
-        batch_size=8, microbatches=2 if kind == "gpipe" else 1, kind=kind, transport="direct"
+        batch_size=8, microbatches=2 if kind == "gpipe" else 1, kind=kind, transport=transport
     )
     nodes = []
     for i in range(K):
