@@ -26,6 +26,12 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
                        weights and timings (one message per stage per round)
 =====================  ===============================================================
 
+A forward or backward whose stage raises (its model, loss or data) replies with the
+error in :data:`~sky_flower.sky.protocol.STAGE_ERROR`: the server fails the round naming
+the node and the reason, and drops no node for it. A node that lacks the state a
+message needs (:class:`NodeStateError`: it restarted or missed a message) and an
+injected fault still raise, which Flower turns into an error reply: the node failed.
+
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
 messages (records only: this also works where each message runs in a fresh process).
 Raw inputs never leave the data owner; labels travel to the last stage. A fleet entry
@@ -75,6 +81,29 @@ ACCUM = "sky.accum"  # {"step", "done"} micro-batches back-propagated
 STASH_MB = "sky.stash."  # + first micro-batch of the group
 
 Handler = Callable[[Message, Context, Emulation], RecordDict]
+
+
+class NodeStateError(RuntimeError):
+    """This node lacks the state a stage message needs (it restarted, or missed a
+    message): the node's failure, unlike an error of the stage's own computation."""
+
+
+def stage_errors(fn: Handler) -> Handler:
+    """``fn`` replying with :data:`~sky_flower.sky.protocol.STAGE_ERROR` (the exception's
+    type and first line) when the stage's own computation raises; a
+    :class:`NodeStateError` or a protocol error still raises."""
+
+    def handler(msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        try:
+            return fn(msg, context, emu)
+        except (NodeStateError, P.ProtocolError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the stage's error, reported as such
+            text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+            return RecordDict({P.STAGE_ERROR: ConfigRecord({"error": text})})
+
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    return handler
 
 
 def _payload_bytes(content: RecordDict) -> int:
@@ -166,6 +195,8 @@ class SkyClient:
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
+            if mtype in (P.FORWARD, P.BACKWARD):
+                fn = stage_errors(fn)
             kind(P.action(mtype))(self._wrap(fn))
         return app
 
@@ -193,7 +224,7 @@ class SkyClient:
     @staticmethod
     def _stage(context: Context) -> P.StageConfig:
         if STAGE not in context.state.config_records:
-            raise RuntimeError("no stage installed on this node: train.sky_setup first")
+            raise NodeStateError("no stage installed on this node: train.sky_setup first")
         return P.StageConfig.from_config_record(context.state.config_records[STAGE])
 
     def _executor(
@@ -241,7 +272,7 @@ class SkyClient:
         if ACCUM in context.state:
             acc = context.state.config_records[ACCUM]
             if int(acc["step"]) != grp.step:
-                raise RuntimeError(
+                raise NodeStateError(
                     f"step {grp.step} arrived while step {int(acc['step'])} still has "
                     f"{st.microbatches - int(acc['done'])} micro-batches to back-propagate"
                 )
@@ -385,7 +416,7 @@ class SkyClient:
         st, grp = self._group(msg, context)
         key = f"{STASH_MB}{grp.first}"
         if key not in context.state:
-            raise RuntimeError(f"no stashed input for micro-batch {grp.first}: forward first")
+            raise NodeStateError(f"no stashed input for micro-batch {grp.first}: forward first")
         ex = self._executor(context, st, grp)
         x = context.state.array_records[key].to_torch_state_dict()["x"]
         done = self._accumulated(context, st, grp)

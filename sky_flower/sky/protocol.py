@@ -62,6 +62,9 @@ ACT = "act"  # ArrayRecord {"act": activations}, forward: stage k -> k + 1
 GRAD = "grad"  # ArrayRecord {"grad": input gradient}, backward: stage k -> k - 1
 LABELS = "labels"  # ArrayRecord {"labels": int64 labels}, stage 0 -> last stage
 MB = "mb"  # ConfigRecord: the micro-batch group of a forward / backward (MicroBatchGroup)
+# ConfigRecord {"error": "<type>: <text>"}: a forward / backward reply whose stage raised
+# (its model, loss or data): the stage's error, not the node's failure
+STAGE_ERROR = "stage_error"
 
 # metric keys of the replies
 LOSS = "loss"
@@ -425,6 +428,7 @@ __all__ = [
     "RECORDS",
     "SAMPLES",
     "SETUP",
+    "STAGE_ERROR",
     "DirectConfig",
     "DirectLinks",
     "DirectMetrics",
