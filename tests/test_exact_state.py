@@ -18,7 +18,13 @@ from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from reference import ProcessPerMessageGrid, forkserver, reference_rounds
+from reference import (
+    ConcurrentGrid,
+    ProcessPerMessageGrid,
+    forkserver,
+    reference_rounds,
+    run_sky_app,
+)
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
@@ -323,3 +329,35 @@ def test_a_run_that_trained_no_round_ends_with_an_error():
     failed = {"round": 1, "error": "round 1 failed: stage 1 on box raised ValueError: x"}
     assert untrained([]) is None and untrained([failed, {"round": 2}]) is None
     assert "no round trained" in untrained([failed]) and "ValueError: x" in untrained([failed])
+
+
+def _raising_loss_client() -> ClientApp:
+    """The sky-app's ClientApp whose last stage's loss raises (built in a child)."""
+    from reference import sky_app_task
+
+    from sky_flower.app import register_sky_client
+
+    task = sky_app_task()
+    return register_sky_client(
+        ClientApp(), model_fn=task.Net, load_data=task.load_data, loss_fn=raising_loss
+    )
+
+
+class _RaisingLossGrid(ConcurrentGrid):
+    def __init__(self, app_fn, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        super().__init__(_raising_loss_client, *args, **kwargs)
+
+
+def test_a_raising_direct_stage_is_its_error_and_drops_no_node(server_identity):
+    """transport=direct: the last stage's loss raises; its peers stop because of it. The
+    round fails naming that stage and the reason, no node is dropped, and the run (one
+    round, max-failed-rounds=2) trained no round."""
+    run = {"fleet": "uniform3", "allocation": "even", "num-server-rounds": 1}
+    run |= {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0}
+    run |= {"transport": "direct", "schedule-kind": "gpipe", "microbatches": 4}
+    run |= {"steps-per-round": 2, "direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
+    strategy, _, _ = run_sky_app(_RaisingLossGrid, run)
+    (failed,) = strategy.failed_rounds
+    assert failed["dropped_nodes"] == [] and len(strategy.node_profiles) == 3
+    assert "stage 2 on node2" in failed["error"]
+    assert "raised ValueError: this loss cannot be computed" in failed["error"]

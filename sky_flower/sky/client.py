@@ -50,7 +50,6 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from sky_flower.core.profile import (
-    as_layers,
     default_optimizer_factory,
     time_layers,
     time_optimizer_steps,
@@ -59,18 +58,9 @@ from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.objective import resolve
-from sky_flower.pipeline.stage import (
-    LossFn,
-    MetricFn,
-    RngKey,
-    StageExecutor,
-    build_stage,
-    make_stage_optimizer,
-    optimizer_from_tensors,
-    optimizer_to_tensors,
-    step_batch,
-)
+from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import protocol as P
+from sky_flower.sky.stage_state import load_stage, save_stage, time_state_roundtrip
 
 STAGE = "sky.stage"
 WEIGHTS = "sky.weights"
@@ -99,8 +89,7 @@ def stage_errors(fn: Handler) -> Handler:
         except (NodeStateError, P.ProtocolError):
             raise
         except Exception as err:  # noqa: BLE001 - the stage's error, reported as such
-            text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
-            return RecordDict({P.STAGE_ERROR: ConfigRecord({"error": text})})
+            return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
 
     handler.__name__ = getattr(fn, "__name__", "handler")
     return handler
@@ -113,33 +102,6 @@ def _payload_bytes(content: RecordDict) -> int:
 def _tensor(msg: Message, key: str) -> torch.Tensor:
     """Array ``key`` of the message's array record ``key`` (act, grad, labels)."""
     return msg.content.array_records[key].to_torch_state_dict()[key]
-
-
-def save_stage(
-    module: nn.Module, opt: torch.optim.Optimizer | None
-) -> tuple[ArrayRecord, ArrayRecord]:
-    """A stage as records: its weights and its optimizer's state tensors (none for a
-    stage without parameters)."""
-    weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
-    return weights, ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
-
-
-def load_stage(
-    model_fn: Callable[[], nn.Module],
-    first: int,
-    last: int,
-    records: tuple[ArrayRecord, ArrayRecord | None],
-    make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-) -> tuple[nn.Sequential, torch.optim.Optimizer | None]:
-    """Layers ``first..last`` rebuilt from ``records`` (weights, optimizer state or None
-    for a fresh optimizer) as :func:`save_stage` wrote them; no optimizer for layers
-    without trainable parameters."""
-    weights, optim = records
-    module = build_stage(model_fn, first, last, weights.to_torch_state_dict())
-    opt = make_stage_optimizer(module, make_opt)
-    if optim is not None and opt is not None:
-        optimizer_from_tensors(opt, optim.to_torch_state_dict())
-    return module, opt
 
 
 class SkyClient:
@@ -465,37 +427,6 @@ class SkyClient:
             loss_fn=loss_fn,
             metric_fn=metric_fn,
         )
-
-
-def time_state_roundtrip(
-    model_fn: Callable[[], nn.Module],
-    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    repeats: int = 3,
-) -> tuple[float, float]:
-    """What a stage message spends on its own state, per byte of weights + optimizer
-    state: ``(rebuild, save)`` seconds per byte. Every stage message rebuilds its stage
-    from the ``context.state`` records (weights, optimizer tensors); messages that
-    step the optimizer save them back as records (:class:`SkyClient`). Timed on the
-    whole model, median of ``repeats``."""
-    import statistics
-
-    last = len(as_layers(model_fn())) - 1
-    stage = build_stage(model_fn, 0, last)
-    opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
-    for p in stage.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()  # populate the optimizer state
-    weights, state = save_stage(stage, opt)
-    nbytes = max(weights.count_bytes() + state.count_bytes(), 1)
-    rebuild, save = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        module, opt2 = load_stage(model_fn, 0, last, (weights, state), optimizer_factory)
-        t1 = time.perf_counter()
-        weights, state = save_stage(module, opt2)
-        save.append(time.perf_counter() - t1)
-        rebuild.append(t1 - t0)
-    return statistics.median(rebuild) / nbytes, statistics.median(save) / nbytes
 
 
 # --- defaults for the simulation engine ------------------------------------------------

@@ -84,6 +84,12 @@ def action(message_type: str) -> str:
     return message_type.split(".", 1)[1]
 
 
+def stage_error(err: BaseException) -> ConfigRecord:
+    """The :data:`STAGE_ERROR` record of a stage's own exception: its type and first line."""
+    lines = str(err).strip().splitlines()
+    return ConfigRecord({"error": f"{type(err).__name__}: {lines[0] if lines else ''}"})
+
+
 class ProtocolError(ValueError):
     """A record lacks a key of a protocol dataclass, or holds a value of the wrong type."""
 
@@ -441,4 +447,5 @@ __all__ = [
     "StageConfig",
     "StepMetrics",
     "action",
+    "stage_error",
 ]
