@@ -16,19 +16,25 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
+from flwr.common.config import parse_config_args
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from reference import (
+    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     forkserver,
     reference_rounds,
     run_sky_app,
+    sky_app_task,
 )
+from sky_flower.strategies.sky import SkyNodeError
 from torch import nn
 
+from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
+from sky_flower.deploy import app_run_config, node_config
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
 from sky_flower.pipeline.stage import (
@@ -291,13 +297,6 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
     """The last stage's loss raises every round: each round fails naming the stage, its
     node and the reason, no node is dropped, and the run ends after
     ``max_failed_rounds`` with that error."""
-    from flwr.common.config import parse_config_args
-    from reference import SKY_APP, sky_app_task
-    from sky_flower.strategies.sky import SkyNodeError
-
-    from sky_flower.app import load_fleet, register_sky_client, sky_strategy
-    from sky_flower.deploy import app_run_config, node_config
-
     task = sky_app_task()
     run_config = {
         **app_run_config(SKY_APP),
@@ -324,7 +323,7 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
 
 
 def test_a_run_that_trained_no_round_ends_with_an_error():
-    from sky_flower.jobs.sky import untrained
+    from sky_flower.jobs.sky import untrained  # the Hydra job (not in the stage children)
 
     failed = {"round": 1, "error": "round 1 failed: stage 1 on box raised ValueError: x"}
     assert untrained([]) is None and untrained([failed, {"round": 2}]) is None
@@ -333,10 +332,6 @@ def test_a_run_that_trained_no_round_ends_with_an_error():
 
 def _raising_loss_client() -> ClientApp:
     """The sky-app's ClientApp whose last stage's loss raises (built in a child)."""
-    from reference import sky_app_task
-
-    from sky_flower.app import register_sky_client
-
     task = sky_app_task()
     return register_sky_client(
         ClientApp(), model_fn=task.Net, load_data=task.load_data, loss_fn=raising_loss
