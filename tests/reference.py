@@ -386,7 +386,7 @@ def sky_app_on_grid(
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
     start = {
         "grid": grid,
-        "initial_arrays": ArrayRecord(task.Net().state_dict()),
+        "initial_arrays": ArrayRecord(task.initial_weights()),
         "num_rounds": int(run_config["num-server-rounds"]),
     }
     return strategy, grid, start

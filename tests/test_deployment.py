@@ -161,9 +161,12 @@ def _expected_rounds() -> list[dict[str, float]]:
     task = sky_app_task()
     test = task.load_test()
     model = task.Net()
+    model.load_state_dict(task.initial_weights())
     rows = [{"test_accuracy": round(task.test(model, test)[1], 4)}]
     lr = float(app_run_config(SKY_APP)["lr"])
-    for weights, losses in reference_rounds(task.Net, task.load_data(0, 3), 2, 2, lr):
+    for weights, losses in reference_rounds(
+        task.Net, task.load_data(0, 3), 2, 2, lr, weights=task.initial_weights()
+    ):
         model.load_state_dict(weights)
         acc = round(task.test(model, test)[1], 4)
         rows.append({"test_accuracy": acc, "train_loss": round(sum(losses) / len(losses), 4)})

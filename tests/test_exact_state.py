@@ -16,13 +16,25 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
+from flwr.common.config import parse_config_args
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from reference import ProcessPerMessageGrid, forkserver, reference_rounds
+from reference import (
+    SKY_APP,
+    ConcurrentGrid,
+    ProcessPerMessageGrid,
+    forkserver,
+    reference_rounds,
+    run_sky_app,
+    sky_app_task,
+)
+from sky_flower.strategies.sky import SkyNodeError
 from torch import nn
 
+from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
+from sky_flower.deploy import app_run_config, node_config
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
 from sky_flower.pipeline.stage import (
@@ -273,3 +285,74 @@ def test_direct_equals_whole(kind, microbatches):
     assert not errors, errors
     merged = {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
     _assert_same(merged, _expected(microbatches))
+
+
+# -- a stage that raises ----------------------------------------------------------------
+def raising_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A loss that always fails (the last stage's own error, not its node's)."""
+    raise ValueError("this loss cannot be computed")
+
+
+def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
+    """The last stage's loss raises every round: each round fails naming the stage, its
+    node and the reason, no node is dropped, and the run ends after
+    ``max_failed_rounds`` with that error."""
+    task = sky_app_task()
+    run_config = {
+        **app_run_config(SKY_APP),
+        **{"fleet": "edge3", "allocation": "even", "steps-per-round": 1},
+        **{"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0},
+    }
+    fleet = load_fleet("edge3")
+    configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
+    grid = ProcessPerMessageGrid(
+        lambda: register_sky_client(
+            ClientApp(), model_fn=task.Net, load_data=task.load_data, loss_fn=raising_loss
+        ),
+        configs,
+        run_config,
+    )
+    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
+    strategy.echo_jitter_s, strategy.max_failed_rounds = 0.0, 2
+    with pytest.raises(SkyNodeError, match="this loss cannot be computed") as info:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(task.initial_weights()), num_rounds=3)
+    last = strategy.plan.stages[-1].node
+    assert f"stage 2 on {last} (node " in str(info.value) and "raised ValueError" in str(info.value)
+    assert [f["dropped_nodes"] for f in strategy.failed_rounds] == [[]]
+    assert len(strategy.node_profiles) == 3 and len(strategy.plan.stages) == 3
+
+
+def test_a_run_that_trained_no_round_ends_with_an_error():
+    from sky_flower.jobs.sky import untrained  # the Hydra job (not in the stage children)
+
+    failed = {"round": 1, "error": "round 1 failed: stage 1 on box raised ValueError: x"}
+    assert untrained([]) is None and untrained([failed, {"round": 2}]) is None
+    assert "no round trained" in untrained([failed]) and "ValueError: x" in untrained([failed])
+
+
+def _raising_loss_client() -> ClientApp:
+    """The sky-app's ClientApp whose last stage's loss raises (built in a child)."""
+    task = sky_app_task()
+    return register_sky_client(
+        ClientApp(), model_fn=task.Net, load_data=task.load_data, loss_fn=raising_loss
+    )
+
+
+class _RaisingLossGrid(ConcurrentGrid):
+    def __init__(self, app_fn, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        super().__init__(_raising_loss_client, *args, **kwargs)
+
+
+def test_a_raising_direct_stage_is_its_error_and_drops_no_node(server_identity):
+    """transport=direct: the last stage's loss raises; its peers stop because of it. The
+    round fails naming that stage and the reason, no node is dropped, and the run (one
+    round, max-failed-rounds=2) trained no round."""
+    run = {"fleet": "uniform3", "allocation": "even", "num-server-rounds": 1}
+    run |= {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0}
+    run |= {"transport": "direct", "schedule-kind": "gpipe", "microbatches": 4}
+    run |= {"steps-per-round": 2, "direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
+    strategy, _, _ = run_sky_app(_RaisingLossGrid, run)
+    (failed,) = strategy.failed_rounds
+    assert failed["dropped_nodes"] == [] and len(strategy.node_profiles) == 3
+    assert "stage 2 on node2" in failed["error"]
+    assert "raised ValueError: this loss cannot be computed" in failed["error"]

@@ -35,6 +35,7 @@ def _expected(run: dict, fleet_size: int = 3) -> list:
         lr=float(run["lr"]),
         batch_size=int(run["batch-size"]),
         microbatches=int(run["microbatches"]),
+        weights=task.initial_weights(),
     )
 
 

@@ -240,7 +240,7 @@ def test_node_relay_through_the_protocol_equals_unsplit_training(server_identity
     got = {}
     for nid in (101, 102):
         got.update(_send(grid, nid, P.COLLECT, {}).content[P.ARRAYS].to_torch_state_dict())
-    weights, ref_losses = reference_rounds(task.Net, data, 1, steps, 0.01, B, M)[0]
+    weights, ref_losses = reference_rounds(task.Net, data, 1, steps, 0.01, B, M, weights=full)[0]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for key, value in weights.items():
         np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-4, atol=1e-6)

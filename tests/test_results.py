@@ -49,7 +49,7 @@ def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
     strategy.echo_jitter_s = 0.0
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(task.Net().state_dict()),
+        initial_arrays=ArrayRecord(task.initial_weights()),
         num_rounds=2,
         evaluate_fn=evaluate,
     )

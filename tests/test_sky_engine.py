@@ -95,7 +95,7 @@ def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessag
 
 
 def _round(strategy: SkyStrategy, grid: ProcessPerMessageGrid) -> RoundOutcome:
-    arrays = ArrayRecord(sky_app_task().Net().state_dict())
+    arrays = ArrayRecord(sky_app_task().initial_weights())
     return strategy.runner().run_round(grid, strategy.pipeline, arrays, 2, server_round=1)
 
 
@@ -145,7 +145,7 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
     fleet[2] = dataclasses.replace(fleet[2], fail_on=P.FORWARD, fail_mode="malformed")
     strategy, grid = _planned({}, fleet)
     strategy.max_failed_rounds = 2
-    initial = ArrayRecord(sky_app_task().Net().state_dict())
+    initial = ArrayRecord(sky_app_task().initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     (failed,) = strategy.failed_rounds
     assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]

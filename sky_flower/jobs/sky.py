@@ -205,7 +205,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     def record(error: str | None) -> dict[str, Any]:
         if strategy.global_arrays is not None:  # last good global model
             torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
-        return recorder.write(error)
+        return recorder.write(error or untrained(strategy.rounds))
 
     return simulate(
         start,
@@ -215,6 +215,14 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         record,
         on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
     )
+
+
+def untrained(rounds: list[dict[str, Any]]) -> str | None:
+    """The error of a run whose rounds all failed (None if one trained or none ran):
+    such a run trained nothing, whatever ``max_failed_rounds`` let it go on to."""
+    if not rounds or any("error" not in r for r in rounds):
+        return None
+    return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
 
 
 def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:

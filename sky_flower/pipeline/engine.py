@@ -146,7 +146,6 @@ def run_stage(  # noqa: PLR0913
     rank, S = rdv.rank, rdv.world_size
     example = torch.zeros(batch_size // microbatches, *[int(d) for d in input_shape])
     example.requires_grad_(rank > 0)  # static shapes: requires_grad decides what is sent back
-    example_out = probe_forward(module, example)
     emulated = emulated or Emulated()
     wrapped = EmulatedStage(module, emulated, is_first=rank == 0, is_last=rank == S - 1)
     rng = rng or RngKey()
@@ -155,6 +154,7 @@ def run_stage(  # noqa: PLR0913
     join(rdv)
     try:
         result.setup_s = time.perf_counter() - t0
+        example_out = probe_forward(module, example)  # in the group: a failure ends it for all
         stage = PipelineStage(
             wrapped,
             rank,

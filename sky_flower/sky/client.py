@@ -26,6 +26,12 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
                        weights and timings (one message per stage per round)
 =====================  ===============================================================
 
+A forward or backward whose stage raises (its model, loss or data) replies with the
+error in :data:`~sky_flower.sky.protocol.STAGE_ERROR`: the server fails the round naming
+the node and the reason, and drops no node for it. A node that lacks the state a
+message needs (:class:`NodeStateError`: it restarted or missed a message) and an
+injected fault still raise, which Flower turns into an error reply: the node failed.
+
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
 messages (records only: this also works where each message runs in a fresh process).
 Raw inputs never leave the data owner; labels travel to the last stage. A fleet entry
@@ -44,7 +50,6 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from sky_flower.core.profile import (
-    as_layers,
     default_optimizer_factory,
     time_layers,
     time_optimizer_steps,
@@ -53,18 +58,9 @@ from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.objective import resolve
-from sky_flower.pipeline.stage import (
-    LossFn,
-    MetricFn,
-    RngKey,
-    StageExecutor,
-    build_stage,
-    make_stage_optimizer,
-    optimizer_from_tensors,
-    optimizer_to_tensors,
-    step_batch,
-)
+from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import protocol as P
+from sky_flower.sky.stage_state import load_stage, save_stage, time_state_roundtrip
 
 STAGE = "sky.stage"
 WEIGHTS = "sky.weights"
@@ -77,6 +73,28 @@ STASH_MB = "sky.stash."  # + first micro-batch of the group
 Handler = Callable[[Message, Context, Emulation], RecordDict]
 
 
+class NodeStateError(RuntimeError):
+    """This node lacks the state a stage message needs (it restarted, or missed a
+    message): the node's failure, unlike an error of the stage's own computation."""
+
+
+def stage_errors(fn: Handler) -> Handler:
+    """``fn`` replying with :data:`~sky_flower.sky.protocol.STAGE_ERROR` (the exception's
+    type and first line) when the stage's own computation raises; a
+    :class:`NodeStateError` or a protocol error still raises."""
+
+    def handler(msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        try:
+            return fn(msg, context, emu)
+        except (NodeStateError, P.ProtocolError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the stage's error, reported as such
+            return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
+
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    return handler
+
+
 def _payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.values())
 
@@ -84,33 +102,6 @@ def _payload_bytes(content: RecordDict) -> int:
 def _tensor(msg: Message, key: str) -> torch.Tensor:
     """Array ``key`` of the message's array record ``key`` (act, grad, labels)."""
     return msg.content.array_records[key].to_torch_state_dict()[key]
-
-
-def save_stage(
-    module: nn.Module, opt: torch.optim.Optimizer | None
-) -> tuple[ArrayRecord, ArrayRecord]:
-    """A stage as records: its weights and its optimizer's state tensors (none for a
-    stage without parameters)."""
-    weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
-    return weights, ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
-
-
-def load_stage(
-    model_fn: Callable[[], nn.Module],
-    first: int,
-    last: int,
-    records: tuple[ArrayRecord, ArrayRecord | None],
-    make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-) -> tuple[nn.Sequential, torch.optim.Optimizer | None]:
-    """Layers ``first..last`` rebuilt from ``records`` (weights, optimizer state or None
-    for a fresh optimizer) as :func:`save_stage` wrote them; no optimizer for layers
-    without trainable parameters."""
-    weights, optim = records
-    module = build_stage(model_fn, first, last, weights.to_torch_state_dict())
-    opt = make_stage_optimizer(module, make_opt)
-    if optim is not None and opt is not None:
-        optimizer_from_tensors(opt, optim.to_torch_state_dict())
-    return module, opt
 
 
 class SkyClient:
@@ -166,6 +157,8 @@ class SkyClient:
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
+            if mtype in (P.FORWARD, P.BACKWARD):
+                fn = stage_errors(fn)
             kind(P.action(mtype))(self._wrap(fn))
         return app
 
@@ -193,7 +186,7 @@ class SkyClient:
     @staticmethod
     def _stage(context: Context) -> P.StageConfig:
         if STAGE not in context.state.config_records:
-            raise RuntimeError("no stage installed on this node: train.sky_setup first")
+            raise NodeStateError("no stage installed on this node: train.sky_setup first")
         return P.StageConfig.from_config_record(context.state.config_records[STAGE])
 
     def _executor(
@@ -241,7 +234,7 @@ class SkyClient:
         if ACCUM in context.state:
             acc = context.state.config_records[ACCUM]
             if int(acc["step"]) != grp.step:
-                raise RuntimeError(
+                raise NodeStateError(
                     f"step {grp.step} arrived while step {int(acc['step'])} still has "
                     f"{st.microbatches - int(acc['done'])} micro-batches to back-propagate"
                 )
@@ -385,7 +378,7 @@ class SkyClient:
         st, grp = self._group(msg, context)
         key = f"{STASH_MB}{grp.first}"
         if key not in context.state:
-            raise RuntimeError(f"no stashed input for micro-batch {grp.first}: forward first")
+            raise NodeStateError(f"no stashed input for micro-batch {grp.first}: forward first")
         ex = self._executor(context, st, grp)
         x = context.state.array_records[key].to_torch_state_dict()["x"]
         done = self._accumulated(context, st, grp)
@@ -434,37 +427,6 @@ class SkyClient:
             loss_fn=loss_fn,
             metric_fn=metric_fn,
         )
-
-
-def time_state_roundtrip(
-    model_fn: Callable[[], nn.Module],
-    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    repeats: int = 3,
-) -> tuple[float, float]:
-    """What a stage message spends on its own state, per byte of weights + optimizer
-    state: ``(rebuild, save)`` seconds per byte. Every stage message rebuilds its stage
-    from the ``context.state`` records (weights, optimizer tensors); messages that
-    step the optimizer save them back as records (:class:`SkyClient`). Timed on the
-    whole model, median of ``repeats``."""
-    import statistics
-
-    last = len(as_layers(model_fn())) - 1
-    stage = build_stage(model_fn, 0, last)
-    opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
-    for p in stage.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()  # populate the optimizer state
-    weights, state = save_stage(stage, opt)
-    nbytes = max(weights.count_bytes() + state.count_bytes(), 1)
-    rebuild, save = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        module, opt2 = load_stage(model_fn, 0, last, (weights, state), optimizer_factory)
-        t1 = time.perf_counter()
-        weights, state = save_stage(module, opt2)
-        save.append(time.perf_counter() - t1)
-        rebuild.append(t1 - t0)
-    return statistics.median(rebuild) / nbytes, statistics.median(save) / nbytes
 
 
 # --- defaults for the simulation engine ------------------------------------------------

@@ -158,6 +158,8 @@ class DirectRunner(Runner):
                 (waited if peer else culprits).append(f"{who} failed: {reason}")
                 if not peer:
                     causes.append(nid)
+            elif P.STAGE_ERROR in got[mid].content.config_records:  # the stage's, not the node's
+                culprits.append(f"{who} raised {got[mid].content[P.STAGE_ERROR]['error']}")
         if culprits or waited:
             raise ex.fail("; ".join(culprits + waited), causes or None)
 

@@ -15,7 +15,13 @@ from torch import nn
 
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
-from sky_flower.pipeline.direct import Emulated, RankRefusedError, run_stage
+from sky_flower.pipeline.direct import (
+    PEER_FAILURE,
+    DirectStageError,
+    Emulated,
+    RankRefusedError,
+    run_stage,
+)
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, build_stage, stage_optimizer
 from sky_flower.sky import protocol as P
 
@@ -37,6 +43,16 @@ def emulated(emu: Emulation, ln: P.DirectLinks) -> Emulated:
         send_next_s=link_delay(*own, ln.next_latency_s, ln.next_bandwidth_bps),
         send_prev_s=link_delay(*own, ln.prev_latency_s, ln.prev_bandwidth_bps),
     )
+
+
+def own_error(err: Exception) -> BaseException | None:
+    """The exception of the stage's own computation (model, loss, data) behind ``err``,
+    or None when ``err`` is the node's or a peer's failure: a refused rank, an injected
+    fault, a peer that failed or stalled."""
+    cause = err.__cause__ if isinstance(err, DirectStageError) else err
+    if isinstance(err, RankRefusedError) or cause is None or PEER_FAILURE in str(err):
+        return None
+    return None if isinstance(cause, (faults.FaultInjected, DirectStageError)) else cause
 
 
 def run_direct_stage(  # noqa: PLR0913
@@ -77,13 +93,16 @@ def run_direct_stage(  # noqa: PLR0913
     loss_fn, metric_fn : callable
         The last stage's objective.
 
+    A stage whose own computation raises (its model, loss or data) replies with
+    :data:`~sky_flower.sky.protocol.STAGE_ERROR` instead (:func:`own_error`).
+
     Raises
     ------
     RankRefusedError
         If the message was planned for another node, or its rank's ticket does not
         match the store's (before the node joins the group).
     DirectStageError
-        If this stage or a peer fails or stalls (bounded by ``timeout_s``).
+        If a peer fails or stalls (bounded by ``timeout_s``), or a fault is injected.
     """
     rdv, st = cfg.rendezvous, cfg.stage
     if cfg.node_id != int(node_id):
@@ -92,22 +111,28 @@ def run_direct_stage(  # noqa: PLR0913
             f"not for this node ({node_id})"
         )
     module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
-    res = run_stage(
-        rdv,
-        module,
-        stage_optimizer(module, st.optimizer, st.lr),
-        kind=cfg.kind,
-        microbatches=st.microbatches,
-        steps=cfg.steps,
-        batch_size=st.batch_size,
-        input_shape=list(cfg.input_shape),
-        batch_fn=batch_fn if rdv.rank == 0 else None,
-        emulated=emulated(emu, cfg.links),
-        fault=faults.step_hook(),
-        loss_fn=loss_fn,
-        metric_fn=metric_fn,
-        rng=RngKey(st.seed, st.round),
-    )
+    try:
+        res = run_stage(
+            rdv,
+            module,
+            stage_optimizer(module, st.optimizer, st.lr),
+            kind=cfg.kind,
+            microbatches=st.microbatches,
+            steps=cfg.steps,
+            batch_size=st.batch_size,
+            input_shape=list(cfg.input_shape),
+            batch_fn=batch_fn if rdv.rank == 0 else None,
+            emulated=emulated(emu, cfg.links),
+            fault=faults.step_hook(),
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
+            rng=RngKey(st.seed, st.round),
+        )
+    except Exception as err:
+        own = own_error(err)
+        if own is None:
+            raise
+        return RecordDict({P.STAGE_ERROR: P.stage_error(own)})
     metrics = P.DirectMetrics(
         losses=tuple(float(v) for v in res.losses),
         correct=int(res.correct),

@@ -62,6 +62,9 @@ ACT = "act"  # ArrayRecord {"act": activations}, forward: stage k -> k + 1
 GRAD = "grad"  # ArrayRecord {"grad": input gradient}, backward: stage k -> k - 1
 LABELS = "labels"  # ArrayRecord {"labels": int64 labels}, stage 0 -> last stage
 MB = "mb"  # ConfigRecord: the micro-batch group of a forward / backward (MicroBatchGroup)
+# ConfigRecord {"error": "<type>: <text>"}: a forward / backward reply whose stage raised
+# (its model, loss or data): the stage's error, not the node's failure
+STAGE_ERROR = "stage_error"
 
 # metric keys of the replies
 LOSS = "loss"
@@ -79,6 +82,12 @@ DEFAULT_METRIC = "sky_flower.pipeline.objective:correct_count"
 def action(message_type: str) -> str:
     """The handler action of a message type: ``"train.sky_setup" -> "sky_setup"``."""
     return message_type.split(".", 1)[1]
+
+
+def stage_error(err: BaseException) -> ConfigRecord:
+    """The :data:`STAGE_ERROR` record of a stage's own exception: its type and first line."""
+    lines = str(err).strip().splitlines()
+    return ConfigRecord({"error": f"{type(err).__name__}: {lines[0] if lines else ''}"})
 
 
 class ProtocolError(ValueError):
@@ -425,6 +434,7 @@ __all__ = [
     "RECORDS",
     "SAMPLES",
     "SETUP",
+    "STAGE_ERROR",
     "DirectConfig",
     "DirectLinks",
     "DirectMetrics",
@@ -437,4 +447,5 @@ __all__ = [
     "StageConfig",
     "StepMetrics",
     "action",
+    "stage_error",
 ]

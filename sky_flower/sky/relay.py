@@ -172,6 +172,9 @@ class RelayRunner(Runner):
         """File one stage's reply: its payload for the next op, its figures."""
         k, op, g = st.inflight.pop(reply.metadata.reply_to_message_id)
         ex.raise_errors([reply])
+        if P.STAGE_ERROR in reply.content.config_records:  # the stage's, not the node's
+            error = reply.content.config_records[P.STAGE_ERROR].get("error")
+            raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])} raised {error}", [])
         note(stats[k], reply, plan.slowdowns[k])
         S, rows = plan.num_stages, plan.group_size * self.s.schedule.microbatch_size
         if op == "F" and k < S - 1:

@@ -4,7 +4,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from .task import Net, load_test, save_results
+from .task import Net, initial_weights, load_test, save_results
 from .task import test as test_fn
 
 app = ServerApp()
@@ -26,7 +26,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0)
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(Net().state_dict()),
+        initial_arrays=ArrayRecord(initial_weights()),
         train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
         evaluate_fn=central_evaluate,

@@ -5,7 +5,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from sky_flower.app import sky_strategy  # Sky
 
-from .task import Net, load_test, save_results
+from .task import Net, initial_weights, load_test, save_results
 from .task import test as test_fn
 
 app = ServerApp()
@@ -27,7 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = sky_strategy(context.run_config, model_fn=Net, input_shape=[64])  # Sky
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(Net().state_dict()),
+        initial_arrays=ArrayRecord(initial_weights()),
         train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
         evaluate_fn=central_evaluate,

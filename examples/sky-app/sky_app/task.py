@@ -34,13 +34,20 @@ def _digits() -> tuple[Split, Split]:
 
 def Net() -> nn.Sequential:  # noqa: N802 - a model class in Flower's templates
     """An MLP for 8x8 digits, as an ordered list of layers (input ``(n, 64)``)."""
-    torch.manual_seed(0)
     return nn.Sequential(
         nn.Sequential(nn.Linear(64, 256), nn.ReLU()),
         nn.Sequential(nn.Linear(256, 256), nn.ReLU()),
         nn.Sequential(nn.Linear(256, 256), nn.ReLU()),
         nn.Linear(256, 10),
     )
+
+
+def initial_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The global model's initial weights, the same in every process (seeded here, not
+    in ``Net``: the global random generator is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Net().state_dict()
 
 
 def load_data(partition_id: int, num_partitions: int) -> Split:
@@ -74,6 +81,7 @@ def train(net: nn.Module, data: Split, epochs: float, lr: float) -> float:
 def test(net: nn.Module, data: Split) -> tuple[float, float]:
     """``(loss, accuracy)`` of ``net`` on ``data``."""
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    net.eval()  # dropout off, BatchNorm on its running statistics
     with torch.no_grad():
         out = net(x)
     return float(nn.functional.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
