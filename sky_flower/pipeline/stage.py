@@ -247,16 +247,25 @@ class StageExecutor:
         return (torch.cat(grads) if input_grad else None), total, correct
 
 
-def run_split_step(stages: list[StageExecutor], x: torch.Tensor, labels: torch.Tensor) -> float:
+def run_split_step(
+    stages: list[StageExecutor],
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: LossFn | None = None,
+    metric_fn: MetricFn | None = None,
+) -> float:
     """One training step through a chain of stages in one process (the relay protocol's
-    logic without the transport): forward through all, loss at the last, backward.
+    logic without the transport): forward through all, loss at the last (``loss_fn``,
+    ``metric_fn`` as :meth:`StageExecutor.forward_backward_loss`), backward.
     Returns the batch loss. Used by tests and as the reference for the transports."""
     inputs = []
     h = x
     for st in stages[:-1]:
         inputs.append(h)
         h = st.forward(h)
-    g, loss, _ = stages[-1].forward_backward_loss(h, labels, input_grad=len(stages) > 1)
+    g, loss, _ = stages[-1].forward_backward_loss(
+        h, labels, len(stages) > 1, loss_fn=loss_fn, metric_fn=metric_fn
+    )
     for k in range(len(stages) - 2, -1, -1):
         g = stages[k].backward(inputs[k], g, input_grad=k > 0)
     return loss
