@@ -128,6 +128,7 @@ def reference_rounds(  # noqa: PLR0913
     *,
     optimizer: str = "adam",
     weights: dict[str, torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
     """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
     batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
@@ -154,6 +155,8 @@ def reference_rounds(  # noqa: PLR0913
         The optimizer (:data:`OPTIMIZERS`).
     weights : dict of str to Tensor, optional
         Initial state dict (default: ``model_fn()``'s own).
+    loss_fn : callable, optional
+        ``(output, labels) -> mean loss`` of a micro-batch (default cross-entropy).
 
     Returns
     -------
@@ -178,7 +181,7 @@ def reference_rounds(  # noqa: PLR0913
             opt.zero_grad()
             total = 0.0
             for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-                loss = torch.nn.functional.cross_entropy(model(xm), ym) / microbatches
+                loss = (loss_fn or torch.nn.functional.cross_entropy)(model(xm), ym) / microbatches
                 loss.backward()
                 total += loss.item()
             opt.step()

@@ -7,8 +7,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from reference import forkserver, reference_rounds
 
 from sky_flower.core.profile import profile_layers
+from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
 from sky_flower.pipeline.example import as_dtype, dtype_name, example_input
 from sky_flower.pipeline.lm import (
     build_transformer_lm,
@@ -201,3 +203,73 @@ def test_profile_takes_token_ids():
     assert emb.act_out_bytes == T * LM["d_model"] * 4
     assert profiles[-1].act_out_bytes == T * 256 * 4
     assert all(p.fwd_flops > 0 for p in profiles[1:-2] + profiles[-1:])  # blocks, head
+
+
+def test_stage_input_shapes_of_token_ids():
+    shapes = stage_input_shapes(_lm, [T], [(0, 0), (1, 3), (4, 5)], "int64")
+    assert shapes == [(T,), (T, LM["d_model"]), (T, LM["d_model"])]
+
+
+def _lm_direct_worker(rdv, bounds, weights, batches, shape, queue) -> None:  # noqa: ANN001
+    """One stage of the LM on the direct engine (rank 0 feeds int64 token ids)."""
+    torch.set_num_threads(1)
+    try:
+        module = build_stage(_lm, *bounds, slice_state(weights, *bounds))
+        res = run_stage(
+            rdv,
+            module,
+            torch.optim.Adam(module.parameters(), lr=1e-3),
+            "gpipe",
+            2,
+            len(batches),
+            8,
+            shape,
+            batch_fn=(lambda s: batches[s]) if rdv.rank == 0 else None,
+            loss_fn=lm_cross_entropy,
+            metric_fn=token_correct,
+            input_dtype="int64" if rdv.rank == 0 else None,
+        )
+        state = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+        queue.put((rdv.rank, res, state))  # numpy: a torch tensor would need this process
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        queue.put((rdv.rank, repr(err), None))
+
+
+def test_direct_engine_trains_the_lm_on_token_ids_like_the_whole_model():
+    """Integer inputs through the direct engine's shape probe, ``(B, T)`` int64 labels to
+    the last stage (header + labels), LM loss: weights equal unsplit training."""
+    torch.manual_seed(0)
+    weights = _lm().state_dict()
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 256, (8, T), generator=gen), torch.randint(0, 256, (8, T), generator=gen))
+        for _ in range(2)
+    ]
+    bounds = [(0, 2), (3, 5)]
+    shapes = stage_input_shapes(_lm, [T], bounds, "int64")
+    ctx = forkserver()
+    queue = ctx.Queue()
+    with RoundHost(2, timeout_s=60.0) as host:
+        procs = [
+            ctx.Process(
+                target=_lm_direct_worker,
+                args=(host.rendezvous(k), bounds[k], weights, batches, shapes[k], queue),
+            )
+            for k in range(2)
+        ]
+        for p in procs:
+            p.start()
+        got = dict((r, (res, st)) for r, res, st in (queue.get(timeout=120) for _ in procs))
+        for p in procs:
+            p.join(timeout=10)
+    assert all(st is not None for _, st in got.values()), got
+    merged = {k: torch.from_numpy(v) for r in (0, 1) for k, v in got[r][1].items()}
+    ((expected, losses),) = reference_rounds(
+        _lm, batches, 1, 2, 1e-3, microbatches=2, weights=weights, loss_fn=lm_cross_entropy
+    )
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    last = got[1][0]
+    assert last.samples == 2 * 8 * T  # labels counted: tokens
+    np.testing.assert_allclose(last.losses, losses, rtol=1e-5)
