@@ -177,3 +177,43 @@ def test_refusals_are_clear():
 def test_sequential_of_builds_its_own_example():
     seq = sequential_of(TiedLM(), [5], "int64")
     assert seq(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 10)
+
+
+class Flatten(nn.Module):
+    """A reshape by the batch size: traced with a dynamic batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_units_take_any_batch_size(batch):
+    model = Flatten()
+    seq = as_sequential(model, torch.randn(2, 2, 8))
+    assert len(seq) == 2
+    x = torch.randn(batch, 2, 8)
+    torch.testing.assert_close(seq(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_a_batch_of_one_is_refused_as_example():
+    with pytest.raises(ValueError, match="at least 2"):
+        as_sequential(Flatten(), torch.randn(1, 2, 8))
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(nn.functional.dropout(self.a(x), 0.5, self.training))
+
+
+def test_a_forward_that_reads_the_mode_is_refused():
+    with pytest.raises(ValueError, match="differs from the model in eval mode"):
+        as_sequential(FunctionalDropout(), torch.randn(8, 4))

@@ -165,6 +165,10 @@ def _trace(module: nn.Module, example: torch.Tensor, points: Sequence[str]) -> A
 
     model = copy.deepcopy(module).train()
     spec = {p: SplitPoint.BEGINNING for p in points}
+    example = example.detach().clone()
+    # a dynamic batch dimension: else torch.export bakes the example's batch size into
+    # every reshape, and the units fail (or mix samples) on another batch size
+    torch._dynamo.mark_dynamic(example, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's pytree deprecations
         try:
@@ -184,8 +188,9 @@ def as_sequential(
         Any module whose forward takes one tensor and returns one tensor (an
         ``nn.Sequential`` needs no conversion: it already is one).
     example_input : torch.Tensor, shape (B, ...)
-        An input of the model (e.g. :func:`sky_flower.pipeline.example.example_input`);
-        its values do not matter, its shape and dtype do.
+        An input of the model (e.g. :func:`sky_flower.pipeline.example.example_input`),
+        ``B >= 2``; its values do not matter, its shape and dtype do. The batch
+        dimension is traced as dynamic: the units take any batch size.
     split_points : sequence of str, optional
         Submodule names (``named_modules`` keys); a cut is placed before each. Default:
         every top-level child but the one called first (a child the forward never calls,
@@ -207,6 +212,11 @@ def as_sequential(
         forward torch.export cannot trace.
     """
     _check_modes(module)
+    if example_input.dim() < 1 or example_input.shape[0] < 2:
+        raise ValueError(
+            f"example_input of shape {tuple(example_input.shape)}: give a batch of at least 2 "
+            "samples (torch.export specializes a batch dimension of 1)"
+        )
     points = _ordered_points(module, example_input, split_points)
     for _ in range(_MAX_TRACES):
         pipe = _trace(module, example_input, points)
@@ -222,7 +232,27 @@ def as_sequential(
         points = [p for b, p in enumerate(points) if b not in bad]
     else:  # pragma: no cover - one retrace removes every bad boundary
         raise ValueError(f"could not cut {type(module).__name__} at {points}: {bad}")
-    return nn.Sequential(*[pipe.get_stage_module(i) for i in range(pipe.num_stages)])
+    seq = nn.Sequential(*[pipe.get_stage_module(i) for i in range(pipe.num_stages)])
+    _check_eval_mode(module, seq, example_input)
+    return seq
+
+
+def _check_eval_mode(module: nn.Module, seq: nn.Sequential, example: torch.Tensor) -> None:
+    """Refuse a conversion whose eval-mode output differs from the model's: its forward
+    depends on the mode in a way :func:`_check_modes` cannot see (e.g. a functional
+    dropout), which the trace fixed to training mode."""
+    if example.device.type == "meta":
+        return
+    with torch.no_grad():
+        want = copy.deepcopy(module).eval()(example)
+        got = copy.deepcopy(seq).eval()(example)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        raise ValueError(
+            f"the traced {type(module).__name__} differs from the model in eval mode (max "
+            f"difference {float((got - want).abs().max()):.3g}): its forward depends on "
+            "self.training (e.g. a functional dropout), which torch.export fixes at trace "
+            "time. Build it as an nn.Sequential of its blocks instead"
+        )
 
 
 def _check_io(pipe: Any) -> None:  # noqa: ANN401 - a pipelining Pipe
