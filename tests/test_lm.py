@@ -155,7 +155,7 @@ def test_lm_trains_on_python_source():
     model = build_transformer_lm(seq_len=32, d_model=64, n_heads=4, n_layers=2, dropout=0.0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(0)
-    steps, losses = 60, []
+    steps, losses = 40, []
     for _ in range(steps):
         idx = rng.choice(len(train), 32, replace=False)
         loss = lm_cross_entropy(
