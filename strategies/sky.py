@@ -40,6 +40,7 @@ from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
+from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import correct_count, ref
 from sky_flower.sky import planning, report
 from sky_flower.sky.benchmark import (
@@ -159,6 +160,9 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
     link_cache : dict[int, tuple[float, float, float]], optional
         Node id -> relay link timed by an earlier benchmark round on the same grid (not
         timed again; filled as links are timed).
+    input_dtype : str (default: "float32")
+        Dtype of the model's input (``"int64"`` for a language model's token ids): the
+        profile, the benchmark and the ``direct`` stage 0 build their probes of it.
     """
 
     def __init__(  # noqa: PLR0913
@@ -192,6 +196,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy,
         metric_fn: Callable[..., int] = correct_count,
         link_cache: dict[int, Link] | None = None,
+        input_dtype: str = "float32",
     ) -> None:
         _check_settings(allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds)
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
@@ -206,6 +211,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         self.runner_cls = RUNNERS[self.schedule.transport]
         self.runner_cls.check_schedule(self.schedule)
         self.model_fn, self.input_shape = model_fn, [int(s) for s in input_shape]
+        self.input_dtype = dtype_name(input_dtype)  # refuses an unknown dtype
         self.allocation, self.optimizer, self.lr, self.seed = allocation, optimizer, lr, seed
         self.local_epochs, self.steps_per_round = local_epochs, steps_per_round
         self.node_order, self.min_nodes = list(node_order), min_nodes
@@ -255,6 +261,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             direct_timeout_s=self.direct_timeout_s,
             direct_host=self.direct_host,
             direct_join_timeout_s=self.direct_join_timeout_s,
+            input_dtype=self.input_dtype,
             loss_fn=self.loss_fn,
             metric_fn=self.metric_fn,
             stop=self._stop,
@@ -281,7 +288,12 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         """Per-layer FLOPs and bytes of the model (computed once, on the server)."""
         if not self.layer_profiles:
             self.layer_profiles = planning.profile_model(
-                self.model_fn, self.input_shape, self.schedule, self.optimizer, self.lr
+                self.model_fn,
+                self.input_shape,
+                self.schedule,
+                self.optimizer,
+                self.lr,
+                self.input_dtype,
             )
         return self.layer_profiles
 
@@ -325,6 +337,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             self._names,
             seed=self.seed,
             link_cache=self.link_cache,
+            input_dtype=self.input_dtype,
         )
         found = bench.run(node_ids, self.node_order)
         self.node_profiles, self._ids = found.nodes, found.node_ids

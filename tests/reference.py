@@ -129,6 +129,7 @@ def reference_rounds(  # noqa: PLR0913
     *,
     optimizer: str = "adam",
     weights: dict[str, torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
     """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
     batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
@@ -157,6 +158,8 @@ def reference_rounds(  # noqa: PLR0913
         The optimizer (:data:`OPTIMIZERS`).
     weights : dict of str to Tensor, optional
         Initial state dict (default: ``model_fn()``'s own).
+    loss_fn : callable, optional
+        ``(output, labels) -> mean loss`` of a micro-batch (default cross-entropy).
 
     Returns
     -------
@@ -183,7 +186,7 @@ def reference_rounds(  # noqa: PLR0913
             chunks = zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
             for m, (xm, ym) in enumerate(chunks):  # randomness keyed as split stages key it
                 logits = forward_layers(model, xm, RngKey(seed, rnd, step), m)
-                loss = torch.nn.functional.cross_entropy(logits, ym) / microbatches
+                loss = (loss_fn or torch.nn.functional.cross_entropy)(logits, ym) / microbatches
                 loss.backward()
                 total += loss.item()
             opt.step()

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from sky_flower.pipeline.example import example_input
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -182,7 +184,8 @@ def profile_layers(
     make_optimizer : callable, optional
         ``params -> torch.optim.Optimizer``; default Adam.
     dtype : torch.dtype
-        Dtype of the probe input (float32).
+        Dtype of the probe input (float32; an integer dtype, e.g. token ids, gives zeros:
+        :func:`sky_flower.pipeline.example.example_input`).
 
     Returns
     -------
@@ -199,7 +202,7 @@ def profile_layers(
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
     layers = as_layers(model)
     make_optimizer = make_optimizer or default_optimizer_factory()
-    x = torch.randn(microbatch_size, *input_shape, dtype=dtype)
+    x = example_input(microbatch_size, input_shape, dtype)
     profiles: list[LayerProfile] = []
     for index, layer in enumerate(layers):
         x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
@@ -299,11 +302,13 @@ def time_layers(
     microbatch_size: int,
     warmup: int = 2,
     repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[float], list[float]]:
     """Time each layer's forward and backward pass on this machine.
 
     Runs every layer on a micro-batch of the configured shape, ``warmup`` untimed
-    passes then ``repeats`` timed ones, and returns the medians.
+    passes then ``repeats`` timed ones, and returns the medians. ``dtype`` is the input's
+    (as :func:`profile_layers`).
 
     Returns
     -------
@@ -314,7 +319,7 @@ def time_layers(
     import time
 
     layers = as_layers(model)
-    x = torch.randn(microbatch_size, *input_shape)
+    x = example_input(microbatch_size, input_shape, dtype)
     fwd_s: list[float] = []
     bwd_s: list[float] = []
     for index, layer in enumerate(layers):
@@ -322,7 +327,7 @@ def time_layers(
         b_times: list[float] = []
         y = None
         for rep in range(warmup + repeats):
-            x_in = x.detach().requires_grad_(index > 0)
+            x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
             t0 = time.perf_counter()
             y = layer(x_in)
             t1 = time.perf_counter()

@@ -28,6 +28,7 @@ ROUND_KEYS = (
     "predicted_step_time_s",
     "train_accuracy",
     "test_loss",
+    "test_perplexity",
     "steps",
     "round_time_s",
     "microbatches_per_message",

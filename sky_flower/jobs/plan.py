@@ -56,6 +56,7 @@ from sky_flower.core.profile import (
     time_layers,
 )
 from sky_flower.emulation.devices import expand_fleet
+from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.models import build_model
 
 MIB = 2**20
@@ -133,6 +134,7 @@ def _model_layers(
         input_shape=list(model_cfg["input_shape"]),
         microbatch_size=schedule.microbatch_size,
         make_optimizer=default_optimizer_factory(optimizer),
+        dtype=as_dtype(model_cfg.get("input_dtype")),
     )
     return layers, model
 
@@ -183,6 +185,7 @@ def _fleet_nodes(
             mb,
             warmup=int(cfg.benchmark.warmup),
             repeats=int(cfg.benchmark.repeats),
+            dtype=as_dtype(cfg.model.get("input_dtype")),
         )
         source = "host timing x (1 + slowdown)"
     else:

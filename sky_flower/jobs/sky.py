@@ -29,6 +29,7 @@ from sky_flower.jobs.common import (
     write_json,
 )
 from sky_flower.pipeline.data import Split, load_split
+from sky_flower.pipeline.lm import perplexity
 from sky_flower.pipeline.models import build_model
 from sky_flower.sky.settings import SkySettings
 
@@ -54,7 +55,8 @@ def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None
 
 
 def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
-    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``."""
+    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss",
+    "perplexity"}`` (perplexity = exp(mean loss), :func:`sky_flower.pipeline.lm.perplexity`)."""
     from flwr.app import ArrayRecord, MetricRecord
 
     x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
@@ -67,7 +69,7 @@ def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Cal
             out = model(x)
             loss = float(torch.nn.functional.cross_entropy(out, y))
             acc = float((out.argmax(1) == y).float().mean())
-        return MetricRecord({"accuracy": acc, "loss": loss})
+        return MetricRecord({"accuracy": acc, "loss": loss, "perplexity": perplexity(loss)})
 
     return evaluate
 
@@ -172,6 +174,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     strategy = SkyStrategy(
         model_fn=model_fn,
         input_shape=list(inputs["model_cfg"]["input_shape"]),
+        input_dtype=str(inputs["model_cfg"].get("input_dtype", "float32")),
         node_order=[n.name for n in fleet],
         min_nodes=len(fleet),
         on_event=on_event,

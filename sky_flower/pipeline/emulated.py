@@ -110,17 +110,33 @@ class EmulatedStage(nn.Module):
         """The next forward is micro-batch 0 of step ``key``."""
         self._key, self._microbatch = key, 0
 
-    def _end_backward(self, g: torch.Tensor) -> None:
+    def _end_backward(self, g: torch.Tensor | None) -> None:
         elapsed = time.perf_counter() - self._t_backward
         self.emulated.compute_s += elapsed
         if self.emulated.slowdown > 0:
             time.sleep(self.emulated.slowdown * elapsed)
-        if not self.is_first:
+        if not self.is_first and g is not None:
             time.sleep(self.emulated.send_prev_s(g.numel() * g.element_size()))
+
+    def _end_on_parameter_grads(self) -> None:
+        """An integer input (token ids) has no gradient: the backward ends when every
+        parameter's gradient of this micro-batch is computed."""
+        params = [p for p in self.inner.parameters() if p.requires_grad]
+        if not params or not torch.is_grad_enabled():
+            return
+        handle: list = []
+
+        def done(_grads: Any) -> None:  # noqa: ANN401 - autograd's gradients
+            handle[0].remove()
+            self._end_backward(None)
+
+        handle.append(torch.autograd.graph.register_multi_grad_hook(params, done))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B/M, ...) -> (B/M, ...)``, as ``inner``."""
-        if not x.requires_grad:  # stage 0: a leaf, so that the backward timing ends here
+        if not x.is_floating_point():
+            self._end_on_parameter_grads()
+        elif not x.requires_grad:  # stage 0: a leaf, so that the backward timing ends here
             x = x.detach().requires_grad_(torch.is_grad_enabled())
         if x.requires_grad:
             x = _BackwardEnd.apply(x, self._box)

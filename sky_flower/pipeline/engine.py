@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from sky_flower.pipeline.emulated import Emulated, EmulatedStage
+from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.pipeline.rendezvous import (
     _PEER_SIGNS,
@@ -89,6 +90,7 @@ def run_stage(  # noqa: PLR0913
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     rng: RngKey | None = None,
+    input_dtype: torch.dtype | str | None = None,
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -108,14 +110,16 @@ def run_stage(  # noqa: PLR0913
     steps : int
         Steps in the round.
     batch_size : int
-        ``B``, samples per step (the last stage receives ``(B,)`` labels).
+        ``B``, samples per step (the last stage receives the ``(B, ...)`` labels, their
+        dtype and shape sent with them: :func:`send_labels`).
     input_shape : sequence of int
         Shape of one sample of this stage's input (without the batch dimension). The
         stage is built with static shapes: ``torch.distributed.pipelining``'s runtime
         shape inference deadlocks on gloo in torch 2.13 (the last stage sends its
         backward metadata while stage 0 waits for its first activation send).
     batch_fn : callable, rank 0 only
-        ``step -> (x (B, ...) float32, labels (B,) int64)``: the data owner's batch.
+        ``step -> (x (B, ...), labels (B, ...))``: the data owner's batch (``x`` of
+        ``input_dtype``).
     emulated : Emulated, optional
         Fleet emulation (slowdown, link delay) of this stage.
     fault : callable, optional
@@ -129,6 +133,9 @@ def run_stage(  # noqa: PLR0913
     rng : RngKey, optional
         The run's seed and the round (its ``step`` is ignored: each step sets its own)
         of the layers' keyed random stream; default seed 0, round 0.
+    input_dtype : torch.dtype or str, optional
+        Dtype of this stage's input (default float32; int64 for the token ids entering
+        a language model's first stage).
 
     Returns
     -------
@@ -144,8 +151,9 @@ def run_stage(  # noqa: PLR0913
     """
     _check(kind, rdv.rank, batch_fn, batch_size, microbatches)
     rank, S = rdv.rank, rdv.world_size
-    example = torch.zeros(batch_size // microbatches, *[int(d) for d in input_shape])
-    example.requires_grad_(rank > 0)  # static shapes: requires_grad decides what is sent back
+    example = example_input(batch_size // microbatches, input_shape, input_dtype)
+    # static shapes: requires_grad decides what is sent back
+    example.requires_grad_(rank > 0 and example.is_floating_point())
     emulated = emulated or Emulated()
     wrapped = EmulatedStage(module, emulated, is_first=rank == 0, is_last=rank == S - 1)
     rng = rng or RngKey()
@@ -236,10 +244,9 @@ def _step(  # noqa: PLR0913
     if rank == 0:
         x, labels = batch_fn(step)  # type: ignore[misc]
         if S > 1:
-            label_work = dist.isend(labels.contiguous(), dst=S - 1, tag=LABEL_TAG)
+            label_work = send_labels(labels, S - 1)
     if is_last and S > 1:
-        labels = torch.empty(batch_size, dtype=torch.int64)
-        dist.recv(labels, src=0, tag=LABEL_TAG)
+        labels = recv_labels(0)
     losses: list[torch.Tensor] = []
     if rank == 0:
         out = schedule.step(x, target=labels if is_last else None, losses=losses)
@@ -248,9 +255,47 @@ def _step(  # noqa: PLR0913
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    if label_work is not None:
-        label_work.wait()
+    for work in label_work or []:
+        work.wait()
     if is_last:
         result.losses.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
         result.correct += int((metric_fn or correct_count)(out.detach(), labels))
-        result.samples += int(labels.shape[0])
+        result.samples += int(labels.numel())  # labels counted: tokens for an LM
+
+
+LABEL_DTYPES = (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool)
+_HEADER = 8  # dtype code, ndim, up to 6 dimensions
+
+
+def send_labels(labels: torch.Tensor, dst: int) -> list:
+    """Send a step's labels (any shape of up to 6 dimensions, a dtype of
+    :data:`LABEL_DTYPES`) to rank ``dst``: a header (dtype, shape), then the labels.
+    Returns the two pending sends (wait on each).
+
+    Raises
+    ------
+    ValueError
+        On a dtype outside :data:`LABEL_DTYPES` or more than 6 dimensions.
+    """
+    if labels.dtype not in LABEL_DTYPES or labels.dim() > _HEADER - 2:
+        raise ValueError(
+            f"labels of dtype {labels.dtype} and shape {tuple(labels.shape)} cannot travel: "
+            f"use one of {LABEL_DTYPES} with at most {_HEADER - 2} dimensions"
+        )
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = LABEL_DTYPES.index(labels.dtype), labels.dim()
+    header[2 : 2 + labels.dim()] = torch.tensor(labels.shape, dtype=torch.int64)
+    return [
+        dist.isend(header, dst=dst, tag=LABEL_TAG + 1),
+        dist.isend(labels.contiguous(), dst=dst, tag=LABEL_TAG),
+    ]
+
+
+def recv_labels(src: int) -> torch.Tensor:
+    """Receive labels sent by :func:`send_labels` from rank ``src``."""
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.recv(header, src=src, tag=LABEL_TAG + 1)
+    ndim = int(header[1])
+    labels = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=LABEL_DTYPES[int(header[0])])
+    dist.recv(labels, src=src, tag=LABEL_TAG)
+    return labels

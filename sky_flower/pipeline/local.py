@@ -17,6 +17,7 @@ from torch import nn
 
 from sky_flower.pipeline.emulated import Emulated
 from sky_flower.pipeline.engine import StageResult, run_stage
+from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.rendezvous import DirectStageError, Rendezvous, RoundHost
 
 
@@ -56,6 +57,7 @@ def _local_worker(  # noqa: PLR0913
             input_shape,
             batch_fn=(lambda s: batches[s]) if batches is not None else None,
             emulated=Emulated(slowdown=slowdown),
+            input_dtype=batches[0][0].dtype if batches is not None else None,
         )
         state = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
         queue.put((rdv.rank, res, state))  # type: ignore[attr-defined]
@@ -110,8 +112,9 @@ def run_local(  # noqa: PLR0913
     ctx = mp.get_context("spawn")
     S = len(bounds)
     slowdowns = list(slowdowns or [0.0] * S)
+    dtype = batches[0][0].dtype
     shapes = stage_input_shapes(
-        lambda: build_model_cfg(model_cfg), tuple(batches[0][0].shape[1:]), bounds
+        lambda: build_model_cfg(model_cfg), tuple(batches[0][0].shape[1:]), bounds, dtype
     )
     queue = ctx.Queue()
     procs = []
@@ -192,10 +195,12 @@ def stage_input_shapes(
     model_fn: Callable[[], nn.Module],
     input_shape: Sequence[int],
     bounds: Sequence[tuple[int, int]],
+    input_dtype: torch.dtype | str | None = None,
 ) -> list[tuple[int, ...]]:
     """Per-sample input shape of each stage ``(first, last)`` of a layered model.
 
-    Runs the model's layers on the meta device (no memory, no compute).
+    Runs the model's layers on the meta device (no memory, no compute), on an input of
+    ``input_dtype`` (default float32; int64 for token ids).
 
     Returns
     -------
@@ -206,7 +211,7 @@ def stage_input_shapes(
 
     with torch.device("meta"):
         layers = as_layers(model_fn())
-        h = torch.zeros(2, *[int(d) for d in input_shape])  # 2: BatchNorm in train mode
+        h = example_input(2, input_shape, input_dtype)  # 2: BatchNorm in train mode
         shapes = []
         for first, last in bounds:
             shapes.append(tuple(int(d) for d in h.shape[1:]))

@@ -392,9 +392,12 @@ def run_split_step(
     x: torch.Tensor,
     labels: torch.Tensor,
     key: RngKey | None = None,
+    loss_fn: LossFn | None = None,
+    metric_fn: MetricFn | None = None,
 ) -> float:
     """One training step through a chain of stages in one process (the relay protocol's
-    logic without the transport): forward through all, loss at the last, backward.
+    logic without the transport): forward through all, loss at the last (``loss_fn``,
+    ``metric_fn`` as :meth:`StageExecutor.forward_backward_loss`), backward.
     Returns the batch loss. Used by tests and as the reference for the transports.
 
     ``key`` (default: each stage's own, :class:`StageExecutor`) keys the step's random
@@ -409,7 +412,9 @@ def run_split_step(
     for st in stages[:-1]:
         inputs.append(h)
         h = st.forward(h)
-    g, loss, _ = stages[-1].forward_backward_loss(h, labels, input_grad=len(stages) > 1)
+    g, loss, _ = stages[-1].forward_backward_loss(
+        h, labels, len(stages) > 1, loss_fn=loss_fn, metric_fn=metric_fn
+    )
     for k in range(len(stages) - 2, -1, -1):
         g = stages[k].backward(inputs[k], g, input_grad=k > 0)
     return loss

@@ -110,6 +110,8 @@ class BenchmarkRound:
     link_cache : dict[int, Link], optional
         Node id -> timed link; a node found there is not timed again (benchmarks that
         run several strategies on one grid).
+    input_dtype : str
+        Dtype of the model's input (``"int64"`` for token ids).
     """
 
     def __init__(  # noqa: PLR0913
@@ -124,8 +126,10 @@ class BenchmarkRound:
         names: dict[int, str],
         seed: int = 0,
         link_cache: dict[int, Link] | None = None,
+        input_dtype: str = "float32",
     ) -> None:
         self.ex, self.layers, self.schedule = exchange, list(layers), schedule
+        self.input_dtype = input_dtype
         self.input_shape, self.optimizer, self.lr = list(input_shape), optimizer, lr
         self.settings, self.names = settings, names
         self.rng = np.random.default_rng(seed)
@@ -180,6 +184,7 @@ class BenchmarkRound:
             repeats=self.settings.repeats,
             optimizer=self.optimizer,
             lr=self.lr,
+            input_dtype=self.input_dtype,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, "benchmark")]

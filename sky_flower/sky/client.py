@@ -57,6 +57,7 @@ from sky_flower.core.profile import (
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.data import Split
+from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import protocol as P
@@ -275,6 +276,7 @@ class SkyClient:
             req.microbatch_size,
             warmup=req.warmup,
             repeats=req.repeats,
+            dtype=as_dtype(req.input_dtype),
         )
         factor = 1.0 + emu.slowdown
         step_s: list[float] = [0.0] * len(fwd)
@@ -356,7 +358,7 @@ class SkyClient:
             )
             compute = time.perf_counter() - t0
             self._keep(context, ex, grp.step, done, st.microbatches)
-            n = int(labels.shape[0])
+            n = int(labels.numel())  # labels counted: tokens for an LM (accuracy = correct / n)
             out[P.METRICS] = P.StepMetrics(loss, correct, n, compute).to_record()
         else:
             y = ex.forward(x)

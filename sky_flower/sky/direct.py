@@ -102,7 +102,9 @@ class DirectRunner(Runner):
         full = arrays.to_torch_state_dict()
         stages = plan.plan.stages
         bounds = [(st.first_layer, st.last_layer) for st in stages]
-        shapes = stage_input_shapes(self.s.model_fn, list(self.s.input_shape), bounds)
+        shapes = stage_input_shapes(
+            self.s.model_fn, list(self.s.input_shape), bounds, self.s.input_dtype
+        )
 
         def link(k: int) -> tuple[float, float]:
             return plan.links[k] if 0 <= k < len(stages) else (0.0, 0.0)
@@ -118,6 +120,7 @@ class DirectRunner(Runner):
                 steps=steps,
                 input_shape=tuple(shapes[k]),
                 node_id=plan.node_ids[k],
+                input_dtype=self.s.input_dtype if k == 0 else "float32",  # activations
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}

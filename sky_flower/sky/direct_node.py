@@ -121,6 +121,7 @@ def run_direct_stage(  # noqa: PLR0913
             steps=cfg.steps,
             batch_size=st.batch_size,
             input_shape=list(cfg.input_shape),
+            input_dtype=cfg.input_dtype,
             batch_fn=batch_fn if rdv.rank == 0 else None,
             emulated=emulated(emu, cfg.links),
             fault=faults.step_hook(),

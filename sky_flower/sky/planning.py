@@ -17,6 +17,7 @@ from sky_flower.core.federated import steps_in_round  # noqa: F401  (the rule li
 from sky_flower.core.partition import METHODS, Plan, feasible_bounds, partition
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
+from sky_flower.pipeline.example import as_dtype
 from sky_flower.sky.runner import Pipeline
 
 
@@ -26,10 +27,16 @@ def profile_model(
     schedule: Schedule,
     optimizer: str,
     lr: float,
+    input_dtype: str = "float32",
 ) -> list[LayerProfile]:
-    """Per-layer FLOPs and bytes of the model at the schedule's micro-batch size."""
+    """Per-layer FLOPs and bytes of the model at the schedule's micro-batch size, on an
+    input of ``input_dtype`` (int64 for token ids)."""
     return profile_layers(
-        model_fn(), list(input_shape), schedule.microbatch_size, _opt_factory(optimizer, lr)
+        model_fn(),
+        list(input_shape),
+        schedule.microbatch_size,
+        _opt_factory(optimizer, lr),
+        dtype=as_dtype(input_dtype),
     )
 
 

@@ -310,6 +310,7 @@ class ProfileRequest(Record):
     repeats: int
     optimizer: str | None = None
     lr: float = 0.0
+    input_dtype: str = "float32"  # of the model's input (int64 for token ids)
 
 
 @dataclass(frozen=True)
@@ -369,6 +370,7 @@ class DirectConfig(Record):
     steps: int
     input_shape: tuple[int, ...]
     node_id: int
+    input_dtype: str = "float32"  # of this stage's input (the model's input on stage 0)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ class RelayRunner(Runner):
                 raise ex.fail(f"{ex.name(src)} sent {shape[0]} activations, not {rows}", [src])
             st.acts[(k + 1, g)], st.in_shape[(k + 1, g)] = act, shape
             if k == 0:
-                st.labels[g] = take(ex, reply, P.LABELS, (rows,))
+                st.labels[g] = take(ex, reply, P.LABELS, (rows,), leading=True)
         elif op == "F":  # last stage: loss and backward done
             m = metrics(ex, reply)
             st.loss, st.correct, st.seen = st.loss + m.loss, st.correct + m.correct, st.seen + m.n
@@ -215,10 +215,16 @@ def stage_config(s: RunSettings, k: int, first: int, last: int, server_round: in
 
 
 def take(
-    ex: Exchange, reply: Message, key: str, shape: tuple[int, ...] | None = None
+    ex: Exchange,
+    reply: Message,
+    key: str,
+    shape: tuple[int, ...] | None = None,
+    leading: bool = False,
 ) -> ArrayRecord:
     """Array record ``key`` of a stage's reply, checked: present, holding array ``key``,
-    of ``shape`` when given (a malformed reply fails the round by name).
+    of ``shape`` when given (with ``leading``: of a shape that starts with ``shape``,
+    e.g. ``(B, T)`` labels of a language model against ``(B,)``; a malformed reply
+    fails the round by name).
 
     Raises
     ------
@@ -231,7 +237,8 @@ def take(
         raise ex.fail(
             f"{ex.name(src)}: reply to {reply.metadata.message_type} lacks {key!r}", [src]
         )
-    if shape is not None and tuple(rec[key].shape) != tuple(shape):
+    got = tuple(rec[key].shape)
+    if shape is not None and (got[: len(shape)] if leading else got) != tuple(shape):
         raise ex.fail(
             f"{ex.name(src)}: {key!r} has shape {tuple(rec[key].shape)}, expected {tuple(shape)}",
             [src],

@@ -98,6 +98,7 @@ class RunSettings:
     direct_timeout_s: float = 30.0
     direct_host: str = "127.0.0.1"
     direct_join_timeout_s: float = 60.0
+    input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
     stop: threading.Event = field(default_factory=threading.Event)

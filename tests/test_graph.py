@@ -1,0 +1,219 @@
+"""Non-Sequential models cut at module boundaries by torch.distributed.pipelining
+(sky_flower/pipeline/graph.py): the converted nn.Sequential is the model."""
+
+import pytest
+import torch
+from torch import nn
+
+from sky_flower.core.profile import profile_layers
+from sky_flower.pipeline.graph import as_sequential, original_state_dict, sequential_of
+from sky_flower.pipeline.stage import StageExecutor, build_stage, run_split_step, slice_state
+
+
+class ResidualMLP(nn.Module):
+    """A skip connection across two children (``b`` and ``c``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.d = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.d(self.c(torch.relu(self.b(h))) + h)
+
+
+class DictNet(nn.Module):
+    """Submodules in an ``nn.ModuleDict`` (never called itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.blocks = nn.ModuleDict({"p": nn.Linear(16, 16), "q": nn.Linear(16, 16)})
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        for key in ("p", "q"):
+            h = torch.relu(self.blocks[key](h))
+        return self.head(h)
+
+
+class TiedLM(nn.Module):
+    """A head tied to the embedding: one parameter at both ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(10, 8), nn.Linear(8, 8)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.mid(self.emb(ids))))
+
+
+def _assert_same_function(model, seq, x):
+    """Outputs and parameter gradients of ``seq`` equal ``model``'s within 1e-6."""
+    y, y_seq = model(x), seq(x)
+    torch.testing.assert_close(y_seq, y, rtol=0, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_seq.backward(g)
+    grads = {k: p.grad for k, p in seq.named_parameters()}
+    mapped = original_state_dict(grads)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(mapped[k], p.grad, rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize(
+    ("make", "units", "names"),
+    [
+        (ResidualMLP, 3, [["a"], ["b", "c"], ["d"]]),  # the skip's cut is merged away
+        (DictNet, 4, [["enc"], ["blocks.p"], ["blocks.q"], ["head"]]),
+    ],
+)
+def test_converted_model_equals_the_original(make, units, names):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(5, 8)
+    seq = as_sequential(model, x)
+    assert isinstance(seq, nn.Sequential) and len(seq) == units
+    for unit, expected in zip(seq, names, strict=True):
+        held = {k.rsplit(".", 1)[0] for k, _ in unit.named_parameters()}
+        assert held == set(expected)
+    _assert_same_function(model, seq, x)
+
+
+def test_state_dict_maps_back_to_the_users_module():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    seq = as_sequential(ResidualMLP(), x)
+    with torch.no_grad():  # "train" the converted model
+        for p in seq.parameters():
+            p.add_(torch.randn_like(p))
+    user = ResidualMLP()
+    user.load_state_dict(original_state_dict(seq.state_dict()), strict=True)
+    torch.testing.assert_close(user(x), seq(x), rtol=0, atol=1e-6)
+
+
+def test_chosen_split_points_and_merging():
+    x = torch.randn(4, 8)
+    seq = as_sequential(DictNet(), x, ["blocks.q"])
+    assert len(seq) == 2
+    # every cut of the residual MLP inside the skip is merged: one unit before, one after
+    seq = as_sequential(ResidualMLP(), x, ["c"])
+    assert len(seq) == 1
+
+
+def test_tied_parameter_is_never_split():
+    torch.manual_seed(0)
+    model, ids = TiedLM(), torch.randint(0, 10, (3, 5))
+    seq = as_sequential(model, ids)
+    assert len(seq) == 1  # every cut would split the tied weight: merged
+    assert seq[0].emb.weight is seq[0].out.weight
+    _assert_same_function(model, seq, ids)
+
+
+def test_split_execution_of_a_converted_model_equals_the_original():
+    """The converted model on the in-process split path (meta build, stage weights)."""
+    torch.manual_seed(0)
+    model, x = DictNet(), torch.randn(8, 8)
+    y = torch.randint(0, 3, (8,))
+
+    def model_fn():
+        return as_sequential(DictNet(), torch.randn(2, 8))
+
+    state = {f"{k}": v for k, v in as_sequential(model, x).state_dict().items()}
+    stages = []
+    for a, b in [(0, 1), (2, 3)]:
+        module = build_stage(model_fn, a, b, slice_state(state, a, b))
+        stages.append(StageExecutor(module, torch.optim.SGD(module.parameters(), lr=1.0), 2))
+    run_split_step(stages, x, y)
+    for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True):
+        (nn.functional.cross_entropy(model(xm), ym) / 2).backward()
+    split = original_state_dict({k: v for st in stages for k, v in st.module.state_dict().items()})
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(split[k], p.detach() - p.grad, rtol=0, atol=1e-6, msg=k)
+
+
+def test_profile_of_a_converted_model():
+    seq = as_sequential(DictNet(), torch.randn(2, 8))
+    profiles = profile_layers(seq, (8,), microbatch_size=4)
+    assert [p.act_out_bytes for p in profiles] == [64, 64, 64, 12]
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class WithDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop = nn.Linear(4, 4), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.a(x))
+
+
+def test_refusals_are_clear():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"drop \(Dropout\).*train and eval"):
+        as_sequential(WithDropout(), x)
+    with pytest.raises(ValueError, match=r"nn.BatchNorm1d|BatchNorm1d"):
+        as_sequential(nn.ModuleDict({"bn": nn.BatchNorm1d(4)}), x)
+    with pytest.raises(ValueError, match="returns 2 values"):
+        as_sequential(TwoOut(), x)
+    with pytest.raises(ValueError, match="not submodules"):
+        as_sequential(ResidualMLP(), torch.randn(2, 8), ["nope"])
+    with pytest.raises(ValueError, match="never called"):
+        as_sequential(DictNet(), torch.randn(2, 8), ["blocks"])
+
+
+def test_sequential_of_builds_its_own_example():
+    seq = sequential_of(TiedLM(), [5], "int64")
+    assert seq(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 10)
+
+
+class Flatten(nn.Module):
+    """A reshape by the batch size: traced with a dynamic batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_units_take_any_batch_size(batch):
+    model = Flatten()
+    seq = as_sequential(model, torch.randn(2, 2, 8))
+    assert len(seq) == 2
+    x = torch.randn(batch, 2, 8)
+    torch.testing.assert_close(seq(x), model(x), rtol=0, atol=1e-6)
+
+
+def test_a_batch_of_one_is_refused_as_example():
+    with pytest.raises(ValueError, match="at least 2"):
+        as_sequential(Flatten(), torch.randn(1, 2, 8))
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(nn.functional.dropout(self.a(x), 0.5, self.training))
+
+
+def test_a_forward_that_reads_the_mode_is_refused():
+    with pytest.raises(ValueError, match="differs from the model in eval mode"):
+        as_sequential(FunctionalDropout(), torch.randn(8, 4))
