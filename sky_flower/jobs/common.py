@@ -337,14 +337,18 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     ValueError
         Naming the key: a planning-only model, a bad ``model._target_`` or
         ``dataset._target_``, samples of another shape than ``model.input_shape``, a
-        loss or metric that fails on the model's output, or (``transport=direct``)
+        layer split training cannot run (:func:`sky_flower.core.profile.check_layers`
+        names it), a loss or metric that fails on the model's output, or
+        (``transport=direct``)
         labels that are not int64 class indices ``(n,)``.
     """
+    import copy
     from functools import partial
 
     import torch
     from omegaconf import OmegaConf
 
+    from sky_flower.core.profile import check_layers
     from sky_flower.pipeline.data import load_dataset
     from sky_flower.pipeline.models import build_model
     from sky_flower.pipeline.objective import check_objective
@@ -369,6 +373,8 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
             f"of shape {sample}: set model.input_shape={sample} or choose the matching dataset"
         )
     loss_fn, metric_fn = settings.objective.functions()
+    mb = settings.schedule.batch_size // max(1, settings.schedule.microbatches)
+    check_layers(copy.deepcopy(model), torch.as_tensor(train.x[:2]), mb)  # names the layer
     check_objective(
         model, torch.as_tensor(train.x[:2]), torch.as_tensor(train.y[:2]), loss_fn, metric_fn
     )

@@ -238,6 +238,22 @@ def build_model(cfg: Mapping) -> nn.Module:
         raise ValueError(
             f"model._target_={target} returned {type(model).__name__}, not an nn.Module"
         )
+    return without_inplace_entries(model)
+
+
+def without_inplace_entries(model: nn.Module) -> nn.Module:
+    """``model`` with ``inplace=False`` on every top-level entry that has an ``inplace``
+    flag (``nn.ReLU(inplace=True)`` after a BatchNorm entry, the torchvision pattern).
+
+    A cut may fall before any entry, and there the entry's input is the activation the
+    stage received, which autograd may not modify in place; out of place the entry
+    computes the same function. Entries inside a block are left as they are (their input
+    is the block's own intermediate). Returns ``model`` itself (changed in place).
+    """
+    if isinstance(model, nn.Sequential):
+        for entry in model:
+            if getattr(entry, "inplace", False) is True:
+                entry.inplace = False  # type: ignore[assignment]
     return model
 
 
@@ -260,6 +276,7 @@ def call_target(group: str, target: str, kwargs: Mapping[str, Any]) -> Any:  # n
         return instantiate({"_target_": target, **kwargs}, _convert_="all")
     except InstantiationException as err:
         why = str(err).replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception", "")
+        why = " ".join(why.split())  # one line
         raise ValueError(f"{group}._target_={target}: {why}") from err
     except (TypeError, ValueError, ImportError, AttributeError) as err:
         raise ValueError(f"{group}._target_={target} failed: {err}") from err
