@@ -327,3 +327,27 @@ def test_regression_trains_end_to_end(server_identity, capsys):
     # the nearest digit, chance is about 0.1
     assert row["test_loss"] < 3.0
     assert row["test_accuracy"] > 0.2
+
+
+# ---- the Flower app: hydra_parts and the run config's loss / metric ----------------------
+
+
+def test_flower_app_parts_and_run_config_objective():
+    from sky_flower.app import hydra_parts, sky_strategy, validate_run_config
+
+    parts = hydra_parts(["model=cnn_bn"])
+    assert parts.input_shape == [64] and len(parts.model_fn()) == 5
+    a, b = parts.load_data(0, 2), parts.load_data(1, 2)
+    assert len(a) + len(b) == 1437 and not set(map(bytes, a.x)) & set(map(bytes, b.x))
+    user = hydra_parts(["~model", "+model._target_=test_models.user_net", "+model.width=8"])
+    assert user.input_shape == [64] and user.model_fn()[0].out_features == 8
+    regression = {"loss": "sky_flower.pipeline.objective:mse", "metric": "m:n"}
+    with pytest.raises(ValueError, match=r"run config metric: cannot import 'm:n'"):
+        validate_run_config(regression)
+    regression["metric"] = "sky_flower.pipeline.objective:rounded_correct"
+    strategy = sky_strategy(
+        {"fleet": "edge3", **regression}, model_fn=lambda: build_mlp(64, 8, 3, 1), input_shape=[64]
+    )
+    assert (strategy.loss_fn, strategy.metric_fn) == (mse, rounded_correct)
+    with pytest.raises(ValueError, match=r"run config loss must be \"module:qualname\""):
+        validate_run_config({"loss": "mse"})
