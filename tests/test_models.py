@@ -122,6 +122,8 @@ def test_model_and_dataset_refusals_name_the_key():
         build_model(OmegaConf.to_container(make_cfg(["model.name=cnn_bn"]).model))
     with pytest.raises(ValueError, match=r"unknown model 'conv'.*model=<name>.*_target_"):
         build_model({"name": "conv"})
+    with pytest.raises(ValueError, match=r"model\.name=conv does not.*model=<one of mlp, cnn"):
+        build_model(OmegaConf.to_container(make_cfg(["model.name=conv"]).model))
     with pytest.raises(ValueError, match=r"returned int, not an nn.Module"):
         build_model({"_target_": "builtins.int"})
     with pytest.raises(ValueError, match=r"dataset\._target_=test_models\.not_a_loader"):

@@ -213,9 +213,10 @@ def build_model(cfg: Mapping) -> nn.Module:
     ------
     ValueError
         Naming the key: on a config without ``_target_`` whose ``name`` is not ``mlp``,
-        on ``model.name=<shipped>`` that contradicts the config's ``_target_`` (choose a
-        model with ``model=<name>``), on a ``_target_`` that cannot be imported or called
-        with the given arguments, or one that returns no ``nn.Module``.
+        on a ``name`` that contradicts a shipped ``_target_`` (``model.name=cnn_bn`` on
+        the MLP's config: choose a model with ``model=<name>``), on a ``_target_`` that
+        cannot be imported or called with the given arguments, or one that returns no
+        ``nn.Module``.
     """
     cfg = dict(cfg)
     name, target = cfg.get("name"), cfg.pop("_target_", None)
@@ -227,10 +228,12 @@ def build_model(cfg: Mapping) -> nn.Module:
                 "<module.function>"
             )
         target = SHIPPED["mlp"]
-    elif name in SHIPPED and target in SHIPPED.values() and SHIPPED[name] != target:
+    elif name is not None and target in SHIPPED.values() and SHIPPED.get(name) != target:
+        choice = name if name in SHIPPED else f"<one of {', '.join(MODELS)}>"
         raise ValueError(
-            f"model.name={name} does not choose the model (model._target_ is {target}): "
-            f"write model={name} instead"
+            f"model.name={name} does not choose the model (model._target_ is {target}; "
+            f"name is a label): write model={choice}, or model._target_=<module.function> "
+            "for your own"
         )
     kwargs = {k: v for k, v in cfg.items() if k not in MODEL_META_KEYS}
     model = call_target("model", target, kwargs)
