@@ -353,3 +353,18 @@ def test_flower_app_parts_and_run_config_objective():
     assert (strategy.loss_fn, strategy.metric_fn) == (mse, rounded_correct)
     with pytest.raises(ValueError, match=r"run config loss must be \"module:qualname\""):
         validate_run_config({"loss": "mse"})
+
+
+@pytest.mark.simulation
+def test_cnn_bn_job_in_the_simulation_engine(tmp_path, no_leftover_processes, capsys):
+    from sky_flower.run import run_job
+
+    cfg = make_cfg(
+        [*FAST, "model=cnn_bn", "schedule.batch_size=64", "train.lr=0.003", "train.local_epochs=2"]
+    )
+    results = run_job(cfg, tmp_path)
+    with capsys.disabled():
+        print(f"\ncnn_bn in the simulation engine: {results['final_test_accuracy']:.4f}")
+    assert results["error"] is None and results["completed"] is not False
+    assert results["final_test_accuracy"] > 0.9
+    assert (tmp_path / "model.pt").exists()

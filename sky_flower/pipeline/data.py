@@ -137,6 +137,30 @@ def owner_partition(train: Split, owner_index: int, num_owners: int, seed: int =
     return Split(train.x[part], train.y[part])
 
 
+def owner_split(
+    dataset: str | Mapping,
+    owner_index: int,
+    num_owners: int,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+) -> Split:
+    """Data owner ``owner_index``'s IID partition (of ``num_owners``) of the train split of
+    ``dataset``: a data set config (``conf/dataset/*.yaml``, loaded by
+    :func:`load_dataset`, the server's call, so every node gets the same split) or, the
+    old spelling, a name (``"digits"``) with ``test_fraction``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`load_dataset` and :func:`owner_partition`.
+    """
+    spec = dict(dataset) if isinstance(dataset, Mapping) else {"name": dataset}
+    if not isinstance(dataset, Mapping):
+        spec["test_fraction"] = test_fraction
+    train, _ = load_dataset(spec, seed)
+    return owner_partition(train, owner_index, num_owners, seed)
+
+
 def batch_indices(n: int, batch_size: int, epoch: int, seed: int = 0) -> np.ndarray:
     """Shuffled indices of epoch ``epoch`` as ``(n // batch_size, batch_size)`` (last
     incomplete batch dropped, so every step has ``batch_size`` samples)."""

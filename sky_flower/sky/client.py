@@ -36,7 +36,7 @@ handlers (failure tests).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -474,24 +474,13 @@ def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:
 
 def owner_data_fn(
     fleet: list[Emulation],
-    dataset: str | Mapping = "digits",
+    dataset: str | dict = "digits",
     test_fraction: float = 0.2,
     seed: int = 0,
 ) -> Callable[[Context], Split | None]:
-    """This node's partition of the train split if it is a data owner (IID across owners).
+    """This node's partition if it is a data owner (``pipeline.data.owner_split``)."""
+    from sky_flower.pipeline.data import owner_split
 
-    ``dataset`` is a data set config (``conf/dataset/*.yaml``: its ``_target_`` loader,
-    :func:`sky_flower.pipeline.data.load_dataset`, the same call as the server's, so every
-    node gets the same split) or, the old spelling, a name (``"digits"``) with
-    ``test_fraction``.
-    """
-    from sky_flower.pipeline.data import load_dataset, owner_partition
-
-    spec = (
-        dict(dataset)
-        if isinstance(dataset, Mapping)
-        else {"name": dataset, "test_fraction": test_fraction}
-    )
     owners = [n.name for n in fleet if n.holds_data]
     cache: dict[str, Split] = {}
 
@@ -499,9 +488,9 @@ def owner_data_fn(
         emu = fleet_emulation(fleet)(context)
         if not emu.holds_data:
             return None
-        if emu.name not in cache:
-            train, _ = load_dataset(spec, seed)
-            cache[emu.name] = owner_partition(train, owners.index(emu.name), len(owners), seed)
+        if emu.name not in cache:  # the same seeded split as the server's
+            i, n = owners.index(emu.name), len(owners)
+            cache[emu.name] = owner_split(dataset, i, n, seed, test_fraction)
         return cache[emu.name]
 
     return load
