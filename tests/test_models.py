@@ -146,9 +146,9 @@ def test_model_and_dataset_refusals_name_the_key():
         (["objective.loss=cross_entropy"], None, None, r"objective\.loss must be"),
         # float labels with cross-entropy: refused before Flower, naming the key
         (["dataset.float_labels=true"], None, None, r"objective\.loss=.*cross_entropy fails"),
-        (["objective=regression"], None, None, r"objective\.loss=.*mse fails.*\(2, 10\)"),
+        (["task=regression"], None, None, r"objective\.loss=.*mse fails.*\(2, 10\)"),
         (
-            ["objective=regression", "dataset.float_labels=true", "transport=direct"],
+            ["task=regression", "dataset.float_labels=true", "transport=direct"],
             {**USER_MODEL, "num_classes": 1},
             None,
             r"transport=direct sends int64 class labels.*float32.*transport=relay",
@@ -309,7 +309,7 @@ def test_regression_trains_end_to_end(server_identity, capsys):
     cfg = _cfg(
         [
             *FAST,
-            "objective=regression",
+            "task=regression",
             "dataset.float_labels=true",
             "model.num_classes=1",
             "model.hidden_width=64",

@@ -5,7 +5,7 @@ Classification is the default: ``torch.nn.functional.cross_entropy`` as the loss
 :func:`correct_count` as the metric. A user model with another objective passes its own
 functions to :class:`sky_flower.strategies.sky.SkyStrategy` (``loss_fn``,
 ``metric_fn``), or names them in the Hydra job (``objective.loss``, ``objective.metric``,
-the ``objective`` group: ``classification``, ``regression``, ``lm``) or the run config
+the ``task`` group: ``classification``, ``regression``, ``lm``) or the run config
 (``loss``, ``metric``); they must be module-level functions importable on every node.
 :func:`check_objective` tries them on the model's output before any node is contacted.
 """

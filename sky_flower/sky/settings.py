@@ -128,7 +128,7 @@ REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.sp
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """The last stage's loss and metric, by reference (``"module:qualname"``, imported on
-    every node; :mod:`sky_flower.pipeline.objective`). Hydra: the ``objective`` group."""
+    every node; :mod:`sky_flower.pipeline.objective`). Hydra: the ``task`` group."""
 
     loss: str = _setting("torch.nn.functional:cross_entropy", "loss", "objective.loss", REFERENCE)
     metric: str = _setting(
