@@ -140,7 +140,7 @@ def check_objective(
     try:
         loss = loss_fn(out, labels)
         ok = torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad
-        if not ok or not math.isfinite(float(loss)):
+        if not ok or not math.isfinite(float(loss.detach())):
             raise ValueError(f"it returned {loss!r}, not a finite scalar tensor with a gradient")
         loss.backward()
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
