@@ -289,14 +289,14 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize(
     ("overrides", "model", "target"),
     [
-        (["model=cnn_bn", "train.lr=0.003", "train.local_epochs=2"], None, 0.9),
-        (["model=resnet", "train.lr=0.003", "train.local_epochs=2"], None, 0.9),
-        (["train.lr=0.003", "train.local_epochs=2"], USER_MODEL, 0.9),
+        (["model=cnn_bn", "train.lr=0.005", "train.local_epochs=2"], None, 0.9),
+        (["model=resnet", "train.lr=0.005", "train.local_epochs=2"], None, 0.9),
+        (["train.lr=0.01", "train.local_epochs=2"], USER_MODEL, 0.9),
     ],
     ids=["cnn_bn", "resnet", "user_target"],
 )
 def test_model_trains_end_to_end(overrides, model, target, server_identity, capsys):
-    cfg = _cfg([*FAST, "schedule.batch_size=64", *overrides], model)
+    cfg = _cfg([*FAST, "schedule.batch_size=128", *overrides], model)
     inputs, rounds = _train_in_process(cfg)
     (row,) = rounds
     with capsys.disabled():
