@@ -21,6 +21,12 @@ order and, in simulation, node ``i``'s device), ``transport`` (``relay`` | ``dir
 :func:`validate_run_config` refuses an unknown key or value, listing the valid choices,
 before any node is contacted.
 
+Your own model, data and objective in a Flower app: pass them to both calls (``model_fn``,
+``load_data``, ``loss_fn`` / ``metric_fn``), or take the Hydra job's by ``_target_`` with
+:func:`hydra_parts` (``hydra_parts(["model=cnn_bn"])``: the same configs, the same data
+on every node as ``python -m sky_flower.run``); the run config's ``loss`` and ``metric``
+name the objective by reference.
+
 Node config (``flower-supernode --node-config``): ``sky-node=<name>`` names the node; its
 emulated device is ``sky-holds-data``, ``sky-slowdown``, ``sky-memory-mb``,
 ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (the fleet file's keys, see
@@ -32,7 +38,7 @@ config's ``fleet``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -205,6 +211,56 @@ def sky_strategy(
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in nodes],
     )
     return strategy
+
+
+@dataclass(frozen=True)
+class HydraParts:
+    """A Hydra config's model, data and objective, for :func:`register_sky_client` and
+    :func:`sky_strategy` (see :func:`hydra_parts`)."""
+
+    model_fn: Callable[[], nn.Module]  # () -> the model, from model._target_
+    input_shape: list[int]  # one sample's shape
+    load_data: Callable[[int, int], Split]  # (partition id, partitions) -> that partition
+    test: Split  # the held-out test split (the server's)
+    loss_fn: LossFn  # objective.loss
+    metric_fn: MetricFn  # objective.metric
+
+
+def hydra_parts(overrides: Sequence[str] = (), seed: int = 0) -> HydraParts:
+    """The model, data and objective of the Hydra job's config (``conf/config.yaml``
+    composed with ``overrides``, e.g. ``["model=resnet"]`` or ``["~model",
+    "+model._target_=my_pkg.my_net"]``), checked as the job checks them.
+
+    ``load_data(i, n)`` is IID partition ``i`` of ``n`` of the train split of
+    ``dataset._target_`` (seeded by ``seed``), what the Hydra job's data owners load.
+
+    Raises
+    ------
+    ValueError
+        As :func:`sky_flower.jobs.common.model_and_data`, naming the key.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from sky_flower.jobs.common import conf_dir, model_and_data
+    from sky_flower.pipeline.data import owner_partition
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"seed={seed}"])
+    settings = SkySettings.from_hydra(cfg)
+    built = model_and_data(cfg, settings, settings.schedule.transport)
+    train = built["train"]
+
+    def load_data(partition_id: int, num_partitions: int) -> Split:
+        return owner_partition(train, partition_id, num_partitions, seed)
+
+    return HydraParts(
+        model_fn=built["model_fn"],
+        input_shape=built["input_shape"],
+        load_data=load_data,
+        test=built["test"],
+        loss_fn=built["loss_fn"],
+        metric_fn=built["metric_fn"],
+    )
 
 
 def _parse_bool(key: str, value: Any) -> bool:  # noqa: ANN401 - a node-config value

@@ -92,8 +92,18 @@ def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     TypeError
         If ``model`` is neither an ``nn.Sequential`` nor a sequence of modules.
     ValueError
-        If the model has no layers.
+        If the model has no layers, or is an ``nn.Sequential`` subclass with its own
+        ``forward`` (e.g. a skip across entries): split training runs the entries as a
+        plain chain, which would train another function.
     """
+    if isinstance(model, nn.Sequential) and type(model).forward is not nn.Sequential.forward:
+        raise ValueError(
+            f"{type(model).__name__} is an nn.Sequential subclass with its own forward: "
+            "split training runs its entries one after another as a plain chain and "
+            "would ignore what that forward adds (e.g. a skip connection across entries). "
+            "Put each skip inside one entry (a residual block module, as "
+            "sky_flower.pipeline.models.ResidualBlock) and use a plain nn.Sequential"
+        )
     if isinstance(model, nn.Sequential):
         layers = list(model)
     elif isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
@@ -164,6 +174,80 @@ def _saved_storages_hooks(
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+def _batchnorm_check(index: int, layer: nn.Module, microbatch_size: int) -> None:
+    """Refuse BatchNorm in training on micro-batches of one sample (naming the layer)."""
+    if microbatch_size > 1:
+        return
+    for name, sub in layer.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            where = f"{index}.{name}" if name else str(index)
+            raise ValueError(
+                f"layer {where} ({type(sub).__name__}) gets micro-batches of 1 sample: "
+                "BatchNorm normalises over the micro-batch and cannot train on one sample. "
+                "Use micro-batches of at least 2 samples (schedule.batch_size / "
+                "schedule.microbatches >= 2) or replace it with GroupNorm or LayerNorm"
+            )
+
+
+def _run_layer(index: int, layer: nn.Module, x_in: torch.Tensor) -> torch.Tensor:
+    """``layer(x_in)``, its errors turned into messages naming the layer and the fix.
+
+    Raises
+    ------
+    ValueError
+        If the layer modifies its input in place (e.g. ``ReLU(inplace=True)`` as an entry
+        of its own), fails on the input's shape, or returns something other than one
+        tensor (a tuple: ``nn.LSTM``, a two-output layer).
+    """
+    kind = type(layer).__name__
+    try:
+        y = layer(x_in)
+    except RuntimeError as err:
+        if "in-place" in str(err) or "inplace" in str(err):
+            raise ValueError(
+                f"layer {index} ({kind}) modifies its input in place (inplace=True): a cut "
+                "before it hands it a stage's received activation, which autograd cannot "
+                "modify in place. Set inplace=False on it, or put it in one nn.Sequential "
+                f"entry with the layer before it: {err}"
+            ) from err
+        raise ValueError(
+            f"layer {index} ({kind}) does not accept input of shape {tuple(x_in.shape)}: {err}"
+        ) from err
+    if not torch.is_tensor(y):
+        raise ValueError(
+            f"layer {index} ({kind}) returns a {type(y).__name__}, not one tensor: a cut "
+            "after it could not send its output. Every entry of the model must return one "
+            "tensor: put it in one nn.Sequential entry with what consumes its outputs, "
+            "e.g. nn.Sequential(nn.LSTM(...), sky_flower.pipeline.models.FirstOutput())"
+        )
+    return y
+
+
+def check_layers(
+    model: nn.Module | Sequence[nn.Module], x: torch.Tensor, microbatch_size: int
+) -> torch.Tensor:
+    """Run ``x`` (a few real samples, ``(n, *input_shape)``) through the model entry by
+    entry, as split training will, and refuse what it cannot train (the checks of
+    :func:`profile_layers`, without its measurements). Returns the model's output; the
+    model's parameters get no gradient.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`as_layers` and :func:`profile_layers`, naming the layer and the fix.
+    """
+    layers = as_layers(model)
+    for index, layer in enumerate(layers):
+        _batchnorm_check(index, layer, microbatch_size)
+    h = x
+    for index, layer in enumerate(layers):
+        h = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+        h = _run_layer(index, layer, h)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return h.detach()
+
+
 def profile_layers(
     model: nn.Module | Sequence[nn.Module],
     input_shape: Sequence[int],
@@ -196,7 +280,10 @@ def profile_layers(
     Raises
     ------
     ValueError
-        If ``microbatch_size`` < 1 or the layers do not compose on ``input_shape``.
+        If ``microbatch_size`` < 1, the layers do not compose on ``input_shape``, a layer
+        returns no single tensor (a tuple), modifies its input in place, or holds
+        BatchNorm with micro-batches of one sample (each message names the layer and
+        the fix).
     """
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
@@ -208,14 +295,9 @@ def profile_layers(
         x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         fwd_counter = FlopCounterMode(display=False)
         saved: dict[int, int] = {}
-        try:
-            with fwd_counter, _saved_storages_hooks(layer, saved):
-                y = layer(x_in)
-        except RuntimeError as err:
-            raise ValueError(
-                f"layer {index} ({type(layer).__name__}) does not accept input of shape "
-                f"{tuple(x_in.shape)}: {err}"
-            ) from err
+        _batchnorm_check(index, layer, microbatch_size)
+        with fwd_counter, _saved_storages_hooks(layer, saved):
+            y = _run_layer(index, layer, x_in)
         bwd_flops = 0
         if y.requires_grad:
             bwd_counter = FlopCounterMode(display=False)

@@ -319,6 +319,88 @@ class SkyRecorder:
         return write_json(self.path, results)
 
 
+def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, Any]:  # noqa: ANN401
+    """The job's model, data and objective from ``cfg.model``, ``cfg.dataset`` and
+    ``settings.objective`` (a :class:`sky_flower.sky.settings.SkySettings`), checked
+    together before Flower starts: the model builds, the data loads, the samples have
+    the model's ``input_shape`` (taken from the data when the config has none) and the
+    loss and metric run on the model's output for two real samples.
+
+    Returns
+    -------
+    dict
+        ``model_cfg``, ``dataset`` (plain dicts), ``model_fn`` (``() -> nn.Module``),
+        ``train``, ``test`` (Splits), ``input_shape`` (list of int), ``input_dtype``
+        (``model.input_dtype``, else the data's), ``loss_fn``,
+        ``metric_fn``.
+
+    Raises
+    ------
+    ValueError
+        Naming the key: a planning-only model, a bad ``model._target_`` or
+        ``dataset._target_``, samples of another shape than ``model.input_shape``, a
+        layer split training cannot run (:func:`sky_flower.core.profile.check_layers`
+        names it), a loss or metric that fails on the model's output, or
+        (``transport=direct``) labels of a dtype the direct engine cannot send.
+    """
+    import copy
+    from functools import partial
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from sky_flower.core.profile import check_layers
+    from sky_flower.pipeline.data import load_dataset
+    from sky_flower.pipeline.models import build_model
+    from sky_flower.pipeline.objective import check_objective
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    assert isinstance(model_cfg, dict) and isinstance(dataset, dict)
+    name = model_cfg.get("name", model_cfg.get("_target_"))
+    if model_cfg.get("planning_only"):  # e.g. bert_large: profiled from shapes, never built
+        raise ValueError(
+            f"model {name!r} is for planning only (planning_only: true) and cannot be "
+            f"trained by sky_flower.run: use `python -m sky_flower.plan model={name}` instead"
+        )
+    model_fn = partial(build_model, model_cfg)
+    model = model_fn()  # fail early on a bad model config
+    train, test = load_dataset(dataset, settings.seed)
+    sample = list(train.x.shape[1:])
+    input_shape = [int(v) for v in model_cfg.get("input_shape", sample)]
+    if input_shape != sample:
+        raise ValueError(
+            f"model.input_shape={input_shape} but dataset {dataset.get('name')!r} has samples "
+            f"of shape {sample}: set model.input_shape={sample} or choose the matching dataset"
+        )
+    loss_fn, metric_fn = settings.objective.functions()
+    mb = settings.schedule.batch_size // max(1, settings.schedule.microbatches)
+    check_layers(copy.deepcopy(model), torch.as_tensor(train.x[:2]), mb)  # names the layer
+    check_objective(
+        model, torch.as_tensor(train.x[:2]), torch.as_tensor(train.y[:2]), loss_fn, metric_fn
+    )
+    from sky_flower.pipeline.engine import LABEL_DTYPES
+
+    y = torch.as_tensor(train.y[:1])
+    if transport == "direct" and y.dtype not in LABEL_DTYPES:
+        raise ValueError(
+            f"transport=direct sends labels of dtype {', '.join(map(str, LABEL_DTYPES))} to "
+            f"the last stage; dataset {dataset.get('name')!r} has {y.dtype} labels: convert "
+            "them in the dataset's loader or use transport=relay"
+        )
+    return {
+        "model_cfg": model_cfg,
+        "dataset": dataset,
+        "model_fn": model_fn,
+        "train": train,
+        "test": test,
+        "input_shape": input_shape,
+        "input_dtype": str(model_cfg.get("input_dtype") or train.x.dtype),
+        "loss_fn": loss_fn,
+        "metric_fn": metric_fn,
+    }
+
+
 def flat_model_start(
     strategy: Any,  # noqa: ANN401 - a Hermes or decentralized strategy
     model: Any,  # noqa: ANN401 - a sky_flower.gossip.training.FlatModel

@@ -11,7 +11,6 @@ are :class:`sky_flower.sky.settings.SkySettings` (``SkySettings.from_hydra``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import (
     SkyRecorder,
+    model_and_data,
     number,
     one_log_stream,
     simulate,
@@ -28,9 +28,9 @@ from sky_flower.jobs.common import (
     sky_results,
     write_json,
 )
-from sky_flower.pipeline.data import Split, load_split
+from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.lm import perplexity
-from sky_flower.pipeline.models import build_model
+from sky_flower.pipeline.objective import correct_count
 from sky_flower.sky.settings import SkySettings
 
 
@@ -54,22 +54,36 @@ def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None
         )
 
 
-def evaluate_fn_for(model_fn: Callable[[], torch.nn.Module], test: Split) -> Callable:
+def evaluate_fn_for(
+    model_fn: Callable[[], torch.nn.Module],
+    test: Split,
+    loss_fn: Callable[..., torch.Tensor] = torch.nn.functional.cross_entropy,
+    metric_fn: Callable[..., int] = correct_count,
+    chunk: int = 512,
+) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss",
-    "perplexity"}`` (perplexity = exp(mean loss), :func:`sky_flower.pipeline.lm.perplexity`)."""
+    "perplexity"}``: the objective's mean loss, its metric per label element
+    (classification: the share of correct predictions) and perplexity = exp(mean loss)
+    (:func:`sky_flower.pipeline.lm.perplexity`), in eval mode, ``chunk`` samples at a
+    time."""
     from flwr.app import ArrayRecord, MetricRecord
 
-    x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
+    x, y = torch.as_tensor(test.x), torch.as_tensor(test.y)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model = model_fn()
         model.load_state_dict(arrays.to_torch_state_dict())
         model.eval()
+        loss, hits = 0.0, 0.0
         with torch.no_grad():
-            out = model(x)
-            loss = float(torch.nn.functional.cross_entropy(out, y))
-            acc = float((out.argmax(1) == y).float().mean())
-        return MetricRecord({"accuracy": acc, "loss": loss, "perplexity": perplexity(loss)})
+            for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
+                out = model(xs)
+                loss += float(loss_fn(out, ys)) * len(ys)
+                hits += float(metric_fn(out, ys))
+        mean = loss / len(y)
+        return MetricRecord(
+            {"accuracy": hits / y.numel(), "loss": mean, "perplexity": perplexity(mean)}
+        )
 
     return evaluate
 
@@ -93,22 +107,13 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        On a planning-only or bad model, a fleet the simulation cannot run, a direct
+        On a planning-only or bad model, data set or objective
+        (:func:`sky_flower.jobs.common.model_and_data`), a fleet the simulation cannot run, a direct
         transport whose stages cannot all run at once, or a batch larger than the data
         owner's examples.
     """
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
-    assert isinstance(model_cfg, dict) and isinstance(dataset, dict)
-    if model_cfg.get("planning_only"):  # e.g. bert_large: profiled from shapes, never built
-        raise ValueError(
-            f"model {model_cfg.get('name')!r} is for planning only (planning_only: true) and "
-            "cannot be trained by sky_flower.run: use `python -m sky_flower.plan "
-            f"model={model_cfg.get('name')}` instead"
-        )
-    model_fn = partial(build_model, model_cfg)
-    model_fn()  # fail early on a bad model config
+    built = model_and_data(cfg, settings, settings.schedule.transport)
     schedule = settings.schedule_object()
     cpus, per_node = simulation_cpus(cfg)
     if schedule.transport == "direct":
@@ -123,7 +128,7 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
             "raise simulation.max_nodes"
         )
     owners = [n for n in fleet if n.holds_data]
-    train, test = load_split(dataset["name"], float(dataset["test_fraction"]), settings.seed)
+    train = built["train"]
     smallest = len(train) // len(owners)  # np.array_split: the smallest partition
     if schedule.batch_size > smallest:
         raise ValueError(
@@ -131,11 +136,8 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
             f"{smallest} training examples: lower schedule.batch_size"
         )
     return {
+        **built,
         "fleet": fleet,
-        "model_cfg": model_cfg,
-        "dataset": dataset,
-        "model_fn": model_fn,
-        "test": test,
         "cpus": cpus,
         "per_node": per_node,
     }
@@ -173,8 +175,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
     strategy = SkyStrategy(
         model_fn=model_fn,
-        input_shape=list(inputs["model_cfg"]["input_shape"]),
-        input_dtype=str(inputs["model_cfg"].get("input_dtype", "float32")),
+        input_shape=inputs["input_shape"],
+        input_dtype=inputs["input_dtype"],
         node_order=[n.name for n in fleet],
         min_nodes=len(fleet),
         on_event=on_event,
@@ -186,14 +188,12 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
     )
-    evaluate = evaluate_fn_for(model_fn, inputs["test"])
+    evaluate = evaluate_fn_for(model_fn, inputs["test"], inputs["loss_fn"], inputs["metric_fn"])
     torch.manual_seed(settings.seed)
     initial = ArrayRecord(model_fn().state_dict())
     client_app = SkyClient(
         model_fn=model_fn,
-        load_data=owner_data_fn(
-            fleet, dataset["name"], float(dataset["test_fraction"]), settings.seed
-        ),
+        load_data=owner_data_fn(fleet, dataset, seed=settings.seed),
         emulation_fn=fleet_emulation(fleet),
     ).register(ClientApp())
 

@@ -1,22 +1,32 @@
-"""The embedded default data set: scikit-learn's digits (1,797 8x8 images, 10 classes).
+"""Data sets as ``(train, test)`` splits, loaded by ``_target_``; the embedded default is
+scikit-learn's digits (1,797 8x8 images, 10 classes).
 
 Nothing is downloaded: ``load_digits`` ships with scikit-learn. The split into train
 and test is seeded, so the server (which keeps the held-out test split) and every data
 owner (which keeps its partition of the train split) agree without exchanging data.
+
+A data set config (``conf/dataset/<name>.yaml``) names its loader by ``_target_``: any
+importable ``loader(test_fraction: float, seed: int, **kwargs) -> (train Split, test
+Split)``, deterministic in ``seed`` (every node calls it and must get the same split);
+:func:`load_dataset` calls it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 DATASETS = ("digits",)
+LOADERS = {"digits": "sky_flower.pipeline.data.load_digits"}
 
 
 @dataclass(frozen=True)
 class Split:
-    """Features ``x`` (float32, ``(n, 64)``, scaled to [0, 1]) and labels ``y`` (int64)."""
+    """Inputs ``x`` (``(n, *input_shape)``; digits: float32 ``(n, 64)`` in [0, 1]) and
+    labels ``y`` (``(n, ...)``; class indices int64 for classification, float32 for a
+    regression target, int64 ``(n, seq_len)`` token ids for a language model)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -37,6 +47,21 @@ def load_split(
     """
     if name != "digits":
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    return load_digits(test_fraction, seed)
+
+
+def load_digits(
+    test_fraction: float = 0.2, seed: int = 0, float_labels: bool = False
+) -> tuple[Split, Split]:
+    """scikit-learn's digits as ``(train, test)``, stratified and seeded: ``x`` float32
+    ``(n, 64)`` in [0, 1], ``y`` the digit (int64 ``(n,)``; float32 with
+    ``float_labels``, a regression target).
+
+    Raises
+    ------
+    ValueError
+        On a test fraction outside (0, 1).
+    """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     # imported here: a ClientApp process (one per message in deployment) starts faster
@@ -49,7 +74,52 @@ def load_split(
     xtr, xte, ytr, yte = train_test_split(
         x, y, test_size=test_fraction, random_state=seed, stratify=y
     )
+    if float_labels:
+        ytr, yte = ytr.astype(np.float32), yte.astype(np.float32)
     return Split(xtr, ytr), Split(xte, yte)
+
+
+def load_dataset(cfg: Mapping, seed: int = 0) -> tuple[Split, Split]:
+    """``(train, test)`` of data set config ``cfg``: ``cfg["_target_"](test_fraction,
+    seed, **other keys)`` (``name`` is a label; ``test_fraction`` defaults to 0.2). The
+    old spelling ``{"name": "digits"}`` (no ``_target_``) still loads digits.
+
+    Raises
+    ------
+    ValueError
+        Naming ``dataset._target_``: on a config without one whose ``name`` is not a
+        known data set, a loader that cannot be imported or called, or one that does not
+        return two splits (``x`` and ``y`` arrays of equal length, the train split at
+        least one sample).
+    """
+    from sky_flower.pipeline.models import call_target
+
+    cfg = dict(cfg)
+    name, target = cfg.pop("name", None), cfg.pop("_target_", None)
+    if target is None:
+        if name not in LOADERS:
+            raise ValueError(
+                f"unknown dataset {name!r}: choose one with dataset=<name> (one of "
+                f"{', '.join(DATASETS)}) or give your own loader as dataset._target_="
+                "<module.function>"
+            )
+        target = LOADERS[name]
+    cfg.setdefault("test_fraction", 0.2)
+    out = call_target("dataset", target, {**cfg, "seed": seed})
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise ValueError(
+            f"dataset._target_={target} must return (train, test) Splits, got {type(out).__name__}"
+        )
+    for part, split in zip(("train", "test"), out, strict=True):
+        x, y = getattr(split, "x", None), getattr(split, "y", None)
+        if not (hasattr(x, "shape") and hasattr(y, "shape") and len(x) == len(y)):
+            raise ValueError(
+                f"dataset._target_={target}: its {part} split needs arrays x and y of equal "
+                "length (sky_flower.pipeline.data.Split)"
+            )
+    if len(out[0]) < 1:
+        raise ValueError(f"dataset._target_={target} returned an empty train split")
+    return Split(out[0].x, out[0].y), Split(out[1].x, out[1].y)
 
 
 def owner_partition(train: Split, owner_index: int, num_owners: int, seed: int = 0) -> Split:
@@ -65,6 +135,30 @@ def owner_partition(train: Split, owner_index: int, num_owners: int, seed: int =
     order = np.random.default_rng(seed).permutation(len(train))
     part = np.array_split(order, num_owners)[owner_index]
     return Split(train.x[part], train.y[part])
+
+
+def owner_split(
+    dataset: str | Mapping,
+    owner_index: int,
+    num_owners: int,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+) -> Split:
+    """Data owner ``owner_index``'s IID partition (of ``num_owners``) of the train split of
+    ``dataset``: a data set config (``conf/dataset/*.yaml``, loaded by
+    :func:`load_dataset`, the server's call, so every node gets the same split) or, the
+    old spelling, a name (``"digits"``) with ``test_fraction``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`load_dataset` and :func:`owner_partition`.
+    """
+    spec = dict(dataset) if isinstance(dataset, Mapping) else {"name": dataset}
+    if not isinstance(dataset, Mapping):
+        spec["test_fraction"] = test_fraction
+    train, _ = load_dataset(spec, seed)
+    return owner_partition(train, owner_index, num_owners, seed)
 
 
 def batch_indices(n: int, batch_size: int, epoch: int, seed: int = 0) -> np.ndarray:

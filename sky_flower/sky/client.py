@@ -452,10 +452,13 @@ def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:
 
 
 def owner_data_fn(
-    fleet: list[Emulation], dataset: str = "digits", test_fraction: float = 0.2, seed: int = 0
+    fleet: list[Emulation],
+    dataset: str | dict = "digits",
+    test_fraction: float = 0.2,
+    seed: int = 0,
 ) -> Callable[[Context], Split | None]:
-    """Digits partition of this node if it is a data owner (IID across owners)."""
-    from sky_flower.pipeline.data import load_split, owner_partition
+    """This node's partition if it is a data owner (``pipeline.data.owner_split``)."""
+    from sky_flower.pipeline.data import owner_split
 
     owners = [n.name for n in fleet if n.holds_data]
     cache: dict[str, Split] = {}
@@ -464,9 +467,9 @@ def owner_data_fn(
         emu = fleet_emulation(fleet)(context)
         if not emu.holds_data:
             return None
-        if emu.name not in cache:
-            train, _ = load_split(dataset, test_fraction, seed)
-            cache[emu.name] = owner_partition(train, owners.index(emu.name), len(owners), seed)
+        if emu.name not in cache:  # the same seeded split as the server's
+            i, n = owners.index(emu.name), len(owners)
+            cache[emu.name] = owner_split(dataset, i, n, seed, test_fraction)
         return cache[emu.name]
 
     return load

@@ -122,6 +122,40 @@ class MessagingSettings:
     node_wait_s: float = _setting(300.0, "node-wait-s", "messaging.node_wait_s", POSITIVE)
 
 
+REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The last stage's loss and metric, by reference (``"module:qualname"``, imported on
+    every node; :mod:`sky_flower.pipeline.objective`). Hydra: the ``task`` group."""
+
+    loss: str = _setting("torch.nn.functional:cross_entropy", "loss", "objective.loss", REFERENCE)
+    metric: str = _setting(
+        "sky_flower.pipeline.objective:correct_count", "metric", "objective.metric", REFERENCE
+    )
+
+    def functions(self, run_config: bool = False) -> tuple[Callable, Callable]:
+        """``(loss_fn, metric_fn)`` imported.
+
+        Raises
+        ------
+        ValueError
+            Naming the key (``objective.loss`` or run config ``loss``, ...) if a
+            reference cannot be imported or is not callable.
+        """
+        from sky_flower.pipeline.objective import resolve
+
+        out = []
+        for f in dataclasses.fields(self):
+            key = f.metadata["key"] if run_config else f.metadata["hydra"]
+            try:
+                out.append(resolve(getattr(self, f.name)))
+            except ValueError as err:
+                raise ValueError(f"{'run config ' if run_config else ''}{key}: {err}") from err
+        return out[0], out[1]
+
+
 GROUPS = {
     "train": TrainSettings,
     "schedule": ScheduleSettings,
@@ -129,6 +163,7 @@ GROUPS = {
     "benchmark": BenchmarkSettings,
     "failure": FailurePolicy,
     "messaging": MessagingSettings,
+    "objective": ObjectiveSettings,
 }
 
 
@@ -155,6 +190,7 @@ class SkySettings:
     benchmark: BenchmarkSettings = field(default_factory=BenchmarkSettings)
     failure: FailurePolicy = field(default_factory=FailurePolicy)
     messaging: MessagingSettings = field(default_factory=MessagingSettings)
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
 
     @classmethod
     def from_hydra(cls, cfg: Any) -> SkySettings:  # noqa: ANN401 - an omegaconf DictConfig
@@ -213,6 +249,7 @@ class SkySettings:
 
         settings = cls._build(lambda meta, f: meta["key"], read, _run_config_error)
         settings._check_run_config_combinations()
+        settings.objective.functions(run_config=True)  # importable, or refused by key
         return settings
 
     @classmethod
@@ -282,6 +319,7 @@ class SkySettings:
         """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
         ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``)."""
         t, b, d, f = self.train, self.benchmark, self.direct, self.failure
+        loss_fn, metric_fn = self.objective.functions()
         return {
             "allocation": self.allocation,
             "schedule": self.schedule_object(),
@@ -304,6 +342,8 @@ class SkySettings:
             "seed": self.seed,
             "poll_interval_s": self.messaging.poll_interval_s,
             "node_wait_s": self.messaging.node_wait_s,
+            "loss_fn": loss_fn,
+            "metric_fn": metric_fn,
         }
 
 
