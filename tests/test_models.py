@@ -147,12 +147,6 @@ def test_model_and_dataset_refusals_name_the_key():
         # float labels with cross-entropy: refused before Flower, naming the key
         (["dataset.float_labels=true"], None, None, r"objective\.loss=.*cross_entropy fails"),
         (["task=regression"], None, None, r"objective\.loss=.*mse fails.*\(2, 10\)"),
-        (
-            ["task=regression", "dataset.float_labels=true", "transport=direct"],
-            {**USER_MODEL, "num_classes": 1},
-            None,
-            r"transport=direct sends int64 class labels.*float32.*transport=relay",
-        ),
         ([], {"_target_": "test_models.lstm_net"}, None, r"layer 1 \(LSTM\) returns a tuple"),
         (
             ["schedule.batch_size=4", "schedule.microbatches=4", "transport=direct"],
