@@ -25,12 +25,13 @@ import numpy as np
 
 from sky_flower.core.cost import CostModel
 from sky_flower.core.partition.brute import ENUMERATION_LIMIT, _count_plans, _enumerate
+from sky_flower.core.partition.chain import CHAIN_DP_WORK_LIMIT, _ChainDP
 from sky_flower.core.partition.dp import DP_STATE_LIMIT, SUM_DP_WORK_LIMIT, _PeriodDP, _SumDP
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
 
-SOLVERS = ("auto", "enumerate", "milp", "dp")
+SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 
 
 def optimal(
@@ -68,7 +69,7 @@ def optimal(
     """
     _check_objective(objective)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}: use auto, enumerate, milp or dp")
+        raise ValueError(f"unknown solver {solver!r}: use {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
     h = heuristic(cost, objective, time_limit_s=time_limit_s)  # proves infeasibility first
     lb = cost.lower_bound(objective)
@@ -76,6 +77,10 @@ def optimal(
     if solver == "enumerate" or (solver == "auto" and small):
         return _by_enumeration(cost, objective, t0, lb, h, time_limit_s)
     uniform = len(set(cost.inv_bw.tolist())) == 1 and len(set(cost.latency.tolist())) == 1
+    if solver == "chain" or (solver == "auto" and not uniform):
+        plan = _by_chain(cost, objective, t0, lb, h, time_limit_s)
+        if plan is not None:
+            return plan
     if objective == "throughput" and uniform and solver in ("auto", "dp"):
         plan = _by_period_dp(cost, objective, t0, lb, h, time_limit_s)
         if plan is not None:
@@ -83,6 +88,10 @@ def optimal(
     one_pass = cost.schedule.kind == "sequential" or cost.schedule.microbatches == 1
     if objective == "step" and one_pass and uniform and not cost.relay and solver in ("auto", "dp"):
         plan = _by_sum_dp(cost, objective, t0, h)
+        if plan is not None:
+            return plan
+    if solver == "auto" and uniform and _chain_case(cost, objective) == "gpipe":
+        plan = _by_chain(cost, objective, t0, lb, h, time_limit_s)
         if plan is not None:
             return plan
     why = _why_not_milp(cost, objective, solver)
@@ -252,5 +261,59 @@ def _by_milp(  # noqa: PLR0913
         objective=objective,
         proven_optimal=False,
         mip_gap=gap,
+        note=note,
+    )
+
+
+def _chain_case(cost: CostModel, objective: str) -> str | None:
+    """Which exact :class:`_ChainDP` programme models this objective, or None."""
+    sched = cost.schedule
+    M = sched.microbatches
+    stash_binds = bool((cost.capacity < cost.stage_memory(0, cost.num_layers - 1, M)).any())
+    if sched.kind == "1f1b" and M > 1 and not cost.relay and stash_binds:
+        return None  # 1F1B stashes by position: the programme charges N stages
+    if objective == "throughput":
+        return "throughput"
+    if sched.kind == "sequential" or (M == 1 and not cost.relay):
+        return "one_pass"
+    if sched.kind == "gpipe" and not cost.relay:
+        return "gpipe"
+    return None
+
+
+def _by_chain(  # noqa: PLR0913
+    cost: CostModel, objective: str, t0: float, lb: float, h: Plan, time_limit_s: float
+) -> Plan | None:
+    """The (kinds, last link class, layer) programme's plan, or None when it does not
+    model the objective or is over its work limit."""
+    case = _chain_case(cost, objective)
+    dp = _ChainDP(cost)
+    if case is None or dp.work > CHAIN_DP_WORK_LIMIT:
+        return None
+    deadline = t0 + time_limit_s
+    if case == "throughput":
+        _, stages, done = dp.throughput(deadline)
+    elif case == "one_pass":
+        _, stages, done = dp.one_pass(deadline)
+    else:
+        _, stages, done = dp.gpipe(h.predicted_step_time_s, deadline)
+    h_v = h.objective_value_s
+    if stages is None or cost.objective(stages, objective) > h_v:
+        stages = h.spec
+    v = cost.objective(stages, objective)
+    note = "exact dynamic programme over (nodes in use, last node's link, layer)"
+    if case == "gpipe":
+        note += " with descending caps on the GPipe step's two maxima"
+    if not done:
+        note += f": time limit {time_limit_s:g} s reached, not proven"
+    return make_plan(
+        cost,
+        "optimal",
+        stages,
+        time.perf_counter() - t0,
+        lower_bound_s=v if done else lb,
+        objective=objective,
+        proven_optimal=done,
+        mip_gap=0.0 if done else None,
         note=note,
     )
