@@ -55,12 +55,12 @@ from __future__ import annotations
 
 from sky_flower.core.cost import CostModel
 from sky_flower.core.partition.brute import (
-    ENUMERATION_LIMIT,
     brute_force,
     feasible_bounds,
     feasible_stages,
 )
 from sky_flower.core.partition.dp import DP_STATE_LIMIT, SUM_DP_WORK_LIMIT
+from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT
 from sky_flower.core.partition.even import even
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT

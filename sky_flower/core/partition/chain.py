@@ -86,13 +86,22 @@ class _ChainDP:
         self.num_states = math.prod(radix)
         self.strides = [math.prod(radix[t + 1 :]) for t in range(len(radix))]
         self.work = self.num_states * self.C * max(len(reps), 1) * (L + 1) ** 2
+        self.reps = reps
+        self._built = False
+
+    def _build(self) -> None:
+        """The per-kind memory masks and the class-pair links (on first use: the work
+        estimate alone must stay cheap on large fleets)."""
+        if self._built:
+            return
+        self._built = True
+        cost, L, reps = self.cost, self.cost.num_layers, self.reps
         # per-kind block terms, (L+1, L+1) indexed [p, e] for the block [p, e)
         p, e = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
         self._p, self._e = p, e
         n_in = cost.inflight(0, cost.num_nodes)
         mp = cost.static_prefix + n_in * cost.schedule.microbatch_size * cost.stash_prefix
         self.fits = {i: (e > p) & (mp[e] - mp[p] <= cost.capacity[i]) for i in [cost.owner, *reps]}
-        self.reps = reps
         cuts = np.arange(L - 1)
         self.links = np.full((self.C, self.C, L + 1), np.inf)  # [c, c2, p]: cut before p
         for c, i in self.class_rep.items():
@@ -218,6 +227,7 @@ class _ChainDP:
 
     def throughput(self, deadline: float = math.inf) -> tuple[float, list[Stage] | None, bool]:
         """The least period (seconds per micro-batch)."""
+        self._build()
 
         def value(i: int, last: bool, first: bool) -> np.ndarray:
             f, b = self.block_fb(i, last)
@@ -230,6 +240,7 @@ class _ChainDP:
 
     def one_pass(self, deadline: float = math.inf) -> tuple[float, list[Stage] | None, bool]:
         """The least step when it is a sum over stages (``sequential``, or M = 1)."""
+        self._build()
         M = self.cost.schedule.microbatches
 
         def value(i: int, last: bool, first: bool) -> np.ndarray:
@@ -248,6 +259,7 @@ class _ChainDP:
     ) -> tuple[float, list[Stage] | None, bool]:
         """The least GPipe step (``direct``, M > 1) by branch and bound over caps on
         ``PF`` and ``PB`` (module docstring); ``upper`` is a known plan's step."""
+        self._build()
         cost = self.cost
         M1 = cost.schedule.microbatches - 1
         nodes = [cost.owner, *self.reps]
@@ -334,3 +346,19 @@ class _ChainDP:
         alone = float(blocks[(self.cost.owner, True)][0, self.cost.num_layers])
         v, _, done = self.solve(blocks, alone, self.links, "max", deadline)
         return v if done and math.isfinite(v) else 0.0
+
+
+def _chain_case(cost: CostModel, objective: str) -> str | None:
+    """Which exact :class:`_ChainDP` programme models this objective, or None."""
+    sched = cost.schedule
+    M = sched.microbatches
+    stash_binds = bool((cost.capacity < cost.stage_memory(0, cost.num_layers - 1, M)).any())
+    if sched.kind == "1f1b" and M > 1 and not cost.relay and stash_binds:
+        return None  # 1F1B stashes by position: the programme charges N stages
+    if objective == "throughput":
+        return "throughput"
+    if sched.kind == "sequential" or (M == 1 and not cost.relay):
+        return "one_pass"
+    if sched.kind == "gpipe" and not cost.relay:
+        return "gpipe"
+    return None

@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 from sky_flower.core.cost import CostModel
-from sky_flower.core.partition.brute import ENUMERATION_LIMIT, _count_plans, _enumerate
-from sky_flower.core.partition.chain import CHAIN_DP_WORK_LIMIT, _ChainDP
+from sky_flower.core.partition.chain import CHAIN_DP_WORK_LIMIT, _chain_case, _ChainDP
 from sky_flower.core.partition.dp import DP_STATE_LIMIT, SUM_DP_WORK_LIMIT, _PeriodDP, _SumDP
+from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT, _count_plans, _enumerate
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
@@ -90,7 +90,7 @@ def optimal(
         plan = _by_sum_dp(cost, objective, t0, h)
         if plan is not None:
             return plan
-    if solver == "auto" and uniform and _chain_case(cost, objective) == "gpipe":
+    if solver == "auto" and uniform:
         plan = _by_chain(cost, objective, t0, lb, h, time_limit_s)
         if plan is not None:
             return plan
@@ -263,22 +263,6 @@ def _by_milp(  # noqa: PLR0913
         mip_gap=gap,
         note=note,
     )
-
-
-def _chain_case(cost: CostModel, objective: str) -> str | None:
-    """Which exact :class:`_ChainDP` programme models this objective, or None."""
-    sched = cost.schedule
-    M = sched.microbatches
-    stash_binds = bool((cost.capacity < cost.stage_memory(0, cost.num_layers - 1, M)).any())
-    if sched.kind == "1f1b" and M > 1 and not cost.relay and stash_binds:
-        return None  # 1F1B stashes by position: the programme charges N stages
-    if objective == "throughput":
-        return "throughput"
-    if sched.kind == "sequential" or (M == 1 and not cost.relay):
-        return "one_pass"
-    if sched.kind == "gpipe" and not cost.relay:
-        return "gpipe"
-    return None
 
 
 def _by_chain(  # noqa: PLR0913
