@@ -1,24 +1,29 @@
 """``optimal``: the exact partition, by whichever exact method fits the instance.
 
-Dispatch, cheapest proof first:
+Dispatch, cheapest proof first (what each proves: the package docstring, "What
+"optimal" means"):
 
 1. small instances (at most ``ENUMERATION_LIMIT`` plans): exhaustive enumeration
-   (:mod:`~sky_flower.core.partition.brute`);
-2. ``throughput`` with one link for every pair: the period DP over node kinds
+   (:mod:`~sky_flower.core.partition.enumeration`), stopped by ``time_limit_s``;
+2. a link per pair of nodes: the chain DP over (nodes in use, last node's link, layer)
+   (:mod:`~sky_flower.core.partition.chain`), for throughput, one-pass steps and GPipe;
+3. ``throughput`` with one link for every pair: the period DP over node kinds
    (:class:`~sky_flower.core.partition.dp._PeriodDP`);
-3. one-pass ``step`` (``sequential`` or M = 1, ``direct``) with one link for every
+4. one-pass ``step`` (``sequential`` or M = 1, ``direct``) with one link for every
    pair: the min-plus DP over node kinds and layers
    (:class:`~sky_flower.core.partition.dp._SumDP`);
-4. otherwise the slot/kind MILP solved by HiGHS
+5. one link for every pair, otherwise: the chain DP (GPipe's branch and bound) when its
+   work is small, else the slot/kind MILP solved by HiGHS
    (:class:`~sky_flower.core.partition.milp._SlotMilp`), or the heuristic's plan with a
-   note saying why the MILP does not apply.
+   note saying why nothing exact applies.
 
 Never worse than :func:`~sky_flower.core.partition.heuristic.heuristic`, which also
-raises the memory error before any solving.
+decides memory feasibility exactly before any solving.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -87,7 +92,7 @@ def optimal(
             return plan
     one_pass = cost.schedule.kind == "sequential" or cost.schedule.microbatches == 1
     if objective == "step" and one_pass and uniform and not cost.relay and solver in ("auto", "dp"):
-        plan = _by_sum_dp(cost, objective, t0, h)
+        plan = _by_sum_dp(cost, objective, t0, h, time_limit_s)
         if plan is not None:
             return plan
     if solver == "auto" and uniform:
@@ -164,12 +169,26 @@ def _by_period_dp(  # noqa: PLR0913
     )
 
 
-def _by_sum_dp(cost: CostModel, objective: str, t0: float, h: Plan) -> Plan | None:
-    """The one-pass DP's plan, proven, or None when its work is over the limit."""
+def _by_sum_dp(
+    cost: CostModel, objective: str, t0: float, h: Plan, time_limit_s: float = math.inf
+) -> Plan | None:
+    """The one-pass DP's plan, proven, or None when its work is over the limit (the
+    heuristic's plan, not proven, when the time limit stops it)."""
     dp2 = _SumDP(cost)
     if dp2.work > SUM_DP_WORK_LIMIT:
         return None
-    stages = dp2.solve()
+    stages = dp2.solve(t0 + time_limit_s)
+    if stages == "timeout":
+        return make_plan(
+            cost,
+            "optimal",
+            h.spec,
+            time.perf_counter() - t0,
+            lower_bound_s=cost.lower_bound(objective),
+            objective=objective,
+            note=f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
+            "heuristic plan, not proven",
+        )
     if stages is None or cost.step_time(stages) > h.predicted_step_time_s:
         stages = h.spec
     v = cost.step_time(stages)
