@@ -331,7 +331,7 @@ def seed_feasibility(
     )
 
 
-SMALL_EXACT_S = 2.0  # seconds the heuristic spends at most on exact small-instance search
+SMALL_EXACT_S = 1.0  # seconds the heuristic spends at most on exact small-instance search
 HEURISTIC_CHAIN_WORK = 3_000_000  # the heuristic runs the chain DP up to this work
 
 
