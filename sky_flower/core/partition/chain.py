@@ -24,13 +24,17 @@ and handles one message). Two semirings:
 **GPipe with M > 1** (``direct``): the step is
 ``S + (M - 1) (PF + PB)`` with ``S = sum_k (F_k + B_k) + 2 sum links``,
 ``PF = max(F_k, links)`` and ``PB = max(B_k, links)``. :meth:`_ChainDP.gpipe` proves it by
-descending caps: for a cap ``CF`` on ``PF``, an inner descent on ``CB`` solves the
-min-sum programme under both caps, each time asking for a plan with ``PB`` strictly
-below the last one's (a plan with a larger ``PB`` has no smaller ``S``, so it is never
-better), which gives ``W(CF) = min S + (M - 1) PB``; every plan with ``PF >= x``,
-``x = (incumbent - W(CF)) / (M - 1)``, is then no better than the incumbent, so the
-next ``CF`` is just below ``x``. It ends when no plan fits the caps: the incumbent is
-optimal.
+branch and bound over boxes of caps ``[a1, b1] x [a2, b2]`` on ``(PF, PB)``, best lower
+bound first. A box is solved by the min-sum programme under the caps ``F_k <= b1``,
+``B_k <= b2``, links ``<= min(b1, b2)``: its plan (``S'``, ``PF'``, ``PB'``) is a
+candidate, and every plan of the box with ``PF >= PF'`` and ``PB >= PB'`` has
+``S >= S'``, so it is no better; what is left are the boxes ``PF < PF'`` and
+``PF >= PF', PB < PB'``, each with lower bound ``S' + (M - 1) (a1 + a2)``. Lower
+corners are raised by the ratio of backward to forward time (a block's ``B / F`` lies
+between the least and largest per-layer ratio), which keeps the boxes near the plans
+that exist. It ends when every box is empty or bounded above the incumbent: the
+incumbent is optimal (the issue's "enumerate the candidate bottleneck values and solve a
+min-sum programme under each cap", with the caps found rather than listed).
 
 Memory: every stage must fit its node (position-independent charges; 1F1B with
 ``M > 1`` stashes by position, so the caller proves it only when memory cannot bind).

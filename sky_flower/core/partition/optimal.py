@@ -306,7 +306,7 @@ def _by_chain(  # noqa: PLR0913
     v = cost.objective(stages, objective)
     note = "exact dynamic programme over (nodes in use, last node's link, layer)"
     if case == "gpipe":
-        note += " with descending caps on the GPipe step's two maxima"
+        note += " in a branch and bound over caps on the GPipe step's two maxima"
     if not done:
         note += f": time limit {time_limit_s:g} s reached, not proven"
     return make_plan(
