@@ -359,7 +359,11 @@ def _small_exact(
 
 
 def heuristic(
-    cost: CostModel, objective: str = "step", grid: int = 16, time_limit_s: float = 10.0
+    cost: CostModel,
+    objective: str = "step",
+    grid: int = 16,
+    time_limit_s: float = 10.0,
+    small_exact: bool = True,
 ) -> Plan:
     """Fast order-aware greedy with bisection on the stage-time cap, then polishing.
 
@@ -372,6 +376,8 @@ def heuristic(
     objective : {"step", "throughput"}
     grid : int
         Caps scored between the least feasible one and one stage per node (``step``).
+    small_exact : bool
+        Add :func:`_small_exact`'s candidates (off: greedy fills and polishing alone).
     time_limit_s : float
         Budget (seconds) of the exact memory check
         (:func:`~sky_flower.core.partition.feasible.check_memory`), whose witness seeds
@@ -418,9 +424,10 @@ def heuristic(
             for S in range(1, min(cost.num_nodes, cost.num_layers) + 1):
                 consider(filler.fill(order, math.inf, num_stages=S))
     seed_feasibility(cost, consider, bool(cands), time_limit_s)
-    upper = min(score.values())
-    for stages in _small_exact(cost, objective, upper, t0 + min(time_limit_s, SMALL_EXACT_S)):
-        consider(stages)
+    if small_exact:
+        deadline = t0 + min(time_limit_s, SMALL_EXACT_S)
+        for stages in _small_exact(cost, objective, min(score.values()), deadline):
+            consider(stages)
     ranked = sorted(score, key=score.get)
     # unpolished too: for 1F1B polishing scores GPipe's closed form, a stand-in
     polished = [cands[r] for r in ranked[:2]]
