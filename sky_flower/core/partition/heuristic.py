@@ -10,6 +10,13 @@ plan); for the step objective a grid of larger ``T`` (fewer, fuller stages) is s
 too. The best candidates, ``even`` and the speed-proportional start are then polished
 by moving boundary layers in both directions while the objective improves. O(N log L)
 per fill.
+
+Two more sources of candidates: the exact memory check's witness
+(:func:`~sky_flower.core.partition.feasible.check_memory`; always when it is cheap, and
+before any refusal, so a plan that fits is never refused), and on small instances, where
+greedy fills can be far off (unequal nodes, per-pair links, binding memory), exact search
+(:func:`_small_exact`: every plan up to ``HEURISTIC_ENUMERATION_LIMIT``, else the chain
+DP of :mod:`.chain` when its work is small), within ``SMALL_EXACT_S`` seconds.
 """
 
 from __future__ import annotations
@@ -331,7 +338,7 @@ def seed_feasibility(
     )
 
 
-SMALL_EXACT_S = 1.0  # seconds the heuristic spends at most on exact small-instance search
+SMALL_EXACT_S = 0.3  # seconds the heuristic spends at most on exact small-instance search
 HEURISTIC_CHAIN_WORK = 3_000_000  # the heuristic runs the chain DP up to this work
 
 
