@@ -139,3 +139,13 @@ def test_heuristic_within_five_percent_on_small_unequal_fleets():
             continue
         ratios.append(heuristic(cost).predicted_step_time_s / bf.predicted_step_time_s)
     assert ratios and max(ratios) <= 1.05
+
+
+@pytest.mark.parametrize("objective", ["throughput", "step"])
+def test_chain_dp_stopped_by_the_time_limit_says_not_proven(objective):
+    cost = _per_pair_fleet(3)
+    o = optimal(cost, objective=objective, time_limit_s=1e-6)
+    assert not o.proven_optimal
+    assert "time limit" in o.note and "not proven" in o.note, o.note
+    assert cost.fits(o.spec)
+    assert o.lower_bound_s <= o.objective_value_s
