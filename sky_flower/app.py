@@ -47,10 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
 from flwr.clientapp import ClientApp
-from omegaconf import OmegaConf
 from torch import nn
 
-from sky_flower.emulation.devices import Emulation, expand_fleet
+from sky_flower.emulation.devices import Emulation, compose_fleet, expand_fleet
 from sky_flower.sky.settings import SkySettings, run_config_keys
 
 if TYPE_CHECKING:
@@ -90,9 +89,9 @@ def load_fleet(name: str) -> tuple[Emulation, ...]:
     names = fleet_names()
     if name not in names:
         raise ValueError(f"unknown fleet {name!r}: choose one of {', '.join(names)}")
-    text = resources.files("sky_flower.conf.fleet").joinpath(f"{name}.yaml").read_text()
-    spec = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
-    return tuple(expand_fleet(spec))  # type: ignore[arg-type]
+    fleets = resources.files("sky_flower.conf.fleet")
+    spec = compose_fleet(name, lambda n: fleets.joinpath(f"{n}.yaml").read_text())
+    return tuple(expand_fleet(spec))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ measures the real peak this predicts (``tests/test_memory.py`` states the tolera
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,7 +89,50 @@ __all__ = [
     "Stage",
     "StageTerms",
     "Transport",
+    "check_profiles",
 ]
+
+
+def _number(owner: str, field: str, value: object, *, positive: bool = False) -> None:
+    """Raise ``ValueError`` naming ``owner`` and ``field`` unless ``value`` is a real,
+    non-negative number (``positive``: > 0; ``inf`` allowed only then)."""
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if ok and positive:
+        ok = not math.isnan(value) and value > 0
+    elif ok:
+        ok = math.isfinite(value) and value >= 0
+    if not ok:
+        rule = "> 0 (inf for free transfers)" if positive else "a finite number >= 0"
+        raise ValueError(f"{owner}: {field} must be {rule}, got {value!r}")
+
+
+def check_profiles(layers: Sequence[LayerProfile], nodes: Sequence[NodeProfile]) -> None:
+    """Check every field the cost model reads: finite, non-negative numbers (bandwidth
+    > 0, ``inf`` allowed), naming the node or layer and the field.
+
+    Raises
+    ------
+    ValueError
+        On the first bad value, e.g. ``node 'n1': layer_fwd_s[3] must be a finite
+        number >= 0, got nan``.
+    """
+    for lp in layers:
+        owner = f"layer {lp.index} ({lp.name})"
+        for f in ("param_bytes", "optimizer_state_bytes", "act_out_bytes"):
+            _number(owner, f, getattr(lp, f))
+        if lp.stash_bytes is not None:
+            _number(owner, "stash_bytes", lp.stash_bytes)
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"node names must be unique, got {names}")
+    for node in nodes:
+        owner = f"node {node.name!r}"
+        for f in ("layer_fwd_s", "layer_bwd_s"):
+            for j, v in enumerate(getattr(node, f)):
+                _number(owner, f"{f}[{j}]", v)
+        for f in ("memory_bytes", "latency_s", "state_s_per_byte"):
+            _number(owner, f, getattr(node, f))
+        _number(owner, "bandwidth_bps", node.bandwidth_bps, positive=True)
 
 
 class CostModel(LowerBounds):
@@ -108,8 +152,9 @@ class CostModel(LowerBounds):
     Raises
     ------
     ValueError
-        If there are no nodes or layers, or a node's per-layer times do not match the
-        layers.
+        If there are no nodes or layers, a node's per-layer times do not match the
+        layers, or any field is not a finite non-negative number (:func:`check_profiles`
+        names the node or layer and the field).
 
     Notes
     -----
@@ -136,6 +181,7 @@ class CostModel(LowerBounds):
                     f"node {node.name!r} reports times for {len(node.layer_fwd_s)} layers, "
                     f"the model has {L}: re-run the benchmark round with this model"
                 )
+        check_profiles(layers, nodes)
         self.layers = list(layers)
         self.nodes = list(nodes)
         self.schedule = schedule

@@ -116,7 +116,7 @@ def synthetic_node_profiles(
         raise ValueError(f"microbatch_size must be an integer, got {microbatch_size!r}")
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-    bad = [(i, s) for i, s in enumerate(slowdowns) if not s >= 0]
+    bad = [(i, s) for i, s in enumerate(slowdowns) if not (s >= 0 and math.isfinite(s))]
     if bad:
         raise ValueError(f"slowdowns must be >= 0, got (node, slowdown) {bad}")
     if not latency_s >= 0:

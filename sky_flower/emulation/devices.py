@@ -12,9 +12,11 @@ A fleet config lists its nodes, or gives a node count (``conf/fleet/skycomputing
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import psutil
 
@@ -26,11 +28,22 @@ MIB = 1024 * 1024
 __all__ = [
     "GENERATED_FLEET_KEYS",
     "MIB",
+    "compose_fleet",
     "Emulation",
     "FaultInjected",
     "expand_fleet",
     "parse_fleet",
 ]
+
+
+def _real(where: str, field: str, value: object, rule: str, or_null: bool = False) -> None:
+    """Raise ``ValueError`` naming the node and field unless ``value`` is a finite real
+    number obeying ``rule`` (``">= 0"`` or ``"> 0"``)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if rule == ">= 0" else value > 0)  # type: ignore[operator]
+    if not ok:
+        null = " or null" if or_null else ""
+        raise ValueError(f"{where}: {field} must be {rule}{null} (a finite number), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -80,19 +93,27 @@ class Emulation:
     fail_step: int = 0
 
     def __post_init__(self) -> None:
+        where = f"node {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"fleet node name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.holds_data, bool):
+            raise ValueError(f"{where}: holds_data must be true or false, got {self.holds_data!r}")
         if self.fail_mode not in FAIL_MODES:
             raise ValueError(
-                f"node {self.name!r}: fail_mode must be one of {', '.join(FAIL_MODES)}, "
-                f"got {self.fail_mode!r}"
+                f"{where}: fail_mode must be one of {', '.join(FAIL_MODES)}, got {self.fail_mode!r}"
             )
-        if self.slowdown < 0:
-            raise ValueError(f"node {self.name!r}: slowdown must be >= 0, got {self.slowdown}")
-        if self.memory_mb is not None and self.memory_mb <= 0:
-            raise ValueError(f"node {self.name!r}: memory_mb must be > 0, got {self.memory_mb}")
-        if self.latency_ms < 0:
-            raise ValueError(f"node {self.name!r}: latency_ms must be >= 0")
-        if self.bandwidth_mb_s is not None and self.bandwidth_mb_s <= 0:
-            raise ValueError(f"node {self.name!r}: bandwidth_mb_s must be > 0 or null")
+        _real(where, "slowdown", self.slowdown, ">= 0")
+        _real(where, "latency_ms", self.latency_ms, ">= 0")
+        if self.memory_mb is not None:
+            _real(where, "memory_mb", self.memory_mb, "> 0")
+        if self.bandwidth_mb_s is not None:
+            _real(where, "bandwidth_mb_s", self.bandwidth_mb_s, "> 0", or_null=True)
+        if not isinstance(self.fail_on, str):
+            raise ValueError(f"{where}: fail_on must be a string, got {self.fail_on!r}")
+        for f in ("fail_round", "fail_step"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: {f} must be an integer >= 0, got {v!r}")
 
     @classmethod
     def from_mapping(cls, spec: Mapping) -> Emulation:
@@ -242,3 +263,37 @@ def expand_fleet(fleet_cfg: Mapping) -> list[Emulation]:
             for i, s in enumerate(slowdowns)
         ]
     )
+
+
+def compose_fleet(name: str, read: Callable[[str], str]) -> dict:
+    """A fleet config as Hydra composes it: ``read(name)`` gives the YAML text of
+    ``conf/fleet/<name>.yaml``; a ``defaults`` list (other fleet files, ``_self_``) is
+    merged in order, as ``fleet=<name>`` does in the training job.
+
+    Raises
+    ------
+    ValueError
+        On a ``defaults`` entry that is not a fleet name or ``_self_``, or a cycle.
+    """
+    from omegaconf import OmegaConf
+
+    def load(n: str, seen: tuple[str, ...]) -> Any:
+        if n in seen:
+            raise ValueError(f"fleet {n!r}: defaults form a cycle {' -> '.join((*seen, n))}")
+        cfg = OmegaConf.create(read(n))
+        defaults = cfg.pop("defaults", None) if "defaults" in cfg else None
+        if defaults is None:
+            return cfg
+        parts = []
+        for entry in defaults:
+            if entry == "_self_":
+                parts.append(cfg)
+            elif isinstance(entry, str):
+                parts.append(load(entry, (*seen, n)))
+            else:
+                raise ValueError(f"fleet {n!r}: defaults entry {entry!r} is not a fleet name")
+        if all(p is not cfg for p in parts):
+            parts.append(cfg)
+        return OmegaConf.merge(*parts)
+
+    return OmegaConf.to_container(load(name, ()), resolve=True)  # type: ignore[return-value]

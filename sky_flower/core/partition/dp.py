@@ -228,8 +228,9 @@ class _SumDP(_OverKinds):
         bad = (e <= p) | (mp[e] - mp[p] > cost.capacity[node])
         return np.where(bad, np.inf, block)
 
-    def solve(self) -> list[Stage] | None:
-        """The least-step plan, or None if nothing fits memory."""
+    def solve(self, deadline: float = math.inf) -> list[Stage] | None | str:
+        """The least-step plan, None if nothing fits memory, or ``"timeout"`` when
+        ``deadline`` (``time.perf_counter()``) passed first."""
         cost = self.cost
         L = cost.num_layers
         radix = [n + 1 for n in self.counts]
@@ -243,6 +244,8 @@ class _SumDP(_OverKinds):
         reps = [self.members[t][0] for t in self.kind_ids]
         cache: dict[tuple[int, int], np.ndarray] = {}
         for k in range(1, int(level.max()) + 1 if radix else 1):
+            if time.perf_counter() > deadline:
+                return "timeout"
             for idx in np.flatnonzero(level == k):
                 for t, dt in enumerate(digits[idx]):
                     if dt == 0:

@@ -157,6 +157,24 @@ class _KindDP:
         return stages
 
 
+def _decode(cost: CostModel, x: np.ndarray, K: int, members: list[list[int]]) -> list[Stage]:
+    """Stages from a solution of the feasibility MILP (``y`` then ``z`` columns)."""
+    L, T = cost.num_layers, len(members)
+    ny = (K - 1) * L
+    yv = np.ones((K, L))
+    yv[: K - 1] = np.round(x[:ny]).reshape(K - 1, L)
+    zv = np.round(x[ny:]).reshape(K - 1, T)
+    slot_of = (1 - yv).sum(axis=0).astype(int)
+    pool = [list(m) for m in members]
+    stages = []
+    for k in range(K):
+        js = np.flatnonzero(slot_of == k)
+        if len(js):
+            node = cost.owner if k == 0 else pool[int(np.argmax(zv[k - 1]))].pop(0)
+            stages.append((node, int(js.min()), int(js.max())))
+    return stages
+
+
 def _milp_feasible(cost: CostModel, time_limit_s: float, exact: bool) -> Feasibility:
     """The slot/capacity-kind feasibility MILP (module docstring, check 2); ``exact``:
     every stage stashes the same (else the MILP charges the most, and proves only
@@ -229,17 +247,7 @@ def _milp_feasible(cost: CostModel, time_limit_s: float, exact: bool) -> Feasibi
     )
     method = "the feasibility MILP over capacity kinds (HiGHS)"
     if res.x is not None:
-        yv = np.ones((K, L))
-        yv[: K - 1] = np.round(res.x[:ny]).reshape(K - 1, L)
-        zv = np.round(res.x[ny:]).reshape(K - 1, T)
-        slot_of = (1 - yv).sum(axis=0).astype(int)
-        pool = [list(m) for m in members]
-        stages = []
-        for k in range(K):
-            js = np.flatnonzero(slot_of == k)
-            if len(js):
-                node = cost.owner if k == 0 else pool[int(np.argmax(zv[k - 1]))].pop(0)
-                stages.append((node, int(js.min()), int(js.max())))
+        stages = _decode(cost, res.x, K, members)
         if cost.fits(stages):
             return Feasibility("feasible", stages, method)
     if res.status == 2 and exact:  # infeasible, proven

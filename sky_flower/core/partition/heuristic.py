@@ -10,6 +10,13 @@ plan); for the step objective a grid of larger ``T`` (fewer, fuller stages) is s
 too. The best candidates, ``even`` and the speed-proportional start are then polished
 by moving boundary layers in both directions while the objective improves. O(N log L)
 per fill.
+
+Two more sources of candidates: the exact memory check's witness
+(:func:`~sky_flower.core.partition.feasible.check_memory`; always when it is cheap, and
+before any refusal, so a plan that fits is never refused), and on small instances, where
+greedy fills can be far off (unequal nodes, per-pair links, binding memory), exact search
+(:func:`_small_exact`: every plan up to ``HEURISTIC_ENUMERATION_LIMIT``, else the chain
+DP of :mod:`.chain` when its work is small), within ``SMALL_EXACT_S`` seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sky_flower.core.cost import CostModel, Stage
+from sky_flower.core.partition.chain import _chain_case, _ChainDP
+from sky_flower.core.partition.enumeration import (
+    HEURISTIC_ENUMERATION_LIMIT,
+    _count_plans,
+    _enumerate,
+)
 from sky_flower.core.partition.feasible import _KindDP, _pipeline_lengths, check_memory
 from sky_flower.core.partition.plan import (
     InfeasibleMemoryError,
@@ -325,8 +338,39 @@ def seed_feasibility(
     )
 
 
+SMALL_EXACT_S = 0.3  # seconds the heuristic spends at most on exact small-instance search
+HEURISTIC_CHAIN_WORK = 3_000_000  # the heuristic runs the chain DP up to this work
+
+
+def _small_exact(
+    cost: CostModel, objective: str, upper: float, deadline: float
+) -> list[list[Stage]]:
+    """Exact candidates on small instances, where greedy fills can be far off (unequal
+    nodes, per-pair links, binding memory): every plan when there are at most
+    ``HEURISTIC_ENUMERATION_LIMIT``, else the chain DP of :mod:`.chain` when its work is
+    small (for schedules it does not model, its least-period plan as a stand-in)."""
+    if _count_plans(cost.num_nodes, cost.num_layers) <= HEURISTIC_ENUMERATION_LIMIT:
+        best, _ = _enumerate(cost, objective, deadline)
+        return [best] if best is not None else []
+    dp = _ChainDP(cost)
+    if dp.work > HEURISTIC_CHAIN_WORK:
+        return []
+    case = _chain_case(cost, objective)
+    if case == "one_pass":
+        _, stages, _ = dp.one_pass(deadline)
+    elif case == "gpipe":
+        _, stages, _ = dp.gpipe(upper, deadline)
+    else:
+        _, stages, _ = dp.throughput(deadline)
+    return [stages] if stages is not None else []
+
+
 def heuristic(
-    cost: CostModel, objective: str = "step", grid: int = 16, time_limit_s: float = 10.0
+    cost: CostModel,
+    objective: str = "step",
+    grid: int = 16,
+    time_limit_s: float = 10.0,
+    small_exact: bool = True,
 ) -> Plan:
     """Fast order-aware greedy with bisection on the stage-time cap, then polishing.
 
@@ -339,6 +383,8 @@ def heuristic(
     objective : {"step", "throughput"}
     grid : int
         Caps scored between the least feasible one and one stage per node (``step``).
+    small_exact : bool
+        Add :func:`_small_exact`'s candidates (off: greedy fills and polishing alone).
     time_limit_s : float
         Budget (seconds) of the exact memory check
         (:func:`~sky_flower.core.partition.feasible.check_memory`), whose witness seeds
@@ -385,6 +431,10 @@ def heuristic(
             for S in range(1, min(cost.num_nodes, cost.num_layers) + 1):
                 consider(filler.fill(order, math.inf, num_stages=S))
     seed_feasibility(cost, consider, bool(cands), time_limit_s)
+    if small_exact:
+        deadline = t0 + min(time_limit_s, SMALL_EXACT_S)
+        for stages in _small_exact(cost, objective, min(score.values()), deadline):
+            consider(stages)
     ranked = sorted(score, key=score.get)
     # unpolished too: for 1F1B polishing scores GPipe's closed form, a stand-in
     polished = [cands[r] for r in ranked[:2]]

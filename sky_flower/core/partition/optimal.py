@@ -1,36 +1,42 @@
 """``optimal``: the exact partition, by whichever exact method fits the instance.
 
-Dispatch, cheapest proof first:
+Dispatch, cheapest proof first (what each proves: the package docstring, "What
+"optimal" means"):
 
 1. small instances (at most ``ENUMERATION_LIMIT`` plans): exhaustive enumeration
-   (:mod:`~sky_flower.core.partition.brute`);
-2. ``throughput`` with one link for every pair: the period DP over node kinds
+   (:mod:`~sky_flower.core.partition.enumeration`), stopped by ``time_limit_s``;
+2. a link per pair of nodes: the chain DP over (nodes in use, last node's link, layer)
+   (:mod:`~sky_flower.core.partition.chain`), for throughput, one-pass steps and GPipe;
+3. ``throughput`` with one link for every pair: the period DP over node kinds
    (:class:`~sky_flower.core.partition.dp._PeriodDP`);
-3. one-pass ``step`` (``sequential`` or M = 1, ``direct``) with one link for every
+4. one-pass ``step`` (``sequential`` or M = 1, ``direct``) with one link for every
    pair: the min-plus DP over node kinds and layers
    (:class:`~sky_flower.core.partition.dp._SumDP`);
-4. otherwise the slot/kind MILP solved by HiGHS
+5. one link for every pair, otherwise: the chain DP (GPipe's branch and bound) when its
+   work is small, else the slot/kind MILP solved by HiGHS
    (:class:`~sky_flower.core.partition.milp._SlotMilp`), or the heuristic's plan with a
-   note saying why the MILP does not apply.
+   note saying why nothing exact applies.
 
 Never worse than :func:`~sky_flower.core.partition.heuristic.heuristic`, which also
-raises the memory error before any solving.
+decides memory feasibility exactly before any solving.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from sky_flower.core.cost import CostModel
-from sky_flower.core.partition.brute import ENUMERATION_LIMIT, _count_plans, _enumerate
+from sky_flower.core.partition.chain import CHAIN_DP_WORK_LIMIT, _chain_case, _ChainDP
 from sky_flower.core.partition.dp import DP_STATE_LIMIT, SUM_DP_WORK_LIMIT, _PeriodDP, _SumDP
+from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT, _count_plans, _enumerate
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
 
-SOLVERS = ("auto", "enumerate", "milp", "dp")
+SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 
 
 def optimal(
@@ -68,7 +74,7 @@ def optimal(
     """
     _check_objective(objective)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}: use auto, enumerate, milp or dp")
+        raise ValueError(f"unknown solver {solver!r}: use {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
     h = heuristic(cost, objective, time_limit_s=time_limit_s)  # proves infeasibility first
     lb = cost.lower_bound(objective)
@@ -76,13 +82,21 @@ def optimal(
     if solver == "enumerate" or (solver == "auto" and small):
         return _by_enumeration(cost, objective, t0, lb, h, time_limit_s)
     uniform = len(set(cost.inv_bw.tolist())) == 1 and len(set(cost.latency.tolist())) == 1
+    if solver == "chain" or (solver == "auto" and not uniform):
+        plan = _by_chain(cost, objective, t0, lb, h, time_limit_s)
+        if plan is not None:
+            return plan
     if objective == "throughput" and uniform and solver in ("auto", "dp"):
         plan = _by_period_dp(cost, objective, t0, lb, h, time_limit_s)
         if plan is not None:
             return plan
     one_pass = cost.schedule.kind == "sequential" or cost.schedule.microbatches == 1
     if objective == "step" and one_pass and uniform and not cost.relay and solver in ("auto", "dp"):
-        plan = _by_sum_dp(cost, objective, t0, h)
+        plan = _by_sum_dp(cost, objective, t0, h, time_limit_s)
+        if plan is not None:
+            return plan
+    if solver == "auto" and uniform:
+        plan = _by_chain(cost, objective, t0, lb, h, time_limit_s)
         if plan is not None:
             return plan
     why = _why_not_milp(cost, objective, solver)
@@ -155,12 +169,26 @@ def _by_period_dp(  # noqa: PLR0913
     )
 
 
-def _by_sum_dp(cost: CostModel, objective: str, t0: float, h: Plan) -> Plan | None:
-    """The one-pass DP's plan, proven, or None when its work is over the limit."""
+def _by_sum_dp(
+    cost: CostModel, objective: str, t0: float, h: Plan, time_limit_s: float = math.inf
+) -> Plan | None:
+    """The one-pass DP's plan, proven, or None when its work is over the limit (the
+    heuristic's plan, not proven, when the time limit stops it)."""
     dp2 = _SumDP(cost)
     if dp2.work > SUM_DP_WORK_LIMIT:
         return None
-    stages = dp2.solve()
+    stages = dp2.solve(t0 + time_limit_s)
+    if stages == "timeout":
+        return make_plan(
+            cost,
+            "optimal",
+            h.spec,
+            time.perf_counter() - t0,
+            lower_bound_s=cost.lower_bound(objective),
+            objective=objective,
+            note=f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
+            "heuristic plan, not proven",
+        )
     if stages is None or cost.step_time(stages) > h.predicted_step_time_s:
         stages = h.spec
     v = cost.step_time(stages)
@@ -252,5 +280,43 @@ def _by_milp(  # noqa: PLR0913
         objective=objective,
         proven_optimal=False,
         mip_gap=gap,
+        note=note,
+    )
+
+
+def _by_chain(  # noqa: PLR0913
+    cost: CostModel, objective: str, t0: float, lb: float, h: Plan, time_limit_s: float
+) -> Plan | None:
+    """The (kinds, last link class, layer) programme's plan, or None when it does not
+    model the objective or is over its work limit."""
+    case = _chain_case(cost, objective)
+    dp = _ChainDP(cost)
+    if case is None or dp.work > CHAIN_DP_WORK_LIMIT:
+        return None
+    deadline = t0 + time_limit_s
+    if case == "throughput":
+        _, stages, done = dp.throughput(deadline)
+    elif case == "one_pass":
+        _, stages, done = dp.one_pass(deadline)
+    else:
+        _, stages, done = dp.gpipe(h.predicted_step_time_s, deadline)
+    h_v = h.objective_value_s
+    if stages is None or cost.objective(stages, objective) > h_v:
+        stages = h.spec
+    v = cost.objective(stages, objective)
+    note = "exact dynamic programme over (nodes in use, last node's link, layer)"
+    if case == "gpipe":
+        note += " in a branch and bound over caps on the GPipe step's two maxima"
+    if not done:
+        note += f": time limit {time_limit_s:g} s reached, not proven"
+    return make_plan(
+        cost,
+        "optimal",
+        stages,
+        time.perf_counter() - t0,
+        lower_bound_s=v if done else lb,
+        objective=objective,
+        proven_optimal=done,
+        mip_gap=0.0 if done else None,
         note=note,
     )

@@ -201,6 +201,13 @@ def make_plan(
     ]
     used = {i for i, _, _ in spec}
     sched = cost.schedule
+    if S == 1:
+        alone = (
+            "one node in the fleet: nothing is split, the data owner trains the whole model"
+            if cost.num_nodes == 1
+            else "one stage: nothing is split, the data owner trains the whole model"
+        )
+        extra["note"] = f"{alone}; {extra['note']}" if extra.get("note") else alone
     lb = cost.lower_bound(objective) if lower_bound_s is None else lower_bound_s
     return Plan(
         method=method,
