@@ -24,6 +24,7 @@ from sky_flower.core.partition import (
     InfeasibleMemoryError,
     Plan,
     feasible_stages,
+    heuristic,
     partition,
 )
 from sky_flower.core.profile import LayerProfile, NodeProfile
@@ -187,7 +188,10 @@ class Instance:
         if method == "even" and cost.num_layers < cost.num_nodes:
             return None
         try:
-            plan = partition(cost, method, time_limit_s=self.time_limit_s)
+            if method == "heuristic":  # many solves per search: greedy fills and polishing
+                plan = heuristic(cost, time_limit_s=self.time_limit_s, small_exact=False)
+            else:
+                plan = partition(cost, method, time_limit_s=self.time_limit_s)
         except InfeasibleMemoryError:
             return None
         if method == "optimal" and not plan.proven_optimal:
