@@ -41,7 +41,7 @@ from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.objective import correct_count, ref
-from sky_flower.sky import planning, report
+from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (
     BenchmarkRound,
     BenchmarkSettings,
@@ -51,6 +51,7 @@ from sky_flower.sky.benchmark import (
     wait_for_nodes,
 )
 from sky_flower.sky.direct import DirectRunner
+from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
@@ -224,7 +225,10 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         self.num_examples = 0
         self.plan: Plan | None = None
         self.cost: CostModel | None = None
-        self.pipeline: Pipeline | None = None
+        self.pipeline: Pipeline | None = None  # the first owner's (self.runs: all)
+        self.federated: planning.FederatedPlanned | None = None
+        self.runs: list[PipelineRun] = []
+        self.samples: dict[str, int] = {}  # data owner -> examples
         self.group_size = self.schedule.microbatches  # micro-batches per relay message
         self.rounds: list[dict[str, Any]] = []
         self.failed_rounds: list[dict[str, Any]] = []
@@ -329,6 +333,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         found = bench.run(node_ids, self.node_order)
         self.node_profiles, self._ids = found.nodes, found.node_ids
         self.num_examples, self._handler_rate = found.num_examples, found.handler_rate
+        self.samples = dict(found.samples)
         self.on_event("benchmark", benchmark_event(self.layer_profiles, found))
         return self.node_profiles
 
@@ -337,22 +342,40 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         return benchmark_table(self.node_profiles, emulation)
 
     def make_plan(self, alternatives: bool = True) -> Plan:
-        """Partition the profiled model over the profiled nodes (``alternatives``: also
-        predict the other allocations on this benchmark, for the ``plan`` event)."""
-        planned = planning.make_plan(
+        """Plan one pipeline per data owner over the profiled nodes
+        (:func:`sky_flower.sky.planning.make_federated_plan`; ``alternatives``: also
+        predict the other allocations on this benchmark, for the ``plan`` event).
+        Returns the first owner's pipeline plan (``self.plans`` holds them all)."""
+        fed = planning.make_federated_plan(
             self.layer_profiles,
             self.node_profiles,
+            self.samples,
             self.schedule,
             self.allocation,
-            self.milp_time_limit_s,
+            local_epochs=self.local_epochs,
+            steps_per_round=self.steps_per_round,
+            time_limit_s=self.milp_time_limit_s,
             alternatives=alternatives,
         )
-        self.plan, self.cost, self.group_size = planned.plan, planned.cost, planned.group_size
-        self.pipeline = planning.pipeline(
-            planned, self.node_profiles, self._ids, self._handler_rate
+        self.federated = fed
+        self.runs = planning.pipeline_runs(fed, self.node_profiles, self._ids, self._handler_rate)
+        first = fed.planned[0]
+        self.plan, self.cost, self.group_size = first.plan, first.cost, first.group_size
+        self.pipeline = self.runs[0].pipeline
+        event = fed.event()
+        log(
+            INFO,
+            "Plan (%s), one pipeline per data owner:\n%s",
+            self.allocation,
+            report.plan_table(event),
         )
-        self.on_event("plan", planned.event())
+        self.on_event("plan", event)
         return self.plan
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every data owner's pipeline plan, in pipeline order."""
+        return [r.pipeline.plan for r in self.runs]
 
     def stage_predictions(self) -> list[dict[str, Any]]:
         """Per stage and step, what the cost model predicts
@@ -421,38 +444,64 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         t_start = time.time()
         self.benchmark(grid, self.wait_for_nodes(grid, timeout=min(timeout, self.node_wait_s)))
         self.make_plan()
-        runner = self.runner()
-        runner.check_plan(self.pipeline)
+        for run in self.runs:
+            self.runner().check_plan(run.pipeline)
         result = Result(arrays=initial_arrays)
         self._evaluate(0, initial_arrays, evaluate_fn, result, {})
-        arrays = self.global_arrays = initial_arrays
-        steps = self.steps_in_round()
+        self.global_arrays = initial_arrays
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
-            t_round = time.perf_counter()
-            try:
-                outcome = runner.run_round(grid, self.pipeline, arrays, steps, rnd)
-            except SkyNodeError as err:
+            row = self._round(grid, rnd)
+            if "error" in row:
                 failures += 1
-                self._failed(rnd, err, failures, time.perf_counter() - t_round)
+                self._failed(rnd, row, failures)
                 continue
             failures = 0
-            arrays = result.arrays = self.global_arrays = outcome.arrays
-            row = outcome.to_row(
-                rnd, steps, self.pipeline.plan.predicted_step_time_s, time.perf_counter() - t_round
-            )
+            result.arrays = self.global_arrays
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
             )
-            self._evaluate(rnd, arrays, evaluate_fn, result, row)
+            self._evaluate(rnd, self.global_arrays, evaluate_fn, result, row)
             self.rounds.append(row)
             report.log_round_line(row)
-            report.log_stage_report(row, f"{runner.label}, {self.schedule.kind}")
+            report.log_stage_report(row, f"{self.runner_cls.label}, {self.schedule.kind}")
+            report.log_pipelines(row)
             self.on_event("round", row)
+            if row["failed_pipelines"]:
+                self._recover(
+                    rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
+                )
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
         return result
+
+    def _round(self, grid: Grid, rnd: int) -> dict[str, Any]:
+        """Run round ``rnd``: every owner's pipeline, then FedAvg across those that
+        finished into ``self.global_arrays``. Returns the round row; a row with an
+        ``error`` (every pipeline failed) leaves the global model as it was."""
+        t_round = time.perf_counter()
+        results = federation.run_pipelines(
+            grid,
+            self.runs,
+            self.runner,
+            self.global_arrays,
+            rnd,  # type: ignore[arg-type]
+        )
+        seconds = time.perf_counter() - t_round
+        ok = [r.outcome for r in results if r.outcome is not None]
+        if not ok:
+            err = federation.pipelines_error(
+                [
+                    {"owner": r.run.owner, "error": str(r.error), "nodes": r.error.nodes}
+                    for r in results
+                    if r.error is not None
+                ],
+                [nid for r in results if r.error is not None for nid in (r.error.node_ids or ())],
+            )
+            return {"round": rnd, "error": err, "round_time_s": seconds}
+        self.global_arrays = ok[0].arrays if len(ok) == 1 else federation.fedavg(ok)
+        return federation.round_row(rnd, results, seconds)
 
     @staticmethod
     def _evaluate(
@@ -470,15 +519,17 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             result.evaluate_metrics_serverapp[rnd] = res
             row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
 
-    def _failed(self, rnd: int, err: SkyNodeError, failures: int, seconds: float) -> None:
-        """Record failed round ``rnd``; end the run at ``max_failed_rounds``, else drop
-        the nodes that caused it and re-plan (:meth:`_recover`).
+    def _failed(self, rnd: int, row: dict[str, Any], failures: int) -> None:
+        """Record failed round ``rnd`` (``row["error"]``: the :class:`SkyNodeError` of
+        every pipeline); end the run at ``max_failed_rounds``, else drop the nodes that
+        caused it and re-plan (:meth:`_recover`).
 
         Raises
         ------
         SkyNodeError
             If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
         """
+        err: SkyNodeError = row["error"]
         log(
             WARNING,
             "Round %d failed: %s. The last good global model is kept (%d consecutive "
@@ -488,7 +539,11 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             failures,
             self.max_failed_rounds,
         )
-        failed = {"round": rnd, "error": f"round {rnd} failed: {err}", "round_time_s": seconds}
+        failed = {
+            "round": rnd,
+            "error": f"round {rnd} failed: {err}",
+            "round_time_s": row["round_time_s"],
+        }
         self.rounds.append(failed)
         self.on_event("round", failed)
         if failures >= self.max_failed_rounds:
@@ -500,18 +555,19 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             ) from err
         self._recover(rnd, err)
 
-    def _recover(self, rnd: int, err: SkyNodeError) -> list[str]:
+    def _recover(self, rnd: int, err: SkyNodeError, partial: bool = False) -> list[str]:
         """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
         that caused it (``err.node_ids``, else ``err.nodes`` by name) and re-plan on the
         others (the configured allocation only); return the names dropped. The data
         owner is never dropped (stage 0 needs its data): a round it failed is simply
         retried, as is one whose nodes cannot be dropped (the others cannot hold the
-        model). Records ``failed_rounds``."""
+        model). Records ``failed_rounds`` unless ``partial`` (some pipelines finished
+        the round: their FedAvg is kept and the round row names the failed ones)."""
         if err.node_ids is not None:
             failed = [n for n in self.node_profiles if n.node_id in err.node_ids]
         else:
             failed = [n for n in self.node_profiles if n.name in (err.nodes or ())]
-        failed = [n for n in failed if n is not self.node_profiles[0]]
+        failed = [n for n in failed if not n.holds_data]  # stage 0 of its own pipeline
         names = [n.name for n in failed]
         dropped: list[str] = []
         if failed:
@@ -526,7 +582,8 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
                 log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
         for name in dropped:
             self._ids.pop(name, None)
-        self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": dropped})
+        if not partial:  # a round some pipelines finished is recorded in its row
+            self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": dropped})
         if dropped:
             log(
                 WARNING,
@@ -539,4 +596,4 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
 
     def log_final_summary(self, result: Result) -> None:
         """Log the plan and the final results (:func:`sky_flower.sky.report.log_final`)."""
-        report.log_final(self.plan, self.allocation, result)
+        report.log_final(self.plans, self.allocation, result)

@@ -72,6 +72,8 @@ class BenchmarkResult:
         Node name -> Flower node id.
     num_examples : int
         The (first) data owner's examples.
+    samples : dict[str, int]
+        Data owner name -> its training examples (one pipeline each).
     handler_rate : dict[str, float]
         Node name -> seconds per state byte a relay stage message spends rebuilding
         (and, half of the time, saving) its stage.
@@ -82,6 +84,7 @@ class BenchmarkResult:
     nodes: list[NodeProfile]
     node_ids: dict[str, int]
     num_examples: int
+    samples: dict[str, int] = field(default_factory=dict)
     handler_rate: dict[str, float] = field(default_factory=dict)
     emulation: dict[str, str] = field(default_factory=dict)
 
@@ -160,14 +163,13 @@ class BenchmarkRound:
         result.nodes = order_nodes(result.nodes, node_order)
         owners = [n for n in result.nodes if n.holds_data]
         result.num_examples = examples[owners[0].name]
-        if len(owners) > 1:
-            log(
-                WARNING,
-                "%d data owners; one pipeline headed by %r is built, the others' data is "
-                "unused (several pipelines are not built yet)",
-                len(owners),
-                owners[0].name,
-            )
+        result.samples = {n.name: examples[n.name] for n in owners}
+        log(
+            INFO,
+            "%d data owner(s), one pipeline each: %s",
+            len(owners),
+            ", ".join(f"{n} ({k} examples)" for n, k in result.samples.items()),
+        )
         log(INFO, "Benchmark round:\n%s", benchmark_table(result.nodes, result.emulation))
         return result
 

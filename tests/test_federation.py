@@ -1,0 +1,180 @@
+"""Federated split training: one pipeline per data owner, all running in a round, FedAvg
+across (``sky_flower.sky.federation``). Every owner's pipeline, on either transport,
+equals the owner training the whole model alone on the same batches, and the global
+model is their FedAvg weighted by samples trained (``reference_rounds``; the in-process
+``ConcurrentGrid`` runs the nodes at once, so pipelines overlap)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import (
+    SKY_APP,
+    ConcurrentGrid,
+    _step_batch,
+    reference_rounds,
+    sky_app_on_grid,
+    sky_app_task,
+)
+
+from sky_flower.deploy import app_run_config
+from sky_flower.sky.federation import fedavg
+from sky_flower.sky.runner import RoundOutcome
+
+QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
+BATCH = 32
+# fleet federated6: owner-a, owner-b, owner-c, helper-x, helper-y, helper-z. Each owner's
+# partition, chosen so that the owners hold different sample counts (719, 359, 479)
+PARTS = {0: (0, 2), 1: (1, 4), 2: (2, 3)}
+
+
+def _node_extra(owners: int, fault: dict | None = None) -> dict[int, dict]:
+    """node config per fleet node: owners 0..owners-1 hold the partitions of
+    :data:`PARTS`; owner-c is a helper when ``owners`` is 2; ``fault`` on owner-b."""
+    extra: dict[int, dict] = {
+        i: {"partition-id": pid, "num-partitions": n} for i, (pid, n) in PARTS.items()
+    }
+    if owners == 2:
+        extra[2]["sky-holds-data"] = False
+    if fault:
+        extra[1].update(fault)
+    return extra
+
+
+def _run(run: dict, owners: int, fault: dict | None = None):  # noqa: ANN202
+    strategy, grid, start = sky_app_on_grid(ConcurrentGrid, run, _node_extra(owners, fault))
+    try:
+        result = strategy.start(**start)
+    finally:
+        grid.close()
+    return strategy, result
+
+
+def _owner_round(owner: int, weights: dict, rnd: int, steps: int, run: dict) -> tuple:
+    """Owner ``owner`` training the whole model alone in round ``rnd`` from ``weights``
+    on the batches its stage 0 draws: (weights after, per-step losses)."""
+    task = sky_app_task()
+    data = task.load_data(*PARTS[owner])
+    batches = [_step_batch(data, s, rnd, BATCH, 0) for s in range(steps)]
+    ((after, losses),) = reference_rounds(
+        task.Net,
+        batches,
+        rounds=1,
+        steps=steps,
+        lr=float(run["lr"]),
+        microbatches=int(run["microbatches"]),
+        weights=weights,
+    )
+    return after, losses
+
+
+def _expected(run: dict, steps: dict[str, int], rounds: int, lost: frozenset = frozenset()):  # noqa: ANN202
+    """The reference: every round, each owner (fleet index by name) trains alone from
+    the global model; the new global model is their FedAvg weighted by samples trained
+    (``steps x batch``); owners in ``lost`` drop out. Returns per round the global
+    weights and, per owner, its losses."""
+    index = {"owner-a": 0, "owner-b": 1, "owner-c": 2}
+    weights = sky_app_task().Net().state_dict()
+    out = []
+    for rnd in range(1, rounds + 1):
+        trained = {
+            o: _owner_round(index[o], weights, rnd, k, run)
+            for o, k in steps.items()
+            if o not in lost
+        }
+        total = sum(steps[o] for o in trained)
+        weights = {
+            key: sum(trained[o][0][key] * (steps[o] / total) for o in trained) for key in weights
+        }
+        out.append((weights, {o: losses for o, (_, losses) in trained.items()}))
+    return out
+
+
+def _assert_close(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-5)
+
+
+CASES = [  # transport, schedule kind, micro-batches, owners
+    ("relay", "sequential", 1, 2),
+    ("relay", "gpipe", 2, 3),
+    ("direct", "gpipe", 2, 2),
+    ("direct", "1f1b", 2, 3),
+]
+
+
+@pytest.mark.parametrize(("transport", "kind", "microbatches", "owners"), CASES)
+def test_pipelines_with_fedavg_equal_owners_training_alone(
+    transport, kind, microbatches, owners, server_identity
+):
+    """K owners (different sample counts, so different steps and FedAvg weights), each
+    heading its own pipeline with helpers, all running in the round; two rounds: the
+    global model after each equals the FedAvg of every owner training the whole model
+    alone on the same batches, and each pipeline's loss its owner's."""
+    run = {**QUICK, **app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run |= {"transport": transport, "schedule-kind": kind, "microbatches": microbatches}
+    run |= {"batch-size": BATCH, "steps-per-round": 0, "local-epochs": 0.15, **QUICK}
+    run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 40.0}
+    strategy, result = _run(run, owners)
+    steps = {r.owner: r.steps for r in strategy.runs}
+    assert sorted(steps) == ["owner-a", "owner-b", "owner-c"][:owners]
+    assert len(set(steps.values())) > 1, steps  # the owners' sample counts differ
+    for r in strategy.runs:  # every pipeline is headed by its owner; helpers are used
+        assert r.pipeline.plan.stages[0].node == r.owner
+    assert sum(len(r.pipeline.plan.stages) for r in strategy.runs) > owners
+    expected = _expected(run, steps, rounds=2)
+    assert len(strategy.rounds) == 2
+    for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
+        assert row.get("error") is None and row["failed_pipelines"] == [], row
+        assert [p["owner"] for p in row["pipelines"]] == list(steps)
+        for p in row["pipelines"]:
+            assert p["error"] is None
+            assert p["steps"] == steps[p["owner"]]
+            assert p["samples_trained"] == steps[p["owner"]] * BATCH
+            assert abs(p["train_loss"] - float(np.mean(losses[p["owner"]]))) < 1e-5
+        assert row["samples_trained"] == sum(steps.values()) * BATCH
+    _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
+
+
+def test_failing_owner_drops_out_of_the_average(server_identity):
+    """owner-b's node replies with an error to its forward messages in both rounds:
+    each round averages the other two pipelines (owner-b's update is lost, the others'
+    kept: the global model is their FedAvg), the round row names owner-b and its node,
+    and the run goes on (an owner is never dropped)."""
+    run = {**app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run |= {"batch-size": BATCH, "steps-per-round": 2, "max-failed-rounds": 1, **QUICK}
+    fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "raise"}
+    strategy, result = _run(run, 3, fault)
+    assert len(strategy.rounds) == 2 and strategy.failed_rounds == []
+    for row in strategy.rounds:
+        assert row.get("error") is None
+        (failed,) = row["failed_pipelines"]
+        assert failed["owner"] == "owner-b" and "owner-b" in failed["nodes"]
+        assert "owner-b" in failed["error"]
+        by_owner = {p["owner"]: p for p in row["pipelines"]}
+        assert by_owner["owner-b"]["error"] and by_owner["owner-b"]["samples_trained"] == 0
+        assert by_owner["owner-a"]["error"] is None and by_owner["owner-c"]["error"] is None
+        assert row["samples_trained"] == 2 * 2 * BATCH
+    steps = {"owner-a": 2, "owner-b": 2, "owner-c": 2}
+    expected = _expected(run, steps, rounds=2, lost=frozenset({"owner-b"}))
+    _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
+
+
+def test_fedavg_is_flowers_weighted_mean_and_keeps_dtypes():
+    """FedAvg of two models weighted 3:1 by samples trained; integer buffers keep their
+    dtype."""
+    from flwr.app import ArrayRecord
+
+    a = {"w": torch.ones(2, 2), "n": torch.tensor(4, dtype=torch.int64)}
+    b = {"w": torch.zeros(2, 2), "n": torch.tensor(4, dtype=torch.int64)}
+
+    def out(sd: dict, seen: int) -> RoundOutcome:
+        return RoundOutcome(ArrayRecord(sd), [0.0], 0, seen, [0.0], [])
+
+    avg = fedavg([out(a, 96), out(b, 32)]).to_torch_state_dict()
+    torch.testing.assert_close(avg["w"], torch.full((2, 2), 0.75))
+    assert avg["n"].dtype == torch.int64 and int(avg["n"]) == 4
+    with pytest.raises(ValueError, match="at least one pipeline"):
+        fedavg([])
