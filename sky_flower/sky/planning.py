@@ -13,16 +13,17 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.federated import (
+    FederatedPlan,
+    OwnerPipeline,
+    plan_federation,
+    steps_in_round,  # noqa: F401  (the rule lives in core)
+)
 from sky_flower.core.partition import METHODS, Plan, feasible_bounds, partition
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.runner import Pipeline
-
-try:  # slice fedplan's joint planner
-    from sky_flower.core.federated import FederatedPlan, OwnerPipeline, plan_federation
-except ImportError:  # STAND-IN until fedplan is merged
-    from sky_flower.sky._federated_standin import FederatedPlan, OwnerPipeline, plan_federation
 
 
 def profile_model(
@@ -197,28 +198,6 @@ def pipeline(
             for n in stages
         ),
     )
-
-
-def steps_in_round(
-    steps_per_round: int, local_epochs: float, num_examples: int, batch_size: int
-) -> int:
-    """Training steps per round: ``steps_per_round`` if > 0, else ``local_epochs``
-    passes over the data owner's ``num_examples`` in batches of ``batch_size``.
-
-    Raises
-    ------
-    ValueError
-        If the data owner has fewer examples than one batch.
-    """
-    if steps_per_round > 0:
-        return steps_per_round
-    per_epoch = num_examples // batch_size
-    if per_epoch < 1:
-        raise ValueError(
-            f"the data owner has {num_examples} examples, fewer than one batch of "
-            f"{batch_size}: lower the batch size"
-        )
-    return max(1, int(round(local_epochs * per_epoch)))
 
 
 # -- one pipeline per data owner ----------------------------------------------------------
