@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
 import torch
@@ -35,9 +35,8 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
-from sky_flower.core.partition import METHODS, Plan
+from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.objective import correct_count, ref
@@ -53,6 +52,7 @@ from sky_flower.sky.benchmark import (
 from sky_flower.sky.direct import DirectRunner
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.protocol import ARRAYS
+from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 
@@ -64,36 +64,7 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
 
 
-def _check_settings(  # noqa: PLR0913
-    allocation: str,
-    optimizer: str,
-    lr: float,
-    local_epochs: float,
-    steps_per_round: int,
-    max_failed_rounds: int,
-) -> None:
-    """Refuse bad strategy settings before anything starts.
-
-    Raises
-    ------
-    ValueError
-        Naming the setting, its value and the rule.
-    """
-    if allocation not in METHODS:
-        raise ValueError(f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}")
-    _opt_factory(optimizer, lr)  # validates the name early
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if not local_epochs > 0 or steps_per_round < 0:
-        raise ValueError(
-            f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
-            f"(got {steps_per_round}; 0 means: use local_epochs)"
-        )
-    if max_failed_rounds < 1:
-        raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
-
-
-class SkyStrategy(ServerSideEvaluation, Strategy):
+class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
     Parameters
@@ -194,7 +165,9 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         metric_fn: Callable[..., int] = correct_count,
         link_cache: dict[int, Link] | None = None,
     ) -> None:
-        _check_settings(allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds)
+        planning.check_settings(
+            allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
+        )
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
@@ -452,13 +425,15 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
-            row = self._round(grid, rnd)
-            if "error" in row:
+            row, new = federation.federated_round(
+                grid, self.runs, self.runner, self.global_arrays, rnd
+            )
+            if new is None:
                 failures += 1
                 self._failed(rnd, row, failures)
                 continue
             failures = 0
-            result.arrays = self.global_arrays
+            result.arrays = self.global_arrays = new
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
             )
@@ -476,33 +451,6 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         self.log_final_summary(result)
         return result
 
-    def _round(self, grid: Grid, rnd: int) -> dict[str, Any]:
-        """Run round ``rnd``: every owner's pipeline, then FedAvg across those that
-        finished into ``self.global_arrays``. Returns the round row; a row with an
-        ``error`` (every pipeline failed) leaves the global model as it was."""
-        t_round = time.perf_counter()
-        results = federation.run_pipelines(
-            grid,
-            self.runs,
-            self.runner,
-            self.global_arrays,
-            rnd,  # type: ignore[arg-type]
-        )
-        seconds = time.perf_counter() - t_round
-        ok = [r.outcome for r in results if r.outcome is not None]
-        if not ok:
-            err = federation.pipelines_error(
-                [
-                    {"owner": r.run.owner, "error": str(r.error), "nodes": r.error.nodes}
-                    for r in results
-                    if r.error is not None
-                ],
-                [nid for r in results if r.error is not None for nid in (r.error.node_ids or ())],
-            )
-            return {"round": rnd, "error": err, "round_time_s": seconds}
-        self.global_arrays = ok[0].arrays if len(ok) == 1 else federation.fedavg(ok)
-        return federation.round_row(rnd, results, seconds)
-
     @staticmethod
     def _evaluate(
         rnd: int,
@@ -518,81 +466,6 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         if res is not None:
             result.evaluate_metrics_serverapp[rnd] = res
             row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
-
-    def _failed(self, rnd: int, row: dict[str, Any], failures: int) -> None:
-        """Record failed round ``rnd`` (``row["error"]``: the :class:`SkyNodeError` of
-        every pipeline); end the run at ``max_failed_rounds``, else drop the nodes that
-        caused it and re-plan (:meth:`_recover`).
-
-        Raises
-        ------
-        SkyNodeError
-            If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
-        """
-        err: SkyNodeError = row["error"]
-        log(
-            WARNING,
-            "Round %d failed: %s. The last good global model is kept (%d consecutive "
-            "failed round(s) of at most max_failed_rounds=%d).",
-            rnd,
-            err,
-            failures,
-            self.max_failed_rounds,
-        )
-        failed = {
-            "round": rnd,
-            "error": f"round {rnd} failed: {err}",
-            "round_time_s": row["round_time_s"],
-        }
-        self.rounds.append(failed)
-        self.on_event("round", failed)
-        if failures >= self.max_failed_rounds:
-            raise SkyNodeError(
-                f"round {rnd} failed: {err} ({failures} consecutive failed round(s): "
-                f"max_failed_rounds={self.max_failed_rounds} reached)",
-                nodes=err.nodes,
-                node_ids=err.node_ids,
-            ) from err
-        self._recover(rnd, err)
-
-    def _recover(self, rnd: int, err: SkyNodeError, partial: bool = False) -> list[str]:
-        """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
-        that caused it (``err.node_ids``, else ``err.nodes`` by name) and re-plan on the
-        others (the configured allocation only); return the names dropped. The data
-        owner is never dropped (stage 0 needs its data): a round it failed is simply
-        retried, as is one whose nodes cannot be dropped (the others cannot hold the
-        model). Records ``failed_rounds`` unless ``partial`` (some pipelines finished
-        the round: their FedAvg is kept and the round row names the failed ones)."""
-        if err.node_ids is not None:
-            failed = [n for n in self.node_profiles if n.node_id in err.node_ids]
-        else:
-            failed = [n for n in self.node_profiles if n.name in (err.nodes or ())]
-        failed = [n for n in failed if not n.holds_data]  # stage 0 of its own pipeline
-        names = [n.name for n in failed]
-        dropped: list[str] = []
-        if failed:
-            old = self.node_profiles
-            self.node_profiles = [n for n in old if n not in failed]
-            try:
-                self.make_plan(alternatives=False)
-                dropped = names
-            except ValueError as plan_err:  # e.g. the others cannot hold the model
-                self.node_profiles = old
-                self.make_plan(alternatives=False)
-                log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
-        for name in dropped:
-            self._ids.pop(name, None)
-        if not partial:  # a round some pipelines finished is recorded in its row
-            self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": dropped})
-        if dropped:
-            log(
-                WARNING,
-                "Round %d failed; dropped %s and re-planned on %d node(s)",
-                rnd,
-                ", ".join(dropped),
-                len(self.node_profiles),
-            )
-        return dropped
 
     def log_final_summary(self, result: Result) -> None:
         """Log the plan and the final results (:func:`sky_flower.sky.report.log_final`)."""

@@ -270,3 +270,35 @@ def pipelines_error(
     text = "; ".join(f"pipeline of {f['owner']} failed: {f['error']}" for f in failed)
     nodes = sorted({n for f in failed for n in (f.get("nodes") or ())})
     return SkyNodeError(text, nodes=nodes or None, node_ids=list(node_ids) if node_ids else None)
+
+
+def federated_round(
+    grid: Grid,
+    runs: Sequence[PipelineRun],
+    make_runner: Callable[[], Runner],
+    arrays: ArrayRecord,
+    server_round: int,
+) -> tuple[dict[str, Any], ArrayRecord | None]:
+    """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
+    FedAvg across those that finished (:func:`fedavg`).
+
+    Returns
+    -------
+    (dict, ArrayRecord or None)
+        The round row (:func:`round_row`) and the new global model; when every pipeline
+        failed, ``{"round", "error": SkyNodeError naming every owner and node,
+        "round_time_s"}`` and None.
+    """
+    t0 = time.perf_counter()
+    results = run_pipelines(grid, runs, make_runner, arrays, server_round)
+    seconds = time.perf_counter() - t0
+    ok = [r.outcome for r in results if r.outcome is not None]
+    if not ok:
+        failed = [r for r in results if r.error is not None]
+        err = pipelines_error(
+            [{"owner": r.run.owner, "error": str(r.error), "nodes": r.error.nodes} for r in failed],  # type: ignore[union-attr]
+            [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
+        )
+        return {"round": server_round, "error": err, "round_time_s": seconds}, None
+    new = ok[0].arrays if len(ok) == 1 else fedavg(ok)
+    return round_row(server_round, results, seconds), new
