@@ -9,9 +9,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from sky_flower.core.cost import Schedule
+from sky_flower.core.federated.exact import optimal_solution
+from sky_flower.core.federated.greedy import HEURISTIC_BUDGET_S
 from sky_flower.core.federated.instance import Instance
 from sky_flower.core.federated.plan import FederatedPlan
-from sky_flower.core.federated.search import even_solution, heuristic_solution, optimal_solution
+from sky_flower.core.federated.search import even_solution, heuristic_solution
 from sky_flower.core.partition import METHODS, InfeasibleMemoryError
 from sky_flower.core.profile import LayerProfile, NodeProfile
 
@@ -83,26 +85,31 @@ def plan_federation(  # noqa: PLR0913
     inst.check_owners()
     alone = [inst.alone_time(k) for k in range(inst.K)]
     fedavg = max(alone) if all(math.isfinite(t) for t in alone) else None
-    proven = False
+    proven, cuts = False, method
     if method == "even":
         solution, note = even_solution(inst)
-    elif method == "heuristic":
-        solution, note = heuristic_solution(inst)
     else:
-        solution, proven, note = optimal_solution(inst, t0 + time_limit_s)
-    plans = [inst.plan(k, s, method) for k, s in solution]
+        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
+    if method == "optimal":
+        solution, proven, note, cuts = optimal_solution(inst, t0 + time_limit_s, solution)
+    plans = [inst.plan(k, s, cuts) for k, s in solution]
     for (k, s), plan in zip(solution, plans, strict=True):
         if plan is None:
             names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
             raise InfeasibleMemoryError(
                 f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
-                f"{names} does not fit memory with equal layer counts (or has more nodes "
-                "than layers). Use heuristic or optimal, which respect memory."
+                f"{names} does not fit memory"
+                + (
+                    " with equal layer counts (or has more nodes than layers). Use "
+                    "heuristic or optimal, which respect memory."
+                    if method == "even"
+                    else "."
+                )
             )
     round_time = max(inst.timeline(solution, plans)[1])
     if method != "even" and fedavg is not None and fedavg <= round_time:
         solution = [(k, frozenset()) for k in range(inst.K)]
-        plans = [inst.plan(k, (), method) for k in range(inst.K)]
+        plans = [inst.plan(k, (), cuts) for k in range(inst.K)]
         round_time = fedavg
         note = "every owner trains alone (FedAvg): predicted no slower than any split"
     pipes = inst.pipelines(solution, plans)  # type: ignore[arg-type]
