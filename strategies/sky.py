@@ -90,7 +90,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         stage 0. Nodes not listed follow in name order.
     min_nodes : int (default: 2)
         Wait for this many connected nodes before the benchmark round (set it to your
-        fleet's size: nodes that connect later are not in the plan).
+        fleet's size: nodes that connect later are not in the plan); ``0``: every node
+        that connects within ``node_wait_s`` (a federation without a fleet file).
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
     benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \

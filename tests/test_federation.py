@@ -12,8 +12,10 @@ import torch
 from reference import (
     SKY_APP,
     ConcurrentGrid,
+    ProcessPerMessageGrid,
     _step_batch,
     reference_rounds,
+    sky_app_client,
     sky_app_on_grid,
     sky_app_task,
 )
@@ -51,12 +53,14 @@ def _run(run: dict, owners: int, fault: dict | None = None):  # noqa: ANN202
     return strategy, result
 
 
-def _owner_round(owner: int, weights: dict, rnd: int, steps: int, run: dict) -> tuple:
-    """Owner ``owner`` training the whole model alone in round ``rnd`` from ``weights``
-    on the batches its stage 0 draws: (weights after, per-step losses)."""
+def _owner_round(part: tuple, weights: dict, rnd: int, steps: int, run: dict) -> tuple:
+    """The owner of partition ``part`` (id, count) training the whole model alone in
+    round ``rnd`` from ``weights`` on the batches its stage 0 draws: (weights after,
+    per-step losses)."""
     task = sky_app_task()
-    data = task.load_data(*PARTS[owner])
-    batches = [_step_batch(data, s, rnd, BATCH, 0) for s in range(steps)]
+    data = task.load_data(*part)
+    batch = int(run["batch-size"])
+    batches = [_step_batch(data, s, rnd, batch, 0) for s in range(steps)]
     ((after, losses),) = reference_rounds(
         task.Net,
         batches,
@@ -69,17 +73,23 @@ def _owner_round(owner: int, weights: dict, rnd: int, steps: int, run: dict) -> 
     return after, losses
 
 
-def _expected(run: dict, steps: dict[str, int], rounds: int, lost: frozenset = frozenset()):  # noqa: ANN202
-    """The reference: every round, each owner (fleet index by name) trains alone from
-    the global model; the new global model is their FedAvg weighted by samples trained
-    (``steps x batch``); owners in ``lost`` drop out. Returns per round the global
-    weights and, per owner, its losses."""
-    index = {"owner-a": 0, "owner-b": 1, "owner-c": 2}
+def _expected(  # noqa: ANN202
+    run: dict,
+    steps: dict[str, int],
+    rounds: int,
+    lost: frozenset = frozenset(),
+    parts: dict[str, tuple] | None = None,
+):
+    """The reference: every round, each owner (its partition ``parts[owner]``, default
+    :data:`PARTS` by fleet index) trains alone from the global model; the new global
+    model is their FedAvg weighted by samples trained (``steps x batch``); owners in
+    ``lost`` drop out. Returns per round the global weights and, per owner, its losses."""
+    parts = parts or {"owner-a": PARTS[0], "owner-b": PARTS[1], "owner-c": PARTS[2]}
     weights = sky_app_task().Net().state_dict()
     out = []
     for rnd in range(1, rounds + 1):
         trained = {
-            o: _owner_round(index[o], weights, rnd, k, run)
+            o: _owner_round(parts[o], weights, rnd, k, run)
             for o, k in steps.items()
             if o not in lost
         }
@@ -204,3 +214,32 @@ def test_default_fleet_trains_every_owner_in_simulation(tmp_path, no_leftover_pr
     assert [p["owner"] for p in row["pipelines"]] == owners and not row["failed_pipelines"]
     assert all(p["samples_trained"] == 4 * 128 and p["error"] is None for p in row["pipelines"])
     assert row["samples_trained"] == 4 * 128 * len(owners)
+
+
+def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_identity):
+    """A real federation: no fleet file (``fleet=""``, ``min-nodes=0``), four SuperNodes
+    whose node config is Flower's template only (``partition-id`` / ``num-partitions``).
+    The strategy takes every node that connected within ``node-wait-s``; each node owns
+    its partition and heads its own pipeline (here alone: no helpers, a FedAvg client),
+    so all four partitions train, and the global model is their FedAvg."""
+    from flwr.app import ArrayRecord
+
+    from sky_flower.app import sky_strategy
+
+    task = sky_app_task()
+    run = {**app_run_config(SKY_APP), **QUICK, "fleet": "", "min-nodes": 0}
+    run |= {"node-wait-s": 0.5, "num-server-rounds": 1, "steps-per-round": 2}
+    configs = [{"partition-id": i, "num-partitions": 4} for i in range(4)]
+    grid = ProcessPerMessageGrid(sky_app_client, configs, run)
+    strategy = sky_strategy(run, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
+    initial = ArrayRecord(task.Net().state_dict())
+    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
+    owners = [f"node{i}" for i in range(4)]
+    assert [r.owner for r in strategy.runs] == owners
+    (row,) = strategy.rounds
+    assert [p["owner"] for p in row["pipelines"]] == owners
+    batch = int(run["batch-size"])
+    assert [p["samples_trained"] for p in row["pipelines"]] == [2 * batch] * 4
+    parts = {f"node{i}": (i, 4) for i in range(4)}
+    expected = _expected(run, dict.fromkeys(owners, 2), rounds=1, parts=parts)
+    _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])

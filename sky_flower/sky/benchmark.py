@@ -322,29 +322,42 @@ def wait_for_nodes(
 ) -> list[int]:
     """Block until ``min_nodes`` nodes are connected (bounded by ``timeout`` s); after
     it, the nodes that are connected go on with a warning (the missing ones are left
-    out of the plan). Returns their ids, sorted.
+    out of the plan). ``min_nodes <= 0`` (a federation without a fleet file): every
+    node that connects within ``timeout`` s. Returns their ids, sorted.
 
     Raises
     ------
     SkyNodeError
         If no node is connected after ``timeout`` seconds, or ``stop`` is set.
     """
-    deadline = time.monotonic() + timeout
-    while len(nodes := sorted(grid.get_node_ids())) < min_nodes:
+    deadline, seen = time.monotonic() + timeout, -1
+    while len(nodes := sorted(grid.get_node_ids())) < min_nodes or min_nodes <= 0:
         if stop is not None and stop.is_set():
             raise SkyNodeError("run stopped by the caller")
         if time.monotonic() > deadline:
             if not nodes:
                 raise SkyNodeError(f"no node connected after {timeout:g} s")
-            log(
-                WARNING,
-                "Only %d of %d nodes connected after %g s: the missing %d are left out of the plan",
-                len(nodes),
-                min_nodes,
-                timeout,
-                min_nodes - len(nodes),
-            )
+            if min_nodes > 0:
+                log(
+                    WARNING,
+                    "Only %d of %d nodes connected after %g s: the missing %d are left out "
+                    "of the plan",
+                    len(nodes),
+                    min_nodes,
+                    timeout,
+                    min_nodes - len(nodes),
+                )
+            else:
+                log(
+                    INFO,
+                    "%d node(s) connected within %g s: planning with them",
+                    len(nodes),
+                    timeout,
+                )
             return nodes
-        log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), min_nodes)
+        if len(nodes) != seen:
+            want = min_nodes if min_nodes > 0 else f"any within {timeout:g} s"
+            log(INFO, "Waiting for nodes: %d of %s connected", len(nodes), want)
+            seen = len(nodes)
         time.sleep(0.5)
     return nodes

@@ -84,6 +84,8 @@ def precheck(
     InfeasibleMemoryError, ValueError
         As :func:`sky_flower.core.partition.feasible_bounds`.
     """
+    if not names:  # no fleet file: nothing is known before the benchmark round
+        return
     nodes = [
         NodeProfile(
             name=name,
