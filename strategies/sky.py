@@ -337,12 +337,6 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         self.plan, self.cost, self.group_size = first.plan, first.cost, first.group_size
         self.pipeline = self.runs[0].pipeline
         event = fed.event()
-        log(
-            INFO,
-            "Plan (%s), one pipeline per data owner:\n%s",
-            self.allocation,
-            report.plan_table(event),
-        )
         self.on_event("plan", event)
         return self.plan
 

@@ -268,3 +268,24 @@ def test_sky_app_under_flwr_run_trains_every_supernodes_partition(tmp_path, no_l
     assert sorted(p["owner"] for p in row["pipelines"]) == sorted(owners), row["pipelines"]
     assert all(p["samples_trained"] == 3 * 64 for p in row["pipelines"])
     assert "one pipeline per data owner" in text, text[-3000:]
+
+
+def test_federated_benchmark_uses_every_owner_and_never_loses_to_fedavg():
+    """``python -m sky_flower.bench.federated``'s two fleets, small: with owners too
+    small for the model FedAvg uses only the two that fit (a third of the data), Sky's
+    heuristic every owner; with every owner fitting, Sky's predicted round is at most
+    1.05x FedAvg's."""
+    import argparse
+
+    from sky_flower.bench.federated import ALL_FIT, SMALL_OWNERS, compare
+
+    args = argparse.Namespace(
+        width=64, layers=3, batch_size=32, lr=1e-3, rounds=1, target=0.5, flops=5e9
+    )
+    small = {r["method"]: r for r in compare(SMALL_OWNERS, args, time_limit_s=5.0)}
+    assert small["fedavg (owners that fit)"]["owners"] == ["bigphone0", "bigphone1"]
+    assert small["fedavg (owners that fit)"]["data_share"] == pytest.approx(1 / 3, abs=0.01)
+    assert small["sky heuristic"]["data_share"] == 1.0
+    fit = {r["method"]: r for r in compare(ALL_FIT, args, time_limit_s=5.0)}
+    assert fit["fedavg (owners that fit)"]["data_share"] == 1.0
+    assert fit["sky heuristic"]["round_s"] <= 1.05 * fit["fedavg (owners that fit)"]["round_s"]

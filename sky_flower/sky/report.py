@@ -81,37 +81,6 @@ def log_round_line(row: dict[str, Any]) -> None:
     )
 
 
-def plan_table(event: dict[str, Any]) -> str:
-    """The federated plan (a ``("plan", ...)`` event) as a table, one row per pipeline:
-    its data owner, samples, steps, stages (node [layers]), predicted step time, start
-    and duration (s) and the pipelines it waits for."""
-    lines = [
-        f"{'#':>2} {'owner':<12} {'samples':>7} {'steps':>5}  {'step s':>7} {'start s':>7} "
-        f"{'time s':>8}  {'after':<6} stages"
-    ]
-    for i, p in enumerate(event["pipelines"]):
-        stages = ", ".join(
-            f"{s['node']} [{s['first_layer']}-{s['last_layer']}]" for s in p["stages"]
-        )
-        after = ",".join(str(j) for j in p["after"]) or "-"
-        lines.append(
-            f"{i:>2} {p['owner']:<12} {p['samples']:>7} {p['steps']:>5}  "
-            f"{p['predicted_step_time_s']:>7.4f} {p['predicted_start_s']:>7.2f} "
-            f"{p['predicted_time_s']:>8.2f}  {after:<6} {stages}"
-        )
-    fedavg = event.get("fedavg_round_time_s")
-    lines.append(
-        f"predicted round {event['round_time_s']:.2f} s; FedAvg (every owner alone) "
-        + ("infeasible" if fedavg is None else f"{fedavg:.2f} s")
-        + (
-            f"; idle helpers: {', '.join(event['idle_helpers'])}"
-            if event.get("idle_helpers")
-            else ""
-        )
-    )
-    return "\n".join(lines)
-
-
 def pipeline_table(row: dict[str, Any]) -> str:
     """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""
