@@ -31,21 +31,23 @@ BATCH = 32
 PARTS = {0: (0, 2), 1: (1, 4), 2: (2, 3)}
 
 
-def _node_extra(owners: int, fault: dict | None = None) -> dict[int, dict]:
+def _node_extra(owners: int, fault: dict | None = None, on: int = 1) -> dict[int, dict]:
     """node config per fleet node: owners 0..owners-1 hold the partitions of
-    :data:`PARTS`; owner-c is a helper when ``owners`` is 2; ``fault`` on owner-b."""
+    :data:`PARTS`; owner-c is a helper when ``owners`` is 2; ``fault`` on node ``on``
+    (default owner-b)."""
     extra: dict[int, dict] = {
         i: {"partition-id": pid, "num-partitions": n} for i, (pid, n) in PARTS.items()
     }
     if owners == 2:
         extra[2]["sky-holds-data"] = False
     if fault:
-        extra[1].update(fault)
+        extra.setdefault(on, {}).update(fault)
     return extra
 
 
-def _run(run: dict, owners: int, fault: dict | None = None):  # noqa: ANN202
-    strategy, grid, start = sky_app_on_grid(ConcurrentGrid, run, _node_extra(owners, fault))
+def _run(run: dict, owners: int, fault: dict | None = None, on: int = 1):  # noqa: ANN202
+    extra = _node_extra(owners, fault, on)
+    strategy, grid, start = sky_app_on_grid(ConcurrentGrid, run, extra)
     try:
         result = strategy.start(**start)
     finally:
@@ -170,6 +172,24 @@ def test_failing_owner_drops_out_of_the_average(server_identity):
     steps = {"owner-a": 2, "owner-b": 2, "owner-c": 2}
     expected = _expected(run, steps, rounds=2, lost=frozenset({"owner-b"}))
     _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
+
+
+def test_failing_helper_is_dropped_and_the_next_round_replanned(server_identity):
+    """helper-x replies with an error to its forward messages: round 1 averages the
+    pipelines it is not in and names the one it broke (owner and helper-x); helper-x is
+    dropped, the round re-planned without it, and round 2 trains every owner."""
+    run = {**app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run |= {"batch-size": BATCH, "steps-per-round": 2, "max-failed-rounds": 1, **QUICK}
+    fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "raise"}
+    strategy, _ = _run(run, 3, fault, on=3)  # node 3: helper-x
+    first, second = strategy.rounds
+    (failed,) = first["failed_pipelines"]
+    assert failed["nodes"] == ["helper-x"] and "helper-x" in failed["error"]
+    assert first["samples_trained"] == 2 * 2 * BATCH
+    assert second["failed_pipelines"] == [] and second["samples_trained"] == 3 * 2 * BATCH
+    assert all("helper-x" not in p["nodes"] for p in second["pipelines"])
+    assert "helper-x" not in {n.name for n in strategy.node_profiles}
+    assert strategy.failed_rounds == []  # round 1 did not fail: two pipelines finished
 
 
 def test_fedavg_is_flowers_weighted_mean_and_keeps_dtypes():
