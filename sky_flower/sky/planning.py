@@ -19,7 +19,7 @@ from sky_flower.core.federated import (
     plan_federation,
     steps_in_round,  # noqa: F401  (the rule lives in core)
 )
-from sky_flower.core.partition import METHODS, Plan, feasible_bounds, partition
+from sky_flower.core.partition import METHODS, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.sky.federation import PipelineRun
@@ -101,78 +101,16 @@ def precheck(
 
 @dataclass(frozen=True)
 class Planned:
-    """A plan with its cost model, relay group size and (first plan only) the other
-    allocations' predicted step times on the same benchmark (``None``: infeasible)."""
+    """One pipeline's plan with its cost model and relay group size."""
 
     plan: Plan
     cost: CostModel
     group_size: int
-    alternatives: dict[str, float | None]
-
-    def event(self) -> dict[str, Any]:
-        """The ``("plan", ...)`` event's payload."""
-        return {
-            **self.plan.to_dict(),
-            "alternatives": self.alternatives,
-            "microbatches_per_message": self.group_size,
-        }
 
 
 def plan_spec(plan: Plan) -> list[tuple[int, int, int]]:
     """``(node index, first layer, last layer)`` of every stage."""
     return [(s.node_index, s.first_layer, s.last_layer) for s in plan.stages]
-
-
-def make_plan(
-    layers: Sequence[LayerProfile],
-    nodes: Sequence[NodeProfile],
-    schedule: Schedule,
-    allocation: str,
-    time_limit_s: float = 30.0,
-    alternatives: bool = True,
-) -> Planned:
-    """Partition the profiled model over the profiled nodes (and log it).
-
-    ``alternatives``: also solve the other allocations on this same benchmark (a fair
-    comparison: separate runs measure their own, noisy, profiles); else only the
-    configured one is listed.
-
-    Raises
-    ------
-    ValueError
-        If the configured allocation has no feasible plan (e.g. memory).
-    """
-    cost = CostModel(list(layers), list(nodes), schedule)
-    plan = partition(cost, allocation, time_limit_s=time_limit_s)
-    log(INFO, "Plan (%s):\n%s", allocation, plan.table())
-    group = schedule.microbatches  # sequential: one group of all M micro-batches
-    if schedule.kind != "sequential" and schedule.transport == "relay":
-        group = cost.relay_group_size(cost.terms(plan_spec(plan)))
-        log(
-            INFO,
-            "Pipelined relay (%s): %d micro-batch(es) per message, %d message group(s) per step",
-            schedule.kind,
-            group,
-            schedule.microbatches // group,
-        )
-    alts: dict[str, float | None] = {allocation: plan.predicted_step_time_s}
-    for method in METHODS if alternatives else ():
-        try:
-            other = plan if method == allocation else None
-            other = other or partition(cost, method, time_limit_s=time_limit_s)
-            alts[method] = other.predicted_step_time_s
-        except ValueError:  # e.g. even does not fit memory
-            alts[method] = None
-    if alternatives:
-        alts = {m: alts[m] for m in METHODS}
-        log(
-            INFO,
-            "Predicted step time on this benchmark: %s",
-            ", ".join(
-                f"{m} {'infeasible' if t is None else f'{t:.4f} s'}" for m, t in alts.items()
-            ),
-        )
-    return Planned(plan, cost, group, alts)
 
 
 def stage_predictions(
@@ -296,7 +234,7 @@ def owner_planned(
     size = schedule.microbatches
     if schedule.kind != "sequential" and schedule.transport == "relay":
         size = cost.relay_group_size(cost.terms(plan_spec(plan)))
-    return Planned(plan, cost, size, {})
+    return Planned(plan, cost, size)
 
 
 def make_federated_plan(  # noqa: PLR0913
