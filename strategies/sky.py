@@ -263,16 +263,21 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
             )
         return self.layer_profiles
 
-    def precheck(self, names: Sequence[str], memory_caps: Sequence[float | None]) -> None:
+    def precheck(
+        self, names: Sequence[str], memory_caps: Sequence[float | None], owners: int | None = None
+    ) -> None:
         """Refuse, before any node is contacted, a fleet whose known memory caps make
-        every plan infeasible (:func:`sky_flower.sky.planning.precheck`).
+        every plan infeasible, or ``even`` with a pipeline longer than the model
+        (``owners``: data owners, where known; :func:`sky_flower.sky.planning.precheck`).
 
         Raises
         ------
         InfeasibleMemoryError, ValueError
             As :func:`sky_flower.sky.planning.precheck`.
         """
-        planning.precheck(self.profile_model(), self.schedule, self.allocation, names, memory_caps)
+        planning.precheck(
+            self.profile_model(), self.schedule, self.allocation, names, memory_caps, owners
+        )
 
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
         """Run the benchmark round (:class:`sky_flower.sky.benchmark.BenchmarkRound`); a

@@ -4,6 +4,7 @@ in a round, and the :class:`sky_flower.sky.runner.Pipeline` a runner executes.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from logging import INFO
@@ -74,10 +75,12 @@ def precheck(
     allocation: str,
     names: Sequence[str],
     memory_caps: Sequence[float | None],
+    owners: int | None = None,
 ) -> None:
     """Fail before any node is contacted if the known memory caps (bytes; None =
-    unknown) already make every plan infeasible (``even``'s one-layer-per-node rule
-    applies per owner pipeline: the joint planner refuses it).
+    unknown) already make every plan infeasible, or (``owners`` data owners known)
+    ``even`` allocation, which deals the helpers round-robin over the owners, meets a
+    pipeline with more nodes than the model has layers.
 
     Raises
     ------
@@ -96,7 +99,15 @@ def precheck(
         for name, cap in zip(names, memory_caps, strict=True)
     ]
     feasible_bounds(CostModel(list(layers), nodes, schedule))
-    del allocation  # even's layers-per-node rule applies per owner pipeline: the planner's
+    if allocation == "even" and owners:
+        largest = 1 + math.ceil((len(nodes) - owners) / owners)  # owner + its helpers
+        if len(layers) < largest:
+            raise ValueError(
+                f"even allocation needs at least one layer per node: the model has "
+                f"{len(layers)} layers, the fleet {len(nodes)} nodes with {owners} data "
+                f"owner(s), so a pipeline of {largest} nodes. Use allocation=heuristic or "
+                "allocation=optimal, which may leave nodes idle."
+            )
 
 
 @dataclass(frozen=True)
