@@ -65,6 +65,9 @@ def test_steps_in_round_rule() -> None:
     assert steps_in_round(0, 2.0, 100, 8) == 24  # 2 x (100 // 8)
     with pytest.raises(ValueError, match="fewer than one batch"):
         steps_in_round(0, 1.0, 3, 8)
+    from sky_flower.sky import planning  # the Sky strategy's rule is this one
+
+    assert planning.steps_in_round is steps_in_round
 
 
 def test_even_deals_helpers_round_robin_by_samples() -> None:
@@ -152,8 +155,9 @@ def instances(draw):
     K = draw(st.integers(2, 3))
     H = draw(st.integers(0, 3))
     kind = draw(st.sampled_from(["sequential", "gpipe"]))
+    transport = draw(st.sampled_from(["direct", "relay"]))
     schedule = Schedule(
-        batch_size=8, microbatches=2 if kind == "gpipe" else 1, kind=kind, transport="direct"
+        batch_size=8, microbatches=2 if kind == "gpipe" else 1, kind=kind, transport=transport
     )
     nodes = []
     for i in range(K):
@@ -246,8 +250,11 @@ def test_larger_fleet_heuristic_beats_even() -> None:
     for fp in (ev, heu, opt):
         check_plan(fp, names)
     assert heu.round_time_s <= ev.round_time_s
+    # past its limits optimal is the heuristic's plan (whose local search has a time
+    # budget, so two runs may stop at different points)
     assert not opt.proven_optimal and "not proven" in opt.note
-    assert opt.round_time_s == pytest.approx(heu.round_time_s)
+    assert opt.round_time_s <= ev.round_time_s
+    assert all(p.plan.method == "heuristic" for p in opt.pipelines)
 
 
 def test_lower_bound_is_work_over_speed_for_identical_nodes() -> None:

@@ -100,15 +100,15 @@ def optimal_solution(
         return incumbent, False, f"optimal: {why} exact pipeline solves: {fallback}", "heuristic"
     owners = sorted(range(inst.K), key=lambda k: -inst.alone_time(k))
     cands = []
-    for k in owners:
+    for k in owners:  # the product only grows: stop as soon as it passes the limit
         c = candidates(inst, k, deadline)
         if c is None:
             return incumbent, False, f"optimal: time limit: {fallback}", "heuristic"
         cands.append(c)
-    size = math.prod(len(c) for c in cands) * math.factorial(inst.K)
-    if size > OPTIMAL_SCHEDULE_LIMIT:
-        why = f"{size} combinations x orders exceed {OPTIMAL_SCHEDULE_LIMIT}"
-        return incumbent, False, f"optimal: {why}: {fallback}", "heuristic"
+        size = math.prod(len(c) for c in cands) * math.factorial(inst.K)
+        if size > OPTIMAL_SCHEDULE_LIMIT:
+            why = f"over {OPTIMAL_SCHEDULE_LIMIT} combinations x orders"
+            return incumbent, False, f"optimal: {why}: {fallback}", "heuristic"
     best = inst.makespan(incumbent, "optimal")
     best_sol, complete = incumbent, True
     chosen: list[Candidate] = []

@@ -9,28 +9,35 @@ the search also shortens the second-longest chain when the longest cannot improv
 
 A per-pipeline partition costs milliseconds (tens for a 75-layer model over many
 nodes), so the greedy phase ranks choices by an *estimate* and the partitioner is called
-only to verify: owner ``k`` over nodes ``U`` takes about ``e_k x steps_k x M /
-sum_{n in U} r_n`` seconds, ``r_n = 1 / sum_j (fwd + bwd)_nj`` (whole-model micro-batches
-per second), with ``e_k`` (pipeline inefficiency: transfers, bubbles, uneven cuts) the
-ratio of actual to ideal time at owner ``k``'s last partitioned pipeline.
+only to verify: owner ``k`` over nodes ``U`` takes about ``e_k x steps_k x (M + |U| - 1)
+/ sum_{n in U} r_n`` seconds (a balanced pipeline of ``|U|`` stages and ``M``
+micro-batches; ``steps_k x M / max_{n in U} r_n`` for one micro-batch at a time),
+``r_n = 1 / sum_j (fwd + bwd)_nj`` (whole-model micro-batches per second), with ``e_k``
+(transfers, uneven cuts, memory) the ratio of actual to estimated time at owner ``k``'s
+last partitioned pipeline.
 
 1. Every owner starts alone (its own chain, no helpers).
 2. Feasibility, owners with most samples first: an owner that cannot hold the model
    takes free helpers (fastest first) until its pipeline fits; with none left it joins
    the chain (helpers merged) that makes the shortest chain, or, when no single chain
    suffices, every chain with helpers is merged into one.
-3. Speed (longest processing time first, on estimates): the free helpers, fastest
-   first, each join the chain with the longest estimated time. Then every chain is
-   partitioned.
-4. Local search on the longest chain until nothing improves (or
-   :data:`HEURISTIC_BUDGET_S` has passed since planning began): moves that give it an idle helper or
-   another chain's helper, swap one of its helpers with a faster one, or move one of
-   its owners to another chain (or alone) are ranked by estimate and checked by
-   partitioning, best estimate first; the first that improves is taken.
+3. Speed (on estimates): the free helpers, fastest first, each join the longest
+   chain whose estimate they shorten (else stay idle). Then every chain is partitioned.
+4. Local search on the longest chain until nothing improves, or it has partitioned
+   :data:`NEW_SOLVES` pipelines it had not seen (a deterministic cap that keeps the
+   64-node case under a second; :data:`HEURISTIC_BUDGET_S` after planning began is
+   only a safety net on a starved machine): moves that give it an
+   idle helper or another chain's helper, swap one of its helpers with a faster idle
+   one or with another chain's, trade one of its owners with another chain's, move
+   one of its owners to another chain (with or
+   without its helpers), alone, or to a new chain of every idle helper, are ranked by
+   estimate and the best :data:`VERIFY_PER_ROUND` checked by partitioning; the best
+   of those that improve is taken.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -39,8 +46,9 @@ import numpy as np
 
 from sky_flower.core.federated.instance import Instance, Solution
 
-HEURISTIC_BUDGET_S = 0.6  # local search stops this long after planning began (seconds)
-VERIFY_PER_ROUND = 6  # moves partitioned per local-search round, best estimates first
+HEURISTIC_BUDGET_S = 5.0  # safety net: local search stops this long after planning began
+NEW_SOLVES = 12  # local search stops after this many new per-pipeline partitions
+VERIFY_PER_ROUND = 12  # moves partitioned per local-search round, best estimates first
 
 State = list[tuple[tuple[int, ...], frozenset[int]]]  # chains: (owners, helpers)
 
@@ -60,8 +68,11 @@ class _Search:
 
     # --- times --------------------------------------------------------------------------
     def ideal(self, k: int, helpers: frozenset[int]) -> float:
-        rate = self.owner_rate[k] + sum(self.helper_rate[h] for h in helpers)
-        return self.inst.steps[k] * self.inst.schedule.microbatches / rate
+        rates = [self.owner_rate[k], *(self.helper_rate[h] for h in helpers)]
+        M, sched = self.inst.schedule.microbatches, self.inst.schedule
+        if sched.kind == "sequential" or M == 1:  # one micro-batch at a time
+            return self.inst.steps[k] * M / max(rates)
+        return self.inst.steps[k] * (M + len(rates) - 1) / sum(rates)
 
     def actual(self, k: int, helpers: frozenset[int]) -> float:
         t = self.inst.time(k, helpers, "heuristic")
@@ -117,10 +128,12 @@ class _Search:
     def add_free(self) -> None:
         est = [self.chain_time(c, False) for c in self.state]
         for h in self.free(self.state):
-            i = max(range(len(est)), key=lambda j: est[j])
-            owners, helpers = self.state[i]
-            self.state[i] = (owners, helpers | {h})
-            est[i] = self.chain_time(self.state[i], False)
+            for i in sorted(range(len(est)), key=lambda j: -est[j]):
+                owners, helpers = self.state[i]
+                t = self.chain_time((owners, helpers | {h}), False)
+                if t < est[i]:
+                    self.state[i], est[i] = (owners, helpers | {h}), t
+                    break
 
     # --- phase 4 ------------------------------------------------------------------------
     def moves(self, i: int) -> Iterator[State]:
@@ -143,28 +156,46 @@ class _Search:
                 continue
             for h in h2:
                 yield change(**{f"c{i}": (owners, helpers | {h}), f"c{j}": (o2, h2 - {h})})
-            for k in owners if len(owners) > 1 else ():
+                for g in helpers:
+                    mine, theirs = helpers - {g} | {h}, h2 - {h} | {g}
+                    yield change(**{f"c{i}": (owners, mine), f"c{j}": (o2, theirs)})
+            for k, k2 in itertools.product(owners, o2):  # two owners trade chains
+                mine = tuple(k2 if o == k else o for o in owners)
+                theirs = tuple(k if o == k2 else o for o in o2)
+                yield change(**{f"c{i}": (mine, helpers), f"c{j}": (theirs, h2)})
+            for k in owners:  # an owner joins chain j (its chain's helpers stay or follow)
                 rest = tuple(o for o in owners if o != k)
                 yield change(**{f"c{i}": (rest, helpers), f"c{j}": ((*o2, k), h2)})
-        for k in owners if len(owners) > 1 else ():
-            rest = tuple(o for o in owners if o != k)
+                if not rest:
+                    yield change(**{f"c{i}": (rest, helpers), f"c{j}": ((*o2, k), h2 | helpers)})
+        free = frozenset(self.free(state))
+        for k in owners if len(owners) > 1 else ():  # an owner leaves: alone, or with the
+            rest = tuple(o for o in owners if o != k)  # idle helpers
             yield change(**{f"c{i}": (rest, helpers)}, alone=((k,), frozenset()))
+            if free:
+                yield change(**{f"c{i}": (rest, helpers)}, alone=((k,), free))
 
     def improve(self, deadline: float) -> None:
         current = self.key(self.state)
-        while time.perf_counter() < deadline:
+        cap = self.inst.solves + NEW_SOLVES
+
+        def stop() -> bool:
+            return time.perf_counter() > deadline or self.inst.solves >= cap
+
+        while not stop():
             times = [self.chain_time(c, True) for c in self.state]
             i = max(range(len(times)), key=lambda j: times[j])
             ranked = sorted(self.moves(i), key=lambda s: self.key(s, exact=False))
+            best, best_key = None, current
             for state in ranked[:VERIFY_PER_ROUND]:
                 key = self.key(state)
-                if key < current:
-                    self.state, current = state, key
+                if key < best_key:
+                    best, best_key = state, key
+                if stop():
                     break
-                if time.perf_counter() > deadline:
-                    return
-            else:
+            if best is None:
                 return
+            self.state, current = best, best_key
 
     def solution(self) -> Solution:
         """Chains in order, each chain's owners most samples first."""

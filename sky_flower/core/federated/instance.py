@@ -126,6 +126,11 @@ class Instance:
         """Number of helpers."""
         return len(self.helpers)
 
+    @property
+    def solves(self) -> int:
+        """Per-pipeline partitions solved so far (cache misses)."""
+        return len(self._cache)
+
     def cost(self, k: int, helpers: Iterable[int], fast: bool = False) -> CostModel:
         """The cost model of owner ``k`` with ``helpers`` (in the given order); ``fast``:
         without the memory LP in its step-time bound."""

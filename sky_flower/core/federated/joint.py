@@ -11,11 +11,13 @@ import numpy as np
 from sky_flower.core.cost import Schedule
 from sky_flower.core.federated.exact import optimal_solution
 from sky_flower.core.federated.greedy import HEURISTIC_BUDGET_S
-from sky_flower.core.federated.instance import Instance
+from sky_flower.core.federated.instance import Instance, Solution
 from sky_flower.core.federated.plan import FederatedPlan
 from sky_flower.core.federated.search import even_solution, heuristic_solution
-from sky_flower.core.partition import METHODS, InfeasibleMemoryError
+from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
+
+BOUND_LP_VARIABLES = 2_000  # owner bounds use the memory LP up to this many variables
 
 
 def plan_federation(  # noqa: PLR0913
@@ -85,34 +87,14 @@ def plan_federation(  # noqa: PLR0913
     inst.check_owners()
     alone = [inst.alone_time(k) for k in range(inst.K)]
     fedavg = max(alone) if all(math.isfinite(t) for t in alone) else None
-    proven, cuts = False, method
-    if method == "even":
-        solution, note = even_solution(inst)
-    else:
-        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
-    if method == "optimal":
-        solution, proven, note, cuts = optimal_solution(inst, t0 + time_limit_s, solution)
-    plans = [inst.plan(k, s, cuts) for k, s in solution]
-    for (k, s), plan in zip(solution, plans, strict=True):
-        if plan is None:
-            names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
-            raise InfeasibleMemoryError(
-                f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
-                f"{names} does not fit memory"
-                + (
-                    " with equal layer counts (or has more nodes than layers). Use "
-                    "heuristic or optimal, which respect memory."
-                    if method == "even"
-                    else "."
-                )
-            )
+    solution, plans, proven, note, cuts = _choose(inst, method, t0, time_limit_s)
     round_time = max(inst.timeline(solution, plans)[1])
     if method != "even" and fedavg is not None and fedavg <= round_time:
         solution = [(k, frozenset()) for k in range(inst.K)]
         plans = [inst.plan(k, (), cuts) for k in range(inst.K)]
         round_time = fedavg
         note = "every owner trains alone (FedAvg): predicted no slower than any split"
-    pipes = inst.pipelines(solution, plans)  # type: ignore[arg-type]
+    pipes = inst.pipelines(solution, plans)
     bound, owner_bounds = lower_bounds(inst)
     used = {n for p in pipes for n in p.nodes}
     return FederatedPlan(
@@ -129,6 +111,42 @@ def plan_federation(  # noqa: PLR0913
     )
 
 
+def _choose(
+    inst: Instance, method: str, t0: float, time_limit_s: float
+) -> tuple[Solution, list[Plan], bool, str, str]:
+    """Solution, its plans, proven, note and the per-pipeline method of the cuts.
+
+    Raises
+    ------
+    InfeasibleMemoryError
+        If a chosen pipeline does not fit (``even``'s equal cuts).
+    """
+    proven, cuts = False, method
+    if method == "even":
+        solution, note = even_solution(inst)
+    else:
+        solution, note = heuristic_solution(inst, t0 + HEURISTIC_BUDGET_S)
+    if method == "optimal":
+        solution, proven, note, cuts = optimal_solution(inst, t0 + time_limit_s, solution)
+    plans = []
+    for k, s in solution:
+        plan = inst.plan(k, s, cuts)
+        if plan is None:
+            names = [inst.owners[k].name, *(inst.helpers[h].name for h in sorted(s))]
+            why = (
+                " with equal layer counts (or has more nodes than layers). Use heuristic "
+                "or optimal, which respect memory."
+                if method == "even"
+                else "."
+            )
+            raise InfeasibleMemoryError(
+                f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
+                f"{names} does not fit memory{why}"
+            )
+        plans.append(plan)
+    return solution, plans, proven, note, cuts
+
+
 def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
     """The round's lower bound and every owner's (seconds).
 
@@ -139,8 +157,9 @@ def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
     nodes): ``T >= M sum_k steps_k sum_j w_j / sum_n max_j (w_j / c_nj)`` (total work
     over total speed; exact for nodes that differ by a speed factor). Owner ``k``: its
     pipeline uses a subset of the owner and every helper, so ``T >= steps_k x``
-    :meth:`~sky_flower.core.cost.CostModel.step_lower_bound` over them. The round bound
-    is the largest of these.
+    :meth:`~sky_flower.core.cost.CostModel.step_lower_bound` over them (its memory LP
+    only up to :data:`BOUND_LP_VARIABLES` nodes x layers: tens of milliseconds per
+    owner kind beyond). The round bound is the largest of these.
     """
     nodes = [*inst.owners, *inst.helpers]
     c = np.array([n.layer_fwd_s for n in nodes], float) + np.array(
@@ -158,6 +177,8 @@ def lower_bounds(inst: Instance) -> tuple[float, dict[str, float]]:
     for k, o in enumerate(inst.owners):
         kind = inst.owner_kind[k]
         if kind not in per_kind:
-            per_kind[kind] = inst.cost(k, range(inst.H)).step_lower_bound()
+            cost = inst.cost(k, range(inst.H))
+            cost.memory_lp_bound(max_variables=BOUND_LP_VARIABLES)  # cached for the next
+            per_kind[kind] = cost.step_lower_bound()
         owners[o.name] = inst.steps[k] * per_kind[kind]
     return max(total, *owners.values()), owners
