@@ -196,7 +196,8 @@ class FederatedPlanned:
     def event(self) -> dict[str, Any]:
         """The ``("plan", ...)`` event's payload: one ``pipelines`` row per pipeline;
         the top-level keys of a one-pipeline plan (``stages``...) are the first
-        pipeline's, ``predicted_step_time_s`` the slowest pipeline's."""
+        pipeline's, ``predicted_step_time_s`` the slowest pipeline's, ``idle_nodes``
+        the helpers in no pipeline."""
         f = self.fplan
         rows = [
             {
@@ -223,6 +224,7 @@ class FederatedPlanned:
             "round_lower_bound_s": f.lower_bound_s,
             "owner_bounds_s": dict(f.owner_bounds_s),
             "idle_helpers": list(f.idle_helpers),
+            "idle_nodes": list(f.idle_helpers),  # nodes in no pipeline
             "federated_note": f.note,
             "pipelines": rows,
         }
