@@ -2,17 +2,23 @@
 
 Reproduces and improves on SkyComputing (Zhu, Li, You, "Sky Computing: Accelerating
 Geo-distributed Computing in Federated Learning", arXiv 2202.11836): a benchmark round
-measures every node on the model's own layers and times its link; a partitioner
-(``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
-sized to what it can do; then every round each node trains its block as one stage of a
-pipeline, through a transport runner picked once from ``schedule.transport``
+measures every node on the model's own layers and times its link; the joint planner
+(``even``, ``heuristic`` or ``optimal``, :func:`sky_flower.core.federated.plan_federation`)
+gives every data owner its own pipeline (stage 0 on the owner, helpers after it, each
+node a contiguous block of layers sized to what it can do); then every round all
+pipelines train (:mod:`sky_flower.sky.federation`: a thread and runner each, pipelines
+sharing a node one after another) and the global model is the FedAvg of their models,
+weighted by samples trained. Each pipeline runs through a transport runner picked once
+from ``schedule.transport``
 (:data:`RUNNERS`): activations and gradients relayed through the server
 (:mod:`sky_flower.sky.relay`: one message group per step for ``sequential``, several in
 flight for ``gpipe`` / ``1f1b``) or peer to peer in a ``torch.distributed.pipelining``
 schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.direct`); the
-server reassembles the global model from the stages. A failed round is recorded, the
-nodes that caused it (``SkyNodeError.nodes``) are dropped and the model is re-planned,
-and the next round starts from the last good global model.
+server reassembles each owner's model from its stages. A failed pipeline drops out of
+its round's average; a round in which every pipeline failed is recorded; either way the
+nodes that caused it (``SkyNodeError.nodes``; never a data owner) are dropped and the
+model is re-planned (:mod:`sky_flower.sky.recovery`), and a failed round's next round
+starts from the last good global model.
 
 This module holds only the Flower ``Strategy``: wait -> benchmark -> plan -> rounds ->
 evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
