@@ -309,3 +309,49 @@ def test_federated_benchmark_uses_every_owner_and_never_loses_to_fedavg():
     fit = {r["method"]: r for r in compare(ALL_FIT, args, time_limit_s=5.0)}
     assert fit["fedavg (owners that fit)"]["data_share"] == 1.0
     assert fit["sky heuristic"]["round_s"] <= 1.05 * fit["fedavg (owners that fit)"]["round_s"]
+
+
+def test_pipelines_sharing_a_node_run_one_after_another():
+    """``run_pipelines``: pipeline 2 waits for pipeline 0 (they share a node), pipeline
+    1 runs at once; a pipeline that raises ``SkyNodeError`` is recorded, the others'
+    outcomes kept, and FedAvg in ``federated_round`` averages those that finished."""
+    import threading
+    from types import SimpleNamespace
+
+    from flwr.app import ArrayRecord
+
+    from sky_flower.sky.federation import PipelineRun, federated_round
+    from sky_flower.sky.runner import SkyNodeError
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    both_started = threading.Barrier(2, timeout=10)  # 0 and 1 run at once, or this fails
+
+    class FakeRunner:
+        def run_round(self, grid, plan, arrays, steps, server_round):  # noqa: ANN001, ANN201
+            owner = plan.owner
+            with lock:
+                events.append((owner, "start"))
+            if owner in ("a", "b"):
+                both_started.wait()
+            with lock:
+                events.append((owner, "end"))
+            if owner == "b":
+                raise SkyNodeError("b's helper failed", nodes=["h"])
+            value = {"a": 1.0, "c": 4.0}[owner]
+            sd = {"w": torch.full((2,), value)}
+            return RoundOutcome(ArrayRecord(sd), [float(value)], 0, 32 * steps, [0.1], [])
+
+    def run(owner: str, steps: int, after: tuple = ()) -> PipelineRun:
+        inner = SimpleNamespace(predicted_step_time_s=0.1, stages=[SimpleNamespace(node=owner)])
+        plan = SimpleNamespace(owner=owner, plan=inner)
+        return PipelineRun(owner, 100, steps, plan, after)  # type: ignore[arg-type]
+
+    runs = [run("a", 1), run("b", 1), run("c", 3, (0,))]
+    row, arrays = federated_round(None, runs, FakeRunner, ArrayRecord({}), 1)  # type: ignore[arg-type]
+    assert events.index(("a", "end")) < events.index(("c", "start"))
+    assert [f["owner"] for f in row["failed_pipelines"]] == ["b"]
+    assert row["failed_pipelines"][0]["nodes"] == ["h"]
+    assert row["samples_trained"] == 32 * 4
+    # FedAvg of a (32 samples, w=1) and c (96 samples, w=4): 0.25 * 1 + 0.75 * 4
+    torch.testing.assert_close(arrays.to_torch_state_dict()["w"], torch.full((2,), 3.25))
