@@ -295,6 +295,8 @@ def federated_round(
     ok = [r.outcome for r in results if r.outcome is not None]
     if not ok:
         failed = [r for r in results if r.error is not None]
+        if len(results) == 1:  # one data owner: its pipeline's error, as it was
+            return {"round": server_round, "error": failed[0].error, "round_time_s": seconds}, None
         err = pipelines_error(
             [{"owner": r.run.owner, "error": str(r.error), "nodes": r.error.nodes} for r in failed],  # type: ignore[union-attr]
             [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
