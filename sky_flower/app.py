@@ -117,8 +117,8 @@ class SkyRunConfig:
 
     @property
     def nodes(self) -> tuple[Emulation, ...]:
-        """The fleet's nodes."""
-        return load_fleet(self.settings.fleet)
+        """The fleet's nodes (none when ``fleet`` is ``""``)."""
+        return load_fleet(self.settings.fleet) if self.settings.fleet else ()
 
 
 def validate_run_config(
@@ -146,7 +146,7 @@ def validate_run_config(
     """
     settings = SkySettings.from_run_config(run_config, app_keys)
     fleets = fleet_names()
-    if settings.fleet not in fleets:
+    if settings.fleet and settings.fleet not in fleets:  # "": no fleet (a real federation)
         raise ValueError(
             f"run config fleet={settings.fleet!r} is not valid: choose one of "
             f"{', '.join(fleets)} (e.g. flwr run <app> --run-config \"fleet='{fleets[0]}'\")"
@@ -198,7 +198,7 @@ def sky_strategy(
         model_fn=model_fn,
         input_shape=input_shape,
         node_order=[n.name for n in nodes],
-        min_nodes=len(nodes),
+        min_nodes=settings.messaging.min_nodes or len(nodes),  # 0, no fleet: all in node-wait-s
         **{**settings.strategy_kwargs(), **kwargs},
     )
     if settings.results_path:
@@ -327,14 +327,31 @@ def node_emulation(context: Context) -> Emulation:
             "this SuperNode has no sky-node in its node config: start it with "
             '--node-config "sky-node=<name> partition-id=<i> num-partitions=<n>"'
         )
-    fleet = load_fleet(str(context.run_config.get("fleet", RUN_CONFIG_KEYS["fleet"][1])))
+    name = str(context.run_config.get("fleet", RUN_CONFIG_KEYS["fleet"][1]))
     pid = int(context.node_config["partition-id"])
+    if not name:  # no fleet file: a native node named by its partition
+        return Emulation(name=f"node{pid}")
+    fleet = load_fleet(name)
     if not 0 <= pid < len(fleet):
         raise ValueError(
             f"partition-id {pid} has no entry in the {len(fleet)}-node fleet "
             f"{context.run_config.get('fleet')!r}: run as many SuperNodes as the fleet has nodes"
         )
     return fleet[pid]
+
+
+def owns_data(context: Context) -> bool:
+    """Whether this SuperNode is a data owner (heads its own pipeline): its node
+    config's ``sky-holds-data`` when set, else yes when it has Flower's
+    ``partition-id`` and ``num-partitions`` (the template's data partition: under
+    ``flwr run`` every SuperNode trains on its partition, as with FedAvg), else its
+    emulated device's ``holds_data``."""
+    cfg = context.node_config
+    if "sky-holds-data" in cfg:
+        return _parse_bool("sky-holds-data", cfg["sky-holds-data"])
+    if "partition-id" in cfg and "num-partitions" in cfg:
+        return True
+    return node_emulation(context).holds_data
 
 
 def register_sky_client(
@@ -355,8 +372,8 @@ def register_sky_client(
     load_data : callable
         ``(partition_id, num_partitions) -> Split``: the app's own partition loader
         (numpy ``x`` of shape ``(n, *input_shape)``, int64 ``y`` of shape ``(n,)``). It is
-        called only on data owners (the node's emulated device ``holds_data``), with the
-        node config's ``partition-id`` and ``num-partitions``, and cached per node.
+        called only on data owners (:func:`owns_data`), with the node config's
+        ``partition-id`` and ``num-partitions``, and cached per node.
     loss_fn, metric_fn : callable, optional
         The last stage's ``(output, labels) -> scalar`` loss and ``(output, labels) ->
         int`` metric (default: those the ServerApp's strategy names; cross-entropy and
@@ -372,7 +389,7 @@ def register_sky_client(
     cached: dict[tuple[int, int], Split] = {}
 
     def owner_data(context: Context) -> Split | None:
-        if not node_emulation(context).holds_data:
+        if not owns_data(context):
             return None
         key = (
             int(context.node_config.get("partition-id", 0)),

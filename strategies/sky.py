@@ -2,17 +2,23 @@
 
 Reproduces and improves on SkyComputing (Zhu, Li, You, "Sky Computing: Accelerating
 Geo-distributed Computing in Federated Learning", arXiv 2202.11836): a benchmark round
-measures every node on the model's own layers and times its link; a partitioner
-(``even``, ``heuristic`` or ``optimal``) gives each node a contiguous block of layers
-sized to what it can do; then every round each node trains its block as one stage of a
-pipeline, through a transport runner picked once from ``schedule.transport``
+measures every node on the model's own layers and times its link; the joint planner
+(``even``, ``heuristic`` or ``optimal``, :func:`sky_flower.core.federated.plan_federation`)
+gives every data owner its own pipeline (stage 0 on the owner, helpers after it, each
+node a contiguous block of layers sized to what it can do); then every round all
+pipelines train (:mod:`sky_flower.sky.federation`: a thread and runner each, pipelines
+sharing a node one after another) and the global model is the FedAvg of their models,
+weighted by samples trained. Each pipeline runs through a transport runner picked once
+from ``schedule.transport``
 (:data:`RUNNERS`): activations and gradients relayed through the server
 (:mod:`sky_flower.sky.relay`: one message group per step for ``sequential``, several in
 flight for ``gpipe`` / ``1f1b``) or peer to peer in a ``torch.distributed.pipelining``
 schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.direct`); the
-server reassembles the global model from the stages. A failed round is recorded, the
-nodes that caused it (``SkyNodeError.nodes``) are dropped and the model is re-planned,
-and the next round starts from the last good global model.
+server reassembles each owner's model from its stages. A failed pipeline drops out of
+its round's average; a round in which every pipeline failed is recorded; either way the
+nodes that caused it (``SkyNodeError.nodes``; never a data owner) are dropped and the
+model is re-planned (:mod:`sky_flower.sky.recovery`), and a failed round's next round
+starts from the last good global model.
 
 This module holds only the Flower ``Strategy``: wait -> benchmark -> plan -> rounds ->
 evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
@@ -24,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any
 
 import torch
@@ -35,14 +41,13 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
-from sky_flower.core.partition import METHODS, Plan
+from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import correct_count, ref
-from sky_flower.sky import planning, report
+from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (
     BenchmarkRound,
     BenchmarkSettings,
@@ -52,7 +57,9 @@ from sky_flower.sky.benchmark import (
     wait_for_nodes,
 )
 from sky_flower.sky.direct import DirectRunner
+from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.protocol import ARRAYS
+from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 
@@ -64,36 +71,7 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
 
 
-def _check_settings(  # noqa: PLR0913
-    allocation: str,
-    optimizer: str,
-    lr: float,
-    local_epochs: float,
-    steps_per_round: int,
-    max_failed_rounds: int,
-) -> None:
-    """Refuse bad strategy settings before anything starts.
-
-    Raises
-    ------
-    ValueError
-        Naming the setting, its value and the rule.
-    """
-    if allocation not in METHODS:
-        raise ValueError(f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}")
-    _opt_factory(optimizer, lr)  # validates the name early
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if not local_epochs > 0 or steps_per_round < 0:
-        raise ValueError(
-            f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
-            f"(got {steps_per_round}; 0 means: use local_epochs)"
-        )
-    if max_failed_rounds < 1:
-        raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
-
-
-class SkyStrategy(ServerSideEvaluation, Strategy):
+class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
     Parameters
@@ -119,7 +97,8 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         stage 0. Nodes not listed follow in name order.
     min_nodes : int (default: 2)
         Wait for this many connected nodes before the benchmark round (set it to your
-        fleet's size: nodes that connect later are not in the plan).
+        fleet's size: nodes that connect later are not in the plan); ``0``: every node
+        that connects within ``node_wait_s`` (a federation without a fleet file).
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
     benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \
@@ -198,7 +177,9 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
     ) -> None:
-        _check_settings(allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds)
+        planning.check_settings(
+            allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
+        )
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
@@ -230,7 +211,10 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         self.num_examples = 0
         self.plan: Plan | None = None
         self.cost: CostModel | None = None
-        self.pipeline: Pipeline | None = None
+        self.pipeline: Pipeline | None = None  # the first owner's (self.runs: all)
+        self.federated: planning.FederatedPlanned | None = None
+        self.runs: list[PipelineRun] = []
+        self.samples: dict[str, int] = {}  # data owner -> examples
         self.group_size = self.schedule.microbatches  # micro-batches per relay message
         self.rounds: list[dict[str, Any]] = []
         self.failed_rounds: list[dict[str, Any]] = []
@@ -297,16 +281,21 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             )
         return self.layer_profiles
 
-    def precheck(self, names: Sequence[str], memory_caps: Sequence[float | None]) -> None:
+    def precheck(
+        self, names: Sequence[str], memory_caps: Sequence[float | None], owners: int | None = None
+    ) -> None:
         """Refuse, before any node is contacted, a fleet whose known memory caps make
-        every plan infeasible (:func:`sky_flower.sky.planning.precheck`).
+        every plan infeasible, or ``even`` with a pipeline longer than the model
+        (``owners``: data owners, where known; :func:`sky_flower.sky.planning.precheck`).
 
         Raises
         ------
         InfeasibleMemoryError, ValueError
             As :func:`sky_flower.sky.planning.precheck`.
         """
-        planning.precheck(self.profile_model(), self.schedule, self.allocation, names, memory_caps)
+        planning.precheck(
+            self.profile_model(), self.schedule, self.allocation, names, memory_caps, owners
+        )
 
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
         """Run the benchmark round (:class:`sky_flower.sky.benchmark.BenchmarkRound`); a
@@ -342,6 +331,7 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         found = bench.run(node_ids, self.node_order)
         self.node_profiles, self._ids = found.nodes, found.node_ids
         self.num_examples, self._handler_rate = found.num_examples, found.handler_rate
+        self.samples = dict(found.samples)
         self.on_event("benchmark", benchmark_event(self.layer_profiles, found))
         return self.node_profiles
 
@@ -350,22 +340,34 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         return benchmark_table(self.node_profiles, emulation)
 
     def make_plan(self, alternatives: bool = True) -> Plan:
-        """Partition the profiled model over the profiled nodes (``alternatives``: also
-        predict the other allocations on this benchmark, for the ``plan`` event)."""
-        planned = planning.make_plan(
+        """Plan one pipeline per data owner over the profiled nodes
+        (:func:`sky_flower.sky.planning.make_federated_plan`; ``alternatives``: also
+        predict the other allocations on this benchmark, for the ``plan`` event).
+        Returns the first owner's pipeline plan (``self.plans`` holds them all)."""
+        fed = planning.make_federated_plan(
             self.layer_profiles,
             self.node_profiles,
+            self.samples,
             self.schedule,
             self.allocation,
-            self.milp_time_limit_s,
+            local_epochs=self.local_epochs,
+            steps_per_round=self.steps_per_round,
+            time_limit_s=self.milp_time_limit_s,
             alternatives=alternatives,
         )
-        self.plan, self.cost, self.group_size = planned.plan, planned.cost, planned.group_size
-        self.pipeline = planning.pipeline(
-            planned, self.node_profiles, self._ids, self._handler_rate
-        )
-        self.on_event("plan", planned.event())
+        self.federated = fed
+        self.runs = planning.pipeline_runs(fed, self.node_profiles, self._ids, self._handler_rate)
+        first = fed.planned[0]
+        self.plan, self.cost, self.group_size = first.plan, first.cost, first.group_size
+        self.pipeline = self.runs[0].pipeline
+        event = fed.event()
+        self.on_event("plan", event)
         return self.plan
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every data owner's pipeline plan, in pipeline order."""
+        return [r.pipeline.plan for r in self.runs]
 
     def stage_predictions(self) -> list[dict[str, Any]]:
         """Per stage and step, what the cost model predicts
@@ -434,35 +436,36 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
         t_start = time.time()
         self.benchmark(grid, self.wait_for_nodes(grid, timeout=min(timeout, self.node_wait_s)))
         self.make_plan()
-        runner = self.runner()
-        runner.check_plan(self.pipeline)
+        for run in self.runs:
+            self.runner().check_plan(run.pipeline)
         result = Result(arrays=initial_arrays)
         self._evaluate(0, initial_arrays, evaluate_fn, result, {})
-        arrays = self.global_arrays = initial_arrays
-        steps = self.steps_in_round()
+        self.global_arrays = initial_arrays
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
-            t_round = time.perf_counter()
-            try:
-                outcome = runner.run_round(grid, self.pipeline, arrays, steps, rnd)
-            except SkyNodeError as err:
+            row, new = federation.federated_round(
+                grid, self.runs, self.runner, self.global_arrays, rnd
+            )
+            if new is None:
                 failures += 1
-                self._failed(rnd, err, failures, time.perf_counter() - t_round)
+                self._failed(rnd, row, failures)
                 continue
             failures = 0
-            arrays = result.arrays = self.global_arrays = outcome.arrays
-            row = outcome.to_row(
-                rnd, steps, self.pipeline.plan.predicted_step_time_s, time.perf_counter() - t_round
-            )
+            result.arrays = self.global_arrays = new
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
             )
-            self._evaluate(rnd, arrays, evaluate_fn, result, row)
+            self._evaluate(rnd, self.global_arrays, evaluate_fn, result, row)
             self.rounds.append(row)
             report.log_round_line(row)
-            report.log_stage_report(row, f"{runner.label}, {self.schedule.kind}")
+            report.log_stage_report(row, f"{self.runner_cls.label}, {self.schedule.kind}")
+            report.log_pipelines(row)
             self.on_event("round", row)
+            if row["failed_pipelines"]:
+                self._recover(
+                    rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
+                )
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
         return result
@@ -483,73 +486,6 @@ class SkyStrategy(ServerSideEvaluation, Strategy):
             result.evaluate_metrics_serverapp[rnd] = res
             row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
 
-    def _failed(self, rnd: int, err: SkyNodeError, failures: int, seconds: float) -> None:
-        """Record failed round ``rnd``; end the run at ``max_failed_rounds``, else drop
-        the nodes that caused it and re-plan (:meth:`_recover`).
-
-        Raises
-        ------
-        SkyNodeError
-            If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
-        """
-        log(
-            WARNING,
-            "Round %d failed: %s. The last good global model is kept (%d consecutive "
-            "failed round(s) of at most max_failed_rounds=%d).",
-            rnd,
-            err,
-            failures,
-            self.max_failed_rounds,
-        )
-        failed = {"round": rnd, "error": f"round {rnd} failed: {err}", "round_time_s": seconds}
-        self.rounds.append(failed)
-        self.on_event("round", failed)
-        if failures >= self.max_failed_rounds:
-            raise SkyNodeError(
-                f"round {rnd} failed: {err} ({failures} consecutive failed round(s): "
-                f"max_failed_rounds={self.max_failed_rounds} reached)",
-                nodes=err.nodes,
-                node_ids=err.node_ids,
-            ) from err
-        self._recover(rnd, err)
-
-    def _recover(self, rnd: int, err: SkyNodeError) -> list[str]:
-        """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
-        that caused it (``err.node_ids``, else ``err.nodes`` by name) and re-plan on the
-        others (the configured allocation only); return the names dropped. The data
-        owner is never dropped (stage 0 needs its data): a round it failed is simply
-        retried, as is one whose nodes cannot be dropped (the others cannot hold the
-        model). Records ``failed_rounds``."""
-        if err.node_ids is not None:
-            failed = [n for n in self.node_profiles if n.node_id in err.node_ids]
-        else:
-            failed = [n for n in self.node_profiles if n.name in (err.nodes or ())]
-        failed = [n for n in failed if n is not self.node_profiles[0]]
-        names = [n.name for n in failed]
-        dropped: list[str] = []
-        if failed:
-            old = self.node_profiles
-            self.node_profiles = [n for n in old if n not in failed]
-            try:
-                self.make_plan(alternatives=False)
-                dropped = names
-            except ValueError as plan_err:  # e.g. the others cannot hold the model
-                self.node_profiles = old
-                self.make_plan(alternatives=False)
-                log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
-        for name in dropped:
-            self._ids.pop(name, None)
-        self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": dropped})
-        if dropped:
-            log(
-                WARNING,
-                "Round %d failed; dropped %s and re-planned on %d node(s)",
-                rnd,
-                ", ".join(dropped),
-                len(self.node_profiles),
-            )
-        return dropped
-
     def log_final_summary(self, result: Result) -> None:
         """Log the plan and the final results (:func:`sky_flower.sky.report.log_final`)."""
-        report.log_final(self.plan, self.allocation, result)
+        report.log_final(self.plans, self.allocation, result)

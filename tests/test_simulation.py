@@ -127,7 +127,7 @@ def test_unknown_allocation_refused_before_flower_starts(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("schedule.batch_size=5000", "larger than the data owner's 1437 training examples"),
+        ("schedule.batch_size=5000", "larger than the data owner's 718 training examples"),
         ("num_rounds=0", "num_rounds must be >= 1"),
         ("schedule.microbatches=3", "must divide batch_size=128"),
         ("simulation.num_cpus_per_node=1000", "num_cpus_per_node=1000 must be in"),
@@ -145,8 +145,8 @@ def test_bad_settings_refused_before_flower_starts(override, message, tmp_path):
 
 
 def test_even_with_more_nodes_than_layers_refused_before_flower_starts(tmp_path):
-    cfg = make_cfg([*FAST, "model.hidden_layers=1", "allocation=even"])
-    with pytest.raises(ValueError, match="the model has 2 layers, the fleet 4 nodes"):
+    cfg = make_cfg([*FAST, "fleet=edge3", "model.hidden_layers=1", "allocation=even"])
+    with pytest.raises(ValueError, match="the model has 2 layers, the fleet 3 nodes"):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "results.json").exists()
 

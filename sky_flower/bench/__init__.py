@@ -1,2 +1,2 @@
 """Benchmarks that print figures (``python -m sky_flower.bench.<name>``: ``planner``,
-``decentralized``); not tests."""
+``federated``, ``decentralized``); not tests."""

@@ -35,6 +35,10 @@ ROUND_KEYS = (
     "stages",
     "setup_s",
     "error",
+    "samples_trained",  # federated rounds (sky_flower.sky.federation.round_row)
+    "predicted_round_time_s",
+    "pipelines",
+    "failed_pipelines",
 )
 
 

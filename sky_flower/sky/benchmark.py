@@ -72,6 +72,8 @@ class BenchmarkResult:
         Node name -> Flower node id.
     num_examples : int
         The (first) data owner's examples.
+    samples : dict[str, int]
+        Data owner name -> its training examples (one pipeline each).
     handler_rate : dict[str, float]
         Node name -> seconds per state byte a relay stage message spends rebuilding
         (and, half of the time, saving) its stage.
@@ -82,6 +84,7 @@ class BenchmarkResult:
     nodes: list[NodeProfile]
     node_ids: dict[str, int]
     num_examples: int
+    samples: dict[str, int] = field(default_factory=dict)
     handler_rate: dict[str, float] = field(default_factory=dict)
     emulation: dict[str, str] = field(default_factory=dict)
 
@@ -164,14 +167,13 @@ class BenchmarkRound:
         result.nodes = order_nodes(result.nodes, node_order)
         owners = [n for n in result.nodes if n.holds_data]
         result.num_examples = examples[owners[0].name]
-        if len(owners) > 1:
-            log(
-                WARNING,
-                "%d data owners; one pipeline headed by %r is built, the others' data is "
-                "unused (several pipelines are not built yet)",
-                len(owners),
-                owners[0].name,
-            )
+        result.samples = {n.name: examples[n.name] for n in owners}
+        log(
+            INFO,
+            "%d data owner(s), one pipeline each: %s",
+            len(owners),
+            ", ".join(f"{n} ({k} examples)" for n, k in result.samples.items()),
+        )
         log(INFO, "Benchmark round:\n%s", benchmark_table(result.nodes, result.emulation))
         return result
 
@@ -325,29 +327,42 @@ def wait_for_nodes(
 ) -> list[int]:
     """Block until ``min_nodes`` nodes are connected (bounded by ``timeout`` s); after
     it, the nodes that are connected go on with a warning (the missing ones are left
-    out of the plan). Returns their ids, sorted.
+    out of the plan). ``min_nodes <= 0`` (a federation without a fleet file): every
+    node that connects within ``timeout`` s. Returns their ids, sorted.
 
     Raises
     ------
     SkyNodeError
         If no node is connected after ``timeout`` seconds, or ``stop`` is set.
     """
-    deadline = time.monotonic() + timeout
-    while len(nodes := sorted(grid.get_node_ids())) < min_nodes:
+    deadline, seen = time.monotonic() + timeout, -1
+    while len(nodes := sorted(grid.get_node_ids())) < min_nodes or min_nodes <= 0:
         if stop is not None and stop.is_set():
             raise SkyNodeError("run stopped by the caller")
         if time.monotonic() > deadline:
             if not nodes:
                 raise SkyNodeError(f"no node connected after {timeout:g} s")
-            log(
-                WARNING,
-                "Only %d of %d nodes connected after %g s: the missing %d are left out of the plan",
-                len(nodes),
-                min_nodes,
-                timeout,
-                min_nodes - len(nodes),
-            )
+            if min_nodes > 0:
+                log(
+                    WARNING,
+                    "Only %d of %d nodes connected after %g s: the missing %d are left out "
+                    "of the plan",
+                    len(nodes),
+                    min_nodes,
+                    timeout,
+                    min_nodes - len(nodes),
+                )
+            else:
+                log(
+                    INFO,
+                    "%d node(s) connected within %g s: planning with them",
+                    len(nodes),
+                    timeout,
+                )
             return nodes
-        log(INFO, "Waiting for nodes: %d of %d connected", len(nodes), min_nodes)
+        if len(nodes) != seen:
+            want = min_nodes if min_nodes > 0 else f"any within {timeout:g} s"
+            log(INFO, "Waiting for nodes: %d of %s connected", len(nodes), want)
+            seen = len(nodes)
         time.sleep(0.5)
     return nodes

@@ -4,8 +4,9 @@ in a round, and the :class:`sky_flower.sky.runner.Pipeline` a runner executes.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO
 from typing import Any
 
@@ -13,12 +14,47 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
-from sky_flower.core.federated import steps_in_round  # noqa: F401  (the rule lives in core)
-from sky_flower.core.partition import METHODS, Plan, feasible_bounds, partition
+from sky_flower.core.federated import (
+    FederatedPlan,
+    OwnerPipeline,
+    plan_federation,
+    steps_in_round,  # noqa: F401  (the rule lives in core)
+)
+from sky_flower.core.partition import METHODS, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.pipeline.example import as_dtype
+from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.runner import Pipeline
+
+
+def check_settings(  # noqa: PLR0913
+    allocation: str,
+    optimizer: str,
+    lr: float,
+    local_epochs: float,
+    steps_per_round: int,
+    max_failed_rounds: int,
+) -> None:
+    """Refuse bad strategy settings before anything starts.
+
+    Raises
+    ------
+    ValueError
+        Naming the setting, its value and the rule.
+    """
+    if allocation not in METHODS:
+        raise ValueError(f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}")
+    _opt_factory(optimizer, lr)  # validates the name early
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not local_epochs > 0 or steps_per_round < 0:
+        raise ValueError(
+            f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
+            f"(got {steps_per_round}; 0 means: use local_epochs)"
+        )
+    if max_failed_rounds < 1:
+        raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
 
 
 def profile_model(
@@ -46,16 +82,20 @@ def precheck(
     allocation: str,
     names: Sequence[str],
     memory_caps: Sequence[float | None],
+    owners: int | None = None,
 ) -> None:
     """Fail before any node is contacted if the known memory caps (bytes; None =
-    unknown) already make every plan infeasible, or ``even`` allocation meets a fleet
-    with more nodes than the model has layers.
+    unknown) already make every plan infeasible, or (``owners`` data owners known)
+    ``even`` allocation, which deals the helpers round-robin over the owners, meets a
+    pipeline with more nodes than the model has layers.
 
     Raises
     ------
     InfeasibleMemoryError, ValueError
         As :func:`sky_flower.core.partition.feasible_bounds`.
     """
+    if not names:  # no fleet file: nothing is known before the benchmark round
+        return
     nodes = [
         NodeProfile(
             name=name,
@@ -66,88 +106,29 @@ def precheck(
         for name, cap in zip(names, memory_caps, strict=True)
     ]
     feasible_bounds(CostModel(list(layers), nodes, schedule))
-    if allocation == "even" and len(layers) < len(nodes):
-        raise ValueError(
-            f"even allocation needs at least one layer per node: the model has "
-            f"{len(layers)} layers, the fleet {len(nodes)} nodes. Use "
-            "allocation=heuristic or allocation=optimal, which may leave nodes idle."
-        )
+    if allocation == "even" and owners:
+        largest = 1 + math.ceil((len(nodes) - owners) / owners)  # owner + its helpers
+        if len(layers) < largest:
+            raise ValueError(
+                f"even allocation needs at least one layer per node: the model has "
+                f"{len(layers)} layers, the fleet {len(nodes)} nodes with {owners} data "
+                f"owner(s), so a pipeline of {largest} nodes. Use allocation=heuristic or "
+                "allocation=optimal, which may leave nodes idle."
+            )
 
 
 @dataclass(frozen=True)
 class Planned:
-    """A plan with its cost model, relay group size and (first plan only) the other
-    allocations' predicted step times on the same benchmark (``None``: infeasible)."""
+    """One pipeline's plan with its cost model and relay group size."""
 
     plan: Plan
     cost: CostModel
     group_size: int
-    alternatives: dict[str, float | None]
-
-    def event(self) -> dict[str, Any]:
-        """The ``("plan", ...)`` event's payload."""
-        return {
-            **self.plan.to_dict(),
-            "alternatives": self.alternatives,
-            "microbatches_per_message": self.group_size,
-        }
 
 
 def plan_spec(plan: Plan) -> list[tuple[int, int, int]]:
     """``(node index, first layer, last layer)`` of every stage."""
     return [(s.node_index, s.first_layer, s.last_layer) for s in plan.stages]
-
-
-def make_plan(
-    layers: Sequence[LayerProfile],
-    nodes: Sequence[NodeProfile],
-    schedule: Schedule,
-    allocation: str,
-    time_limit_s: float = 30.0,
-    alternatives: bool = True,
-) -> Planned:
-    """Partition the profiled model over the profiled nodes (and log it).
-
-    ``alternatives``: also solve the other allocations on this same benchmark (a fair
-    comparison: separate runs measure their own, noisy, profiles); else only the
-    configured one is listed.
-
-    Raises
-    ------
-    ValueError
-        If the configured allocation has no feasible plan (e.g. memory).
-    """
-    cost = CostModel(list(layers), list(nodes), schedule)
-    plan = partition(cost, allocation, time_limit_s=time_limit_s)
-    log(INFO, "Plan (%s):\n%s", allocation, plan.table())
-    group = schedule.microbatches  # sequential: one group of all M micro-batches
-    if schedule.kind != "sequential" and schedule.transport == "relay":
-        group = cost.relay_group_size(cost.terms(plan_spec(plan)))
-        log(
-            INFO,
-            "Pipelined relay (%s): %d micro-batch(es) per message, %d message group(s) per step",
-            schedule.kind,
-            group,
-            schedule.microbatches // group,
-        )
-    alts: dict[str, float | None] = {allocation: plan.predicted_step_time_s}
-    for method in METHODS if alternatives else ():
-        try:
-            other = plan if method == allocation else None
-            other = other or partition(cost, method, time_limit_s=time_limit_s)
-            alts[method] = other.predicted_step_time_s
-        except ValueError:  # e.g. even does not fit memory
-            alts[method] = None
-    if alternatives:
-        alts = {m: alts[m] for m in METHODS}
-        log(
-            INFO,
-            "Predicted step time on this benchmark: %s",
-            ", ".join(
-                f"{m} {'infeasible' if t is None else f'{t:.4f} s'}" for m, t in alts.items()
-            ),
-        )
-    return Planned(plan, cost, group, alts)
 
 
 def stage_predictions(
@@ -204,3 +185,159 @@ def pipeline(
             for n in stages
         ),
     )
+
+
+# -- one pipeline per data owner ----------------------------------------------------------
+@dataclass(frozen=True)
+class FederatedPlanned:
+    """A federated plan (one pipeline per data owner), each pipeline's
+    :class:`Planned`, and the other allocations' predictions on the same benchmark
+    (``alternatives``: slowest pipeline's step time; ``alternative_rounds``: round
+    time; ``None``: infeasible)."""
+
+    fplan: FederatedPlan
+    planned: tuple[Planned, ...]
+    alternatives: dict[str, float | None]
+    alternative_rounds: dict[str, float | None]
+
+    def event(self) -> dict[str, Any]:
+        """The ``("plan", ...)`` event's payload: one ``pipelines`` row per pipeline;
+        the top-level keys of a one-pipeline plan (``stages``...) are the first
+        pipeline's, ``predicted_step_time_s`` the slowest pipeline's, ``idle_nodes``
+        the helpers in no pipeline."""
+        f = self.fplan
+        rows = [
+            {
+                "owner": p.owner,
+                "samples": p.samples,
+                "steps": p.steps,
+                "after": list(p.after),
+                "predicted_start_s": p.start_s,
+                "predicted_time_s": p.time_s,
+                "microbatches_per_message": pl.group_size,
+                **p.plan.to_dict(),
+            }
+            for p, pl in zip(f.pipelines, self.planned, strict=True)
+        ]
+        return {
+            **self.planned[0].plan.to_dict(),
+            "method": f.method,
+            "predicted_step_time_s": max(p.plan.predicted_step_time_s for p in f.pipelines),
+            "alternatives": self.alternatives,
+            "alternative_round_times_s": self.alternative_rounds,
+            "microbatches_per_message": self.planned[0].group_size,
+            "round_time_s": f.round_time_s,
+            "fedavg_round_time_s": f.fedavg_round_time_s,
+            "round_lower_bound_s": f.lower_bound_s,
+            "owner_bounds_s": dict(f.owner_bounds_s),
+            "idle_helpers": list(f.idle_helpers),
+            "idle_nodes": list(f.idle_helpers),  # nodes in no pipeline
+            "federated_note": f.note,
+            "pipelines": rows,
+        }
+
+
+def owner_planned(
+    op: OwnerPipeline,
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    schedule: Schedule,
+) -> Planned:
+    """Owner pipeline ``op`` as a :class:`Planned`: its plan with node indices into its
+    own stages' nodes (whatever indexing the planner used), their cost model and the
+    relay group size."""
+    by_name = {n.name: n for n in nodes}
+    group = [by_name[st.node] for st in op.plan.stages]
+    stages = [replace(st, node_index=k) for k, st in enumerate(op.plan.stages)]
+    plan = replace(op.plan, stages=stages)
+    cost = CostModel(list(layers), group, schedule)
+    size = schedule.microbatches
+    if schedule.kind != "sequential" and schedule.transport == "relay":
+        size = cost.relay_group_size(cost.terms(plan_spec(plan)))
+    return Planned(plan, cost, size)
+
+
+def make_federated_plan(  # noqa: PLR0913
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    samples: Mapping[str, int],
+    schedule: Schedule,
+    allocation: str,
+    *,
+    local_epochs: float = 1.0,
+    steps_per_round: int = 0,
+    time_limit_s: float = 30.0,
+    alternatives: bool = True,
+) -> FederatedPlanned:
+    """One pipeline per data owner (:func:`sky_flower.core.federated.plan_federation`),
+    logged; ``alternatives``: also plan the other allocations on this benchmark.
+
+    Raises
+    ------
+    ValueError
+        If the configured allocation has no feasible plan (e.g. memory:
+        ``InfeasibleMemoryError`` names the owner).
+    """
+
+    def solve(method: str) -> FederatedPlan:
+        return plan_federation(
+            list(layers),
+            list(nodes),
+            samples,
+            schedule,
+            method,
+            local_epochs=local_epochs,
+            steps_per_round=steps_per_round,
+            time_limit_s=time_limit_s,
+        )
+
+    fplan = solve(allocation)
+    log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
+    planned = tuple(owner_planned(p, layers, nodes, schedule) for p in fplan.pipelines)
+    for p, pl in zip(fplan.pipelines, planned, strict=True):
+        log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
+    steps = {allocation: max(p.plan.predicted_step_time_s for p in fplan.pipelines)}
+    rounds: dict[str, float | None] = {allocation: fplan.round_time_s}
+    for method in METHODS if alternatives else ():
+        if method == allocation:
+            continue
+        try:
+            other = solve(method)
+            steps[method] = max(p.plan.predicted_step_time_s for p in other.pipelines)
+            rounds[method] = other.round_time_s
+        except ValueError:  # e.g. even does not fit memory
+            steps[method], rounds[method] = None, None
+    if alternatives:
+        steps, rounds = {m: steps[m] for m in METHODS}, {m: rounds[m] for m in METHODS}
+        log(
+            INFO,
+            "Predicted round time on this benchmark: %s (FedAvg: %s)",
+            ", ".join(
+                f"{m} {'infeasible' if t is None else f'{t:.3f} s'}" for m, t in rounds.items()
+            ),
+            "infeasible"
+            if fplan.fedavg_round_time_s is None
+            else f"{fplan.fedavg_round_time_s:.3f} s",
+        )
+    return FederatedPlanned(fplan, planned, steps, rounds)
+
+
+def pipeline_runs(
+    fp: FederatedPlanned,
+    nodes: Sequence[NodeProfile],
+    node_ids: Mapping[str, int],
+    handler_rate: Mapping[str, float] | None = None,
+) -> list[PipelineRun]:
+    """What a federated round runs: one :class:`PipelineRun` per owner pipeline."""
+    return [
+        PipelineRun(
+            owner=p.owner,
+            samples=p.samples,
+            steps=p.steps,
+            pipeline=pipeline(pl, nodes, node_ids, handler_rate),
+            after=tuple(p.after),
+            start_s=p.start_s,
+            time_s=p.time_s,
+        )
+        for p, pl in zip(fp.fplan.pipelines, fp.planned, strict=True)
+    ]

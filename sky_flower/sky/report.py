@@ -81,12 +81,39 @@ def log_round_line(row: dict[str, Any]) -> None:
     )
 
 
-def log_final(plan: Plan | None, allocation: str, result: Result) -> None:
+def pipeline_table(row: dict[str, Any]) -> str:
+    """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
+    steps, mean loss, predicted and measured time (s), and the error of one that failed."""
+    lines = [
+        f"{'owner':<12} {'trained':>7} {'steps':>5} {'loss':>8} {'predicted s':>11} "
+        f"{'measured s':>10}  outcome"
+    ]
+    for p in row["pipelines"]:
+        loss = "-" if p["train_loss"] is None else f"{p['train_loss']:.4f}"
+        lines.append(
+            f"{p['owner']:<12} {p['samples_trained']:>7} {p['steps']:>5} {loss:>8} "
+            f"{p['predicted_time_s']:>11.2f} {p['measured_time_s']:>10.2f}  "
+            + ("ok" if p["error"] is None else f"FAILED (dropped from the average): {p['error']}")
+        )
+    return "\n".join(lines)
+
+
+def log_pipelines(row: dict[str, Any]) -> None:
+    """Log :func:`pipeline_table` of a round (FedAvg across the pipelines that finished)."""
+    log(
+        INFO,
+        "Round %d, one pipeline per data owner (FedAvg across):\n%s",
+        row["round"],
+        pipeline_table(row),
+    )
+
+
+def log_final(plans: Sequence[Plan], allocation: str, result: Result) -> None:
     """Log the plan and the final results the way Flower's ``Strategy.start`` ends
     (``Final results:`` and the ``Result``; ``sky_flower.deploy`` reads it), after
-    Sky's own per-round table."""
+    Sky's own per-round table. ``plans``: one per data owner's pipeline."""
     log(INFO, "")
-    if plan is not None:
+    for plan in plans:
         stages = ", ".join(f"{st.node} [{st.first_layer}-{st.last_layer}]" for st in plan.stages)
         log(INFO, "Plan (%s): %s", allocation, stages)
     log(INFO, "Final results:")

@@ -120,6 +120,9 @@ class MessagingSettings:
         run_default=FLWR_RUN_POLL_INTERVAL_S,
     )
     node_wait_s: float = _setting(300.0, "node-wait-s", "messaging.node_wait_s", POSITIVE)
+    # flwr run: wait for this many SuperNodes (0: the fleet's size; no fleet: all that
+    # connect within node-wait-s)
+    min_nodes: int = _setting(0, "min-nodes", "messaging.min_nodes", AT_LEAST_0)
 
 
 REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
