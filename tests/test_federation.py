@@ -87,7 +87,7 @@ def _expected(  # noqa: ANN202
     model is their FedAvg weighted by samples trained (``steps x batch``); owners in
     ``lost`` drop out. Returns per round the global weights and, per owner, its losses."""
     parts = parts or {"owner-a": PARTS[0], "owner-b": PARTS[1], "owner-c": PARTS[2]}
-    weights = sky_app_task().Net().state_dict()
+    weights = sky_app_task().initial_weights()
     out = []
     for rnd in range(1, rounds + 1):
         trained = {
@@ -252,7 +252,7 @@ def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_id
     configs = [{"partition-id": i, "num-partitions": 4} for i in range(4)]
     grid = ProcessPerMessageGrid(sky_app_client, configs, run)
     strategy = sky_strategy(run, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
-    initial = ArrayRecord(task.Net().state_dict())
+    initial = ArrayRecord(task.initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
     owners = [f"node{i}" for i in range(4)]
     assert [r.owner for r in strategy.runs] == owners
