@@ -156,17 +156,7 @@ def _by_period_dp(  # noqa: PLR0913
         note += " (1F1B memory charged for N stages: not proven)"
     elif not proven:
         note += f": time limit {time_limit_s:g} s reached"
-    return make_plan(
-        cost,
-        "optimal",
-        stages,
-        time.perf_counter() - t0,
-        lower_bound_s=v if proven else lb,
-        objective=objective,
-        proven_optimal=proven,
-        mip_gap=0.0 if proven else None,
-        note=note,
-    )
+    return _dp_plan(cost, objective, stages, t0, v if proven else lb, proven, note)
 
 
 def _by_sum_dp(
@@ -309,14 +299,27 @@ def _by_chain(  # noqa: PLR0913
         note += " in a branch and bound over caps on the GPipe step's two maxima"
     if not done:
         note += f": time limit {time_limit_s:g} s reached, not proven"
+    return _dp_plan(cost, objective, stages, t0, v if done else lb, done, note)
+
+
+def _dp_plan(  # noqa: PLR0913
+    cost: CostModel,
+    objective: str,
+    stages: list,
+    t0: float,
+    lower_bound_s: float,
+    proven: bool,
+    note: str,
+) -> Plan:
+    """A dynamic programme's plan: proven (gap 0) or not, with its bound and note."""
     return make_plan(
         cost,
         "optimal",
         stages,
         time.perf_counter() - t0,
-        lower_bound_s=v if done else lb,
+        lower_bound_s=lower_bound_s,
         objective=objective,
-        proven_optimal=done,
-        mip_gap=0.0 if done else None,
+        proven_optimal=proven,
+        mip_gap=0.0 if proven else None,
         note=note,
     )
