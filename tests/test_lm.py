@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from reference import forkserver, reference_rounds
+from torch import nn
 
 from sky_flower.core.profile import profile_layers
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
@@ -273,3 +274,21 @@ def test_direct_engine_trains_the_lm_on_token_ids_like_the_whole_model():
     last = got[1][0]
     assert last.samples == 2 * 8 * T  # labels counted: tokens
     np.testing.assert_allclose(last.losses, losses, rtol=1e-5)
+
+
+def test_server_evaluation_reports_perplexity_only_for_the_language_model():
+    from flwr.app import ArrayRecord
+
+    from sky_flower.jobs.sky import evaluate_fn_for
+    from sky_flower.pipeline.data import Split
+
+    lm = build_transformer_lm(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    ids = torch.randint(0, 16, (4, 8))
+    test = Split(ids.numpy(), torch.roll(ids, -1, 1).numpy())
+    arrays = ArrayRecord(lm.state_dict())
+    found = evaluate_fn_for(lambda: lm, test, lm_cross_entropy, token_correct)(1, arrays)
+    assert found["perplexity"] == pytest.approx(math.exp(found["loss"]))
+    digits = nn.Linear(3, 2)
+    test = Split(torch.randn(5, 3).numpy(), torch.randint(0, 2, (5,)).numpy())
+    found = evaluate_fn_for(lambda: digits, test)(1, ArrayRecord(digits.state_dict()))
+    assert "perplexity" not in found and 0.0 <= found["accuracy"] <= 1.0

@@ -29,7 +29,7 @@ from sky_flower.jobs.common import (
     write_json,
 )
 from sky_flower.pipeline.data import Split
-from sky_flower.pipeline.lm import perplexity
+from sky_flower.pipeline.lm import lm_cross_entropy, perplexity
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.sky.settings import SkySettings
 
@@ -60,15 +60,19 @@ def evaluate_fn_for(
     loss_fn: Callable[..., torch.Tensor] = torch.nn.functional.cross_entropy,
     metric_fn: Callable[..., int] = correct_count,
     chunk: int = 512,
+    with_perplexity: bool | None = None,
 ) -> Callable:
-    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss",
-    "perplexity"}``: the objective's mean loss, its metric per label element
-    (classification: the share of correct predictions) and perplexity = exp(mean loss)
-    (:func:`sky_flower.pipeline.lm.perplexity`), in eval mode, ``chunk`` samples at a
-    time."""
+    """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``, the
+    objective's mean loss and its metric per label element (classification: the share of
+    correct predictions), in eval mode, ``chunk`` samples at a time; ``with_perplexity``
+    (default: when ``loss_fn`` is the language model's
+    :func:`sky_flower.pipeline.lm.lm_cross_entropy`) also ``"perplexity"`` = exp(mean
+    loss) (:func:`sky_flower.pipeline.lm.perplexity`)."""
     from flwr.app import ArrayRecord, MetricRecord
 
     x, y = torch.as_tensor(test.x), torch.as_tensor(test.y)
+    if with_perplexity is None:
+        with_perplexity = loss_fn is lm_cross_entropy
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model = model_fn()
@@ -81,9 +85,10 @@ def evaluate_fn_for(
                 loss += float(loss_fn(out, ys)) * len(ys)
                 hits += float(metric_fn(out, ys))
         mean = loss / len(y)
-        return MetricRecord(
-            {"accuracy": hits / y.numel(), "loss": mean, "perplexity": perplexity(mean)}
-        )
+        found = {"accuracy": hits / y.numel(), "loss": mean}
+        if with_perplexity:
+            found["perplexity"] = perplexity(mean)
+        return MetricRecord(found)
 
     return evaluate
 

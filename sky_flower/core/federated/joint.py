@@ -140,7 +140,7 @@ def _choose(
                 else "."
             )
             raise InfeasibleMemoryError(
-                f"{method} allocation: data owner {inst.owners[k].name!r}'s pipeline over "
+                f"{method} allocation: the pipeline of data owner {inst.owners[k].name!r} over "
                 f"{names} does not fit memory{why}"
             )
         plans.append(plan)

@@ -203,7 +203,7 @@ def make_plan(
     sched = cost.schedule
     if S == 1:
         alone = (
-            "one node in the fleet: nothing is split, the data owner trains the whole model"
+            "one node: nothing is split, the data owner trains the whole model"
             if cost.num_nodes == 1
             else "one stage: nothing is split, the data owner trains the whole model"
         )
