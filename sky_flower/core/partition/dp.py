@@ -25,6 +25,21 @@ DP_STATE_LIMIT = 5_000_000  # node-kind count vectors for the exact throughput p
 SUM_DP_WORK_LIMIT = 3_000_000_000  # states x kinds x (L + 1)^2 for the one-pass programme
 
 
+def backtrack(
+    state: int, reach: np.ndarray, via: np.ndarray, strides: list[int]
+) -> list[tuple[int, int, int]]:
+    """The path of a level-wise programme over kind counts from the empty state to
+    ``state``: one ``(kind position, first layer, end)`` per appended node, in pipeline
+    order (``reach``: layers covered per state; ``via``: the kind last appended)."""
+    steps = []
+    while state != 0:
+        t = int(via[state])
+        prev = state - strides[t]
+        steps.append((t, int(reach[prev]), int(reach[state])))
+        state = prev
+    return steps[::-1]
+
+
 class _OverKinds:
     """What both programmes share: the node kinds, their members, and the states (how
     many nodes of each kind are in use)."""
@@ -164,14 +179,7 @@ class _PeriodDP(_OverKinds):
             via[idx] = best_t
             done = np.flatnonzero(best == L)
             if len(done):
-                node_idx = int(idx[done[0]])
-                steps = []
-                while node_idx != 0:
-                    t = int(via[node_idx])
-                    prev = node_idx - strides[t]
-                    steps.append((t, int(reach[prev]), int(reach[node_idx])))
-                    node_idx = prev
-                return self._stages(e0, reversed(steps))
+                return self._stages(e0, backtrack(int(idx[done[0]]), reach, via, strides))
         return None
 
     def solve(self, upper: float, deadline: float) -> tuple:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sky_flower.core.cost import CostModel, Stage
+from sky_flower.core.partition.dp import backtrack
 
 FEASIBILITY_STATE_LIMIT = 4_000_000  # capacity-kind count vectors x pipeline lengths
 
@@ -142,15 +143,9 @@ class _KindDP:
         return None
 
     def _witness(self, s: int, reach: np.ndarray, via: np.ndarray, e0: int) -> list[Stage]:
-        steps = []
-        while s != 0:
-            t = int(via[s])
-            prev = s - self.strides[t]
-            steps.append((t, int(reach[prev]), int(reach[s])))
-            s = prev
         pool = [list(m) for m in self.members]
         stages = [(self.cost.owner, 0, e0 - 1)]
-        for t, p, e in reversed(steps):
+        for t, p, e in backtrack(s, reach, via, self.strides):
             node = pool[t].pop(0)
             if e > p:
                 stages.append((node, p, e - 1))
