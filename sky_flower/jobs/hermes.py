@@ -43,20 +43,56 @@ def is_hermes(cfg: DictConfig) -> bool:
     return str(OmegaConf.select(cfg, "strategy.name", default="sky")) in NAMES
 
 
+#: Flower versions whose simulation engine ``concurrent_messages`` was checked against.
+PATCHED_FLOWER = ("1.42",)
+
+
+def flower_pool_unpatchable() -> str | None:
+    """Why ``concurrent_messages`` cannot widen the installed Flower's worker pool, or None.
+
+    Flower 1.42 has no setting for the number of messages its simulation engine handles at
+    once (``run_api`` in ``flwr.server.superlink.fleet.vce.vce_api`` starts its workers in a
+    bare ``ThreadPoolExecutor()``; ``backend_config`` sizes only the Ray actors). The patch
+    depends on that line, so it is applied only to a Flower version listed in
+    :data:`PATCHED_FLOWER` whose ``run_api`` still has it; ``tests/test_flower_internals.py``
+    fails loudly when an upgrade changes either.
+    """
+    import inspect
+
+    import flwr
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    version = str(flwr.__version__)
+    if not version.startswith(tuple(v + "." for v in PATCHED_FLOWER)):
+        return f"Flower {version} is not one of the checked versions {PATCHED_FLOWER}"
+    if "ThreadPoolExecutor()" not in inspect.getsource(vce_api.run_api):
+        return f"Flower {version}'s vce_api.run_api no longer starts a bare ThreadPoolExecutor()"
+    return None
+
+
 @contextmanager
 def concurrent_messages(n: int) -> Iterator[None]:
     """Let Flower's simulation engine handle ``n`` messages at once.
 
     Flower 1.42's engine runs its message workers in a ``ThreadPoolExecutor()`` with the
     default size, ``cpu_count + 4``: 6 on a 2-core machine, so 2 of 8 emulated workers
-    would always wait for a free thread however many Ray actors there are. The emulated
-    workers mostly sleep, so here the pool is widened to ``n`` for the duration of the job
+    would always wait for a free thread however many Ray actors there are. Flower has no
+    setting for it, so the emulated workers (which mostly sleep) get a pool widened to
+    ``n`` for the duration of the job
     (``flwr.server.superlink.fleet.vce.vce_api.ThreadPoolExecutor``, restored after).
+    On a Flower version the patch was not checked against (:func:`flower_pool_unpatchable`)
+    nothing is patched and a warning says that workers beyond the default pool will queue.
     """
     from flwr.server.superlink.fleet.vce import vce_api
 
-    original = vce_api.ThreadPoolExecutor
+    reason = flower_pool_unpatchable()
     default = min(32, (os.cpu_count() or 1) + 4)
+    if reason is not None:
+        if n > default:
+            log.warning("%s: %d of %d workers may queue for a thread", reason, n - default, n)
+        yield
+        return
+    original = vce_api.ThreadPoolExecutor
     vce_api.ThreadPoolExecutor = partial(original, max_workers=max(n, default))  # type: ignore[misc]
     try:
         yield
