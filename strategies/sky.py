@@ -58,6 +58,7 @@ from sky_flower.sky.benchmark import (
 )
 from sky_flower.sky.direct import DirectRunner
 from sky_flower.sky.federation import PipelineRun
+from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
@@ -114,6 +115,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         benchmark round's profiles, and the next round starts from the last good global
         model. This many consecutive failed rounds end the run with
         :class:`SkyNodeError` (1: the first failed round does).
+    divergence_factor : float (default: 0.0, off)
+        ``>= 1``: fail a round whose training loss exceeds this x the best so far.
     direct_timeout_s, direct_host, direct_join_timeout_s : (default: 30.0, \
     "127.0.0.1", 60.0)
         ``transport=direct``: bound (s) on every peer operation (a stage that fails or
@@ -176,6 +179,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         metric_fn: Callable[..., int] = correct_count,
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
+        divergence_factor: float = 0.0,
     ) -> None:
         planning.check_settings(
             allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
@@ -201,6 +205,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         self.echo_bytes, self.echo_repeats = echo_bytes, echo_repeats
         self.echo_jitter_s, self.state_probe_bytes = echo_jitter_s, state_probe_bytes
         self.message_timeout_s, self.max_failed_rounds = message_timeout_s, max_failed_rounds
+        self.guard = RoundGuard(divergence_factor)  # finite rounds; divergence if set
         self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
         self.direct_join_timeout_s = direct_join_timeout_s
         self.poll_interval_s, self.node_wait_s = poll_interval_s, node_wait_s
@@ -445,7 +450,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
             row, new = federation.federated_round(
-                grid, self.runs, self.runner, self.global_arrays, rnd
+                grid, self.runs, self.runner, self.global_arrays, rnd, self.guard
             )
             if new is None:
                 failures += 1

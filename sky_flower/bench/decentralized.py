@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ import torch
 from sky_flower.gossip.algorithms import ALGORITHMS, make_algorithm
 from sky_flower.gossip.matrices import TOPOLOGIES, GossipMatrix, gossip_matrix
 from sky_flower.gossip.training import FlatModel, minibatch_indices, node_splits
+from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.data import Split, load_split
 
 
@@ -371,9 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         plot(s, curves, args.target_loss, out / f"{s.label()}.png")
         table.append(row)
         print(format_row(row, args.algorithms, args.rounds), flush=True)
-    (out / "results.json").write_text(
-        json.dumps({"args": _jsonable(vars(args)), "runs": everything})
-    )
+    # strictly valid JSON: a diverged run's NaN losses as null, listed under "nonfinite"
+    write_json(out / "results.json", {"args": _jsonable(vars(args)), "runs": everything})
     with open(out / "table.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(table[0]))
         writer.writeheader()

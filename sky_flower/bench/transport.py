@@ -36,7 +36,6 @@ machine wrap it in ``flock /tmp/sky-ray.lock``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -49,6 +48,7 @@ import torch
 
 from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import Emulation
+from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
 from sky_flower.pipeline.direct import run_local
 from sky_flower.pipeline.models import build_model
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     print(f"Benchmark finished in {time.perf_counter() - t_start:.0f} s; outputs in {out}")
     (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=2, default=str))
+    write_json(out / "results.json", rows)  # strictly valid JSON (NaN/inf: null)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -150,10 +150,40 @@ def plain(v: Any) -> Any:  # noqa: ANN401 - any JSON-bound value
 
 
 def write_json(path: Path, payload: Any) -> Any:  # noqa: ANN401 - a JSON-able payload
-    """Write ``payload`` as indented JSON to ``path`` (parents created); return it."""
+    """Write ``payload`` as indented, strictly valid JSON to ``path`` (parents created);
+    return what was written.
+
+    Every non-finite float (``NaN``, ``inf``: not JSON) is written as ``null``
+    (:func:`sky_flower.flower.finite.json_safe`); a dict payload then gets a top-level
+    ``"nonfinite"`` list of the JSON paths replaced (e.g. ``"rounds[1].test_loss"``).
+    """
+    from sky_flower.flower.finite import json_safe  # imports Flower: not at module level
+
+    clean, replaced = json_safe(payload)
+    if replaced and isinstance(clean, dict):
+        clean["nonfinite"] = replaced
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=plain))
-    return payload
+    path.write_text(json.dumps(clean, indent=2, default=plain, allow_nan=False))
+    return clean
+
+
+def save_model(path: Path, state: Mapping[str, Any]) -> bool:
+    """Save the state dict ``state`` (tensors) to ``path`` (``model.pt``) only if every
+    tensor is finite: ``model.pt`` is only ever a finite model. Returns whether it was
+    written; a non-finite model is not (a warning names its tensors) and an older
+    ``model.pt`` at ``path`` is left as it is (the last finite model written there).
+    """
+    import torch
+
+    from sky_flower.flower.finite import nonfinite_names
+
+    bad = nonfinite_names(state)
+    if bad:
+        log.warning("%s not written: the model holds NaN or inf in %s", path, ", ".join(bad[:8]))
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone() for k, v in state.items()}, path)
+    return True
 
 
 def shown_error(err: BaseException) -> BaseException:

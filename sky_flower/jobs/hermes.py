@@ -30,6 +30,7 @@ from sky_flower.jobs.common import (
     flat_model_start,
     log,
     one_log_stream,
+    save_model,
     simulate,
     write_json,
 )
@@ -260,7 +261,7 @@ def _write_outputs(
     write_json(out_dir / "plan.json", plan)
     if strategy.global_vec is not None:
         params = model.params(torch.as_tensor(strategy.global_vec, dtype=torch.float32))
-        torch.save({k: v.clone() for k, v in params.items()}, out_dir / "model.pt")
+        save_model(out_dir / "model.pt", params)  # only ever a finite model
     return results
 
 

@@ -30,7 +30,6 @@ round, so ``schedule.transport=relay`` predictions are lower than the training j
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -56,6 +55,7 @@ from sky_flower.core.profile import (
     time_layers,
 )
 from sky_flower.emulation.devices import expand_fleet
+from sky_flower.jobs.common import write_json  # strictly valid JSON (NaN/inf: null)
 from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.models import build_model
 
@@ -303,11 +303,6 @@ def _summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str))
-
-
 def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Plan ``cfg``; write ``plan.json``, ``plan.txt`` and ``plan_row.json`` to ``out_dir``.
 
@@ -336,7 +331,7 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         cost = CostModel(layers, nodes, schedule)
     except Exception as err:
         row["error"] = f"{type(err).__name__}: {err}"
-        _write_json(out_dir / ROW_FILE, row)
+        write_json(out_dir / ROW_FILE, row)
         raise
     method, objective = str(cfg.allocation.method), str(cfg.objective)
     limit = float(cfg.allocation.get("time_limit_s", 30.0))
@@ -345,7 +340,7 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     except ValueError as err:
         row["status"] = "infeasible" if isinstance(err, InfeasibleMemoryError) else "refused"
         row["error"] = f"{type(err).__name__}: {err}"
-        _write_json(out_dir / ROW_FILE, row)
+        write_json(out_dir / ROW_FILE, row)
         raise
     alternatives: dict[str, Any] | None = None
     if bool(cfg.get("plan", {}).get("compare_methods", False)):
@@ -373,9 +368,9 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     payload["alternatives"] = alternatives
     row.update(_summary(plan), idle_nodes=len(plan.idle_nodes), status="ok")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "plan.json", payload)
+    write_json(out_dir / "plan.json", payload)
     (out_dir / "plan.txt").write_text(plan.table() + "\n")
-    _write_json(out_dir / ROW_FILE, row)
+    write_json(out_dir / ROW_FILE, row)
     return {"plan": payload, "row": row, "table": plan.table()}
 
 

@@ -23,6 +23,7 @@ from sky_flower.jobs.common import (
     model_and_data,
     number,
     one_log_stream,
+    save_model,
     simulate,
     simulation_cpus,
     sky_results,
@@ -212,8 +213,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         )
 
     def record(error: str | None) -> dict[str, Any]:
-        if strategy.global_arrays is not None:  # last good global model
-            torch.save(strategy.global_arrays.to_torch_state_dict(), out_dir / "model.pt")
+        if strategy.global_arrays is not None:  # last good (finite) global model
+            save_model(out_dir / "model.pt", strategy.global_arrays.to_torch_state_dict())
         return recorder.write(error or untrained(strategy.rounds))
 
     return simulate(

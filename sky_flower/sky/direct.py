@@ -22,6 +22,7 @@ from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
+from sky_flower.sky.guard import check_stages
 from sky_flower.sky.relay import stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
@@ -202,6 +203,7 @@ class DirectRunner(Runner):
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
         new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
+        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.guard)
         return self.outcome(ex, plan, new_arrays, metrics, steps, wall)
 
     def outcome(

@@ -16,7 +16,9 @@ pipeline ``k`` trained this round), computed by Flower's own
 
 A pipeline that fails drops out of its round's average (its owner's update is lost,
 the others kept) and is recorded in the round row; the round fails only when every
-pipeline failed.
+pipeline failed, or when its aggregate or training loss is non-finite or diverged
+(:class:`sky_flower.sky.guard.RoundGuard`; a pipeline whose reply was non-finite has
+already failed by name, :mod:`sky_flower.sky.guard`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
+from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
@@ -278,16 +281,20 @@ def federated_round(
     make_runner: Callable[[], Runner],
     arrays: ArrayRecord,
     server_round: int,
+    guard: RoundGuard | None = None,
 ) -> tuple[dict[str, Any], ArrayRecord | None]:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
-    FedAvg across those that finished (:func:`fedavg`).
+    FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
+    (:class:`sky_flower.sky.guard.RoundGuard`; default: finite only, no divergence
+    guard).
 
     Returns
     -------
     (dict, ArrayRecord or None)
         The round row (:func:`round_row`) and the new global model; when every pipeline
-        failed, ``{"round", "error": SkyNodeError naming every owner and node,
-        "round_time_s"}`` and None.
+        failed, or the guard fails the round (a non-finite aggregate or training loss,
+        a diverged loss), ``{"round", "error": SkyNodeError naming every owner and node
+        or the guard's reason, "round_time_s"}`` and None.
     """
     t0 = time.perf_counter()
     results = run_pipelines(grid, runs, make_runner, arrays, server_round)
@@ -303,4 +310,8 @@ def federated_round(
         )
         return {"round": server_round, "error": err, "round_time_s": seconds}, None
     new = ok[0].arrays if len(ok) == 1 else fedavg(ok)
-    return round_row(server_round, results, seconds), new
+    row = round_row(server_round, results, seconds)
+    err = (guard or RoundGuard()).check(server_round, row, new)
+    if err is not None:  # the global model stays the last finite one
+        return {"round": server_round, "error": err, "round_time_s": seconds}, None
+    return row, new

@@ -28,6 +28,7 @@ from sky_flower.core.simulate import stage_order
 from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
+from sky_flower.sky.guard import check_reply, check_stages
 from sky_flower.sky.runner import (
     Pipeline,
     RoundOutcome,
@@ -84,8 +85,9 @@ class RelayRunner(Runner):
                 step_times.append(time.perf_counter() - t0)
                 losses.append(st.loss)
                 correct, seen = correct + st.correct, seen + st.seen
-            collect = [message(nid, P.COLLECT, {}, group) for nid in plan.node_ids]
-            new = merge_weights(ex.request(collect), ex, self.expected, P.ARRAYS)
+            collect = ex.request([message(nid, P.COLLECT, {}, group) for nid in plan.node_ids])
+            new = merge_weights(collect, ex, self.expected, P.ARRAYS)
+            check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.guard)
         except Exception:  # no stage is left running a stale message
             ex.drain(min(10.0, self.s.message_timeout_s))
             raise
@@ -175,6 +177,7 @@ class RelayRunner(Runner):
         if P.STAGE_ERROR in reply.content.config_records:  # the stage's, not the node's
             error = reply.content.config_records[P.STAGE_ERROR].get("error")
             raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])} raised {error}", [])
+        check_reply(ex, plan, k, reply)  # finite or rejected (sky_flower.sky.guard)
         note(stats[k], reply, plan.slowdowns[k])
         S, rows = plan.num_stages, plan.group_size * self.s.schedule.microbatch_size
         if op == "F" and k < S - 1:

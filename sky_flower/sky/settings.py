@@ -35,6 +35,7 @@ AT_LEAST_1: Rule = (">= 1", lambda v: v >= 1)
 AT_LEAST_0: Rule = (">= 0", lambda v: v >= 0)
 POSITIVE: Rule = ("> 0", lambda v: v > 0)
 NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
+DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
 def _setting(
@@ -106,6 +107,11 @@ class FailurePolicy:
 
     max_failed_rounds: int = _setting(2, "max-failed-rounds", "train.max_failed_rounds", AT_LEAST_1)
     message_timeout_s: float = _setting(120.0, "message-timeout-s", "message_timeout_s", POSITIVE)
+    # issue 17, finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this
+    # x the best so far fails like a non-finite round (sky_flower.sky.guard.RoundGuard)
+    divergence_factor: float = _setting(
+        0.0, "divergence-factor", "train.divergence_factor", DIVERGENCE
+    )
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,7 @@ class SkySettings:
             "state_probe_bytes": int(b.state_probe_mb * 2**20),
             "message_timeout_s": f.message_timeout_s,
             "max_failed_rounds": f.max_failed_rounds,
+            "divergence_factor": f.divergence_factor,
             "direct_timeout_s": d.timeout_s,
             "direct_host": d.host,
             "direct_join_timeout_s": d.join_timeout_s,

@@ -1,0 +1,142 @@
+"""Finite or rejected, on the Sky protocol's server side.
+
+Every reply is checked where it arrives at the server
+(:mod:`sky_flower.flower.finite`): on the relay each stage's forward / backward reply
+(activations, labels, input gradients, the last stage's loss and metrics:
+:func:`check_reply`) and every stage's weights at the end of a round; on the direct
+transport every stage's weights and metrics (:func:`check_stages`). A non-finite reply
+fails its pipeline by name through the failed-round path
+(:mod:`sky_flower.sky.federation`, :mod:`sky_flower.sky.recovery`).
+
+Who is blamed: the stage whose output first goes non-finite. On the relay every input a
+stage gets was checked finite when it arrived, so the first non-finite reply comes from
+the stage that produced it: its node is the cause (``SkyNodeError.nodes``, dropped and
+re-planned like a node that replied malformed, unless it is a data owner). Replies that
+arrive together (the relay's weights at the end of a round, every reply of a direct
+round, whose activations travel peer to peer and are never seen here) blame their stage
+only when it is the only non-finite one; when several are, every one is named and none
+is blamed (divergence spreads through the whole pipeline in one step: the server cannot
+tell where it began).
+
+:class:`RoundGuard` checks the round as a whole: a FedAvg aggregate that is non-finite,
+or a training loss above ``divergence_factor`` times the best loss so far (optional, off
+by default), fails the round; the global model stays the last finite one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, Message
+
+from sky_flower.flower.exchange import Exchange
+from sky_flower.flower.finite import NonFiniteError, nonfinite_names
+from sky_flower.sky.runner import Pipeline, SkyNodeError
+
+
+def reply_nonfinite(reply: Message) -> list[str]:
+    """Names of the non-finite arrays and metrics of ``reply`` (every array and metric
+    record of its content; integer arrays are always finite)."""
+    content = reply.content
+    bad = [n for rec in content.array_records.values() for n in nonfinite_names(rec)]
+    return bad + [n for rec in content.metric_records.values() for n in nonfinite_names(rec)]
+
+
+def _text(ex: Exchange, plan: Pipeline, k: int, reply: Message, names: list[str]) -> str:
+    who = f"the reply of stage {k} on {ex.name(plan.node_ids[k])} to {reply.metadata.message_type}"
+    return str(NonFiniteError(who, names))
+
+
+def check_reply(ex: Exchange, plan: Pipeline, k: int, reply: Message) -> None:
+    """Check stage ``k``'s reply as it arrives (relay forward / backward).
+
+    Raises
+    ------
+    SkyNodeError
+        Naming the stage, its node (the cause: ``nodes``) and the non-finite arrays or
+        metrics, e.g. ``the reply of stage 1 on node1 (node 102) to train.sky_forward
+        holds non-finite values (NaN or inf) in act``.
+    """
+    bad = reply_nonfinite(reply)
+    if bad:
+        raise ex.fail(_text(ex, plan, k, reply, bad), [reply.metadata.src_node_id])
+
+
+def check_stages(ex: Exchange, plan: Pipeline, replies: Sequence[Message]) -> None:
+    """Check every stage's reply of a round at once (``replies[k]``: stage ``k``'s; the
+    relay's collected weights, a direct round's weights and metrics).
+
+    Raises
+    ------
+    SkyNodeError
+        Naming every stage whose reply holds ``NaN``/``inf`` and what holds it; its node
+        is the cause (``nodes``) only when it is the only such stage, else ``nodes`` is
+        empty (see the module docstring).
+    """
+    found = [(k, r, reply_nonfinite(r)) for k, r in enumerate(replies)]
+    found = [(k, r, bad) for k, r, bad in found if bad]
+    if not found:
+        return
+    text = "; ".join(_text(ex, plan, k, r, bad) for k, r, bad in found)
+    causes = [plan.node_ids[found[0][0]]] if len(found) == 1 else []
+    if len(found) > 1:
+        text += " (several stages at once: no single node is blamed)"
+    raise ex.fail(text, causes)
+
+
+@dataclass
+class RoundGuard:
+    """The round-level checks of :func:`sky_flower.sky.federation.federated_round`.
+
+    Attributes
+    ----------
+    divergence_factor : float
+        ``0``: off (the default). Else ``>= 1``: a round whose training loss exceeds
+        ``divergence_factor`` times the best (lowest) training loss of the rounds
+        accepted so far fails, like a non-finite round (for non-negative losses).
+    best_loss : float or None
+        The best training loss so far (None before the first accepted round).
+    """
+
+    divergence_factor: float = 0.0
+    best_loss: float | None = None
+
+    def __post_init__(self) -> None:
+        f = self.divergence_factor
+        if not (f == 0 or (math.isfinite(f) and f >= 1)):
+            raise ValueError(f"divergence_factor must be 0 (off) or >= 1 (got {f})")
+
+    def check(
+        self, server_round: int, row: dict[str, Any], new: ArrayRecord
+    ) -> SkyNodeError | None:
+        """The error failing round ``server_round`` (its row's ``train_loss`` and the
+        new global model ``new``), else None, and the round counts as accepted (its
+        loss may become the best). No node is blamed (``nodes`` empty): the round's
+        aggregate or its loss is at fault, not one reply.
+        """
+        loss = float(row.get("train_loss", 0.0))
+        text = self.reason(server_round, loss, new)
+        if text:
+            return SkyNodeError(text, nodes=[], node_ids=[])
+        self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+        return None
+
+    def reason(self, server_round: int, loss: float, new: ArrayRecord) -> str:
+        """Why round ``server_round`` fails (``""``: it does not): a non-finite
+        aggregate ``new`` (naming its arrays), a non-finite training ``loss``, or a loss
+        above ``divergence_factor`` x :attr:`best_loss`."""
+        bad = nonfinite_names(new)
+        if bad:
+            return str(NonFiniteError(f"round {server_round}'s FedAvg aggregate", bad))
+        if not math.isfinite(loss):
+            return f"round {server_round}'s training loss is {loss}"
+        best, factor = self.best_loss, self.divergence_factor
+        if factor and best is not None and loss > factor * best:
+            return (
+                f"round {server_round} diverged: training loss {loss:.6g} exceeds "
+                f"divergence_factor={factor:g} x the best loss so far {best:.6g}"
+            )
+        return ""
