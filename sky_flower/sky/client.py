@@ -61,7 +61,16 @@ from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import protocol as P
-from sky_flower.sky.stage_state import load_stage, save_stage, time_state_roundtrip
+from sky_flower.sky.stage_state import (
+    NodeStateError,
+    direct_ran,
+    direct_repeat,
+    load_stage,
+    remember,
+    replay,
+    save_stage,
+    time_state_roundtrip,
+)
 
 STAGE = "sky.stage"
 WEIGHTS = "sky.weights"
@@ -72,11 +81,6 @@ ACCUM = "sky.accum"  # {"step", "done"} micro-batches back-propagated
 STASH_MB = "sky.stash."  # + first micro-batch of the group
 
 Handler = Callable[[Message, Context, Emulation], RecordDict]
-
-
-class NodeStateError(RuntimeError):
-    """This node lacks the state a stage message needs (it restarted, or missed a
-    message): the node's failure, unlike an error of the stage's own computation."""
 
 
 def stage_errors(fn: Handler) -> Handler:
@@ -171,6 +175,9 @@ class SkyClient:
 
         def handler(msg: Message, context: Context) -> Message:
             t_start = time.perf_counter()
+            again = replay(msg, context)  # a repeat (its first reply) or a stale message
+            if again is not None:
+                return Message(again, reply_to=msg)
             torch.set_num_threads(1)
             emu = self.emulation_fn(context)
             content = (faulty if emu.fail_on else fn)(msg, context, emu)
@@ -179,6 +186,7 @@ class SkyClient:
                 time.sleep(delay)
             if P.METRICS in content.metric_records:  # wall seconds inside the handler
                 content.metric_records[P.METRICS][P.BUSY_S] = time.perf_counter() - t_start
+            remember(msg, context, content)  # applied once: a repeat gets this reply
             return Message(content, reply_to=msg)
 
         handler.__name__ = fn.__name__
@@ -418,6 +426,10 @@ class SkyClient:
         from sky_flower.sky.direct_node import run_direct_stage
 
         cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
+        if refused is not None:
+            return refused
+        direct_ran(cfg.stage, context)
         loss_fn, metric_fn = self._objective(cfg.stage)
         return run_direct_stage(
             cfg,
