@@ -65,6 +65,7 @@ class RedeliveringGrid(ProcessPerMessageGrid):
         except Exception as err:  # noqa: BLE001 - as a SuperNode: an error reply
             return _wire(error_reply(_wire(msg), err))
         self.saved[nid] = context_to_proto(context).SerializeToString()
+        self.peak[nid] = max(self.peak.get(nid, 0), len(self.saved[nid]))
         self.handled.append((nid, msg.metadata.message_type))
         return _wire(reply)
 
@@ -153,10 +154,25 @@ def test_stage_messages_delivered_twice_are_applied_once(kind, per_message, whic
     assert len(grid.pairs) >= 4
     for first, again in grid.pairs:
         _same_reply(first, again)
+    if which is _stage_message:
+        _assert_state_estimate(strategy, grid)
     expected = _expected(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
         assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
+
+
+def _assert_state_estimate(strategy, grid: RedeliveringGrid) -> None:  # noqa: ANN001
+    """Each stage's largest serialised context (replies kept for repeats included) is
+    what the planner's size check charges it (``relay_state_bytes``), to 10 %."""
+    from sky_flower.sky.planning import relay_state_bytes
+
+    stages = strategy.plan.stages
+    for k, (st, nid) in enumerate(zip(stages, strategy.pipeline.node_ids, strict=True)):
+        est = relay_state_bytes(
+            strategy.cost, st.first_layer, st.last_layer, k == 0, k == len(stages) - 1
+        )
+        assert 0.9 * est < grid.peak[nid] < 1.1 * est, (k, grid.peak[nid], est)
 
 
 def test_a_stale_message_is_refused_and_not_applied(server_identity):
