@@ -55,6 +55,7 @@ class RedeliveringGrid(ProcessPerMessageGrid):
         self.pairs: list[tuple[Message, Message]] = []
         self.late: list[tuple[Message, Message]] = []  # (message, reply)
         self.held: dict[int, list[Message]] = {}
+        self.peak: dict[int, int] = {}  # node id -> largest serialised context seen
 
     def deliver(self, msg: Message) -> Message:
         """Handle ``msg`` on its node (context restored from and saved to bytes)."""

@@ -32,6 +32,9 @@ the node and the reason, and drops no node for it. A node that lacks the state a
 message needs (:class:`NodeStateError`: it restarted or missed a message) and an
 injected fault still raise, which Flower turns into an error reply: the node failed.
 
+Every stage message is applied once: a repeat gets its first reply, an older one a
+``STAGE_ERROR`` refusal (:func:`sky_flower.sky.stage_state.replay`).
+
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
 messages (records only: this also works where each message runs in a fresh process).
 Raw inputs never leave the data owner; labels travel to the last stage. A fleet entry
