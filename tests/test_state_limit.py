@@ -73,3 +73,44 @@ def test_relay_stage_state_counts_one_steps_activations():
     assert len(fed.planned[0].plan.stages) == 3
     with pytest.raises(StageStateTooLargeError, match=r"stage 1 of owner's pipeline \(node big"):
         _plan("relay", 100 * MiB, act=96.0 * MiB)
+
+
+def test_a_layer_over_the_limit_on_relay_is_refused_before_any_node_is_contacted():
+    """The pre-check (before the benchmark round, with or without a fleet file): one
+    layer of 800 MiB weights + 1600 MiB Adam state cannot fit any relay stage."""
+    from sky_flower.sky.planning import precheck
+
+    layers = [fake_layer(0, param=800 * MiB, opt=1600 * MiB), fake_layer(1, param=MiB)]
+    relay = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="relay")
+    with pytest.raises(StageStateTooLargeError, match=r"layer 0:Fake alone would keep 3.12 GiB"):
+        precheck(layers, relay, "even", [], [])
+    direct = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="direct")
+    precheck(layers, direct, "even", [], [])
+    with pytest.raises(StageStateTooLargeError, match="transport=direct"):
+        precheck(layers, relay, "even", ["a", "b"], [None, None])
+
+
+def test_other_allocations_over_the_limit_are_reported_infeasible():
+    """``even`` (one 1.17 GiB layer per stage) fits the relay; ``heuristic`` and
+    ``optimal`` would put the layers together on one node (over 2 GiB): their
+    predictions, shown beside the plan, say infeasible (None)."""
+    speeds = {"owner": 1.0, "big": 0.01, "small": 1.0}
+    nodes = [
+        NodeProfile(
+            name=n,
+            layer_fwd_s=(t,) * 3,
+            layer_bwd_s=(2 * t,) * 3,
+            memory_bytes=64 * GiB,
+            bandwidth_bps=1e6,
+            latency_s=0.1,
+            holds_data=n == "owner",
+        )
+        for n, t in speeds.items()
+    ]
+    layers = [
+        fake_layer(j, param=300 * MiB, opt=600 * MiB, act_in=1e6, act_out=1e6) for j in range(3)
+    ]
+    relay = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="relay")
+    fed = make_federated_plan(layers, nodes, {"owner": 100}, relay, "even", steps_per_round=1)
+    assert fed.alternatives["even"] is not None
+    assert fed.alternatives["heuristic"] is None and fed.alternatives["optimal"] is None

@@ -94,7 +94,19 @@ def precheck(
     ------
     InfeasibleMemoryError, ValueError
         As :func:`sky_flower.core.partition.feasible_bounds`.
+    StageStateTooLargeError
+        On the relay, if one layer's weights, gradients and optimizer state alone exceed
+        Flower's :data:`CONTEXT_LIMIT_BYTES` (no relay plan can hold it).
     """
+    for lp in layers if schedule.transport == "relay" else ():
+        size = 2 * lp.param_bytes + lp.optimizer_state_bytes
+        if size > CONTEXT_LIMIT_BYTES:
+            raise StageStateTooLargeError(
+                f"layer {lp.name} alone would keep {size / GIB:.2f} GiB (weights, gradients, "
+                f"optimizer state) in a relay node's context.state, over Flower's limit of "
+                f"{CONTEXT_LIMIT_BYTES} bytes: no relay plan can hold it. Use transport=direct, "
+                "which keeps stage state out of context.state"
+            )
     if not names:  # no fleet file: nothing is known before the benchmark round
         return
     nodes = [
@@ -369,9 +381,13 @@ def make_federated_plan(  # noqa: PLR0913
             continue
         try:
             other = solve(method)
+            owners = [p.owner for p in other.pipelines]
+            check_state_limit(
+                [owner_planned(p, layers, nodes, schedule) for p in other.pipelines], owners
+            )
             steps[method] = max(p.plan.predicted_step_time_s for p in other.pipelines)
             rounds[method] = other.round_time_s
-        except ValueError:  # e.g. even does not fit memory
+        except ValueError:  # e.g. even does not fit memory, or a relay stage Flower's limit
             steps[method], rounds[method] = None, None
     if alternatives:
         steps, rounds = {m: steps[m] for m in METHODS}, {m: rounds[m] for m in METHODS}
