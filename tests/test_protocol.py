@@ -39,7 +39,7 @@ STAGE = P.StageConfig(
 EXAMPLES = [
     STAGE,
     dataclasses.replace(STAGE, loss="mymod:my_loss", metric="mymod:my_metric"),
-    P.MicroBatchGroup(step=4, first=1, count=1),
+    P.MicroBatchGroup(step=4, first=1, count=1, round=2, session=5),
     P.ProfileRequest(input_shape=(64,), microbatch_size=32, warmup=1, repeats=3),
     P.ProfileRequest(
         input_shape=(3, 8, 8), microbatch_size=4, warmup=0, repeats=1, optimizer="sgd", lr=0.1
@@ -74,6 +74,7 @@ EXAMPLES = [
     P.DirectMetrics(
         losses=(1.0, 0.5), correct=4, n=8, step_times_s=(0.1, 0.2), setup_s=0.3, compute_s=0.2
     ),
+    P.SessionId(round=3, session=9),
 ]
 
 
@@ -140,8 +141,8 @@ def test_lists_nested_records_and_defaults():
         )
     direct = EXAMPLES[8]
     rec = dict(direct.to_config_record())
-    assert len(rec) == 32  # the 27 keys of the direct round + is_first, is_last, loss, metric,
-    # input_dtype
+    assert len(rec) == 33  # the 27 keys of the direct round + is_first, is_last, loss, metric,
+    # input_dtype, session
     del rec["join_timeout_s"]  # the Rendezvous default holds (defined once, there)
     default = dataclasses.fields(Rendezvous)[-1].default
     assert P.DirectConfig.from_config_record(rec).rendezvous.join_timeout_s == default
@@ -160,7 +161,7 @@ def test_lists_nested_records_and_defaults():
     assert P.StageConfig.from_config_record(extra) == STAGE
     assert P.EchoRequest.from_config_record({}) == P.EchoRequest(0)
     with pytest.raises(P.ProtocolError, match="outside the step's 2"):
-        P.MicroBatchGroup(0, 1, 2).check(2)
+        P.MicroBatchGroup(0, 1, 2, 1).check(2)
 
 
 def test_message_types_are_flower_types():
@@ -229,7 +230,7 @@ def test_node_relay_through_the_protocol_equals_unsplit_training(server_identity
     for step in range(steps):
         loss = 0.0
         for g in range(M // group):
-            mb = P.MicroBatchGroup(step, g * group, group).to_config_record()
+            mb = P.MicroBatchGroup(step, g * group, group, round=1).to_config_record()
             r0 = _send(grid, 101, P.FORWARD, {P.MB: mb})
             content = {P.MB: mb, P.ACT: r0.content[P.ACT], P.LABELS: r0.content[P.LABELS]}
             r1 = _send(grid, 102, P.FORWARD, content)

@@ -32,6 +32,9 @@ the node and the reason, and drops no node for it. A node that lacks the state a
 message needs (:class:`NodeStateError`: it restarted or missed a message) and an
 injected fault still raise, which Flower turns into an error reply: the node failed.
 
+Every stage message is applied once: a repeat gets its first reply, an older one a
+``STAGE_ERROR`` refusal (:func:`sky_flower.sky.stage_state.replay`).
+
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
 messages (records only: this also works where each message runs in a fresh process).
 Raw inputs never leave the data owner; labels travel to the last stage. A fleet entry
@@ -61,7 +64,16 @@ from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import protocol as P
-from sky_flower.sky.stage_state import load_stage, save_stage, time_state_roundtrip
+from sky_flower.sky.stage_state import (
+    NodeStateError,
+    direct_ran,
+    direct_repeat,
+    load_stage,
+    remember,
+    replay,
+    save_stage,
+    time_state_roundtrip,
+)
 
 STAGE = "sky.stage"
 WEIGHTS = "sky.weights"
@@ -72,11 +84,6 @@ ACCUM = "sky.accum"  # {"step", "done"} micro-batches back-propagated
 STASH_MB = "sky.stash."  # + first micro-batch of the group
 
 Handler = Callable[[Message, Context, Emulation], RecordDict]
-
-
-class NodeStateError(RuntimeError):
-    """This node lacks the state a stage message needs (it restarted, or missed a
-    message): the node's failure, unlike an error of the stage's own computation."""
 
 
 def stage_errors(fn: Handler) -> Handler:
@@ -171,6 +178,9 @@ class SkyClient:
 
         def handler(msg: Message, context: Context) -> Message:
             t_start = time.perf_counter()
+            again = replay(msg, context)  # a repeat (its first reply) or a stale message
+            if again is not None:
+                return Message(again, reply_to=msg)
             torch.set_num_threads(1)
             emu = self.emulation_fn(context)
             content = (faulty if emu.fail_on else fn)(msg, context, emu)
@@ -179,6 +189,7 @@ class SkyClient:
                 time.sleep(delay)
             if P.METRICS in content.metric_records:  # wall seconds inside the handler
                 content.metric_records[P.METRICS][P.BUSY_S] = time.perf_counter() - t_start
+            remember(msg, context, content)  # applied once: a repeat gets this reply
             return Message(content, reply_to=msg)
 
         handler.__name__ = fn.__name__
@@ -418,6 +429,10 @@ class SkyClient:
         from sky_flower.sky.direct_node import run_direct_stage
 
         cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
+        if refused is not None:
+            return refused
+        direct_ran(cfg.stage, context)
         loss_fn, metric_fn = self._objective(cfg.stage)
         return run_direct_stage(
             cfg,

@@ -101,7 +101,7 @@ class DirectRunner(Runner):
         """One ``train.sky_direct`` message per stage: :class:`DirectConfig` and its
         weights."""
         full = arrays.to_torch_state_dict()
-        stages = plan.plan.stages
+        stages, session = plan.plan.stages, P.new_session()
         bounds = [(st.first_layer, st.last_layer) for st in stages]
         shapes = stage_input_shapes(
             self.s.model_fn, list(self.s.input_shape), bounds, self.s.input_dtype
@@ -114,7 +114,7 @@ class DirectRunner(Runner):
         for k, st in enumerate(stages):
             (lat, bw), (nlat, nbw), (plat, pbw) = link(k), link(k + 1), link(k - 1)
             cfg = P.DirectConfig(
-                stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round),
+                stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round, session),
                 rendezvous=host.rendezvous(k),
                 links=P.DirectLinks(lat, bw, nlat, nbw, plat, pbw),
                 kind=self.s.schedule.kind,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from logging import INFO
 from typing import Any
 
+from flwr.common import GRPC_MAX_MESSAGE_LENGTH
 from flwr.supercore import log
 from torch import nn
 
@@ -93,7 +94,19 @@ def precheck(
     ------
     InfeasibleMemoryError, ValueError
         As :func:`sky_flower.core.partition.feasible_bounds`.
+    StageStateTooLargeError
+        On the relay, if one layer's weights, gradients and optimizer state alone exceed
+        Flower's :data:`CONTEXT_LIMIT_BYTES` (no relay plan can hold it).
     """
+    for lp in layers if schedule.transport == "relay" else ():
+        size = 2 * lp.param_bytes + lp.optimizer_state_bytes
+        if size > CONTEXT_LIMIT_BYTES:
+            raise StageStateTooLargeError(
+                f"layer {lp.name} alone would keep {size / GIB:.2f} GiB (weights, gradients, "
+                f"optimizer state) in a relay node's context.state, over Flower's limit of "
+                f"{CONTEXT_LIMIT_BYTES} bytes: no relay plan can hold it. Use transport=direct, "
+                "which keeps stage state out of context.state"
+            )
     if not names:  # no fleet file: nothing is known before the benchmark round
         return
     nodes = [
@@ -124,6 +137,69 @@ class Planned:
     plan: Plan
     cost: CostModel
     group_size: int
+
+
+# -- Flower's size limit on a relay stage's context.state ---------------------------------
+#: Bytes a node's whole ``context.state`` may take: Flower serialises it into one
+#: protobuf message with every message the node handles (``context_to_proto``), and
+#: protobuf refuses a message over 2 GiB - 1 ("Value out of range"); in deployment it
+#: also crosses between SuperNode and ClientApp process as one gRPC message, capped at
+#: ``flwr.common.GRPC_MAX_MESSAGE_LENGTH`` (2 GiB - 1 too).
+CONTEXT_LIMIT_BYTES = GRPC_MAX_MESSAGE_LENGTH
+GIB = 1024**3
+
+
+class StageStateTooLargeError(ValueError):
+    """A relay stage's ``context.state`` would exceed :data:`CONTEXT_LIMIT_BYTES`."""
+
+
+def relay_state_bytes(
+    cost: CostModel, first: int, last: int, is_first: bool, is_last: bool
+) -> float:
+    """Peak bytes of a relay stage's ``context.state`` holding layers ``first..last``:
+    its weights, the gradients accumulated over a step and its optimizer state
+    (``2 * param_bytes + optimizer_state_bytes``), and during a step the step's ``B``
+    samples of stashed input (not on the last stage) and the replies kept for a repeat
+    (:mod:`sky_flower.sky.stage_state`: its outputs, not on the last stage; its input
+    gradients, not on stage 0). Buffers (BatchNorm statistics) are not in the layer
+    profile and not counted."""
+    B = cost.schedule.batch_size
+    act_in = B * float(cost.layers[first].act_in_bytes)
+    act_out = B * float(cost.layers[last].act_out_bytes)
+    static = float(cost.static_prefix[last + 1] - cost.static_prefix[first])
+    return static + (0.0 if is_last else act_in + act_out) + (0.0 if is_first else act_in)
+
+
+def check_state_limit(
+    planned: Sequence[Planned], owners: Sequence[str], limit: int = CONTEXT_LIMIT_BYTES
+) -> None:
+    """Refuse a relay plan with a stage whose ``context.state`` would exceed ``limit``
+    bytes (:func:`relay_state_bytes`); the direct transport keeps stage state out of
+    ``context.state``, so its plans pass.
+
+    Raises
+    ------
+    StageStateTooLargeError
+        Naming the first such stage (pipeline owner, stage, node, layers), its size and
+        the limit.
+    """
+    for owner, pl in zip(owners, planned, strict=True):
+        if pl.cost.schedule.transport != "relay":
+            return
+        S = len(pl.plan.stages)
+        for k, st in enumerate(pl.plan.stages):
+            size = relay_state_bytes(pl.cost, st.first_layer, st.last_layer, k == 0, k == S - 1)
+            if size > limit:
+                raise StageStateTooLargeError(
+                    f"stage {k} of {owner}'s pipeline (node {st.node}, layers "
+                    f"{st.first_layer}-{st.last_layer}) would keep {size / GIB:.2f} GiB "
+                    f"({size:.0f} bytes: weights, gradients, optimizer state and one step's "
+                    f"activations) in its node's context.state, over Flower's limit of "
+                    f"{limit} bytes ({limit / GIB:.2f} GiB: protobuf's message limit on "
+                    "context_to_proto, and GRPC_MAX_MESSAGE_LENGTH in deployment). Use "
+                    "transport=direct, which keeps stage state out of context.state, or "
+                    "spread these layers over more nodes"
+                )
 
 
 def plan_spec(plan: Plan) -> list[tuple[int, int, int]]:
@@ -276,7 +352,8 @@ def make_federated_plan(  # noqa: PLR0913
     ------
     ValueError
         If the configured allocation has no feasible plan (e.g. memory:
-        ``InfeasibleMemoryError`` names the owner).
+        ``InfeasibleMemoryError`` names the owner), or a relay stage's state is over
+        Flower's size limit (:class:`StageStateTooLargeError`).
     """
 
     def solve(method: str) -> FederatedPlan:
@@ -294,6 +371,7 @@ def make_federated_plan(  # noqa: PLR0913
     fplan = solve(allocation)
     log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
     planned = tuple(owner_planned(p, layers, nodes, schedule) for p in fplan.pipelines)
+    check_state_limit(planned, [p.owner for p in fplan.pipelines])  # before any training
     for p, pl in zip(fplan.pipelines, planned, strict=True):
         log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
     steps = {allocation: max(p.plan.predicted_step_time_s for p in fplan.pipelines)}
@@ -303,9 +381,13 @@ def make_federated_plan(  # noqa: PLR0913
             continue
         try:
             other = solve(method)
+            owners = [p.owner for p in other.pipelines]
+            check_state_limit(
+                [owner_planned(p, layers, nodes, schedule) for p in other.pipelines], owners
+            )
             steps[method] = max(p.plan.predicted_step_time_s for p in other.pipelines)
             rounds[method] = other.round_time_s
-        except ValueError:  # e.g. even does not fit memory
+        except ValueError:  # e.g. even does not fit memory, or a relay stage Flower's limit
             steps[method], rounds[method] = None, None
     if alternatives:
         steps, rounds = {m: steps[m] for m in METHODS}, {m: rounds[m] for m in METHODS}

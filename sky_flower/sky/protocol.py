@@ -23,6 +23,15 @@ The relay's ``schedule.kind=sequential`` is the pipelined relay with one group o
 ``M`` micro-batches per step: it uses :data:`FORWARD` / :data:`BACKWARD` like
 ``gpipe``/``1f1b`` (the former ``train.sky_pipe_fwd``/``train.sky_pipe_bwd`` are gone).
 
+Identity (idempotent delivery): every stage message says which set-up, step and
+micro-batches it belongs to. ``train.sky_setup`` carries the round and a set-up
+``session`` (:func:`new_session`: increasing over a server's set-ups, so a helper that two
+owners' pipelines share in one round tells them apart) in its :class:`StageConfig`;
+every forward / backward carries both again in its :class:`MicroBatchGroup` with the
+step and the group; ``train.sky_collect`` and ``train.sky_direct`` carry them in their
+:data:`CONFIG`. A node applies each identity once and answers a repeat with the first
+reply (:mod:`sky_flower.sky.stage_state`).
+
 Record keys: a message's settings travel in the config record :data:`CONFIG`, stage
 weights in the array record :data:`ARRAYS` (Flower's own name for a model's arrays),
 activations / gradients / labels in array records :data:`ACT` / :data:`GRAD` /
@@ -33,6 +42,9 @@ activations / gradients / labels in array records :data:`ACT` / :data:`GRAD` /
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
+import time
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,6 +89,17 @@ READY = "ready"  # setup's acknowledgement
 # the last stage's objective, by reference (sky_flower.pipeline.objective)
 DEFAULT_LOSS = "torch.nn.functional:cross_entropy"
 DEFAULT_METRIC = "sky_flower.pipeline.objective:correct_count"
+
+
+_SESSIONS = itertools.count(time.time_ns())
+_SESSION_LOCK = threading.Lock()
+
+
+def new_session() -> int:
+    """A fresh set-up session: larger than every session this process handed out before
+    (it starts at the wall clock in ns, so a restarted server's are larger too)."""
+    with _SESSION_LOCK:
+        return next(_SESSIONS)
 
 
 def action(message_type: str) -> str:
@@ -253,6 +276,9 @@ class StageConfig(Record):
         ``"module:qualname"`` of the last stage's ``metric(output, labels) -> int``;
         default correct predictions. A node built with its own ``loss_fn`` /
         ``metric_fn`` uses those instead.
+    session : int
+        The set-up's session (:func:`new_session`; 0: none given): with ``round``, the
+        identity every message of this set-up carries.
     """
 
     stage: int
@@ -268,6 +294,7 @@ class StageConfig(Record):
     seed: int
     loss: str = DEFAULT_LOSS
     metric: str = DEFAULT_METRIC
+    session: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.first <= self.last:
@@ -280,14 +307,26 @@ class StageConfig(Record):
 
 
 @dataclass(frozen=True)
+class SessionId(Record):
+    """Which set-up a message belongs to: the server ``round`` and the set-up's
+    ``session`` (:func:`new_session`). :data:`COLLECT`'s :data:`CONFIG`."""
+
+    round: int
+    session: int = 0
+
+
+@dataclass(frozen=True)
 class MicroBatchGroup(Record):
     """The micro-batches a :data:`FORWARD` / :data:`BACKWARD` message is about
-    (record :data:`MB`): ``first .. first + count - 1`` of step ``step``. The
-    ``sequential`` relay sends one group of all ``M``."""
+    (record :data:`MB`): ``first .. first + count - 1`` of step ``step`` of the set-up
+    ``(round, session)`` (its :class:`StageConfig`'s). The ``sequential`` relay sends
+    one group of all ``M``."""
 
     step: int
     first: int
     count: int
+    round: int
+    session: int = 0
 
     def check(self, microbatches: int) -> None:
         """Raise :class:`ProtocolError` unless the group lies inside ``M`` micro-batches."""
@@ -399,6 +438,7 @@ class DirectMetrics(Record):
 
 RECORDS = (
     StageConfig,
+    SessionId,
     MicroBatchGroup,
     ProfileRequest,
     ProfileReply,
@@ -446,8 +486,10 @@ __all__ = [
     "ProfileRequest",
     "ProtocolError",
     "Record",
+    "SessionId",
     "StageConfig",
     "StepMetrics",
     "action",
+    "new_session",
     "stage_error",
 ]

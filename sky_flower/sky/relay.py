@@ -66,6 +66,7 @@ class RelayRunner(Runner):
     kind and plan runs on it."""
 
     label = "relay"
+    ident: P.SessionId  # the round's set-up (setup_messages): every step message carries it
 
     # -- the round ---------------------------------------------------------------------
     def run_round(
@@ -85,7 +86,8 @@ class RelayRunner(Runner):
                 step_times.append(time.perf_counter() - t0)
                 losses.append(st.loss)
                 correct, seen = correct + st.correct, seen + st.seen
-            collect = ex.request([message(nid, P.COLLECT, {}, group) for nid in plan.node_ids])
+            cfg = {P.CONFIG: self.ident.to_config_record()}
+            collect = ex.request([message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids])
             new = merge_weights(collect, ex, self.expected, P.ARRAYS)
             check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.guard)
         except Exception:  # no stage is left running a stale message
@@ -104,11 +106,15 @@ class RelayRunner(Runner):
     def setup_messages(
         self, plan: Pipeline, arrays: ArrayRecord, server_round: int
     ) -> list[Message]:
-        """One ``train.sky_setup`` per stage: its layer slice and :class:`StageConfig`."""
+        """One ``train.sky_setup`` per stage: its layer slice and :class:`StageConfig`,
+        of a fresh set-up session (``self.ident``: what the round's messages carry)."""
+        self.ident = P.SessionId(server_round, P.new_session())
         full = arrays.to_torch_state_dict()
         msgs = []
         for k, st in enumerate(plan.plan.stages):
-            cfg = stage_config(self.s, k, st.first_layer, st.last_layer, server_round)
+            cfg = stage_config(
+                self.s, k, st.first_layer, st.last_layer, server_round, self.ident.session
+            )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
             msgs.append(message(plan.node_ids[k], P.SETUP, content, str(server_round)))
@@ -147,8 +153,8 @@ class RelayRunner(Runner):
             if k in busy or st.ptr[k] >= len(st.orders[k]):
                 continue
             op, g = st.orders[k][st.ptr[k]]
-            mb = P.MicroBatchGroup(step=step, first=g * c, count=c).to_config_record()
-            content: dict[str, Any] = {P.MB: mb}
+            mb = P.MicroBatchGroup(step, g * c, c, self.ident.round, self.ident.session)
+            content: dict[str, Any] = {P.MB: mb.to_config_record()}
             if op == "F" and k > 0:
                 if (k, g) not in st.acts or (k == S - 1 and g not in st.labels):
                     continue
@@ -198,9 +204,11 @@ class RelayRunner(Runner):
             st.grads[(k - 1, g)] = take(ex, reply, P.GRAD, st.in_shape[(k, g)])
 
 
-def stage_config(s: RunSettings, k: int, first: int, last: int, server_round: int) -> P.StageConfig:
+def stage_config(  # noqa: PLR0913
+    s: RunSettings, k: int, first: int, last: int, server_round: int, session: int = 0
+) -> P.StageConfig:
     """Stage ``k``'s :class:`StageConfig` for a round (layers ``first..last``; the
-    objective's ``loss`` / ``metric`` by reference)."""
+    objective's ``loss`` / ``metric`` by reference) and set-up ``session``."""
     return P.StageConfig(
         stage=k,
         first=first,
@@ -213,6 +221,7 @@ def stage_config(s: RunSettings, k: int, first: int, last: int, server_round: in
         lr=s.lr,
         round=server_round,
         seed=s.seed,
+        session=session,
         **s.objective(),
     )
 
