@@ -21,6 +21,7 @@ stays finite.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARN
@@ -40,7 +41,7 @@ from sky_flower.flower.vectors import vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes import protocol
 from sky_flower.hermes.core import validate_settings
-from sky_flower.hermes.membership import Membership
+from sky_flower.hermes.membership import Membership, wait_any
 from sky_flower.hermes.server import WorkerBook, check_driver_settings
 
 
@@ -414,7 +415,7 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         assert self._exchange is not None
         self._rounds(grid, num_rounds, result)
         wall = time.monotonic() - self._t0
-        self._exchange.drain(self.message_timeout_s)  # rounds still running: not applied
+        self._settle()  # rounds still running: not applied; a silent worker is removed
         sent, minor = sum(self.updates_sent), sum(self.minor_rounds)
         text = "%s finished after %.1f s: %d updates sent, %d minor rounds, test accuracy %s"
         log(INFO, text, self.name, wall, sent, minor, self.timeline[-1].get("test_accuracy"))
@@ -447,14 +448,11 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
                 in_flight.update(zip(ex.push(msgs), ready, strict=True))
             if not in_flight:
                 break  # every live worker has done num_rounds rounds
-            replies, late = self._wait_any(until=self._t0 + self.max_time_s)
+            replies, late = wait_any(ex, self._stale, self._t0 + self.max_time_s)
             changed, event = False, ""
             for mid in late:
                 w = in_flight.pop(mid)
-                if self.members.staleness_policy == "keep":
-                    self._stale[mid] = w
-                reason = f"no reply within {ex.budget[mid]:g} s from {ex.name(self.ids[w])}"
-                if self.remove(w, reason):
+                if self._remove_late(mid):
                     changed, event = True, f"worker {w} removed"
             for reply in replies:
                 in_flight.pop(reply.metadata.reply_to_message_id, None)
@@ -471,24 +469,25 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
                 result.arrays = vector_record("x", self.global_vec)
                 self._record(event)
 
-    def _wait_any(self, until: float) -> tuple[list[Message], list[str]]:
-        """Poll until a reply arrives, a message passes its deadline, or ``until``
-        (``time.monotonic()``): the replies (under ``keep``, removed workers' too) and the
-        ids of the late messages, which the exchange stops waiting for."""
+    def _remove_late(self, mid: str) -> bool:
+        """Remove the worker of message ``mid`` (past its deadline); under ``keep`` its
+        reply is still wanted. Returns whether the global model changed."""
         ex = self._exchange
         assert ex is not None
-        while ex.pending or self._stale:
-            got = ex.poll(raise_late=False)
-            if self._stale:
-                got += list(ex.grid.pull_messages(set(self._stale)))
-            late = ex.late()
-            for mid in late:
-                ex.deadline.pop(mid, None)  # no longer pending: poll and drain skip it
-            if got or late or time.monotonic() >= until:
-                return got, late
-            if self.poll_interval_s > 0:
-                time.sleep(self.poll_interval_s)
-        return [], []
+        w = self.ids.index(ex.dst[mid])
+        if self.members.staleness_policy == "keep":
+            self._stale[mid] = w
+        return self.remove(w, f"no reply within {ex.budget[mid]:g} s from {ex.name(ex.dst[mid])}")
+
+    def _settle(self) -> None:
+        """After the last round: wait for the rounds still running (not applied); a worker
+        past its deadline is removed, as in the loop (:meth:`remove` may raise)."""
+        assert self._exchange is not None
+        while self._exchange.pending:
+            self._stale.clear()
+            for mid in wait_any(self._exchange, {}, math.inf)[1]:
+                self._remove_late(mid)
+        self._stale.clear()
 
     def worker_rows(self) -> list[dict[str, Any]]:
         """Per worker: slowdown, share, batch, rounds, updates sent, minor rounds, median

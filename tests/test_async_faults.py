@@ -128,10 +128,15 @@ def test_a_silent_worker_is_removed_by_name_and_the_barrier_stops_waiting(name, 
     assert np.isfinite(strategy.global_vec).all()
 
 
-def test_a_silent_worker_fails_the_run_by_default_naming_it():
+@pytest.mark.parametrize(("name", "max_time_s"), [("asp", 20.0), ("bsp", 0.8)])
+def test_a_silent_worker_fails_the_run_by_default_naming_it(name, max_time_s):
     """Default min_live_workers (all): the first removal fails the run, naming the worker
-    (the README's promise for message_timeout_s), well before max_time_s."""
-    strategy, grid, model = _run("asp", {"stall": {102: 1}}, message_timeout_s=1.0)
+    (the README's promise for message_timeout_s). BSP with max_time_s below the deadline
+    once waited at its barrier until max_time_s and returned normally: now the rounds still
+    running at the end get their deadline too."""
+    strategy, grid, model = _run(
+        name, {"stall": {102: 1}}, message_timeout_s=1.0, max_time_s=max_time_s
+    )
     with pytest.raises(HermesNodeError, match=r"1 s from worker 1 \(node 102\).*2 of 3") as e:
         _start(strategy, grid, model, num_rounds=50)
     assert e.value.node_ids == [102] and e.value.nodes == ["worker 1"]

@@ -1,4 +1,6 @@
-"""Who takes part in an asynchronous run (Hermes, BSP, ASP, SSP), without Flower.
+"""Who takes part in an asynchronous run (Hermes, BSP, ASP, SSP), and the driver's wait
+for replies or late messages (:func:`wait_any`, on the run's
+:class:`sky_flower.flower.exchange.Exchange`).
 
 Each run starts with every worker *live*. A worker leaves the member set when it fails
 (an error reply, a malformed reply) or stays silent past its message's deadline
@@ -23,11 +25,15 @@ Both kinds of event are kept as rows for ``results.json``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from logging import WARN
 from typing import Any
 
+from flwr.app import Message
 from flwr.supercore import log
+
+from sky_flower.flower.exchange import Exchange
 
 STALENESS_POLICIES = ("discard", "keep")
 
@@ -133,6 +139,34 @@ class Membership:
     def keeps(self, worker: int) -> bool:
         """Whether a reply of ``worker`` is still taken: live, or removed under ``keep``."""
         return worker in self.live or self.staleness_policy == "keep"
+
+
+def wait_any(
+    exchange: Exchange, stale: dict[str, int], until: float
+) -> tuple[list[Message], list[str]]:
+    """Poll ``exchange`` (and the ``stale`` message ids: removed workers' rounds still
+    wanted under ``keep``) until a reply arrives, a pending message passes its deadline,
+    or ``time.monotonic()`` passes ``until``.
+
+    Returns
+    -------
+    (replies, late)
+        The replies (error replies included), and the ids of the messages past their
+        deadline, which ``exchange`` then no longer holds as pending (so neither
+        :meth:`Exchange.poll` nor :meth:`Exchange.drain` waits for them).
+    """
+    while exchange.pending or stale:
+        got = exchange.poll(raise_late=False)
+        if stale:
+            got += list(exchange.grid.pull_messages(set(stale)))
+        late = exchange.late()
+        for mid in late:
+            exchange.deadline.pop(mid, None)  # the exchange's own pending set
+        if got or late or time.monotonic() >= until:
+            return got, late
+        if exchange.poll_interval_s > 0:
+            time.sleep(exchange.poll_interval_s)
+    return [], []
 
 
 def _row(worker: int, name: str, rnd: int, reason: str, time_s: float) -> dict[str, Any]:
