@@ -169,7 +169,9 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         """``worker``'s reply was discarded (non-finite); True if the global model changed."""
         return False
 
-    on_remove = on_reject  # ``worker`` left the member set; True if the global model changed
+    def on_remove(self, worker: int) -> bool:
+        """``worker`` left the member set; True if the global model changed."""
+        return False
 
     def live_clocks(self) -> list[int]:
         """Rounds completed by each live worker (the start rules compare with these)."""
