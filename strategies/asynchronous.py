@@ -419,8 +419,9 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         wall = time.monotonic() - self._t0
         self._settle()  # rounds still running: not applied; a silent worker is removed
         sent, minor = sum(self.updates_sent), sum(self.minor_rounds)
-        text = "%s finished after %.1f s: %d updates sent, %d minor rounds, test accuracy %s"
-        log(INFO, text, self.name, wall, sent, minor, self.timeline[-1].get("test_accuracy"))
+        text = "%s finished after %.1f s: %d updates sent, %d minor rounds, %s, test accuracy %s"
+        acc = self.timeline[-1].get("test_accuracy")
+        log(INFO, text, self.name, wall, sent, minor, self.members.summary(), acc)
         self.wall_time_s = wall  # set only once the run has ended (the jobs check it)
         return result
 

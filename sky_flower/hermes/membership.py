@@ -136,6 +136,10 @@ class Membership:
             f"min_live_workers={self.min_live})"
         )
 
+    def summary(self) -> str:
+        """``"<k> workers removed, <m> updates discarded"`` (non-finite updates)."""
+        return f"{len(self.removals)} workers removed, {len(self.rejected)} updates discarded"
+
     def keeps(self, worker: int) -> bool:
         """Whether a reply of ``worker`` is still taken: live, or removed under ``keep``."""
         return worker in self.live or self.staleness_policy == "keep"
