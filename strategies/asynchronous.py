@@ -1,25 +1,27 @@
-"""The asynchronous driver of Hermes and its baselines, and the baselines BSP, ASP, SSP,
-as Flower strategies (Hermes itself: ``strategies/hermes.py``).
+"""The asynchronous driver of Hermes and its baselines as a Flower strategy (the
+baselines BSP, ASP, SSP: ``strategies/baselines.py``; Hermes: ``strategies/hermes.py``).
 
 The driver (:class:`AsyncStrategy`) talks to workers through one
-:class:`sky_flower.flower.exchange.Exchange`: each worker gets its next
+:class:`sky_flower.flower.exchange.Exchange`: each live worker gets its next
 ``train.hermes_round`` as soon as its last reply is in and the strategy's start rule
 allows, so a fast worker never waits for a slow one unless the rule says so. Wall time
 is the server's clock (``time.monotonic``), from just after the workers are connected,
-benchmark round included. The per-worker book and the rules are Flower-free
-(:mod:`sky_flower.hermes.server`, :mod:`sky_flower.hermes.core`); the messages are in
-:mod:`sky_flower.hermes.protocol`.
+benchmark round included. The per-worker book, the member set and the rules are
+Flower-free (:mod:`sky_flower.hermes.server`, :mod:`sky_flower.hermes.membership`,
+:mod:`sky_flower.hermes.core`); the messages are in :mod:`sky_flower.hermes.protocol`.
 
-=======  ===========================================================================
-``bsp``  synchronous FedAvg: every worker waits for the slowest, models averaged
-         weighted by examples
-``asp``  each update ``(g_i - base_i) / n`` applied on arrival, never waits
-``ssp``  as ASP, but a worker more than ``staleness`` rounds ahead of the slowest waits
-=======  ===========================================================================
+Membership and bad replies (:mod:`sky_flower.hermes.membership`): each round goes to the
+live workers only; a worker that fails or stays silent past ``message_timeout_s`` is
+removed with a warning naming it (BSP's barrier closes over the others), and the run fails
+once fewer than ``min_live_workers`` are live. An update or metric holding ``NaN``/``inf``
+is discarded with a warning naming the worker (:func:`sky_flower.flower.finite.check_finite`),
+and so is an update whose merge would make the global model non-finite: the global model
+stays finite.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARN
@@ -33,11 +35,13 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.flower.finite import NonFiniteError, check_finite
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.flower.vectors import vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes import protocol
-from sky_flower.hermes.core import apply_delta, fedavg, may_start, validate_settings
+from sky_flower.hermes.core import validate_settings
+from sky_flower.hermes.membership import Membership, wait_any
 from sky_flower.hermes.server import WorkerBook, check_driver_settings
 
 
@@ -73,8 +77,14 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
     seed : int (default: 0)
         Seeds the workers' shuffles.
     message_timeout_s : float (default: 120.0)
-        A worker silent for longer (from the push of its message) fails the run, by
-        position.
+        A worker silent for longer (from the push of its message) is removed from the
+        run, named by position (see ``min_live_workers``).
+    min_live_workers : int, optional
+        The run fails (naming the worker removed last) once fewer workers are live;
+        default: all of them, so any removal fails the run.
+    staleness_policy : {"discard", "keep"} (default: "discard")
+        What happens to a removed worker's reply that still arrives
+        (:mod:`sky_flower.hermes.membership`).
     on_event : Callable[[str, dict], None], optional
         Called with ``("update", row)`` for every change of the global model.
     poll_interval_s : float (default: 0.002)
@@ -88,6 +98,7 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
     """
 
     name: ClassVar[str] = ""
+    ready_hold_s, ready_limit_s = 1.0, 120.0  # the readiness barrier's (wait_until_ready)
 
     def __init__(  # noqa: PLR0913
         self,
@@ -104,9 +115,12 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         message_timeout_s: float = 120.0,
         on_event: Callable[[str, dict], None] | None = None,
         poll_interval_s: float = 0.002,
+        min_live_workers: int | None = None,
+        staleness_policy: str = "discard",
     ) -> None:
         validate_settings(staleness=staleness, target_accuracy=target_accuracy)
         check_driver_settings(num_workers, pool_size, lr, batch_size, max_time_s, poll_interval_s)
+        self.members = Membership.create(int(num_workers), min_live_workers, staleness_policy)
         self.model, self.n, self.pool_size = model, int(num_workers), int(pool_size)
         self.lr, self.batch_size = float(lr), int(batch_size)
         self.target_accuracy, self.stop_at_target = float(target_accuracy), bool(stop_at_target)
@@ -129,6 +143,7 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         self._t0 = 0.0
         self._evaluate: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
         self._exchange: Exchange | None = None
+        self._stale: dict[str, int] = {}  # removed workers' messages still wanted (keep)
 
     # --- rules the subclasses set ------------------------------------------------------
     def start_rule(self, worker: int) -> bool:
@@ -150,6 +165,18 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         """Whether ``worker``'s next round carries the global model."""
         return True
 
+    def on_reject(self, worker: int) -> bool:
+        """``worker``'s reply was discarded (non-finite); True if the global model changed."""
+        return False
+
+    def on_remove(self, worker: int) -> bool:
+        """``worker`` left the member set; True if the global model changed."""
+        return False
+
+    def live_clocks(self) -> list[int]:
+        """Rounds completed by each live worker (the start rules compare with these)."""
+        return [self.clock[w] for w in sorted(self.members.live)] or [0]
+
     # --- messaging ---------------------------------------------------------------------
     def _describe(self, node_id: int) -> str | None:
         return f"worker {self.ids.index(node_id)}" if node_id in self.ids else None
@@ -166,15 +193,10 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
             ``0 .. n - 1``.
         """
         node_ids, _ = sample_nodes(grid, self.n, self.n)
-        self._exchange = Exchange(
-            grid,
-            self.message_timeout_s,
-            self.poll_interval_s,
-            describe=self._describe,
-            error_cls=HermesNodeError,
-        )
+        t, p = self.message_timeout_s, self.poll_interval_s
+        self._exchange = Exchange(grid, t, p, describe=self._describe, error_cls=HermesNodeError)
         self.ids, self.slowdowns = protocol.hello(self._exchange, node_ids, self.pool_size)
-        self.wait_until_ready(grid)
+        self.wait_until_ready(grid, self.ready_hold_s, self.ready_limit_s)
 
     def wait_until_ready(self, grid: Grid, hold_s: float = 1.0, limit_s: float = 120.0) -> float:
         """Readiness barrier before the clock starts
@@ -226,52 +248,112 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Apply the arrived replies by the strategy's rule; return the global model (None
-        if unchanged) and the replies' mean training loss."""
-        changed, losses = False, []
-        for reply in replies:
-            w = self._take(reply)
-            losses.append(float(reply.content.metric_records["metrics"]["train_loss"]))  # type: ignore[arg-type]
-            changed = self.apply(w, reply) or changed
-        metrics = MetricRecord({"train_loss": float(np.mean(losses))}) if losses else None
-        assert self.global_vec is not None
-        return (vector_record("x", self.global_vec) if changed else None), metrics
-
-    def summary(self) -> None:
-        """Log the settings."""
-        log(INFO, "\t├── Strategy: %s, %d workers, lr %g", self.name, self.n, self.lr)
-        log(
-            INFO,
-            "\t├── Equal share %d samples, batch %d",
-            self.pool_size // self.n,
-            self.batch_size,
-        )
-        log(
-            INFO,
-            "\t└── Target test accuracy %.3f, at most %.0f s",
-            self.target_accuracy,
-            self.max_time_s,
-        )
-
-    # --- reply bookkeeping -------------------------------------------------------------
-    def _take(self, reply: Message) -> int:
-        """Validate a round reply, count it in the book; return the worker's position.
+        if unchanged) and the accepted replies' mean training loss. A failed reply removes
+        its worker (:meth:`remove`); a non-finite one, or one whose merge would make the
+        global model non-finite, is discarded (:meth:`reject`); a removed worker's reply
+        is taken only under ``staleness_policy="keep"``.
 
         Raises
         ------
         HermesNodeError
-            An error reply, a reply from an unknown node, or a malformed one
-            (:func:`sky_flower.hermes.protocol.round_reply_problem`).
+            A reply from an unknown node, or fewer than ``min_live_workers`` live.
         """
+        changed, losses = False, []
+        for reply in replies:
+            w = self._take(reply)
+            if w is None:
+                continue
+            before = self.global_vec
+            try:
+                changed = self.apply(w, reply) or changed
+                check_finite(self.global_vec, f"the global model after worker {w}'s update")
+            except NonFiniteError as err:
+                self.global_vec = before
+                changed = self.reject(w, str(err), counted=True) or changed
+                continue
+            losses.append(float(reply.content.metric_records["metrics"]["train_loss"]))  # type: ignore[arg-type]
+        metrics = MetricRecord({"train_loss": float(np.mean(losses))}) if losses else None
+        assert self.global_vec is not None
+        return (vector_record("x", self.global_vec) if changed else None), metrics
+
+    def reject(self, worker: int, reason: str, counted: bool = False) -> bool:
+        """Discard ``worker``'s latest reply (non-finite; ``counted``: its round was
+        already counted as sent): a warning naming it and a row
+        (:meth:`sky_flower.hermes.membership.Membership.reject`). Returns whether the
+        global model changed (BSP may close its barrier round)."""
+        self.book.reject(worker, counted)
+        rnd, now = self.clock[worker] - 1, time.monotonic() - self._t0
+        self.members.reject(worker, self._name(worker), rnd, reason, now)
+        return self.on_reject(worker)
+
+    def remove(self, worker: int, reason: str) -> bool:
+        """Take ``worker`` out of the member set (a warning naming it and a row); nothing if
+        it was already out. Returns whether the global model changed.
+
+        Raises
+        ------
+        HermesNodeError
+            Naming the worker, if fewer than ``min_live_workers`` are now live.
+        """
+        now = time.monotonic() - self._t0
+        if not self.members.remove(worker, self._name(worker), self.clock[worker], reason, now):
+            return False
+        failure = self.members.failure(reason)
+        if failure is not None:
+            assert self._exchange is not None
+            raise self._exchange.fail(failure, [self.ids[worker]])
+        return self.on_remove(worker)
+
+    def _name(self, worker: int) -> str:
         assert self._exchange is not None
-        self._exchange.raise_errors([reply])
+        return self._exchange.name(self.ids[worker])
+
+    def summary(self) -> None:
+        """Log the settings."""
+        log(INFO, "\t├── Strategy: %s, %d workers, lr %g", self.name, self.n, self.lr)
+        share = self.pool_size // self.n
+        log(INFO, "\t├── Equal share %d samples, batch %d", share, self.batch_size)
+        acc, limit = self.target_accuracy, self.max_time_s
+        log(INFO, "\t└── Target test accuracy %.3f, at most %.0f s", acc, limit)
+
+    # --- reply bookkeeping -------------------------------------------------------------
+    def _take(self, reply: Message) -> int | None:
+        """Validate a round reply and count it in the book; return the worker's position,
+        or None when the reply is not applied: a removed worker's (policy ``discard``), a
+        failed or malformed one (the worker is removed), a non-finite one (rejected).
+
+        Raises
+        ------
+        HermesNodeError
+            A reply from an unknown node, or as :meth:`remove`.
+        """
+        ex = self._exchange
+        assert ex is not None
         nid = reply.metadata.src_node_id
-        problem = "reply from an unknown node" if nid not in self.ids else None
-        problem = problem or protocol.round_reply_problem(reply, self.model.dim)
-        if problem:
-            raise self._exchange.fail(f"{self._exchange.name(nid)}: {problem}", [nid])
-        m = reply.content.metric_records["metrics"]
+        if nid not in self.ids:
+            raise ex.fail(f"{ex.name(nid)}: reply from an unknown node", [nid])
         w = self.ids.index(nid)
-        self.book.count(w, bool(int(m["sent"])), float(m["train_time_s"]))  # type: ignore[arg-type]
+        if not self.members.keeps(w):
+            return None
+        try:
+            ex.raise_errors([reply])
+        except NodeError as err:
+            self.remove(w, str(err))
+            return None
+        problem = protocol.round_reply_problem(reply, self.model.dim)
+        if problem:
+            self.remove(w, f"{ex.name(nid)}: {problem}")
+            return None
+        m = reply.content.metric_records["metrics"]
+        sent = bool(int(m["sent"]))  # type: ignore[arg-type]
+        try:
+            check_finite(m, f"{ex.name(nid)}'s round metrics")
+            if sent:
+                check_finite(reply.content.array_records["model"], f"{ex.name(nid)}'s update")
+        except NonFiniteError as err:
+            self.reject(w, str(err))
+            return None
+        self.book.count(w, sent, float(m["train_time_s"]))  # type: ignore[arg-type]
         return w
 
     @staticmethod
@@ -335,16 +417,11 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         assert self._exchange is not None
         self._rounds(grid, num_rounds, result)
         wall = time.monotonic() - self._t0
-        self._exchange.drain(self.message_timeout_s)  # rounds still running: not applied
-        log(
-            INFO,
-            "%s finished after %.1f s: %d updates sent, %d minor rounds, test accuracy %s",
-            self.name,
-            wall,
-            sum(self.updates_sent),
-            sum(self.minor_rounds),
-            self.timeline[-1].get("test_accuracy"),
-        )
+        self._settle()  # rounds still running: not applied; a silent worker is removed
+        sent, minor = sum(self.updates_sent), sum(self.minor_rounds)
+        text = "%s finished after %.1f s: %d updates sent, %d minor rounds, %s, test accuracy %s"
+        acc = self.timeline[-1].get("test_accuracy")
+        log(INFO, text, self.name, wall, sent, minor, self.members.summary(), acc)
         self.wall_time_s = wall  # set only once the run has ended (the jobs check it)
         return result
 
@@ -354,89 +431,68 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
         return time.monotonic() - self._t0 > self.max_time_s
 
     def _rounds(self, grid: Grid, num_rounds: int, result: Result) -> None:
-        """The asynchronous loop: every idle worker the start rule lets go gets its next
-        round at once; replies are applied as they arrive."""
-        assert self._exchange is not None and self.global_vec is not None
+        """The asynchronous loop: every idle live worker the start rule lets go gets its
+        next round at once; replies are applied as they arrive; a worker past its
+        message's deadline is removed (:meth:`remove`)."""
+        ex = self._exchange
+        assert ex is not None and self.global_vec is not None
         in_flight: dict[str, int] = {}  # message id -> worker
         step = 0
         while not self._done():
             busy = set(in_flight.values())
             ready = [
                 w
-                for w in range(self.n)
+                for w in sorted(self.members.live)
                 if w not in busy and self.clock[w] < num_rounds and self.start_rule(w)
             ]
             if ready:
                 g = vector_record("x", self.global_vec)
                 msgs = list(self.configure_train(step, g, ConfigRecord({"workers": ready}), grid))
-                in_flight.update(zip(self._exchange.push(msgs), ready, strict=True))
+                in_flight.update(zip(ex.push(msgs), ready, strict=True))
             if not in_flight:
-                break  # every worker has done num_rounds rounds
-            replies = self._exchange.wait_any(until=self._t0 + self.max_time_s)
-            if not replies:
-                continue
-            step += 1
+                break  # every live worker has done num_rounds rounds
+            replies, late = wait_any(ex, self._stale, self._t0 + self.max_time_s)
+            changed, event = False, ""
+            for mid in late:
+                w = in_flight.pop(mid)
+                if self._remove_late(mid):
+                    changed, event = True, f"worker {w} removed"
             for reply in replies:
-                del in_flight[reply.metadata.reply_to_message_id]
-            arrays, metrics = self.aggregate_train(step, replies)
-            if metrics is not None:
-                result.train_metrics_clientapp[step] = metrics
-            if arrays is not None:
-                result.arrays = arrays
-                self._record(f"update from {self._exchange.name(replies[-1].metadata.src_node_id)}")
+                in_flight.pop(reply.metadata.reply_to_message_id, None)
+                self._stale.pop(reply.metadata.reply_to_message_id, None)
+            if replies:
+                step += 1
+                arrays, metrics = self.aggregate_train(step, replies)
+                if metrics is not None:
+                    result.train_metrics_clientapp[step] = metrics
+                if arrays is not None:
+                    changed = True
+                    event = f"update from {ex.name(replies[-1].metadata.src_node_id)}"
+            if changed:
+                result.arrays = vector_record("x", self.global_vec)
+                self._record(event)
+
+    def _remove_late(self, mid: str) -> bool:
+        """Remove the worker of message ``mid`` (past its deadline); under ``keep`` its
+        reply is still wanted. Returns whether the global model changed."""
+        ex = self._exchange
+        assert ex is not None
+        w = self.ids.index(ex.dst[mid])
+        if self.members.staleness_policy == "keep":
+            self._stale[mid] = w
+        return self.remove(w, f"no reply within {ex.budget[mid]:g} s from {ex.name(ex.dst[mid])}")
+
+    def _settle(self) -> None:
+        """After the last round: wait for the rounds still running (not applied); a worker
+        past its deadline is removed, as in the loop (:meth:`remove` may raise)."""
+        assert self._exchange is not None
+        while self._exchange.pending:
+            self._stale.clear()
+            for mid in wait_any(self._exchange, {}, math.inf)[1]:
+                self._remove_late(mid)
+        self._stale.clear()
 
     def worker_rows(self) -> list[dict[str, Any]]:
         """Per worker: slowdown, share, batch, rounds, updates sent, minor rounds, median
         round time."""
         return self.book.rows(self.slowdowns)
-
-
-class BSPStrategy(AsyncStrategy):
-    """Bulk-synchronous parallel: synchronous FedAvg (McMahan et al., AISTATS 2017) on the
-    same fleet. Every worker waits for the slowest; the models are averaged, weighted by
-    examples. See :class:`AsyncStrategy` for the parameters."""
-
-    name = "bsp"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pending: dict[int, np.ndarray] = {}
-
-    def start_rule(self, worker: int) -> bool:
-        """The barrier: start only when no worker is behind (staleness 0)."""
-        return may_start(self.clock[worker], self.clock, 0)
-
-    def apply(self, worker: int, reply: Message) -> bool:
-        """Hold the model until every worker has replied, then average."""
-        self._pending[worker] = self.model_of(reply)
-        if len(self._pending) < self.n:
-            return False
-        order = sorted(self._pending)
-        self.global_vec = fedavg([self._pending[w] for w in order], [self.data[w] for w in order])
-        self._pending.clear()
-        return True
-
-
-class ASPStrategy(AsyncStrategy):
-    """Asynchronous parallel: each worker's progress ``(g_i - base_i) / n`` is applied on
-    arrival (``base_i``: the global model it started from); nobody waits."""
-
-    name = "asp"
-
-    def apply(self, worker: int, reply: Message) -> bool:
-        """Apply the delta (:func:`sky_flower.hermes.core.apply_delta`)."""
-        base = self._base[worker]
-        assert base is not None and self.global_vec is not None
-        self.global_vec = apply_delta(self.global_vec, self.model_of(reply), base, self.n)
-        return True
-
-
-class SSPStrategy(ASPStrategy):
-    """Stale-synchronous parallel (Ho et al., NeurIPS 2013): ASP's update on arrival, but a
-    worker more than ``staleness`` rounds ahead of the slowest waits."""
-
-    name = "ssp"
-
-    def start_rule(self, worker: int) -> bool:
-        """Bounded staleness (:func:`sky_flower.hermes.core.may_start`)."""
-        return may_start(self.clock[worker], self.clock, self.staleness)

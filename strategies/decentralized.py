@@ -32,6 +32,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.flower.finite import NonFiniteError, check_finite
 from sky_flower.flower.vectors import order_by_position, vector_record
 from sky_flower.gossip import protocol
 from sky_flower.gossip.algorithms import DecentralizedAlgorithm, make_algorithm
@@ -60,7 +61,8 @@ class DecentralizedStrategy(Strategy):
     seed : int (default: 0)
         Seeds the nodes' mini-batch draws.
     message_timeout_s : float (default: 120.0)
-        A node silent for longer fails the run, by position.
+        A node silent for longer fails the run, by position (so does a node whose
+        gradient or loss is not finite: gossip needs every node at every step).
     poll_interval_s : float (default: 0.002)
         Pause (s) between two polls for replies (:class:`sky_flower.flower.exchange.Exchange`);
         raise it against a real SuperLink, where every poll is an RPC.
@@ -187,8 +189,9 @@ class DecentralizedStrategy(Strategy):
                 nid = reply.metadata.src_node_id
                 assert self._exchange is not None
                 raise self._exchange.fail(f"{self._exchange.name(nid)}: malformed gradient", [nid])
-            grads[pos] = rec["grad"].numpy()
             metrics = reply.content.metric_records["metrics"]
+            self._check_finite(reply, rec, metrics)
+            grads[pos] = rec["grad"].numpy()
             losses.append(float(metrics["loss"]))
             avg_losses.append(float(metrics["avg_model_loss"]))
         self.algorithm.step(grads)
@@ -196,6 +199,28 @@ class DecentralizedStrategy(Strategy):
             {"node_loss": float(np.mean(losses)), "avg_model_loss": float(np.mean(avg_losses))}
         )
         return vector_record("x", self.algorithm.average), metrics
+
+    def _check_finite(
+        self, reply: Message, grad: ArrayRecord | None, metrics: MetricRecord
+    ) -> None:
+        """Refuse a node's non-finite gradient or loss by name. Gossip needs every node's
+        gradient at every step (the trackers of DSGT / DeTAG hold their sum), so there is
+        no step without it: the run stops, every model as it was before this step.
+
+        Raises
+        ------
+        DecentralizedNodeError
+            Naming the node (its position), the cause a
+            :class:`sky_flower.flower.finite.NonFiniteError`.
+        """
+        ex, nid = self._exchange, reply.metadata.src_node_id
+        assert ex is not None
+        try:
+            if grad is not None:
+                check_finite(grad, f"{ex.name(nid)}'s gradient")
+            check_finite(metrics, f"{ex.name(nid)}'s losses")
+        except NonFiniteError as err:
+            raise ex.fail(f"{err}: the run stops, the models as before this step", [nid]) from err
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -211,6 +236,9 @@ class DecentralizedStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Mean of the nodes' local losses of the averaged model (equal-size partitions)."""
+        replies = list(replies)
+        for reply in replies:
+            self._check_finite(reply, None, reply.content.metric_records["metrics"])
         vals = [float(r.content.metric_records["metrics"]["avg_model_loss"]) for r in replies]
         return MetricRecord({"avg_model_loss": float(np.mean(vals))})
 

@@ -39,13 +39,8 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from sky_flower.strategies.asynchronous import (
-    ASPStrategy,
-    AsyncStrategy,
-    BSPStrategy,
-    HermesNodeError,
-    SSPStrategy,
-)
+from sky_flower.strategies.asynchronous import AsyncStrategy, HermesNodeError
+from sky_flower.strategies.baselines import ASPStrategy, BSPStrategy, SSPStrategy
 
 from sky_flower.hermes import protocol
 from sky_flower.hermes.core import Sizes, validate_settings
@@ -174,8 +169,16 @@ class HermesStrategy(AsyncStrategy):
         """Only after the worker's update was merged (or on its first round)."""
         return self._fresh[worker]
 
+    def on_reject(self, worker: int) -> bool:
+        """A discarded update: the worker's next round carries the global model (its own
+        model is not finite, or its merge would not be)."""
+        self._fresh[worker] = True
+        return False
+
     def apply(self, worker: int, reply: Message) -> bool:
-        """Merge a significant update by the loss-weighted rule; after any round, redo the
+        """Merge a significant update by the loss-weighted rule (raises
+        :class:`sky_flower.flower.finite.NonFiniteError` on a non-finite validation loss:
+        the driver then discards the update); after any round, redo the
         worker's sizes if its round time is an outlier of the others' latest."""
         m = reply.content.metric_records["metrics"]
         changed = self.sizing.check_straggler(worker)

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from sky_flower.gossip.algorithms import ALGORITHMS, D2, DeTAG, make_algorithm
 from sky_flower.gossip.matrices import (
     TOPOLOGIES,
+    GossipMatrix,
     accelerated_gossip,
     acceleration_eta,
+    components,
     consensus_distance,
     gossip_matrix,
     plain_gossip,
@@ -204,3 +206,15 @@ def test_bad_algorithm_settings_refused():
     with pytest.raises(ValueError, match=r"gradients have shape \(8, 2\), expected \(8, 3\)"):
         alg.step(np.zeros((8, 2)))
     assert set(ALGORITHMS) == {"dpsgd", "d2", "dsgt", "detag"}
+
+
+def test_a_hand_built_disconnected_matrix_is_refused_naming_its_components():
+    """Two blocks {0, 1} and {2, 3} (each a valid gossip matrix): once accepted with
+    spectral gap 0, gossip never mixing the blocks. A periodic one (eigenvalue -1) too."""
+    block = np.array([[0.5, 0.5], [0.5, 0.5]])
+    w = np.block([[block, np.zeros((2, 2))], [np.zeros((2, 2)), block]])
+    with pytest.raises(ValueError, match=r"into 2 components \[0, 1\]; \[2, 3\]"):
+        GossipMatrix(w, "hand-built")
+    with pytest.raises(ValueError, match="every eigenvalue above -1"):
+        GossipMatrix(np.array([[0.0, 1.0], [1.0, 0.0]]), "swap")
+    assert components(gossip_matrix("ring", 5).W) == [[0, 1, 2, 3, 4]]

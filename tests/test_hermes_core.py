@@ -184,8 +184,9 @@ def test_loss_weighted_merge_known_answer():
     np.testing.assert_allclose(merged, [7 / 3, 14 / 3])
     equal = loss_weighted_merge(np.array([0.0]), 0.3, np.array([4.0]), 0.3)
     np.testing.assert_allclose(equal, [2.0])  # equal losses: the plain mean
-    with pytest.raises(ValueError, match="loss must be finite and > 0"):
-        loss_weighted_merge(np.zeros(2), 0.0, np.ones(2), 1.0)
+    for bad in (-0.1, math.nan, math.inf):  # a loss 0.0 is no longer refused: see below
+        with pytest.raises(ValueError, match="loss must be finite and >= 0"):
+            loss_weighted_merge(np.zeros(2), bad, np.ones(2), 1.0)
     with pytest.raises(ValueError, match="shape"):
         loss_weighted_merge(np.zeros(2), 1.0, np.ones(3), 1.0)
 
@@ -198,3 +199,14 @@ def test_baseline_rules():
     assert may_start(5, [2, 5, 4], None)  # ASP never waits
     assert may_start(5, [2, 5, 4], 3) and not may_start(6, [2, 6, 4], 3)  # SSP, s = 3
     assert may_start(2, [2, 3, 3], 0) and not may_start(3, [2, 3, 3], 0)  # BSP barrier
+
+
+def test_loss_weighted_merge_at_zero_loss_is_the_limit_of_the_weights():
+    """A loss of exactly 0 (once a ValueError) takes the limit of the inverse-loss
+    weights: the zero-loss model wins outright; both zero: the plain mean. Continuous:
+    a loss of 1e-12 gives (almost) the same model."""
+    g, u = np.array([1.0, 2.0]), np.array([3.0, 6.0])
+    np.testing.assert_array_equal(loss_weighted_merge(g, 0.0, u, 0.7), g)
+    np.testing.assert_array_equal(loss_weighted_merge(g, 0.7, u, 0.0), u)
+    np.testing.assert_array_equal(loss_weighted_merge(g, 0.0, u, 0.0), (g + u) / 2)
+    np.testing.assert_allclose(loss_weighted_merge(g, 0.7, u, 1e-12), u, rtol=1e-10)

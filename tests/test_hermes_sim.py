@@ -64,6 +64,8 @@ def test_bsp_reaches_the_target_in_lockstep(tmp_path, no_leftover_processes):
         (["strategy=asp", "strategy.target_accuracy=0"], r"target_accuracy must be in \(0, 1\]"),
         (["strategy=bsp", "strategy.batch_size=500"], "batch_size=500 must be in"),
         (["strategy=hermes", "strategy.batch_range=[64,128]"], "must lie in batch_range"),
+        (["strategy=bsp", "strategy.min_live_workers=9"], r"min_live_workers must be .* \[1, 8\]"),
+        (["strategy=asp", "strategy.staleness_policy=forever"], "staleness_policy must be one of"),
     ],
 )
 def test_bad_settings_refused_before_flower_starts(overrides, message, tmp_path):

@@ -497,3 +497,23 @@ def test_1f1b_plan_that_fits_only_as_a_shorter_pipeline_is_found():
         assert method(c).spec == [(0, 0, 0)]
     with pytest.raises(InfeasibleMemoryError):
         heuristic(cost(int(one) - 1))
+
+
+def test_mip_gap_is_the_returned_plans_gap_to_the_bound():
+    """1F1B under the MILP (GPipe's closed form as a surrogate): HiGHS proves its own
+    incumbent (gap 0), the heuristic's plan is returned instead, and the bound is the cost
+    model's. ``mip_gap`` once reported HiGHS's 0 for that unproven plan; it is now the
+    returned plan's ``(objective - lower bound) / objective``."""
+    fwd = [0.01, 0.02, 0.01, 0.03, 0.01, 0.02]
+    nodes = [_node("owner", fwd, [2 * f for f in fwd], holds_data=True)]
+    nodes += [_node(f"k{i}", [0.005] * 6, [0.01] * 6) for i in range(3)]
+    layers = [_layer(j, 0, 0, 1024.0, 1024.0) for j in range(6)]
+    for kind in ("1f1b", "gpipe"):
+        cost = CostModel(layers, nodes, Schedule(8, 4, kind, "direct"))
+        o = optimal(cost, "step", solver="milp", time_limit_s=20)
+        v = o.objective_value_s
+        assert o.mip_gap == pytest.approx((v - o.lower_bound_s) / v, abs=1e-12)
+        if kind == "1f1b":
+            assert not o.proven_optimal and o.mip_gap > 0.1, o.note
+        else:
+            assert o.proven_optimal and o.mip_gap == pytest.approx(0.0, abs=1e-9)

@@ -118,6 +118,16 @@ def metropolis_hastings(graph: nx.Graph) -> np.ndarray:
     return w
 
 
+def components(w: np.ndarray, atol: float = 1e-12) -> list[list[int]]:
+    """Connected components of the graph whose edges are ``w``'s off-diagonal entries
+    larger than ``atol`` in magnitude, each a sorted list of node indices, ordered by
+    their smallest node. One component: gossip mixes every node (a positive spectral
+    gap for a symmetric doubly stochastic ``w`` with a positive diagonal)."""
+    graph = nx.from_numpy_array((np.abs(np.asarray(w)) > atol).astype(int))
+    graph.remove_edges_from(nx.selfloop_edges(graph))
+    return sorted(sorted(int(i) for i in c) for c in nx.connected_components(graph))
+
+
 @dataclass(frozen=True)
 class GossipMatrix:
     """A symmetric doubly stochastic gossip matrix and its spectrum.
@@ -126,6 +136,7 @@ class GossipMatrix:
     ----------
     W : np.ndarray
         ``(n, n)`` weights; ``W @ X`` is one gossip round of the ``(n, d)`` stack ``X``.
+        Its nonzero off-diagonal weights must connect every node.
     topology : str
         What it was built from (``ring``, ..., with ``+gap`` when the gap was set).
     """
@@ -135,14 +146,36 @@ class GossipMatrix:
     eigenvalues: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Check the matrix.
+
+        Raises
+        ------
+        ValueError
+            Not square, fewer than 2 nodes, not symmetric with rows summing to 1,
+            disconnected (naming the components, :func:`components`), or an eigenvalue
+            ``-1`` (periodic gossip): the spectral gap would be 0.
+        """
         w = np.asarray(self.W, dtype=float)
         if w.ndim != 2 or w.shape[0] != w.shape[1]:
             raise ValueError(f"a gossip matrix is square, got shape {w.shape}")
         _check_nodes(w.shape[0])
         if not np.allclose(w, w.T, atol=1e-12) or not np.allclose(w.sum(1), 1.0, atol=1e-12):
             raise ValueError("a gossip matrix must be symmetric with rows summing to 1")
+        parts = components(w)
+        if len(parts) > 1:
+            raise ValueError(
+                f"a gossip matrix must connect every node (spectral gap 0 otherwise): its "
+                f"nonzero weights split the {w.shape[0]} nodes into {len(parts)} components "
+                f"{'; '.join(str(p) for p in parts)}"
+            )
         object.__setattr__(self, "W", w)
         object.__setattr__(self, "eigenvalues", np.sort(np.linalg.eigvalsh(w))[::-1])
+        if self.lambda_min <= -1.0 + 1e-12:
+            raise ValueError(
+                f"a gossip matrix must have every eigenvalue above -1 (got {self.lambda_min:.6g}: "
+                "gossip oscillates and never reaches consensus; add self-weights, e.g. "
+                "(I + W) / 2)"
+            )
 
     @property
     def n(self) -> int:

@@ -29,6 +29,7 @@ so wall time follows the emulated fleet without burning the host's CPUs.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -248,7 +249,7 @@ class HermesClient:
         val_loss = self.model.evaluate(vec, val)["loss"]
         context.state[MODEL_KEY] = vector_record("x", vec)
         send, z, threshold = True, 0.0, 0.0
-        if bool(cfg["gate"]):
+        if bool(cfg["gate"]) and math.isfinite(val_loss):  # non-finite: sent, refused by name
             state = context.state.config_records.get(GATE_KEY)
             gate = (
                 SignificanceGate.from_dict(json.loads(str(state["gate"])))

@@ -415,19 +415,36 @@ def loss_weighted_merge(
     the inverse of its loss on the server's validation split (the lower the loss, the
     larger the weight).
 
+    A loss of exactly 0 (a model that fits the validation split perfectly) makes its
+    weight infinite; the rule then gives its limit as that loss goes to 0: the zero-loss
+    model itself, and the plain mean ``(G + g_i) / 2`` when both losses are 0 (equal
+    weights, the limit along ``L_glob = L_i``). Written as ``G + w (g_i - G)`` with
+    ``w = L_glob / (L_glob + L_i)`` this is one formula for every case, with no division
+    by zero: our reading, the paper (arXiv 2410.20495) only states the weighting.
+
+    Parameters
+    ----------
+    global_model, update : np.ndarray
+        Flat models of the same shape ``(d,)``.
+    global_loss, update_loss : float
+        Their validation losses (cross-entropy: ``>= 0``).
+
     Raises
     ------
     ValueError
-        Non-positive or non-finite losses, or shapes that differ.
+        A loss that is negative or not finite, or shapes that differ. (Non-finite models
+        and losses are refused by name before they get here: the callers check them with
+        :func:`sky_flower.flower.finite.check_finite`.)
     """
     g, u = np.asarray(global_model, dtype=float), np.asarray(update, dtype=float)
     if g.shape != u.shape:
         raise ValueError(f"update shape {u.shape} differs from the global model's {g.shape}")
     for name, v in (("global", global_loss), ("update", update_loss)):
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{name} loss must be finite and > 0, got {v}")
-    wg, wu = 1.0 / global_loss, 1.0 / update_loss
-    return (g * wg + u * wu) / (wg + wu)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} loss must be finite and >= 0, got {v}")
+    total = global_loss + update_loss
+    w = 0.5 if total == 0 else global_loss / total
+    return g + w * (u - g)
 
 
 def fedavg(models: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:

@@ -53,7 +53,8 @@ def ready_barrier(
 ) -> tuple[float, bool]:
     """Ask every worker to warm up and hold for ``hold_s`` at once, until all answer
     within ``1.6 x hold_s`` (so all ran in one wave, in parallel, already warm), for at
-    most ``limit_s``. Returns the seconds spent and whether the wave came.
+    most ``limit_s``. Returns the seconds spent and whether the wave came. Each wave's
+    deadline is at least ``2 x hold_s``, whatever the exchange's message timeout.
 
     Raises
     ------
@@ -62,9 +63,10 @@ def ready_barrier(
     """
     t0 = time.monotonic()
     wave_s = float("inf")
+    timeout_s = max(exchange.timeout_s, 2.0 * hold_s)  # a hold is not a silence
     while wave_s >= 1.6 * hold_s and time.monotonic() - t0 < limit_s:
         t = time.monotonic()
-        exchange.request(to_all(ids, HELLO, ConfigRecord({"hold_s": hold_s})))
+        exchange.request(to_all(ids, HELLO, ConfigRecord({"hold_s": hold_s})), timeout_s)
         wave_s = time.monotonic() - t
     return time.monotonic() - t0, wave_s < 1.6 * hold_s
 

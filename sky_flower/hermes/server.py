@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from sky_flower.flower.finite import check_finite
 from sky_flower.hermes.core import (
     Sizes,
     StepTimeModel,
@@ -68,6 +69,8 @@ class WorkerBook:
         Rounds completed.
     updates_sent, minor_rounds : list[int]
         Rounds whose model went back / that stayed local (Hermes' gate).
+    rejected : list[int]
+        Rounds whose reply was discarded as non-finite (not in ``updates_sent``).
     round_times : list[list[float]]
         Measured training seconds of each completed round.
     """
@@ -78,6 +81,7 @@ class WorkerBook:
     updates_sent: list[int] = field(default_factory=list)
     minor_rounds: list[int] = field(default_factory=list)
     round_times: list[list[float]] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
 
     @classmethod
     def equal(cls, num_workers: int, pool_size: int, batch_size: int) -> WorkerBook:
@@ -90,6 +94,7 @@ class WorkerBook:
             updates_sent=[0] * n,
             minor_rounds=[0] * n,
             round_times=[[] for _ in range(n)],
+            rejected=[0] * n,
         )
 
     @property
@@ -107,9 +112,19 @@ class WorkerBook:
         else:
             self.minor_rounds[worker] += 1
 
+    def reject(self, worker: int, counted: bool) -> None:
+        """Count a discarded (non-finite) round of ``worker``; ``counted``: it was already
+        counted as sent by :meth:`count` (its time stays, it leaves ``updates_sent``)."""
+        if counted:
+            self.updates_sent[worker] -= 1
+        else:
+            self.clock[worker] += 1
+        self.rejected[worker] += 1
+
     def rows(self, slowdowns: Sequence[float]) -> list[dict[str, Any]]:
         """Per worker: slowdown (``None`` if unknown), share, batch, rounds, updates sent,
-        minor rounds, median round time (s, ``None`` before its first round)."""
+        minor rounds, rejected rounds, median round time (s, ``None`` before its first
+        round). ``rounds = updates_sent + minor_rounds + rejected``."""
         return [
             {
                 "worker": w,
@@ -119,6 +134,7 @@ class WorkerBook:
                 "rounds": self.clock[w],
                 "updates_sent": self.updates_sent[w],
                 "minor_rounds": self.minor_rounds[w],
+                "rejected": self.rejected[w],
                 "median_round_s": float(np.median(self.round_times[w]))
                 if self.round_times[w]
                 else None,
@@ -265,11 +281,16 @@ class LossWeightedMerger:
 
         Raises
         ------
+        NonFiniteError
+            ``update``'s validation loss is not finite (the global model and its cached
+            loss are left as they were).
         ValueError
-            As :func:`sky_flower.hermes.core.loss_weighted_merge` (shapes, losses).
+            As :func:`sky_flower.hermes.core.loss_weighted_merge` (shapes, negative losses).
         """
         if self.global_loss is None:
             self.global_loss = self.val_loss_fn(global_vec)
-        merged = loss_weighted_merge(global_vec, self.global_loss, update, self.val_loss_fn(update))
+        update_loss = self.val_loss_fn(update)
+        check_finite(update_loss, "the update's validation loss")
+        merged = loss_weighted_merge(global_vec, self.global_loss, update, update_loss)
         self.global_loss = self.val_loss_fn(merged)
         return merged

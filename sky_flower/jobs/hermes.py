@@ -112,7 +112,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     worker, ``workers`` (slowdown, share,
     batch, rounds, updates sent, minor rounds, median round time), ``timeline`` (one row
     per change of the global model: ``time_s``, ``test_accuracy``, ``test_loss``,
-    ``updates_applied``, ``worker_rounds``, ``event``), ``settings``, ``error``.
+    ``updates_applied``, ``worker_rounds``, ``event``), ``removals`` and
+    ``rejected_updates`` (``worker``, ``name``, ``round``, ``reason``, ``time_s``:
+    :mod:`sky_flower.hermes.membership`), ``settings``, ``error``.
 
     Raises
     ------
@@ -213,6 +215,8 @@ def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  #
         "staleness": int(s.staleness),
         "seed": int(cfg.seed),
         "message_timeout_s": float(cfg.message_timeout_s),
+        "min_live_workers": s.get("min_live_workers"),
+        "staleness_policy": str(s.get("staleness_policy", "discard")),
     }
     if str(s.name) != "hermes":
         return STRATEGIES[str(s.name)](**common)
@@ -284,6 +288,8 @@ def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> 
         "straggler_events": list(getattr(strategy, "straggler_events", [])),
         "searches": list(getattr(strategy, "searches", [])),
         "timeline": timeline,
+        "removals": list(strategy.members.removals),  # workers removed: worker, round, reason
+        "rejected_updates": list(strategy.members.rejected),  # non-finite updates discarded
         "settings": OmegaConf.to_container(s, resolve=True),
         "error": error,
     }

@@ -264,3 +264,18 @@ def _milp_ok(cost: CostModel) -> str | None:
     if len(set(cost.inv_bw.tolist())) > 1 or len(set(cost.latency.tolist())) > 1:
         return "the MILP needs the same link between every pair of nodes"
     return None
+
+
+def plan_gap(value: float, lower_bound: float) -> float | None:
+    """Relative gap ``(value - lower_bound) / value`` of a returned plan (objective
+    ``value``, seconds) to a proven ``lower_bound`` (seconds, e.g. HiGHS's dual bound):
+    the plan is within this fraction of the optimum. 0 when the bound meets the value;
+    ``None`` when either is not finite or ``value <= 0``.
+
+    HiGHS's own ``mip_gap`` is that of *its* incumbent, measured without the programme's
+    constant offset; when the heuristic's plan is returned instead, or the incumbent is
+    re-scored by the cost model, it describes a plan that was not returned.
+    """
+    if not (np.isfinite(value) and np.isfinite(lower_bound)) or value <= 0:
+        return None
+    return float(max(0.0, (value - lower_bound) / value))

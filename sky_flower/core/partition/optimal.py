@@ -33,7 +33,7 @@ from sky_flower.core.partition.chain import CHAIN_DP_WORK_LIMIT, _chain_case, _C
 from sky_flower.core.partition.dp import DP_STATE_LIMIT, SUM_DP_WORK_LIMIT, _PeriodDP, _SumDP
 from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT, _count_plans, _enumerate
 from sky_flower.core.partition.heuristic import heuristic
-from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp
+from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp, plan_gap
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
 
 SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
@@ -220,7 +220,9 @@ def _by_milp(  # noqa: PLR0913
     time_limit_s: float,
     mip_rel_gap: float,
 ) -> Plan:
-    """The MILP's plan (or the heuristic's where it is better), with HiGHS's bound."""
+    """The MILP's plan (or the heuristic's where it is better), with HiGHS's bound; its
+    ``mip_gap`` is the returned plan's own gap to that bound (:func:`plan_gap`), never
+    that of an incumbent it was not."""
     model = _SlotMilp(cost, objective)
     remaining = max(time_limit_s - (time.perf_counter() - t0), 0.1)
     res = model.solve(remaining, mip_rel_gap)
@@ -228,9 +230,8 @@ def _by_milp(  # noqa: PLR0913
     surrogate = objective == "step" and cost.schedule.kind == "1f1b"
     if dual is not None and np.isfinite(dual) and not surrogate:
         lb = max(lb, float(dual) + model.offset)
-    gap = getattr(res, "mip_gap", None)
-    gap = float(gap) if gap is not None and np.isfinite(gap) else None
     h_v = h.objective_value_s
+    proven = False
     if res.x is not None:
         stages = model.to_stages(res.x)
         v = cost.objective(stages, objective)
@@ -238,28 +239,19 @@ def _by_milp(  # noqa: PLR0913
             # proven within mip_rel_gap; the heuristic may match it within that gap
             if h_v < v:
                 stages, v = h.spec, h_v
-            return make_plan(
-                cost,
-                "optimal",
-                stages,
-                time.perf_counter() - t0,
-                lower_bound_s=min(lb, v),
-                objective=objective,
-                proven_optimal=True,
-                mip_gap=gap,
-            )
-        if v <= h_v:
+            proven, lb, note = True, min(lb, v), ""
+        elif v <= h_v:
             note = (
                 "MILP minimised GPipe's closed form as a surrogate for 1F1B"
                 if surrogate
                 else f"time limit {time_limit_s:g} s reached: MILP incumbent (beats heuristic)"
             )
         else:
-            stages, note = h.spec, "heuristic beats the MILP's plan"
+            stages, v, note = h.spec, h_v, "heuristic beats the MILP's plan"
             if res.status != 0:
                 note = f"time limit {time_limit_s:g} s reached: " + note
     else:
-        stages = h.spec
+        stages, v = h.spec, h_v
         note = f"MILP found no solution in {time_limit_s:g} s ({res.message}): heuristic plan"
     return make_plan(
         cost,
@@ -268,8 +260,8 @@ def _by_milp(  # noqa: PLR0913
         time.perf_counter() - t0,
         lower_bound_s=lb,
         objective=objective,
-        proven_optimal=False,
-        mip_gap=gap,
+        proven_optimal=proven,
+        mip_gap=plan_gap(v, lb),
         note=note,
     )
 

@@ -66,7 +66,9 @@ class Plan:
     proven_optimal : bool
         True only when ``optimal`` proved optimality (enumeration or MILP).
     mip_gap : float or None
-        Relative gap reported by HiGHS (``optimal`` by MILP only).
+        Relative gap ``(objective - lower_bound_s) / objective`` of this plan to the
+        proven bound (``optimal``: 0 when proven by a programme; by MILP, the bound is
+        HiGHS's), ``None`` where no method bounds it.
     note : str
         What happened (fallbacks, time limits).
     period_s : float
