@@ -166,3 +166,15 @@ def test_a_slow_owner_is_waited_for_not_pushed_to():
     assert "no reply within 2 s" in failed["error"] and "node0" in failed["error"]
     assert "error" not in trained and trained["steps"] == 2
     assert grid.violations == []
+
+
+def test_a_node_that_fails_the_benchmark_is_named_by_elimination():
+    run = {"fleet": "uniform3", "benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0}
+    fault = {"sky-fail-on": "query.sky_profile", "sky-fail-mode": "raise"}
+    strategy, grid, _ = sky_app_on_grid(BusyCheckingGrid, run, node_extra={1: fault})
+    try:
+        strategy.benchmark(grid, list(grid.ids))
+    finally:
+        grid.close()
+    assert [n.name for n in strategy.node_profiles] == ["node0", "node2"]
+    assert strategy._names[grid.ids[1]] == "node1"  # it never told its name: the fleet did
