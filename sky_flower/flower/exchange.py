@@ -261,7 +261,7 @@ class Exchange:
                 ]
                 names = ", ".join(self.name(n) for n in dict.fromkeys(busy))
                 raise self.fail(
-                    f"{names} still running a message that timed out or was abandoned "
+                    f"{names}: still running a message that timed out or was abandoned "
                     f"(waited {self.busy_wait_s:g} s for it): no new message pushed to it",
                     busy,
                 )
