@@ -43,7 +43,7 @@ from torch import nn
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.flower.exchange import Exchange
+from sky_flower.flower.exchange import Exchange, NodeLedger
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import correct_count, ref
@@ -56,6 +56,7 @@ from sky_flower.sky.benchmark import (
     benchmark_table,
     wait_for_nodes,
 )
+from sky_flower.sky.deadlines import Deadlines
 from sky_flower.sky.direct import DirectRunner
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.guard import RoundGuard
@@ -106,8 +107,9 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
     state_probe_bytes : (default: 2, 7, (1 KiB, 4 MiB), 7, 0.1, 64 MiB)
         The benchmark round's settings, as
         :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them.
-    message_timeout_s : float (default: 120.0)
-        A node that does not answer within this time fails the round, by name.
+    message_timeout_s, deadlines : float, Deadlines (default: 120.0, ``Deadlines()``)
+        Per-phase message deadlines (:mod:`sky_flower.sky.deadlines`), none below
+        ``message_timeout_s``; a node past its deadline fails the round, by name.
     max_failed_rounds : int (default: 2)
         A round that fails (a node errs, stalls or replies malformed) is recorded with
         its error (``rounds`` and ``failed_rounds``); the nodes it names are dropped
@@ -180,6 +182,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
         divergence_factor: float = 0.0,
+        deadlines: Deadlines = Deadlines(),  # noqa: B008 - frozen
     ) -> None:
         planning.check_settings(
             allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
@@ -228,6 +231,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         self._ids: dict[str, int] = {}  # name -> node id
         self._handler_rate: dict[str, float] = {}
         self._stop = threading.Event()
+        self.deadlines, self._ledger = deadlines, NodeLedger()
 
     # -- settings shared with the benchmark and the runners -----------------------------
     def request_stop(self) -> None:
@@ -255,6 +259,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
             metric_fn=self.metric_fn,
             stop=self._stop,
             describe=self._names.get,
+            deadlines=self.deadlines,
+            ledger=self._ledger,
         )
 
     def runner(self) -> Runner:
@@ -276,14 +282,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
     def profile_model(self) -> list[LayerProfile]:
         """Per-layer FLOPs and bytes of the model (computed once, on the server)."""
         if not self.layer_profiles:
-            self.layer_profiles = planning.profile_model(
-                self.model_fn,
-                self.input_shape,
-                self.schedule,
-                self.optimizer,
-                self.lr,
-                self.input_dtype,
-            )
+            args = (self.model_fn, self.input_shape, self.schedule, self.optimizer, self.lr)
+            self.layer_profiles = planning.profile_model(*args, self.input_dtype)
         return self.layer_profiles
 
     def precheck(
@@ -320,8 +320,9 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
             state_probe_bytes=self.state_probe_bytes,
             peer_links=self.runner_cls.peer_links,
         )
+        run = self.run_settings()
         bench = BenchmarkRound(
-            self.run_settings().exchange(grid),
+            run.exchange(grid, run.deadline("benchmark")),
             self.profile_model(),
             self.schedule,
             self.input_shape,

@@ -18,6 +18,20 @@ Example
 ...         handle(reply)
 >>> for reply in ex.wait_any(until=end):    # asynchronous drivers: whatever arrived
 ...     ex.raise_errors([reply])
+
+In flight
+---------
+A message is *in flight* from its push until its reply is pulled. One that timed out, or
+that its Exchange gave up on (:meth:`Exchange.abandon`, a failed round), may still be
+running on its node, and a node handles its messages one at a time on one
+``context.state`` (Flower's simulation engine keeps the last write of concurrent ones).
+So an Exchange never pushes a message to a node that has such a message in flight: it
+first waits, at most ``busy_wait_s``, for that stale reply (pulled and discarded), and
+if it does not come, fails the node by name (:class:`NodeError`) without pushing. A
+:class:`NodeLedger` shared by the Exchanges of one run (the Sky strategy's benchmark and
+every round's runners) carries this across them, and also which nodes have answered
+once: a node's first message (its start-up: a Ray actor, a ClientApp process, imports)
+gets at least ``first_contact_s``.
 """
 
 from __future__ import annotations
@@ -67,6 +81,42 @@ def short_reason(reason: str, limit: int = 300) -> str:
     return text.strip().strip("'\"<>").strip()[:limit]
 
 
+class NodeLedger:
+    """What the Exchanges of one run share about the nodes (thread-safe): every message
+    pushed and not yet answered (message id -> node id, deadline, owning Exchange), and
+    the nodes that have answered at least once (``contacted``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.unanswered: dict[str, tuple[int, float, int]] = {}  # id -> node, deadline, owner
+        self.contacted: set[int] = set()
+
+    def pushed(self, mid: str, node_id: int, deadline: float, owner: int) -> None:
+        """Record message ``mid`` to ``node_id`` (monotonic ``deadline``) of Exchange
+        ``owner`` (its ``id()``)."""
+        with self.lock:
+            self.unanswered[mid] = (node_id, deadline, owner)
+
+    def answered(self, replies: Iterable[Message]) -> None:
+        """Forget the messages these replies answer; their senders have been contacted."""
+        with self.lock:
+            for reply in replies:
+                self.unanswered.pop(reply.metadata.reply_to_message_id, None)
+                self.contacted.add(reply.metadata.src_node_id)
+
+    def stale(self, node_ids: Iterable[int], owner: int, live: set[str]) -> dict[str, int]:
+        """Messages to ``node_ids`` still in flight that Exchange ``owner`` no longer
+        waits for: another Exchange's, or ``owner``'s own past their deadline or not in
+        ``live`` (its pending ids). Message id -> node id."""
+        now, wanted = time.monotonic(), set(node_ids)
+        with self.lock:
+            return {
+                mid: nid
+                for mid, (nid, dl, own) in self.unanswered.items()
+                if nid in wanted and (own != owner or mid not in live or now > dl)
+            }
+
+
 class Exchange:
     """Messages in flight on one ``Grid``, with a deadline each.
 
@@ -84,6 +134,14 @@ class Exchange:
         Node id -> the node's name (for errors); ``None`` or missing: ``node <id>``.
     error_cls : type[NodeError] (default: NodeError)
         The class raised (a strategy's own subclass).
+    ledger : NodeLedger, optional
+        Shared with the other Exchanges of the run (default: this Exchange's own).
+    first_contact_s : float (default: 0.0)
+        A node that has not answered yet (in ``ledger``) gets at least this deadline
+        (its start-up); 0: no minimum.
+    busy_wait_s : float (default: 0.0)
+        How long :meth:`push` waits for a stale message in flight on a destination node
+        (see the module docstring) before failing that node.
     """
 
     def __init__(
@@ -94,6 +152,9 @@ class Exchange:
         stop: threading.Event | None = None,
         describe: Callable[[int], str | None] | None = None,
         error_cls: type[NodeError] = NodeError,
+        ledger: NodeLedger | None = None,
+        first_contact_s: float = 0.0,
+        busy_wait_s: float = 0.0,
     ) -> None:
         if not timeout_s > 0 or not poll_interval_s >= 0:
             raise ValueError(
@@ -107,6 +168,8 @@ class Exchange:
         self.dst: dict[str, int] = {}  # message id -> destination node id
         self.deadline: dict[str, float] = {}  # pending message id -> monotonic deadline
         self.budget: dict[str, float] = {}  # message id -> its timeout (s), for errors
+        self.ledger = NodeLedger() if ledger is None else ledger
+        self.first_contact_s, self.busy_wait_s = first_contact_s, busy_wait_s
 
     # -- naming ------------------------------------------------------------------------
     def name(self, node_id: int) -> str:
@@ -126,16 +189,34 @@ class Exchange:
         """Ids of pushed messages whose reply has not been returned by :meth:`poll`."""
         return set(self.deadline)
 
-    def push(self, messages: Sequence[Message], timeout_s: float | None = None) -> list[str]:
-        """Push ``messages``; each must be answered within ``timeout_s`` (default: the
-        exchange's) from now. Returns their message ids, in order.
+    def push(
+        self, messages: Sequence[Message], timeout_s: float | Sequence[float] | None = None
+    ) -> list[str]:
+        """Push ``messages``; each must be answered within ``timeout_s`` (one for all, or
+        one per message; default: the exchange's) from now, at least ``first_contact_s``
+        for a node that has not answered yet. Returns their message ids, in order.
+
+        A destination node with a stale message in flight (timed out or abandoned, see
+        the module docstring) is waited for first, at most ``busy_wait_s``.
 
         Raises
         ------
         NodeError
-            If the grid accepted fewer messages than given.
+            If a destination node still runs a stale message after ``busy_wait_s``
+            (naming it; nothing is pushed), or the grid accepted fewer messages than
+            given.
         """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if timeout_s is None or isinstance(timeout_s, int | float):
+            budgets = [self.timeout_s if timeout_s is None else float(timeout_s)] * len(messages)
+        else:
+            budgets = [float(t) for t in timeout_s]
+        self.settle([m.metadata.dst_node_id for m in messages])
+        with self.ledger.lock:
+            fresh = [m.metadata.dst_node_id not in self.ledger.contacted for m in messages]
+        budgets = [
+            max(b, self.first_contact_s) if new else b
+            for b, new in zip(budgets, fresh, strict=True)
+        ]
         ids = list(self.grid.push_messages(list(messages)))
         if len(ids) != len(messages):
             raise self.fail(
@@ -143,11 +224,54 @@ class Exchange:
                 [m.metadata.dst_node_id for m in messages],
             )
         now = time.monotonic()
-        for mid, msg in zip(ids, messages, strict=True):
+        for mid, msg, budget in zip(ids, messages, budgets, strict=True):
             self.dst[mid] = msg.metadata.dst_node_id
-            self.deadline[mid] = now + timeout_s
-            self.budget[mid] = timeout_s
+            self.deadline[mid] = now + budget
+            self.budget[mid] = budget
+            self.ledger.pushed(mid, self.dst[mid], now + budget, id(self))
         return ids
+
+    def settle(self, node_ids: Iterable[int]) -> None:
+        """Wait (at most ``busy_wait_s``) until no node of ``node_ids`` has a stale
+        message in flight (see the module docstring); the stale replies that come are
+        pulled and discarded.
+
+        Raises
+        ------
+        NodeError
+            Naming the nodes still running one after ``busy_wait_s``, or if the stop
+            flag is set meanwhile.
+        """
+        node_ids = list(node_ids)
+        end = time.monotonic() + self.busy_wait_s
+        while stale := self.ledger.stale(node_ids, id(self), set(self.deadline)):
+            got = list(self.grid.pull_messages(set(stale)))
+            self.ledger.answered(got)
+            for reply in got:  # one of ours that timed out: no longer pending either
+                self.deadline.pop(reply.metadata.reply_to_message_id, None)
+            if len(got) == len(stale):
+                continue
+            if self.stop is not None and self.stop.is_set():
+                raise self.error_cls("run stopped by the caller")
+            if time.monotonic() >= end:
+                busy = [
+                    nid
+                    for mid, nid in stale.items()
+                    if mid not in {r.metadata.reply_to_message_id for r in got}
+                ]
+                names = ", ".join(self.name(n) for n in dict.fromkeys(busy))
+                raise self.fail(
+                    f"{names}: still running a message that timed out or was abandoned "
+                    f"(waited {self.busy_wait_s:g} s for it): no new message pushed to it",
+                    busy,
+                )
+            time.sleep(max(self.poll_interval_s, 0.01))
+
+    def abandon(self) -> None:
+        """Stop waiting for every pending message, at once (a failed round, a run that
+        gives up). They stay in flight in the ledger: a later push to their nodes waits
+        for them first (:meth:`settle`)."""
+        self.deadline.clear()
 
     def shorten(self, limit_s: float) -> None:
         """Bring every pending deadline to at most ``limit_s`` from now (e.g. once one
@@ -179,6 +303,7 @@ class Exchange:
             raise self.error_cls("run stopped by the caller")
         wanted = self.pending if ids is None else set(ids) & self.pending
         got = list(self.grid.pull_messages(wanted)) if wanted else []
+        self.ledger.answered(got)
         for reply in got:
             self.deadline.pop(reply.metadata.reply_to_message_id, None)
         late = self.late(wanted) if raise_late else []
@@ -255,13 +380,15 @@ class Exchange:
 
     def drain(self, limit_s: float = 10.0) -> None:
         """Wait (bounded by ``limit_s``, never raising) for pending replies, so that no
-        message of a failed round is still running on a node when the next one starts."""
+        message of a failed round is still running on a node when the next one starts.
+        What has not come by then stays in flight in the ledger (see :meth:`abandon`)."""
         end = time.monotonic() + limit_s
         while self.deadline and time.monotonic() < end:
             try:
                 got = list(self.grid.pull_messages(set(self.deadline)))
             except Exception:  # noqa: BLE001 - best effort on a failed round
                 return
+            self.ledger.answered(got)
             for reply in got:
                 self.deadline.pop(reply.metadata.reply_to_message_id, None)
             if self.deadline:

@@ -87,7 +87,10 @@ def simulate(
 ) -> dict[str, Any]:
     """Run ``start(grid)`` as the ServerApp and ``client_app`` on ``num_supernodes``
     nodes in Flower's simulation engine; return ``record(error)``, which also runs when
-    the run fails (with the error's description) before the error is re-raised.
+    the run fails (with the error's description) before the error is re-raised. When
+    ``start`` raises (the strategy gave up), the messages still in flight are abandoned
+    (:class:`sky_flower.flower.shutdown.AbandonableEngine`), so the engine stops within
+    seconds instead of when the slowest node finishes.
 
     Parameters
     ----------
@@ -117,15 +120,22 @@ def simulate(
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
+    from sky_flower.flower.shutdown import AbandonableEngine
+
     server_app = ServerApp()
+    nodes = AbandonableEngine()
 
     @server_app.main()
     def main(grid: Any, context: Any) -> None:  # noqa: ANN401 - Flower's Grid, Context
-        start(grid)
+        try:
+            start(grid)
+        except BaseException:  # the strategy gave up: its in-flight messages are abandoned
+            nodes.abandon()
+            raise
 
     error: str | None = None
     try:
-        with engine():
+        with engine(), nodes.tracking():
             run_simulation(
                 server_app=server_app,
                 client_app=client_app,

@@ -150,20 +150,28 @@ class BenchmarkRound:
         """
         result = BenchmarkResult(nodes=[], node_ids={}, num_examples=0)
         examples: dict[str, int] = {}
+        left_out: list[tuple[int, Exception]] = []
         for nid in node_ids:
             try:
                 node, prof = self.profile(nid, result)
             except (SkyNodeError, P.ProtocolError, KeyError, TypeError, ValueError) as err:
                 if self.ex.stop is not None and self.ex.stop.is_set():
                     raise  # the run was stopped (e.g. Ctrl-C): no node is to blame
-                log(WARNING, "Benchmark: leaving %s out of the plan: %s", self.ex.name(nid), err)
+                left_out.append((nid, err))
                 continue
             result.nodes.append(node)
             result.node_ids[node.name] = nid
             result.emulation[node.name] = prof.emulation
             examples[node.name] = prof.num_examples
+        why = [
+            f"{self.name_left_out(nid, left_out, result, node_order)}: {err}"
+            for nid, err in left_out
+        ]
+        for line in why:
+            log(WARNING, "Benchmark: leaving %s out of the plan", line)
         if not any(n.holds_data for n in result.nodes):
-            raise SkyNodeError("no data owner answered the benchmark round: cannot train")
+            left = f" (left out: {'; '.join(why)})" if why else ""
+            raise SkyNodeError(f"no data owner answered the benchmark round: cannot train{left}")
         result.nodes = order_nodes(result.nodes, node_order)
         owners = [n for n in result.nodes if n.holds_data]
         result.num_examples = examples[owners[0].name]
@@ -176,6 +184,26 @@ class BenchmarkRound:
         )
         log(INFO, "Benchmark round:\n%s", benchmark_table(result.nodes, result.emulation))
         return result
+
+    def name_left_out(
+        self,
+        nid: int,
+        left_out: Sequence[tuple[int, Exception]],
+        result: BenchmarkResult,
+        node_order: Sequence[str],
+    ) -> str:
+        """How to name node ``nid``, which failed the benchmark before telling its name:
+        by elimination over the fleet's names (``node_order``) that did not answer (the
+        only one: it is that node, and ``names`` learns it; several: "one of"), else
+        ``node <id>``."""
+        unheard = [n for n in node_order if n not in result.node_ids]
+        if len(left_out) == 1 and len(unheard) == 1:
+            self.names.setdefault(nid, unheard[0])
+        if nid in self.names:
+            return self.ex.name(nid)
+        if unheard:
+            return f"node {nid} (one of {', '.join(unheard)})"
+        return self.ex.name(nid)
 
     def profile(self, nid: int, result: BenchmarkResult) -> tuple[NodeProfile, P.ProfileReply]:
         """One node's profile (and link). Raises on a failed or malformed answer."""

@@ -30,7 +30,8 @@ from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights,
 class DirectRunner(Runner):
     """Runs a round on the direct transport.
 
-    Waits at most ``message_timeout_s`` plus 3 x the predicted round; once one stage
+    Waits at most ``message_timeout_s`` plus ``stage_multiple`` x the predicted round
+    (:mod:`sky_flower.sky.deadlines`); once one stage
     has failed, at most ``direct_timeout_s`` + 5 s more for the others (they stop within
     ``direct_timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
     close).
@@ -81,7 +82,7 @@ class DirectRunner(Runner):
         answer first, then those that stopped waiting for them; ``nodes`` holds only
         the former."""
         s, S = self.s, plan.num_stages
-        budget = s.message_timeout_s + 3.0 * steps * plan.plan.predicted_step_time_s
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget)
         t0 = time.perf_counter()
         with RoundHost(S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s) as host:

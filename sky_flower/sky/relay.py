@@ -28,6 +28,7 @@ from sky_flower.core.simulate import stage_order
 from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
+from sky_flower.sky.deadlines import stage_message_s
 from sky_flower.sky.guard import check_reply, check_stages
 from sky_flower.sky.runner import (
     Pipeline,
@@ -79,7 +80,7 @@ class RelayRunner(Runner):
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in plan.node_ids]
         losses, step_times, correct, seen = [], [], 0, 0
         try:
-            ex.request(self.setup_messages(plan, arrays, server_round))
+            ex.request(self.setup_messages(plan, arrays, server_round), self.s.deadline("setup"))
             for step in range(steps):
                 t0 = time.perf_counter()
                 st = self.step(ex, plan, step, group, stats)
@@ -87,11 +88,12 @@ class RelayRunner(Runner):
                 losses.append(st.loss)
                 correct, seen = correct + st.correct, seen + st.seen
             cfg = {P.CONFIG: self.ident.to_config_record()}
-            collect = ex.request([message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids])
+            msgs = [message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids]
+            collect = ex.request(msgs, self.s.deadline("collect"))
             new = merge_weights(collect, ex, self.expected, P.ARRAYS)
             check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.guard)
-        except Exception:  # no stage is left running a stale message
-            ex.drain(min(10.0, self.s.message_timeout_s))
+        except Exception:  # not waited on: a later push to their nodes waits (Exchange)
+            ex.abandon()
             raise
         return RoundOutcome(
             arrays=new,
@@ -171,7 +173,11 @@ class RelayRunner(Runner):
             meta.append((k, op, g))
             st.ptr[k] += 1
         if push:
-            for mid, m in zip(ex.push(push), meta, strict=True):
+            budgets = [
+                self.s.deadline("stage", stage_message_s(plan.predictions[k], plan.links[k][0]))
+                for k, _, _ in meta
+            ]
+            for mid, m in zip(ex.push(push, budgets), meta, strict=True):
                 st.inflight[mid] = m
 
     def take_reply(

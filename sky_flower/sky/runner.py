@@ -27,8 +27,9 @@ from torch import nn
 
 from sky_flower.core.cost import Schedule
 from sky_flower.core.partition import Plan
-from sky_flower.flower.exchange import Exchange, NodeError
+from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
+from sky_flower.sky.deadlines import Deadlines
 
 
 class SkyNodeError(NodeError):
@@ -83,7 +84,10 @@ class RunSettings:
     ``loss_fn`` / ``metric_fn`` travel to the nodes by reference
     (:func:`sky_flower.pipeline.objective.ref`): they must be importable module-level
     functions on the nodes too. ``stop``: set it to end the round at its next poll.
-    ``describe``: node id -> node name (errors name nodes by it).
+    ``describe``: node id -> node name (errors name nodes by it). ``deadlines``: each
+    phase's message deadline (:mod:`sky_flower.sky.deadlines`; ``message_timeout_s`` its
+    floor); ``ledger``: the run's messages in flight and nodes contacted, shared by every
+    exchange (:class:`sky_flower.flower.exchange.NodeLedger`).
     """
 
     model_fn: Callable[[], nn.Module]
@@ -103,9 +107,17 @@ class RunSettings:
     metric_fn: Callable[..., int] | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     describe: Callable[[int], str | None] = lambda nid: None
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    ledger: NodeLedger = field(default_factory=NodeLedger)
+
+    def deadline(self, phase: str, predicted_s: float = 0.0) -> float:
+        """Seconds a message of ``phase`` may take (:meth:`Deadlines.of`, floor
+        ``message_timeout_s``)."""
+        return self.deadlines.of(phase, self.message_timeout_s, predicted_s)
 
     def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
-        """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`."""
+        """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`, on the
+        run's ledger (first contact, messages in flight)."""
         return Exchange(
             grid,
             timeout_s=self.message_timeout_s if timeout_s is None else timeout_s,
@@ -113,6 +125,9 @@ class RunSettings:
             stop=self.stop,
             describe=self.describe,
             error_cls=SkyNodeError,
+            ledger=self.ledger,
+            first_contact_s=self.deadlines.first_contact_s,
+            busy_wait_s=self.deadlines.busy_wait_s,
         )
 
     def objective(self) -> dict[str, str]:

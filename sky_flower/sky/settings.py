@@ -115,6 +115,24 @@ class FailurePolicy:
 
 
 @dataclass(frozen=True)
+class DeadlineSettings:
+    """Per-phase message deadlines (s; :mod:`sky_flower.sky.deadlines`): none is below
+    ``message_timeout_s``; a stage message's is ``message_timeout_s + stage_multiple x``
+    its predicted time."""
+
+    first_contact_s: float = _setting(
+        300.0, "first-contact-timeout-s", "deadlines.first_contact_s", POSITIVE
+    )
+    benchmark_s: float = _setting(120.0, "benchmark-timeout-s", "deadlines.benchmark_s", POSITIVE)
+    setup_s: float = _setting(60.0, "setup-timeout-s", "deadlines.setup_s", POSITIVE)
+    stage_multiple: float = _setting(
+        5.0, "stage-timeout-multiple", "deadlines.stage_multiple", AT_LEAST_0
+    )
+    collect_s: float = _setting(60.0, "collect-timeout-s", "deadlines.collect_s", POSITIVE)
+    busy_wait_s: float = _setting(30.0, "busy-wait-s", "deadlines.busy_wait_s", AT_LEAST_0)
+
+
+@dataclass(frozen=True)
 class MessagingSettings:
     """How the ServerApp waits: reply polling period and the wait for nodes."""
 
@@ -171,6 +189,7 @@ GROUPS = {
     "direct": DirectSettings,
     "benchmark": BenchmarkSettings,
     "failure": FailurePolicy,
+    "deadlines": DeadlineSettings,
     "messaging": MessagingSettings,
     "objective": ObjectiveSettings,
 }
@@ -198,6 +217,7 @@ class SkySettings:
     direct: DirectSettings = field(default_factory=DirectSettings)
     benchmark: BenchmarkSettings = field(default_factory=BenchmarkSettings)
     failure: FailurePolicy = field(default_factory=FailurePolicy)
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     messaging: MessagingSettings = field(default_factory=MessagingSettings)
     objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
 
@@ -327,6 +347,8 @@ class SkySettings:
     def strategy_kwargs(self) -> dict[str, Any]:
         """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
         ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``)."""
+        from sky_flower.sky.deadlines import Deadlines
+
         t, b, d, f = self.train, self.benchmark, self.direct, self.failure
         loss_fn, metric_fn = self.objective.functions()
         return {
@@ -346,6 +368,7 @@ class SkySettings:
             "message_timeout_s": f.message_timeout_s,
             "max_failed_rounds": f.max_failed_rounds,
             "divergence_factor": f.divergence_factor,
+            "deadlines": Deadlines(**dataclasses.asdict(self.deadlines)),
             "direct_timeout_s": d.timeout_s,
             "direct_host": d.host,
             "direct_join_timeout_s": d.join_timeout_s,

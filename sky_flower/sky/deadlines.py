@@ -1,0 +1,100 @@
+"""How long the Sky server waits for each message, per phase of a run.
+
+One ``message_timeout_s`` for every message failed both ways: a node's first message
+includes its start-up (a Ray actor, a ClientApp process, torch imports: seconds), and a
+slow node's long stage may rightly take many times a fast node's. So each phase has its
+own deadline (seconds from the push), and no deadline is below ``message_timeout_s``
+(the floor: an old config keeps at least the patience it had):
+
+==================  ====================================================================
+first contact       a node's first message, start-up included: ``max(floor,
+                    first_contact_s)`` (the benchmark's profile request, usually)
+benchmark           profile and echo messages: ``max(floor, benchmark_s)``
+set-up              ``train.sky_setup`` (the stage's weights): ``max(floor, setup_s)``
+stage               each relay ``train.sky_forward`` / ``sky_backward``:
+                    ``floor + stage_multiple x predicted`` (``predicted``: that stage's
+                    per-message time as the cost model predicts it, the node's slowdown
+                    included); a ``direct`` round's one message per stage: ``floor +
+                    stage_multiple x steps x predicted step``
+collect             ``train.sky_collect`` (the stage's weights back): ``max(floor,
+                    collect_s)``
+==================  ====================================================================
+
+A slow but alive node is therefore not failed unless it exceeds its own scaled deadline.
+``busy_wait_s`` bounds how long a push waits for a node still running a message that
+timed out or was abandoned (:mod:`sky_flower.flower.exchange`) before failing it.
+
+No torch or Flower is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = ("benchmark", "setup", "stage", "collect")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Per-phase deadlines (s) of a Sky run (see the module docstring).
+
+    Attributes
+    ----------
+    first_contact_s : float
+        Least deadline of a node's first message (its start-up included).
+    benchmark_s, setup_s, collect_s : float
+        Deadline of a benchmark, set-up, collect message (each at least the floor).
+    stage_multiple : float
+        A stage message's deadline is ``floor + stage_multiple x predicted seconds``.
+    busy_wait_s : float
+        Longest wait for a node's stale in-flight message before failing the node.
+    """
+
+    first_contact_s: float = 300.0
+    benchmark_s: float = 120.0
+    setup_s: float = 60.0
+    stage_multiple: float = 5.0
+    collect_s: float = 60.0
+    busy_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("first_contact_s", "benchmark_s", "setup_s", "collect_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stage_multiple", "busy_wait_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def of(self, phase: str, floor_s: float, predicted_s: float = 0.0) -> float:
+        """The deadline (s) of a message of ``phase`` (one of :data:`PHASES`).
+
+        Parameters
+        ----------
+        phase : str
+            ``benchmark``, ``setup``, ``stage`` or ``collect``.
+        floor_s : float
+            ``message_timeout_s``: no deadline is shorter; a stage message's is this
+            plus the scaled prediction.
+        predicted_s : float
+            ``stage`` only: the message's predicted seconds (>= 0; NaN or inf count as
+            unknown, i.e. 0).
+
+        Raises
+        ------
+        ValueError
+            On an unknown phase.
+        """
+        if phase == "stage":
+            pred = predicted_s if 0.0 <= predicted_s < float("inf") else 0.0
+            return floor_s + self.stage_multiple * pred
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASES)}")
+        return max(floor_s, getattr(self, f"{phase}_s"))
+
+
+def stage_message_s(prediction: dict, latency_s: float = 0.0) -> float:
+    """One relay stage message's predicted seconds from the stage's per-step prediction
+    (:func:`sky_flower.sky.planning.stage_predictions`: ``busy_s`` over ``messages``
+    per step), plus its link's round-trip ``latency_s``."""
+    messages = max(float(prediction.get("messages", 1) or 1), 1.0)
+    return float(prediction.get("busy_s", 0.0)) / messages + max(latency_s, 0.0)
