@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from sky_flower.core.calibration import CALIBRATION_FIELDS
 from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
@@ -187,6 +188,7 @@ class BenchmarkRound:
             optimizer=self.optimizer,
             lr=self.lr,
             input_dtype=self.input_dtype,
+            calibrate=self.settings.peer_links,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, "benchmark")]
@@ -227,6 +229,7 @@ class BenchmarkRound:
             holds_data=prof.holds_data,
             slowdown=prof.slowdown,
             node_id=nid,
+            **calibration(prof),
         )
         return node, prof
 
@@ -277,6 +280,12 @@ def peer_link(prof: P.ProfileReply) -> Link:
     charges."""
     bw = prof.link_bandwidth_bps
     return prof.link_latency_s, bw if bw > 0 else float("inf"), 0.0
+
+
+def calibration(prof: P.ProfileReply) -> dict[str, Any]:
+    """The reply's calibration fields for :class:`NodeProfile` (issue 16; the direct
+    transport's benchmark asks for them, 0 / "" otherwise)."""
+    return {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
 
 
 def order_nodes(nodes: Sequence[NodeProfile], node_order: Sequence[str]) -> list[NodeProfile]:

@@ -1,0 +1,151 @@
+"""Calibration of the cost model (issue 16, fast, no engine): the benchmark's new node
+fields travel through the protocol records and JSON, the node measures them, and the
+cost model charges them with known numbers (defaults change nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
+
+from sky_flower.core.calibration import CALIBRATION_FIELDS, uncalibrated
+from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.calibrate import calibrate_node
+from sky_flower.sky import protocol as P
+from sky_flower.sky.benchmark import calibration
+from sky_flower.sky.client import SkyClient
+
+CAL = {
+    "microbatch_overhead_s": 0.004,
+    "peer_latency_s": 0.002,
+    "host": "box",
+    "host_parallelism": 2.0,
+}
+LAYERS = [LayerProfile(j, f"{j}:Linear", 0.0, 0.0, 0, 0, 4.0, 4.0) for j in range(4)]
+
+
+def node(k: int, **cal: object) -> NodeProfile:
+    """Node ``k``: 1 s forward and 1 s backward per layer and micro-batch, free links."""
+    return NodeProfile(f"n{k}", (1.0,) * 4, (1.0,) * 4, 2**40, holds_data=k == 0, **cal)
+
+
+def step(nodes: list[NodeProfile], M: int, kind: str, transport: str = "direct") -> float:
+    S = len(nodes)
+    plan = [(k, k * 4 // S, (k + 1) * 4 // S - 1) for k in range(S)]
+    return CostModel(LAYERS, nodes, Schedule(8, M, kind, transport)).step_time(plan)
+
+
+def test_profile_reply_and_node_profile_carry_the_fields_through_records_and_json():
+    reply = P.ProfileReply(
+        name="box",
+        holds_data=True,
+        num_examples=10,
+        memory_bytes=2**33,
+        slowdown=0.5,
+        emulation="native speed",
+        link_latency_s=0.01,
+        link_bandwidth_bps=1e6,
+        layer_fwd_s=(0.1,),
+        layer_bwd_s=(0.2,),
+        layer_step_s=(0.0,),
+        **CAL,
+    )
+    back = P.ProfileReply.from_config_record(reply.to_config_record())
+    assert back == reply and calibration(back) == CAL
+    # a reply from before the calibration (no such keys) reads as "not measured"
+    old = {k: v for k, v in reply.to_config_record().items() if k not in CAL}
+    assert calibration(P.ProfileReply.from_config_record(ConfigRecord(old))) == {
+        "microbatch_overhead_s": 0.0,
+        "peer_latency_s": 0.0,
+        "host": "",
+        "host_parallelism": 0.0,
+    }
+    assert P.ProfileRequest.from_config_record(
+        P.ProfileRequest((4,), 2, 0, 1, calibrate=True).to_config_record()
+    ).calibrate
+    prof = node(0, **CAL)
+    d = json.loads(json.dumps(prof.to_dict()))
+    assert {f: d[f] for f in CALIBRATION_FIELDS} == CAL
+    d["bandwidth_bps"] = math.inf if d["bandwidth_bps"] is None else d["bandwidth_bps"]
+    assert NodeProfile(**{**d, "layer_fwd_s": tuple(d["layer_fwd_s"]),
+                          "layer_bwd_s": tuple(d["layer_bwd_s"])}) == prof  # fmt: skip
+    assert uncalibrated([prof]) == [node(0)]
+
+
+@pytest.mark.parametrize(("S", "M"), [(1, 1), (2, 4), (4, 8)])
+def test_microbatch_overhead_and_peer_latency_are_charged_per_microbatch(S, M):
+    c, p = 0.004, 0.002
+    plain = [node(k) for k in range(S)]
+    over = [node(k, microbatch_overhead_s=c) for k in range(S)]
+    peer = [node(k, peer_latency_s=p) for k in range(S)]
+    # sequential: M micro-batches through S stages, each paying c, and 2 (S - 1) hops
+    assert step(over, M, "sequential") - step(plain, M, "sequential") == pytest.approx(M * S * c)
+    assert step(peer, M, "sequential") - step(plain, M, "sequential") == pytest.approx(
+        M * 2 * (S - 1) * p
+    )
+    # gpipe: the overhead lies on the S + M - 1 forward and backward slots of the flow shop
+    assert step(over, M, "gpipe") - step(plain, M, "gpipe") == pytest.approx((S + M - 1) * c)
+    # the relay is not calibrated by these (its own per-message terms are measured)
+    assert step(over, M, "sequential", "relay") == step(plain, M, "sequential", "relay")
+
+
+def test_stages_sharing_a_host_are_stretched_by_its_parallelism():
+    shared = [node(k, host="box", host_parallelism=2.0) for k in range(4)]
+    plain = [node(k) for k in range(4)]
+    # M = 4: four stages compute at once on a host that runs two: twice as slow
+    assert step(shared, 4, "gpipe") == pytest.approx(2 * step(plain, 4, "gpipe"))
+    # M = 2: two at once; M = 1 or sequential: one at a time
+    assert step(shared, 2, "gpipe") == pytest.approx(step(plain, 2, "gpipe"))
+    assert step(shared, 1, "gpipe") == pytest.approx(step(plain, 1, "gpipe"))
+    assert step(shared, 4, "sequential") == pytest.approx(step(plain, 4, "sequential"))
+    # emulated slowdown x1 halves each stage's CPU share: 4 x 0.5 = 2 workers, no stretch
+    slow = [dataclasses.replace(n, slowdown=1.0) for n in shared]
+    assert step(slow, 4, "gpipe") == pytest.approx(step(plain, 4, "gpipe"))
+    # two hosts of two stages each: no stretch; unmeasured parallelism: none either
+    apart = [dataclasses.replace(n, host=f"h{k // 2}") for k, n in enumerate(shared)]
+    assert step(apart, 4, "gpipe") == pytest.approx(step(plain, 4, "gpipe"))
+    unmeasured = [dataclasses.replace(n, host_parallelism=0.0) for n in shared]
+    assert step(unmeasured, 4, "gpipe") == pytest.approx(step(plain, 4, "gpipe"))
+    cost = CostModel(LAYERS, shared, Schedule(8, 4, "gpipe", "direct"))
+    assert cost.contention(np.arange(4)).tolist() == [2.0] * 4
+
+
+@pytest.fixture
+def server_identity(monkeypatch):
+    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)  # as a ServerApp process has them
+
+
+def test_node_measures_the_calibration_in_its_profile_handler(server_identity):
+    """The real profile handler answers with measured calibration fields when asked, and
+    with the defaults when not (the relay's benchmark round stays as short as before)."""
+    import torch
+    from torch import nn
+
+    client = SkyClient(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU()), lambda ctx: None)
+    ctx = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    emu = Emulation("n5")
+    replies = {}
+    for flag in (False, True):
+        req = P.ProfileRequest((4,), 2, 0, 1, optimizer="sgd", lr=0.1, calibrate=flag)
+        msg = Message(
+            RecordDict({P.CONFIG: req.to_config_record()}), dst_node_id=5,
+            message_type=P.PROFILE, group_id="1",
+        )  # fmt: skip
+        out = client.profile(msg, ctx, emu)
+        replies[flag] = P.ProfileReply.from_config_record(out.config_records[P.PROFILE_KEY])
+    assert calibration(replies[False]) == calibration(dataclasses.replace(replies[False]))
+    assert replies[False].host == "" and replies[False].peer_latency_s == 0.0
+    got = replies[True]
+    assert got.host != "" and got.peer_latency_s > 0.0 and got.host_parallelism >= 1.0
+    assert 0.0 <= got.microbatch_overhead_s < 1.0
+    assert not torch.distributed.is_initialized()  # the one-rank group is gone again
+    assert calibrate_node(2).host == got.host
