@@ -320,7 +320,19 @@ def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | No
             f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
             f"{emulation.get(n.name, '')}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + calibration_lines(nodes))
+
+
+def calibration_lines(nodes: Sequence[NodeProfile]) -> list[str]:
+    """The benchmark's calibration per node (issue 16), if it measured any."""
+    if not any(n.host for n in nodes):
+        return []
+    return ["Calibration (direct):"] + [
+        f"  {n.name:<12} micro-batch overhead {n.microbatch_overhead_s * 1e3:.2f} ms, gloo "
+        f"message {n.peer_latency_s * 1e3:.2f} ms, host {n.host!r} runs "
+        f"{n.host_parallelism:.2f} workers at once"
+        for n in nodes
+    ]
 
 
 def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> dict[str, Any]:

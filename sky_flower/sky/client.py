@@ -338,8 +338,7 @@ class SkyClient:
         st, grp = self._group(msg, context)
         ex = self._executor(context, st, grp)
         out: dict[str, ArrayRecord | MetricRecord] = {}
-        t0 = time.perf_counter()
-        if st.is_first:
+        if st.is_first:  # drawn before the timer: a worker's first draw loads the data
             x, labels = self._batch(context, st, grp.step)
             rows = slice(
                 grp.first * st.batch_size // st.microbatches,
@@ -349,6 +348,7 @@ class SkyClient:
         else:
             x = _tensor(msg, P.ACT)
             labels = _tensor(msg, P.LABELS) if st.is_last else None
+        t0 = time.perf_counter()
         if st.is_last:
             done = self._accumulated(context, st, grp)
             loss_fn, metric_fn = self._objective(st)
