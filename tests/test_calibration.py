@@ -59,7 +59,7 @@ def test_profile_reply_and_node_profile_carry_the_fields_through_records_and_jso
         **CAL,
     )
     back = P.ProfileReply.from_config_record(reply.to_config_record())
-    assert back == reply and calibration(back) == CAL
+    assert back == reply and calibration(back) == {**CAL, "layer_step_s": (0.0,)}
     # a reply from before the calibration (no such keys) reads as "not measured"
     old = {k: v for k, v in reply.to_config_record().items() if k not in CAL}
     assert calibration(P.ProfileReply.from_config_record(ConfigRecord(old))) == {
@@ -71,12 +71,13 @@ def test_profile_reply_and_node_profile_carry_the_fields_through_records_and_jso
     assert P.ProfileRequest.from_config_record(
         P.ProfileRequest((4,), 2, 0, 1, calibrate=True).to_config_record()
     ).calibrate
-    prof = node(0, **CAL)
+    prof = node(0, **CAL, layer_step_s=(0.1,) * 4)
     d = json.loads(json.dumps(prof.to_dict()))
     assert {f: d[f] for f in CALIBRATION_FIELDS} == CAL
     d["bandwidth_bps"] = math.inf if d["bandwidth_bps"] is None else d["bandwidth_bps"]
     assert NodeProfile(**{**d, "layer_fwd_s": tuple(d["layer_fwd_s"]),
-                          "layer_bwd_s": tuple(d["layer_bwd_s"])}) == prof  # fmt: skip
+                          "layer_bwd_s": tuple(d["layer_bwd_s"]),
+                          "layer_step_s": tuple(d["layer_step_s"])}) == prof  # fmt: skip
     assert uncalibrated([prof]) == [node(0)]
 
 
@@ -95,6 +96,26 @@ def test_microbatch_overhead_and_peer_latency_are_charged_per_microbatch(S, M):
     assert step(over, M, "gpipe") - step(plain, M, "gpipe") == pytest.approx((S + M - 1) * c)
     # the relay is not calibrated by these (its own per-message terms are measured)
     assert step(over, M, "sequential", "relay") == step(plain, M, "sequential", "relay")
+
+
+@pytest.mark.parametrize(("S", "M"), [(1, 1), (2, 2), (4, 8)])
+def test_direct_charges_the_optimizer_step_once_after_the_last_backward(S, M):
+    # the benchmark spreads a 0.5 s step per layer over the M micro-batches' backward
+    spread = [
+        dataclasses.replace(
+            node(k), layer_bwd_s=(1.0 + 0.5 / M,) * 4, layer_step_s=(0.5,) * 4
+        )
+        for k in range(S)
+    ]  # fmt: skip
+    plain = [node(k) for k in range(S)]
+    # direct: stage 0 steps last, its 4 / S layers x 0.5 s after the pipeline's end
+    assert step(spread, M, "gpipe") - step(plain, M, "gpipe") == pytest.approx(2.0 / S)
+    # the relay keeps the spread (its step is inside the last backward message)
+    relay = step(spread, M, "sequential", "relay") - step(plain, M, "sequential", "relay")
+    assert relay == pytest.approx(2.0)
+    # without layer_step_s (profiles from before the calibration) nothing moves
+    old = uncalibrated(spread)
+    assert step(old, M, "gpipe") > step(spread, M, "gpipe") or S == 1
 
 
 def test_stages_sharing_a_host_are_stretched_by_its_parallelism():
@@ -166,3 +187,26 @@ def test_logs_show_the_calibration_and_measured_over_predicted_per_stage():
     assert "Calibration" not in benchmark_table([node(0)])
     text = benchmark_table([node(0, **CAL)])
     assert "micro-batch overhead 4.00 ms, gloo message 2.00 ms, host 'box' runs 2.00" in text
+
+
+def test_the_emulated_optimizer_steps_exactly_like_its_optimizer():
+    """``direct`` stages step through :class:`EmulatedOptimizer` (a slow device steps
+    slowly too, as the benchmark predicts): the same weights as the plain optimizer."""
+    import torch
+
+    from sky_flower.pipeline.emulated import Emulated, EmulatedOptimizer
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    plain = torch.optim.Adam(a.parameters(), lr=0.1)
+    slow = EmulatedOptimizer(torch.optim.Adam(b.parameters(), lr=0.1), Emulated(slowdown=0.5))
+    for _ in range(2):
+        for m in (a, b):
+            m(torch.ones(4, 3)).sum().backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        slow.step()
+        slow.zero_grad()
+        assert all(p.grad is None for p in b.parameters())
+    torch.testing.assert_close(a.state_dict(), b.state_dict(), rtol=0, atol=0)

@@ -36,7 +36,14 @@ def uncalibrated(nodes: Sequence[NodeProfile]) -> list[NodeProfile]:
     """``nodes`` with the calibration fields at their defaults (the cost model as it
     was before issue 16)."""
     return [
-        replace(n, microbatch_overhead_s=0.0, peer_latency_s=0.0, host="", host_parallelism=0.0)
+        replace(
+            n,
+            microbatch_overhead_s=0.0,
+            peer_latency_s=0.0,
+            host="",
+            host_parallelism=0.0,
+            layer_step_s=(),
+        )
         for n in nodes
     ]
 
@@ -60,6 +67,15 @@ class Calibration:
         self.hosts = [n.host for n in nodes]
         self.parallelism = np.array([n.host_parallelism for n in nodes], dtype=float)
         self.busy_share = 1.0 / (1.0 + np.array([n.slowdown for n in nodes], dtype=float))
+        L = len(nodes[0].layer_fwd_s)
+        for n in nodes:
+            if n.layer_step_s and len(n.layer_step_s) != L:
+                raise ValueError(
+                    f"node {n.name!r} reports optimizer steps for {len(n.layer_step_s)} "
+                    f"layers, the model has {L}"
+                )
+        steps = np.array([n.layer_step_s or (0.0,) * L for n in nodes], dtype=float)
+        self.step_prefix = np.concatenate([np.zeros((len(nodes), 1)), np.cumsum(steps, 1)], 1)
 
     def contention(self, i: np.ndarray) -> np.ndarray:
         """Factor (shape (S,), >= 1) by which each stage's compute stretches because
@@ -92,11 +108,26 @@ class Calibration:
         return factor
 
     def calibrated_compute(
-        self, i: np.ndarray, fwd: np.ndarray, bwd: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, i: np.ndarray, a: np.ndarray, b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``direct``: per-stage forward and backward seconds per micro-batch (shapes
-        (S,)) with the calibration charged: half of the node's ``microbatch_overhead_s``
-        on each, then stretched by :meth:`contention`."""
+        (S,); stage ``k`` on node ``i[k]`` holds layers ``a[k]..b[k]``) with the
+        calibration charged: the optimizer step taken out of the backward (where the
+        benchmark spread it over the ``M`` micro-batches), half of the node's
+        ``microbatch_overhead_s`` on each, all stretched by :meth:`contention`; and the
+        optimizer steps' seconds per stage (stretched too)."""
         factor = self.contention(i)
+        opt = self.step_prefix[i, b + 1] - self.step_prefix[i, a]
         half = 0.5 * self.mb_overhead[i]
-        return (fwd + half) * factor, (bwd + half) * factor
+        bwd = np.maximum(bwd - opt / self.schedule.microbatches, 0.0)
+        return (fwd + half) * factor, (bwd + half) * factor, opt * factor
+
+    @staticmethod
+    def optimizer_tail(opt: np.ndarray, bwd: np.ndarray, link: np.ndarray) -> float:
+        """``direct``: seconds the optimizer steps add after the pipeline's last
+        backward. Every stage steps once its last backward is done; stage ``k``'s ends
+        ``sum_{j<k} (b_j + link_j)`` before stage 0's (the last micro-batch's gradient
+        still travels down to stage 0), so the step ends
+        ``max(0, max_k (opt_k - sum_{j<k} (b_j + link_j)))`` after the last backward."""
+        gap = np.concatenate([[0.0], np.cumsum(bwd[:-1] + link)])
+        return max(0.0, float((opt - gap).max()))

@@ -335,8 +335,10 @@ class CostModel(LowerBounds, Calibration):
         snd, rcv, cut = i[:-1], i[1:], b[:-1]
         link = self.link_arrays(snd, rcv, cut)
         if not self.relay:
-            fwd, bwd = self.calibrated_compute(i, fwd, bwd)
-            return StageTerms(fwd, bwd, link, np.zeros(S))
+            fwd, bwd, opt = self.calibrated_compute(i, a, b, fwd, bwd)
+            over = np.zeros(S)
+            over[0] = self.optimizer_tail(opt, bwd, link)
+            return StageTerms(fwd, bwd, link, over)
         messages = np.full(S, 2.0)
         messages[-1] = 1.0
         state = self.state_prefix[b + 1] - self.state_prefix[a]

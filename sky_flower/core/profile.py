@@ -372,6 +372,11 @@ class NodeProfile:
         Calibration: how many workers the host runs at full speed at once, measured as
         ``max_k k t_1 / t_k`` over ``k`` concurrent compute workers (``t_k``: one
         worker's time among ``k``). 0 = not measured (no contention charged).
+    layer_step_s : tuple of float
+        Calibration: seconds of one optimizer step over each layer's parameters
+        (emulated slowdown included), also spread over the step's micro-batches in
+        ``layer_bwd_s``; ``direct`` charges it where it runs, once at the end of the
+        step. ``()`` = not given (the spread stays).
     """
 
     name: str
@@ -388,12 +393,14 @@ class NodeProfile:
     peer_latency_s: float = 0.0
     host: str = ""
     host_parallelism: float = 0.0
+    layer_step_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain-dict form for JSON (infinite bandwidth as ``None``)."""
         d = asdict(self)
         d["layer_fwd_s"] = list(self.layer_fwd_s)
         d["layer_bwd_s"] = list(self.layer_bwd_s)
+        d["layer_step_s"] = list(self.layer_step_s)
         if self.bandwidth_bps == float("inf"):
             d["bandwidth_bps"] = None
         return d

@@ -285,7 +285,10 @@ def peer_link(prof: P.ProfileReply) -> Link:
 def calibration(prof: P.ProfileReply) -> dict[str, Any]:
     """The reply's calibration fields for :class:`NodeProfile` (issue 16; the direct
     transport's benchmark asks for them, 0 / "" otherwise)."""
-    return {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
+    fields = {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
+    if prof.host:  # measured: the direct cost model also places the optimizer step
+        fields["layer_step_s"] = tuple(prof.layer_step_s)
+    return fields
 
 
 def order_nodes(nodes: Sequence[NodeProfile], node_order: Sequence[str]) -> list[NodeProfile]:
