@@ -286,7 +286,8 @@ def calibration(prof: P.ProfileReply) -> dict[str, Any]:
     """The reply's calibration fields for :class:`NodeProfile` (issue 16; the direct
     transport's benchmark asks for them, 0 / "" otherwise)."""
     fields = {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
-    if prof.host:  # measured: the direct cost model also places the optimizer step
+    fields["host"] = "" if prof.host == P.NO_HOST else prof.host
+    if fields["host"]:  # measured: the direct cost model also places the optimizer step
         fields["layer_step_s"] = tuple(prof.layer_step_s)
     return fields
 

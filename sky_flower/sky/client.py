@@ -304,7 +304,7 @@ class SkyClient:
             layer_step_s=tuple(t * factor for t in step_s),
             state_rebuild_s_per_byte=rebuild_rate,
             state_save_s_per_byte=save_rate,
-            **asdict(cal),
+            **{k: v for k, v in asdict(cal).items() if v != ""},
         )
         return RecordDict({P.PROFILE_KEY: reply.to_config_record()})
 

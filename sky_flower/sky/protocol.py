@@ -314,6 +314,9 @@ class ProfileRequest(Record):
     calibrate: bool = False  # also time the direct step's calibration (issue 16)
 
 
+NO_HOST = "-"  # ProfileReply.host not measured (Flower cannot count an empty string's bytes)
+
+
 @dataclass(frozen=True)
 class ProfileReply(Record):
     """A node's benchmark (record :data:`PROFILE_KEY` of the reply). Times in seconds
@@ -335,7 +338,7 @@ class ProfileReply(Record):
     # calibration (issue 16; sky_flower.pipeline.calibrate), 0 / "" when not measured
     microbatch_overhead_s: float = 0.0
     peer_latency_s: float = 0.0
-    host: str = ""
+    host: str = NO_HOST
     host_parallelism: float = 0.0
 
 
