@@ -115,6 +115,12 @@ def test_direct_charges_the_optimizer_step_once_after_the_last_backward(S, M):
     # the relay keeps the spread (its step is inside the last backward message)
     relay = step(spread, M, "sequential", "relay") - step(plain, M, "sequential", "relay")
     assert relay == pytest.approx(2.0)
+    # on one host of parallelism 1 the S stages step at once: their 2 s of CPU work
+    one = {"host": "box", "host_parallelism": 1.0}
+    shared = [dataclasses.replace(n, **one) for n in spread]
+    plain_shared = [dataclasses.replace(n, **one) for n in plain]
+    if M == 1:  # (M = 1: no stage computes alongside another, so no other stretch)
+        assert step(shared, M, "gpipe") - step(plain_shared, M, "gpipe") == pytest.approx(2.0)
     # without layer_step_s (profiles from before the calibration) nothing moves
     old = uncalibrated(spread)
     assert step(old, M, "gpipe") > step(spread, M, "gpipe") or S == 1

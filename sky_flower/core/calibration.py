@@ -94,18 +94,25 @@ class Calibration:
         if self.relay or self.schedule.kind == "sequential":
             return factor
         M = self.schedule.microbatches
+        for members, P in self.shared_hosts(i):
+            nodes = i[members]
+            demand = min(len(members), M) / len(members) * float(self.busy_share[nodes].sum())
+            factor[members] = max(1.0, demand / P)
+        return factor
+
+    def shared_hosts(self, i: np.ndarray) -> list[tuple[list[int], float]]:
+        """The plan's stages (indices into ``i``) on each measured host that holds two
+        or more of them, with the host's ``host_parallelism``."""
         by_host: dict[str, list[int]] = {}
         for k, node in enumerate(i):
             if self.hosts[node]:
                 by_host.setdefault(self.hosts[node], []).append(k)
+        out = []
         for members in by_host.values():
-            nodes = i[members]
-            P = float(self.parallelism[nodes].max())
-            if P <= 0.0 or len(members) < 2:
-                continue
-            demand = min(len(members), M) / len(members) * float(self.busy_share[nodes].sum())
-            factor[members] = max(1.0, demand / P)
-        return factor
+            P = float(self.parallelism[i[members]].max())
+            if P > 0.0 and len(members) > 1:
+                out.append((members, P))
+        return out
 
     def calibrated_compute(
         self, i: np.ndarray, a: np.ndarray, b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray
@@ -115,19 +122,26 @@ class Calibration:
         calibration charged: the optimizer step taken out of the backward (where the
         benchmark spread it over the ``M`` micro-batches), half of the node's
         ``microbatch_overhead_s`` on each, all stretched by :meth:`contention`; and the
-        optimizer steps' seconds per stage (stretched too)."""
+        optimizer step's seconds per stage."""
         factor = self.contention(i)
         opt = self.step_prefix[i, b + 1] - self.step_prefix[i, a]
         half = 0.5 * self.mb_overhead[i]
         bwd = np.maximum(bwd - opt / self.schedule.microbatches, 0.0)
-        return (fwd + half) * factor, (bwd + half) * factor, opt * factor
+        return (fwd + half) * factor, (bwd + half) * factor, opt
 
-    @staticmethod
-    def optimizer_tail(opt: np.ndarray, bwd: np.ndarray, link: np.ndarray) -> float:
-        """``direct``: seconds the optimizer steps add after the pipeline's last
-        backward. Every stage steps once its last backward is done; stage ``k``'s ends
-        ``sum_{j<k} (b_j + link_j)`` before stage 0's (the last micro-batch's gradient
-        still travels down to stage 0), so the step ends
-        ``max(0, max_k (opt_k - sum_{j<k} (b_j + link_j)))`` after the last backward."""
+    def optimizer_tail(
+        self, i: np.ndarray, opt: np.ndarray, bwd: np.ndarray, link: np.ndarray
+    ) -> float:
+        """``direct``: seconds the optimizer steps (``opt``, shape (S,)) add after the
+        pipeline's last backward. Every stage steps once its last backward is done;
+        stage ``k``'s ends ``sum_{j<k} (b_j + link_j)`` before stage 0's (the last
+        micro-batch's gradient still travels down to stage 0): ``max_k (opt_k -
+        sum_{j<k} (b_j + link_j))``. Stages on one host step at about the same time,
+        so at least the host's CPU work ``sum_k busy_share_k opt_k`` over its
+        parallelism (:meth:`shared_hosts`)."""
         gap = np.concatenate([[0.0], np.cumsum(bwd[:-1] + link)])
-        return max(0.0, float((opt - gap).max()))
+        tail = max(0.0, float((opt - gap).max()))
+        for members, P in self.shared_hosts(i):
+            work = float((opt[members] * self.busy_share[i[members]]).sum())
+            tail = max(tail, work / P)
+        return tail

@@ -337,7 +337,7 @@ class CostModel(LowerBounds, Calibration):
         if not self.relay:
             fwd, bwd, opt = self.calibrated_compute(i, a, b, fwd, bwd)
             over = np.zeros(S)
-            over[0] = self.optimizer_tail(opt, bwd, link)
+            over[0] = self.optimizer_tail(i, opt, bwd, link)
             return StageTerms(fwd, bwd, link, over)
         messages = np.full(S, 2.0)
         messages[-1] = 1.0
