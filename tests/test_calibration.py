@@ -219,3 +219,14 @@ def test_the_emulated_optimizer_steps_exactly_like_its_optimizer():
         slow.zero_grad()
         assert all(p.grad is None for p in b.parameters())
     torch.testing.assert_close(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("microbatch_overhead_s", math.nan), ("peer_latency_s", -1.0),
+     ("host_parallelism", math.inf), ("layer_step_s", (0.1, 0.1, math.nan, 0.1))],
+)  # fmt: skip
+def test_bad_calibration_values_are_refused_by_name(field, value):
+    nodes = [node(0), node(1, **{field: value})]
+    with pytest.raises(ValueError, match=f"node 'n1': {field}"):
+        CostModel(LAYERS, nodes, Schedule(8, 1, "gpipe", "direct"))

@@ -132,10 +132,17 @@ def check_profiles(layers: Sequence[LayerProfile], nodes: Sequence[NodeProfile])
         raise ValueError(f"node names must be unique, got {names}")
     for node in nodes:
         owner = f"node {node.name!r}"
-        for f in ("layer_fwd_s", "layer_bwd_s"):
+        for f in ("layer_fwd_s", "layer_bwd_s", "layer_step_s"):
             for j, v in enumerate(getattr(node, f)):
                 _number(owner, f"{f}[{j}]", v)
-        for f in ("memory_bytes", "latency_s", "state_s_per_byte"):
+        for f in (
+            "memory_bytes",
+            "latency_s",
+            "state_s_per_byte",
+            "microbatch_overhead_s",
+            "peer_latency_s",
+            "host_parallelism",
+        ):
             _number(owner, f, getattr(node, f))
         _number(owner, "bandwidth_bps", node.bandwidth_bps, positive=True)
 
