@@ -26,7 +26,7 @@ paid once.
 Usage::
 
     python -m sky_flower.bench.transport            # full grid, about 10 min on 2 cores
-    python -m sky_flower.bench.transport --quick    # MLP, S in {2, 4}, M in {1, 4}
+    python -m sky_flower.bench.transport --quick    # MLP, S in {1, 2, 4}, M in {1, 4}
 
 It prints the table and writes ``table.md`` and ``results.json`` into ``--out``
 (default ``outputs/bench_transport_<time>/``). Every simulation starts Ray: on a shared
@@ -200,6 +200,7 @@ def flower_cases(
                         "predicted_s": row["predicted_step_time_s"],
                         "setup_s": row.get("setup_s"),
                         "kind": case_kind,
+                        **before_after(strategy, row),
                     }
                 except Exception as err:  # noqa: BLE001 - recorded in the table
                     out[(case, M)] = {"error": f"{type(err).__name__}: {err}"[:200]}
@@ -220,6 +221,62 @@ def flower_cases(
         },
     )
     return out
+
+
+def before_after(strategy: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """The round's prediction by the cost model before calibration (the same benchmark
+    with :func:`sky_flower.core.calibration.uncalibrated` nodes, the same plan), and per
+    stage measured against predicted compute (s per step), before and after."""
+    from sky_flower.core.calibration import uncalibrated
+    from sky_flower.core.cost import CostModel
+    from sky_flower.sky.planning import plan_spec
+
+    cost, spec = strategy.cost, plan_spec(strategy.plan)
+    old = CostModel(cost.layers, uncalibrated(cost.nodes), cost.schedule)
+    M = cost.schedule.microbatches
+    t_old = old.terms(spec)
+    return {
+        "predicted_before_s": old.step_time(spec),
+        "stages": [
+            {
+                "node": st["node"],
+                "measured_s": st["measured_compute_s"],
+                "predicted_s": st["predicted_compute_s"],
+                "predicted_before_s": M * float(t_old.fwd[k] + t_old.bwd[k]),
+            }
+            for k, st in enumerate(row["stages"])
+        ],
+    }
+
+
+def _ratios(x: dict[str, Any], key: str) -> str:
+    """``measured / x[key]`` of a cell, and its stages' range (``min-max``)."""
+    if "step_s" not in x or not x.get(key):
+        return "-"
+    stages = [st["measured_s"] / st[key] for st in x.get("stages", []) if st.get(key)]
+    rng = f" ({min(stages):.2f}-{max(stages):.2f})" if stages else ""
+    return f"{x['step_s'] / x[key]:.2f}{rng}"
+
+
+def calibration_table(rows: list[dict[str, Any]]) -> str:
+    """Measured / predicted step time per Flower cell, by the cost model before and
+    after calibration (in parentheses: the stages' measured / predicted compute)."""
+    head = (
+        "| model | S | M | case | measured s | predicted before | predicted after | "
+        "meas/pred before (stages) | meas/pred after (stages) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        for case in ("direct", "relay-pipe", "relay"):
+            x = r.get(case, {})
+            if "step_s" not in x:
+                continue
+            lines.append(
+                f"| {r['model']} | {r['S']} | {r['M']} | {case} | {_fmt(x['step_s'])} | "
+                f"{_fmt(x.get('predicted_before_s'))} | {_fmt(x.get('predicted_s'))} | "
+                f"{_ratios(x, 'predicted_before_s')} | {_ratios(x, 'predicted_s')} |"
+            )
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -257,13 +314,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="MLP only, S in {2,4}, M in {1,4}")
+    parser.add_argument("--quick", action="store_true", help="MLP only, S in {1,2,4}, M in {1,4}")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per case")
     parser.add_argument("--kind", default="gpipe", choices=("gpipe", "1f1b"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     models = ["mlp"] if args.quick else list(MODELS)
-    Ss, Ms = [2, 4], [1, 4] if args.quick else [1, 4, 8]
+    Ss, Ms = [1, 2, 4], [1, 4] if args.quick else [1, 4, 8]
     steps = args.steps or (4 if args.quick else 6)
     out = args.out or Path("outputs") / f"bench_transport_{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -289,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                     row[case] = flower.get((case, M), {"error": "not run"})
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-    text = table(rows)
+    text = table(rows) + "\n\nCalibration (issue 16):\n\n" + calibration_table(rows)
     print(text)
     print(f"Benchmark finished in {time.perf_counter() - t_start:.0f} s; outputs in {out}")
     (out / "table.md").write_text(text + "\n")

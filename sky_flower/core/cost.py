@@ -14,7 +14,11 @@ Per stage ``k`` (node ``i``, layers ``a..b``) and per micro-batch of ``B / M`` s
 * **link** to stage ``k + 1`` (node ``i'``), once forward (activations) and once back
   (their gradients), ``bytes = (B / M) act_out[b]``:
   ``relay``: ``bytes / bw_i + bytes / bw_i'`` (up to the server, down to the next node);
-  ``direct``: ``(lat_i + lat_i') / 2 + bytes / min(bw_i, bw_i')`` (peer to peer).
+  ``direct``: ``(lat_i + lat_i') / 2 + bytes / min(bw_i, bw_i')`` (peer to peer), plus
+  the nodes' measured gloo message cost ``(peer_i + peer_i') / 2`` (calibration).
+* **calibration** (``direct``; :mod:`sky_flower.core.calibration`): ``f_k`` and ``b_k``
+  each carry half the node's measured per-micro-batch schedule overhead, and stretch by
+  the contention of stages sharing a host's cores (:meth:`CostModel.contention`).
 * **overhead** per step (``relay`` only): each Flower message costs the node's measured
   latency plus ``state_s_per_byte x`` the bytes it keeps in ``context.state`` (weights
   and optimizer state; the rate is Flower's shipping of the state plus the handler's
@@ -67,6 +71,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sky_flower.core.bounds import LowerBounds
+from sky_flower.core.calibration import Calibration
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.core.schedule import (
     LABEL_BYTES_PER_SAMPLE,
@@ -127,15 +132,22 @@ def check_profiles(layers: Sequence[LayerProfile], nodes: Sequence[NodeProfile])
         raise ValueError(f"node names must be unique, got {names}")
     for node in nodes:
         owner = f"node {node.name!r}"
-        for f in ("layer_fwd_s", "layer_bwd_s"):
+        for f in ("layer_fwd_s", "layer_bwd_s", "layer_step_s"):
             for j, v in enumerate(getattr(node, f)):
                 _number(owner, f"{f}[{j}]", v)
-        for f in ("memory_bytes", "latency_s", "state_s_per_byte"):
+        for f in (
+            "memory_bytes",
+            "latency_s",
+            "state_s_per_byte",
+            "microbatch_overhead_s",
+            "peer_latency_s",
+            "host_parallelism",
+        ):
             _number(owner, f, getattr(node, f))
         _number(owner, "bandwidth_bps", node.bandwidth_bps, positive=True)
 
 
-class CostModel(LowerBounds):
+class CostModel(LowerBounds, Calibration):
     """Predicted step time and memory of any plan (stages in a chosen node order).
 
     Parameters
@@ -208,6 +220,7 @@ class CostModel(LowerBounds):
             dtype=float,
         )
         self.capacity = np.array([n.memory_bytes for n in nodes], dtype=float)
+        self._init_calibration(nodes)
         self._lp_bound: float | None = None
         zero = np.zeros((N, 1))
         self.fwd_prefix = np.concatenate([zero, np.cumsum(self.fwd, 1)], 1)
@@ -236,6 +249,7 @@ class CostModel(LowerBounds):
         if self.relay:
             return float(nbytes * (self.inv_bw[sender] + self.inv_bw[receiver]))
         lat = 0.5 * (self.latency[sender] + self.latency[receiver])
+        lat += 0.5 * (self.peer_latency[sender] + self.peer_latency[receiver])
         return float(lat + nbytes * max(self.inv_bw[sender], self.inv_bw[receiver]))
 
     def stage_overhead(self, node: int, first: int, last: int, k: int, num_stages: int) -> float:
@@ -328,7 +342,10 @@ class CostModel(LowerBounds):
         snd, rcv, cut = i[:-1], i[1:], b[:-1]
         link = self.link_arrays(snd, rcv, cut)
         if not self.relay:
-            return StageTerms(fwd, bwd, link, np.zeros(S))
+            fwd, bwd, opt = self.calibrated_compute(i, a, b, fwd, bwd)
+            over = np.zeros(S)
+            over[0] = self.optimizer_tail(i, opt, bwd, link)
+            return StageTerms(fwd, bwd, link, over)
         messages = np.full(S, 2.0)
         messages[-1] = 1.0
         state = self.state_prefix[b + 1] - self.state_prefix[a]
@@ -352,6 +369,7 @@ class CostModel(LowerBounds):
         if self.relay:
             return nbytes * (self.inv_bw[snd] + self.inv_bw[rcv])
         lat = 0.5 * (self.latency[snd] + self.latency[rcv])
+        lat = lat + 0.5 * (self.peer_latency[snd] + self.peer_latency[rcv])
         return lat + nbytes * np.maximum(self.inv_bw[snd], self.inv_bw[rcv])
 
     def memory_arrays(self, a: np.ndarray, b: np.ndarray, inflight: np.ndarray) -> np.ndarray:

@@ -355,6 +355,28 @@ class NodeProfile:
         Emulated slowdown factor reported by the node (0 = none), for display.
     node_id : int
         Flower node ID in the current run (0 when not known).
+    microbatch_overhead_s : float
+        Calibration (issue 16): fixed seconds a ``direct`` stage pays per micro-batch
+        besides its layers' compute (``torch.distributed.pipelining``'s schedule and
+        autograd bookkeeping, forward and backward together), from a one-stage schedule
+        on the node (:func:`time_microbatch_overhead`). 0 = not measured.
+    peer_latency_s : float
+        Calibration: one-way seconds of one ``direct`` peer message on this node's gloo
+        stack (a gloo echo between two ranks on the node: loopback, whatever load the
+        host carries), charged on every stage boundary per micro-batch and direction on
+        top of the emulated link. 0 = not measured.
+    host : str
+        The machine the node runs on; stages whose nodes share a host share its cores.
+        ``""`` = unknown (no contention charged).
+    host_parallelism : float
+        Calibration: how many workers the host runs at full speed at once, measured as
+        ``max_k k t_1 / t_k`` over ``k`` concurrent compute workers (``t_k``: one
+        worker's time among ``k``). 0 = not measured (no contention charged).
+    layer_step_s : tuple of float
+        Calibration: seconds of one optimizer step over each layer's parameters
+        (emulated slowdown included), also spread over the step's micro-batches in
+        ``layer_bwd_s``; ``direct`` charges it where it runs, once at the end of the
+        step. ``()`` = not given (the spread stays).
     """
 
     name: str
@@ -367,12 +389,18 @@ class NodeProfile:
     holds_data: bool = False
     slowdown: float = 0.0
     node_id: int = 0
+    microbatch_overhead_s: float = 0.0
+    peer_latency_s: float = 0.0
+    host: str = ""
+    host_parallelism: float = 0.0
+    layer_step_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain-dict form for JSON (infinite bandwidth as ``None``)."""
         d = asdict(self)
         d["layer_fwd_s"] = list(self.layer_fwd_s)
         d["layer_bwd_s"] = list(self.layer_bwd_s)
+        d["layer_step_s"] = list(self.layer_step_s)
         if self.bandwidth_bps == float("inf"):
             d["bandwidth_bps"] = None
         return d

@@ -150,3 +150,33 @@ class EmulatedStage(nn.Module):
         if not self.is_last:
             time.sleep(self.emulated.send_next_s(y.numel() * y.element_size()))
         return _BackwardStart.apply(y, self._box) if y.requires_grad else y
+
+
+class EmulatedOptimizer:
+    """An optimizer whose ``step`` the emulated device runs ``1 + slowdown`` times as
+    slowly (it sleeps ``slowdown x`` the step's measured time), as the benchmark round
+    predicts (its per-layer optimizer step is scaled by the node's slowdown) and as the
+    relay's stage handlers already do (their step is inside the timed backward).
+
+    Parameters
+    ----------
+    inner : torch.optim.Optimizer
+        The stage's optimizer.
+    emulated : Emulated
+        Its ``slowdown``; the step's time is not added to ``compute_s`` (the stage's
+        forward and backward only).
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, emulated: Emulated) -> None:
+        self.inner, self.emulated = inner, emulated
+
+    def step(self) -> None:
+        """``inner.step()``, then the emulated slowdown's sleep."""
+        t0 = time.perf_counter()
+        self.inner.step()
+        if self.emulated.slowdown > 0:
+            time.sleep(self.emulated.slowdown * (time.perf_counter() - t0))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``inner.zero_grad``."""
+        self.inner.zero_grad(set_to_none=set_to_none)

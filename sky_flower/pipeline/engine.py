@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from sky_flower.pipeline.emulated import Emulated, EmulatedStage
+from sky_flower.pipeline.emulated import Emulated, EmulatedOptimizer, EmulatedStage
 from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.pipeline.rendezvous import (
@@ -182,7 +182,8 @@ def run_stage(  # noqa: PLR0913
                 fault(step)
             t_step = time.perf_counter()
             wrapped.start_step(RngKey(rng.seed, rng.round, step))
-            _step(rdv, schedule, optimizer, batch_size, batch_fn, step, result, metric_fn)
+            opt = None if optimizer is None else EmulatedOptimizer(optimizer, emulated)
+            _step(rdv, schedule, opt, batch_size, batch_fn, step, result, metric_fn)
             result.step_times_s.append(time.perf_counter() - t_step)
     except DirectStageError:
         raise
@@ -228,7 +229,7 @@ def _stage_error(rdv: Rendezvous, err: Exception) -> DirectStageError:
 def _step(  # noqa: PLR0913
     rdv: Rendezvous,
     schedule: Any,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | EmulatedOptimizer | None,
     batch_size: int,
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,

@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from sky_flower.core.calibration import CALIBRATION_FIELDS
 from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
@@ -215,6 +216,7 @@ class BenchmarkRound:
             optimizer=self.optimizer,
             lr=self.lr,
             input_dtype=self.input_dtype,
+            calibrate=self.settings.peer_links,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, "benchmark")]
@@ -255,6 +257,7 @@ class BenchmarkRound:
             holds_data=prof.holds_data,
             slowdown=prof.slowdown,
             node_id=nid,
+            **calibration(prof),
         )
         return node, prof
 
@@ -307,6 +310,16 @@ def peer_link(prof: P.ProfileReply) -> Link:
     return prof.link_latency_s, bw if bw > 0 else float("inf"), 0.0
 
 
+def calibration(prof: P.ProfileReply) -> dict[str, Any]:
+    """The reply's calibration fields for :class:`NodeProfile` (issue 16; the direct
+    transport's benchmark asks for them, 0 / "" otherwise)."""
+    fields = {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
+    fields["host"] = "" if prof.host == P.NO_HOST else prof.host
+    if fields["host"]:  # measured: the direct cost model also places the optimizer step
+        fields["layer_step_s"] = tuple(prof.layer_step_s)
+    return fields
+
+
 def order_nodes(nodes: Sequence[NodeProfile], node_order: Sequence[str]) -> list[NodeProfile]:
     """Pipeline order: by ``node_order`` (names not listed follow in name order), then
     the first data owner moved to the front.
@@ -339,7 +352,19 @@ def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | No
             f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
             f"{emulation.get(n.name, '')}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + calibration_lines(nodes))
+
+
+def calibration_lines(nodes: Sequence[NodeProfile]) -> list[str]:
+    """The benchmark's calibration per node (issue 16), if it measured any."""
+    if not any(n.host for n in nodes):
+        return []
+    return ["Calibration (direct):"] + [
+        f"  {n.name:<12} micro-batch overhead {n.microbatch_overhead_s * 1e3:.2f} ms, gloo "
+        f"message {n.peer_latency_s * 1e3:.2f} ms, host {n.host!r} runs "
+        f"{n.host_parallelism:.2f} workers at once"
+        for n in nodes
+    ]
 
 
 def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> dict[str, Any]:

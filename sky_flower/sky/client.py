@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -59,6 +60,7 @@ from sky_flower.core.profile import (
 )
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
@@ -296,6 +298,7 @@ class SkyClient:
             make_opt = default_optimizer_factory(req.optimizer, req.lr)
             step_s = time_optimizer_steps(self.model_fn(), make_opt)
             rebuild_rate, save_rate = time_state_roundtrip(self.model_fn, make_opt)
+        cal = calibrate_node(req.microbatch_size) if req.calibrate else NodeCalibration()
         data = self.load_data(context)  # a data owner is a node whose loader has data
         holds_data = data is not None and len(data) > 0
         reply = P.ProfileReply(
@@ -312,6 +315,7 @@ class SkyClient:
             layer_step_s=tuple(t * factor for t in step_s),
             state_rebuild_s_per_byte=rebuild_rate,
             state_save_s_per_byte=save_rate,
+            **{k: v for k, v in asdict(cal).items() if v != ""},
         )
         return RecordDict({P.PROFILE_KEY: reply.to_config_record()})
 
@@ -345,8 +349,7 @@ class SkyClient:
         st, grp = self._group(msg, context)
         ex = self._executor(context, st, grp)
         out: dict[str, ArrayRecord | MetricRecord] = {}
-        t0 = time.perf_counter()
-        if st.is_first:
+        if st.is_first:  # drawn before the timer: a worker's first draw loads the data
             x, labels = self._batch(context, st, grp.step)
             rows = slice(
                 grp.first * st.batch_size // st.microbatches,
@@ -356,6 +359,7 @@ class SkyClient:
         else:
             x = _tensor(msg, P.ACT)
             labels = _tensor(msg, P.LABELS) if st.is_last else None
+        t0 = time.perf_counter()
         if st.is_last:
             done = self._accumulated(context, st, grp)
             loss_fn, metric_fn = self._objective(st)

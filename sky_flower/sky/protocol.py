@@ -350,6 +350,10 @@ class ProfileRequest(Record):
     optimizer: str | None = None
     lr: float = 0.0
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
+    calibrate: bool = False  # also time the direct step's calibration (issue 16)
+
+
+NO_HOST = "-"  # ProfileReply.host not measured (Flower cannot count an empty string's bytes)
 
 
 @dataclass(frozen=True)
@@ -370,6 +374,11 @@ class ProfileReply(Record):
     layer_step_s: tuple[float, ...]
     state_rebuild_s_per_byte: float = 0.0
     state_save_s_per_byte: float = 0.0
+    # calibration (issue 16; sky_flower.pipeline.calibrate), 0 / "" when not measured
+    microbatch_overhead_s: float = 0.0
+    peer_latency_s: float = 0.0
+    host: str = NO_HOST
+    host_parallelism: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,29 @@ STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
 ROUND_COLUMNS = ("round", "train loss", "test acc", "step time (s)", "predicted (s)", "round (s)")
 
 
+def compute_ratio(stage: dict[str, Any]) -> str:
+    """Measured over predicted compute of a stage row (``"-"`` without a prediction):
+    the calibration's check, per stage (issue 16 aims at 0.75-1.25)."""
+    predicted = stage.get("predicted_compute_s")
+    if not predicted or "measured_compute_s" not in stage:
+        return "-"
+    return f"{stage['measured_compute_s'] / predicted:.2f}"
+
+
 def stage_table(stages: Sequence[dict[str, Any]]) -> str:
     """Per-stage table of a round's ``stages`` rows: stage, node, then every column of
-    :data:`STAGE_COLUMNS` the rows hold (seconds per step)."""
+    :data:`STAGE_COLUMNS` the rows hold (seconds per step), and measured / predicted
+    compute (``meas/pred``) where the rows predict it."""
     cols = [c for c in STAGE_COLUMNS if stages and c[0] in stages[0]]
-    lines = [f"{'stage':>5} {'node':<12}" + "".join(f" {h:>{w}}" for _, h, w, _ in cols)]
+    ratio = bool(stages) and "predicted_compute_s" in stages[0]
+    lines = [
+        f"{'stage':>5} {'node':<12}"
+        + "".join(f" {h:>{w}}" for _, h, w, _ in cols)
+        + (f" {'meas/pred':>9}" if ratio else "")
+    ]
     for st in stages:
         cells = "".join(f" {st[key]:>{w}{fmt}}" for key, _, w, fmt in cols)
+        cells += f" {compute_ratio(st):>9}" if ratio else ""
         lines.append(f"{st['stage']:>5} {st['node']:<12}{cells}")
     return "\n".join(lines)
 
