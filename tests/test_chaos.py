@@ -251,46 +251,50 @@ def _reference_model() -> dict[str, torch.Tensor]:
 
 
 def _check(out: Outcome, kind: str, fig: Figures) -> None:
-    """The invariants of one run, into ``fig``."""
+    """The invariants of one in-process run, into ``fig``."""
     fig.runs += 1
     if out.fault.delivery:
         fig.injected += bool(out.grid.injected)
     else:  # one fault: every round before it ran, and the node gets its message each round
         fig.injected += len(out.strategy.rounds) >= out.fault.round
-    err = out.error
-    # 1. finished, or a named error, within the bound
-    fig.check(not isinstance(err, TimeoutError), f"hung: {err}")
-    if err is not None:
-        fig.check(out.faulty in str(err), f"error names no node: {err!r}")
-    # 2. results.json: valid JSON, failed rounds named
-    try:
-        saved = json.loads((out.out_dir / "results.json").read_text(), parse_constant=_no_nan)
-        fig.check(True, "")
-    except ValueError as bad:
-        fig.check(False, f"results.json is not valid JSON: {bad}")
-        saved = None
-    if saved is not None:
-        for row in saved.get("rounds", []):
-            if row.get("error"):
-                fig.check(out.faulty in row["error"], f"a failed round names no node: {row}")
-    # 3. model.pt: finite, the last good global model (a lossless fault: the reference)
+    _check_outputs(out.out_dir, out.error, out.faulty, fig)
     model = out.out_dir / "model.pt"
-    fig.check(model.exists(), "no model.pt")
-    if model.exists():
+    if model.exists():  # the strategy's last good global model; a lossless fault's: the reference
         state = torch.load(model)
-        fig.check(_finite(state), "model.pt is not finite")
         last = out.strategy.global_arrays.to_torch_state_dict()
         fig.check(all(torch.equal(state[k], v) for k, v in last.items()), "model.pt is stale")
         if kind in LOSSLESS:
             want = _reference_model()
-            same = err is None and all(
+            same = out.error is None and all(
                 np.allclose(state[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6)
                 for k, v in want.items()
             )
-            fig.check(same, f"a {kind} changed the trained model (error: {err})")
-    # 4. nothing left running
-    left = _left_behind()
+            fig.check(same, f"a {kind} changed the trained model (error: {out.error})")
+    left = _left_behind()  # 4. nothing left running
     fig.check(not left, f"left behind: {left}")
+
+
+def _check_outputs(out_dir: Path, err: BaseException | None, faulty: str, fig: Figures) -> None:
+    """Invariants 1-3 of a run's end and outputs, into ``fig``."""
+    # 1. finished, or a named error, within the bound
+    fig.check(not isinstance(err, TimeoutError), f"hung: {err}")
+    if err is not None:
+        fig.check(faulty in str(err), f"error names no node: {err!r}")
+    # 2. results.json: valid JSON, failed rounds named
+    try:
+        saved = json.loads((out_dir / "results.json").read_text(), parse_constant=_no_nan)
+        fig.check(True, "")
+    except ValueError as bad:
+        fig.check(False, f"results.json is not valid JSON: {bad}")
+        saved = None
+    for row in (saved or {}).get("rounds", []):
+        if row.get("error"):
+            fig.check(faulty in row["error"], f"a failed round names no node: {row}")
+    # 3. model.pt: there and finite
+    model = out_dir / "model.pt"
+    fig.check(model.exists(), "no model.pt")
+    if model.exists():
+        fig.check(_finite(torch.load(model)), "model.pt is not finite")
 
 
 def _left_behind(wait_s: float = 10.0) -> list[str]:
@@ -344,7 +348,6 @@ CASES = [
 ]
 FAST = {("sequential", "crash"), ("pipelined", "nan"), ("sequential", "duplicate")}
 FAST |= {("pipelined", "late"), ("sequential", "malformed"), ("pipelined", "reorder")}
-FAST |= {("direct", "stall")}
 
 
 def _params(seeds: tuple[int, ...], fast: bool) -> list:
@@ -458,3 +461,36 @@ def test_an_unavailable_node_is_named_not_the_superlink(server_identity):
     with pytest.raises(NodeError, match=r"phone \(node 4527\) replied with an error") as info:
         ex.request([Message(RecordDict(), dst_node_id=4527, message_type=P.SETUP)])
     assert info.value.node_ids == [4527] and info.value.nodes == ["phone"]
+
+
+@pytest.mark.simulation
+def test_chaos_on_the_simulation_engine(tmp_path, no_leftover_processes):
+    """One seeded node fault (a crash at a drawn point of the sequential relay) in a
+    run of the Hydra job (``run_job``) on Flower's simulation engine (Ray): the same
+    invariants, and no Ray process left (``no_leftover_processes``)."""
+    from omegaconf import open_dict
+    from simhelpers import FAST, make_cfg
+
+    from sky_flower.run import run_job
+
+    fault = Fault.draw("sequential", "crash", 0)
+    cfg = make_cfg(
+        [*FAST, "fleet=edge3", "allocation=even", "num_rounds=2", "train.steps_per_round=2"]
+    )
+    with open_dict(cfg):
+        node = cfg.fleet.nodes[fault.node]
+        node.fail_on, node.fail_mode = fault.message_type, fault.kind
+        node.fail_round, node.fail_step = fault.round, fault.step
+    error = None
+    try:
+        run_job(cfg, tmp_path)
+    except Exception as err:  # noqa: BLE001 - an invariant checks it
+        error = err
+    fig = Figures(runs=1)
+    _check_outputs(tmp_path, error, FLEET[fault.node], fig)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    fig.injected = sum("fault injected" in (r.get("error") or "") for r in saved["rounds"])
+    print(
+        f"chaos simulation/crash: 1 run, {fig.injected} faults injected, {fig.held}/{fig.checked}"
+    )
+    assert fig.injected == 1 and not fig.errors, (fig.errors, saved)
