@@ -1,6 +1,6 @@
 # sky-flower: `make run` (main job on the embedded digits data), `make test` (everything,
 # what CI runs), `make test-fast` (lint, unit and in-process protocol tests: no Ray, no
-# SuperLink).
+# SuperLink, no `slow` extra seeds).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -34,7 +34,7 @@ test: lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 test-fast: lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests -m "not simulation and not deployment"
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests -m "not simulation and not deployment and not slow"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis

@@ -68,6 +68,9 @@ NODE_CONFIG_KEYS = {
     "sky-bandwidth-mb-s": "bandwidth_mb_s",
     "sky-fail-on": "fail_on",
     "sky-fail-mode": "fail_mode",
+    "sky-fail-round": "fail_round",
+    "sky-fail-step": "fail_step",
+    "sky-fail-delay-s": "fail_delay_s",
 }
 
 
@@ -279,8 +282,8 @@ def emulation_from_node_config(node_config: Mapping[str, Any]) -> Emulation:
     ----------
     node_config : mapping
         ``sky-node`` (the name) and any of ``sky-holds-data``, ``sky-slowdown``,
-        ``sky-memory-mb``, ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (``sky-fail-on``,
-        ``sky-fail-mode`` for tests).
+        ``sky-memory-mb``, ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (``sky-fail-*``
+        for tests: :mod:`sky_flower.emulation.faults`).
 
     Raises
     ------
@@ -306,6 +309,8 @@ def emulation_from_node_config(node_config: Mapping[str, Any]) -> Emulation:
             spec[field] = _parse_bool(key, value)
         elif field in ("fail_on", "fail_mode"):
             spec[field] = str(value)
+        elif field in ("fail_round", "fail_step"):
+            spec[field] = int(value)  # type: ignore[arg-type]
         else:
             spec[field] = float(value)
     return Emulation.from_mapping(spec)

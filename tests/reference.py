@@ -19,6 +19,7 @@ import multiprocessing as mp
 import queue
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -413,3 +414,136 @@ def run_sky_app(
         if isinstance(grid, ConcurrentGrid):
             grid.close()
     return strategy, result, grid
+
+
+DELIVERY_FAULTS = ("duplicate", "late", "malformed", "reorder")
+
+
+def message_at(
+    message_type: str, node_id: int, server_round: int, step: int | None = None
+) -> Callable[[Message], bool]:
+    """A point of a Sky run for :class:`ChaosGrid`: the messages of this type to this
+    node in this round (the message's group id) and, for a step message (its ``mb``
+    record), of this step."""
+
+    def hit(msg: Message) -> bool:
+        meta = msg.metadata
+        mb = msg.content.config_records.get("mb")
+        return (
+            (meta.message_type, meta.dst_node_id, meta.group_id)
+            == (message_type, node_id, str(server_round))
+            and (step is None or mb is None or int(mb["step"]) == step)  # type: ignore[arg-type]
+        )
+
+    return hit
+
+
+class ChaosGrid(Grid):
+    """Delivery-level faults around an in-process Grid (``inner``), at one point: the
+    first message pushed for which ``hit(message)`` is true (:func:`message_at`).
+
+    ``duplicate``
+        the message is delivered twice (the copy right after it); the caller sees the
+        first reply, the copy's is dropped;
+    ``late``
+        its reply is held back until ``delay_s`` after its push (past the caller's
+        deadline when longer than it), then delivered;
+    ``malformed``
+        its reply loses its array and metric records in transit;
+    ``reorder``
+        its reply is delivered after the next pull that returns another reply (or on
+        the second pull of it alone).
+
+    ``kind=""``: no fault. A message whose handler raises comes back as an error reply,
+    as the engines send (:func:`error_reply`). ``injected`` lists each fault done, as
+    ``(kind, message type, destination node id)``.
+    """
+
+    def __init__(
+        self,
+        inner: ProcessPerMessageGrid,
+        kind: str,
+        hit: Callable[[Message], bool],
+        delay_s: float = 0.0,
+    ) -> None:
+        if kind not in ("", *DELIVERY_FAULTS):
+            raise ValueError(f"kind must be '' or one of {DELIVERY_FAULTS}, got {kind!r}")
+        self.inner, self.kind, self.hit, self.delay_s = inner, kind, hit, delay_s
+        self.injected: list[tuple[str, str, int]] = []
+        self.target: str | None = None  # the id of the message hit
+        self.release_at = 0.0  # late: when its reply may be pulled
+        self.held_pulls = 0  # reorder: pulls that held its reply back
+        self.own: dict[str, Message] = {}  # error replies made here
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            hit = bool(self.kind) and not self.injected and self.hit(msg)
+            copy = _wire(msg) if hit and self.kind == "duplicate" else None
+            ids.append(self._push_one(msg))
+            if hit:
+                self.target = ids[-1]
+                self.release_at = time.monotonic() + self.delay_s
+                self.injected.append(
+                    (self.kind, msg.metadata.message_type, msg.metadata.dst_node_id)
+                )
+            if copy is not None:
+                self._push_one(copy)  # delivered again; its reply is never pulled
+        return ids
+
+    def _push_one(self, msg: Message) -> str:
+        try:
+            return next(iter(self.inner.push_messages([msg])))
+        except Exception as err:  # noqa: BLE001 - the engines' error reply
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            self.own[mid] = error_reply(msg, err)
+            return mid
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        wanted = list(message_ids)
+        got = [self.own.pop(m) for m in wanted if m in self.own]
+        rest = [m for m in wanted if m not in self.own]
+        held = self.target in rest and not self._release(len(rest))
+        if held:
+            rest.remove(self.target)  # type: ignore[arg-type]
+        got += list(self.inner.pull_messages(rest))
+        if held and self.kind == "reorder" and got:
+            self.held_pulls = 2  # another reply came first: release it next time
+        for reply in got:
+            if reply.metadata.reply_to_message_id == self.target:
+                self.target = None
+                if self.kind == "malformed" and not reply.has_error():
+                    for name in list(reply.content.array_records):
+                        del reply.content[name]
+                    for name in list(reply.content.metric_records):
+                        del reply.content[name]
+        return got
+
+    def _release(self, pending: int) -> bool:
+        """Whether the held reply may be pulled now (``pending`` ids asked for)."""
+        if self.kind == "late":
+            return time.monotonic() >= self.release_at
+        if self.kind == "reorder":
+            self.held_pulls += 1
+            return self.held_pulls > 2 or (pending == 1 and self.held_pulls > 1)
+        return True
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    @property
+    def handled(self) -> list[tuple[int, str]]:
+        """The inner grid's ``(node id, message type)`` of every message handled."""
+        return self.inner.handled
+
+    def close(self) -> None:
+        """Close the inner grid if it has threads (:class:`ConcurrentGrid`)."""
+        if isinstance(self.inner, ConcurrentGrid):
+            self.inner.close()
+
+    def _unused(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("SkyStrategy does not use this")
+
+    create_message = send_and_receive = set_run = _unused
+    run = property(_unused)

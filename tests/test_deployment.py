@@ -74,7 +74,7 @@ def _run_node_leaving(workdir: Path) -> tuple[str, list[int], list[int]]:
 
 @pytest.mark.skipif(
     not os.environ.get("SKY_TEST_NODE_LEAVING"),
-    reason="about 3 more minutes of deployment: set SKY_TEST_NODE_LEAVING=1 to run it",
+    reason="3 to 7.4 more minutes of deployment (measured): set SKY_TEST_NODE_LEAVING=1",
 )
 def test_supernode_leaving_during_a_round_fails_it_by_name(tmp_path):
     # a SuperNode that leaves during a round ends that round with an error naming it;
@@ -82,7 +82,8 @@ def test_supernode_leaving_during_a_round_fails_it_by_name(tmp_path):
     text, killed, left = _run_node_leaving(tmp_path)
     assert killed, "the data owner's SuperNode was not killed"
     assert "Round 1 failed" in text and "phone (node" in text, text[-3000:]
-    assert "The global model of round 0 is kept" in text
+    # (recovery.py's wording: "Round 1 failed: ... The last good global model is kept")
+    assert "The last good global model is kept" in text, text[-3000:]
     assert "Final results:" not in text
     assert not left and not flower_processes(tmp_path)
 
@@ -205,23 +206,42 @@ def _not_zombie(pid: int) -> bool:
 
 
 def test_supernode_with_unregistered_key_is_refused(tmp_path):
+    """The SuperLink refuses the unregistered key at once (``ActivateNode``: HTTP 412,
+    not retried) and the SuperNode exits with "Failed to activate SuperNode". Under load
+    the SuperNode's start-up (imports) and its exit (``flwr_exit`` waits up to 4 s for
+    telemetry, with a 5 s force-exit timer) can take longer than the 60 s this test
+    allowed, and a ``--max-wait-time`` of 20 s would turn a slow first answer (a read
+    timeout is retried) into a give-up with another message: the bounds are now hang
+    guards of minutes. And the SuperNode binds its own ``--port`` (a port that was free
+    when :func:`free_port` looked, seconds earlier): on a busy machine an outgoing
+    connection can take it first, and the SuperNode then exits on "address already in
+    use" before it ever asks the SuperLink; it is started again on a fresh port. What is
+    asserted is unchanged."""
     dep = LocalDeployment(workdir=tmp_path, tls=True)
     try:
         dep.creds = make_credentials(tmp_path / "creds", 2)
         dep.start_superlink()
         dep.register_node_key(dep.creds.node_keys[0].with_suffix(".pub"))
         good = dep.start_supernode(0, 'sky-node="a"', dep.creds.node_keys[0])
-        bad = dep.start_supernode(1, 'sky-node="b"', dep.creds.node_keys[1], max_wait_s=20)
-        deadline = time.monotonic() + 60
-        while bad.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert bad.returncode not in (None, 0), "an unregistered SuperNode was not refused"
-        assert "Failed to activate SuperNode" in dep.log_text("supernode1")
+        for attempt in range(3):  # a clash on its own port is not what this test is about
+            bad = dep.start_supernode(
+                1 + attempt, 'sky-node="b"', dep.creds.node_keys[1], max_wait_s=120
+            )
+            deadline = time.monotonic() + 240
+            while bad.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            log = dep.log_text(f"supernode{1 + attempt}")
+            if "address already in use" not in log.lower():
+                break
+        assert bad.returncode not in (None, 0), f"an unregistered SuperNode was not refused: {log}"
+        assert "Failed to activate SuperNode" in log, log
         # the registered one is connected and stays up
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240
         while "SuperNode ID" not in dep.log_text("supernode0") and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert good.poll() is None and "SuperNode ID" in dep.log_text("supernode0")
+        assert good.poll() is None and "SuperNode ID" in dep.log_text("supernode0"), dep.log_text(
+            "supernode0"
+        )
     finally:
         left = dep.stop()
     assert not left and not flower_processes(tmp_path)

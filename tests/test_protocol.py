@@ -279,8 +279,9 @@ def test_fault_wrapper_acts_only_on_its_message_type_and_round(server_identity, 
     elif mode == "malformed":
         out = wrapped(msg(P.FORWARD, 2), None, emu)
         assert out.array_records["payload"]["p"].shape == (1,)
-    else:
-        wrapped(msg(P.FORWARD, 2), None, emu)
+    else:  # the hook is set while handling; a handler that never calls it loses the reply
+        with pytest.raises(faults.FaultInjected, match="crashed on train.sky_forward"):
+            wrapped(msg(P.FORWARD, 2), None, emu)
         assert callable(seen[-1]) and faults.step_hook() is None  # only while handling
 
 

@@ -67,9 +67,10 @@ class Emulation:
     fail_on : str
         Fault injection for tests (:mod:`sky_flower.emulation.faults`): misbehave when a
         message of this type arrives (e.g. ``"train.sky_forward"``); empty = never.
-    fail_mode : {"raise", "malformed", "crash", "stall"}
-        How: raise (Flower turns it into an error reply), reply with arrays of the
-        wrong shape, or (``direct`` transport, ``fail_on: train.sky_direct``) mid-round
+    fail_mode : {"raise", "malformed", "nan", "late", "crash", "stall"}
+        How (:mod:`sky_flower.emulation.faults`): raise (Flower turns it into an error
+        reply), reply with arrays of the wrong shape, with NaN values, ``fail_delay_s``
+        late, or (``direct`` transport, ``fail_on: train.sky_direct``) mid-round
         before step ``fail_step``: ``crash`` drops out of the round's process group at
         once (its sockets close, as when the process is killed) and raises; ``stall``
         stops communicating for 1.5 x the round's ``schedule.direct_timeout_s``, then
@@ -78,7 +79,11 @@ class Emulation:
         Only misbehave in this round (0 = every round), so a test can check that the
         next round runs.
     fail_step : int
-        Step of the round before which ``crash`` / ``stall`` strike.
+        Step of the round before which ``crash`` / ``stall`` strike (direct); on a
+        message about one step (relay forward / backward), the step it hits.
+    fail_delay_s : float
+        ``late``: seconds slept before the reply; ``stall``: seconds stalled (0: the
+        direct stall's 1.5 x ``timeout_s``).
     """
 
     name: str
@@ -91,6 +96,7 @@ class Emulation:
     fail_mode: str = "raise"
     fail_round: int = 0
     fail_step: int = 0
+    fail_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"node {self.name!r}"
@@ -104,6 +110,7 @@ class Emulation:
             )
         _real(where, "slowdown", self.slowdown, ">= 0")
         _real(where, "latency_ms", self.latency_ms, ">= 0")
+        _real(where, "fail_delay_s", self.fail_delay_s, ">= 0")
         if self.memory_mb is not None:
             _real(where, "memory_mb", self.memory_mb, "> 0")
         if self.bandwidth_mb_s is not None:

@@ -356,16 +356,20 @@ class Exchange:
         return []
 
     def raise_errors(self, replies: Sequence[Message]) -> None:
-        """Raise one :class:`NodeError` naming every node whose reply is an error."""
+        """Raise one :class:`NodeError` naming every node whose reply is an error (the
+        node the message was sent to: an error the SuperLink makes for an unavailable
+        node comes from the SuperLink's own node id)."""
         bad = [r for r in replies if r.has_error()]
         if bad:
+            nodes = [
+                self.dst.get(r.metadata.reply_to_message_id, r.metadata.src_node_id) for r in bad
+            ]
             raise self.fail(
                 "; ".join(
-                    f"{self.name(r.metadata.src_node_id)} replied with an error: "
-                    f"{short_reason(r.error.reason)}"
-                    for r in bad
+                    f"{self.name(n)} replied with an error: {short_reason(r.error.reason)}"
+                    for n, r in zip(nodes, bad, strict=True)
                 ),
-                [r.metadata.src_node_id for r in bad],
+                nodes,
             )
 
     def request(self, messages: Sequence[Message], timeout_s: float | None = None) -> list[Message]:

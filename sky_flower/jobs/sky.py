@@ -212,19 +212,29 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             evaluate_fn=evaluate,
         )
 
-    def record(error: str | None) -> dict[str, Any]:
-        if strategy.global_arrays is not None:  # last good (finite) global model
-            save_model(out_dir / "model.pt", strategy.global_arrays.to_torch_state_dict())
-        return recorder.write(error or untrained(strategy.rounds))
-
     return simulate(
         start,
         client_app,
         len(fleet),
         (inputs["cpus"], inputs["per_node"]),
-        record,
+        lambda error: write_outputs(out_dir, strategy, recorder, error),
         on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
     )
+
+
+def write_outputs(
+    out_dir: Path,
+    strategy: Any,  # noqa: ANN401 - a SkyStrategy
+    recorder: SkyRecorder,
+    error: str | None,
+) -> dict[str, Any]:
+    """The job's last word: ``model.pt`` (the strategy's last good global model, if it
+    has one) and ``results.json`` (``recorder``, with ``error`` or :func:`untrained`'s);
+    returns the results. Also what the chaos test (``tests/test_chaos.py``) calls after
+    an in-process run."""
+    if strategy.global_arrays is not None:  # last good (finite) global model
+        save_model(out_dir / "model.pt", strategy.global_arrays.to_torch_state_dict())
+    return recorder.write(error or untrained(strategy.rounds))
 
 
 def untrained(rounds: list[dict[str, Any]]) -> str | None:

@@ -13,15 +13,12 @@ Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
 :data:`SETUP`         ``train.sky_setup``: install this round's stage (:class:`StageConfig`
                       and the stage's weights under :data:`ARRAYS`)
 :data:`FORWARD`       ``train.sky_forward``: forward of one micro-batch group
-                      (:class:`MicroBatchGroup`; the last stage: loss and backward too)
+                      (:class:`MicroBatchGroup`; the last stage: loss and backward too;
+                      ``sequential`` is one group of all ``M`` micro-batches)
 :data:`BACKWARD`      ``train.sky_backward``: backward of one group from its stash
 :data:`COLLECT`       ``train.sky_collect``: the stage's weights at the end of a round
 :data:`DIRECT`        ``train.sky_direct``: a whole round peer to peer (:class:`DirectConfig`)
 ====================  ==================================================================
-
-The relay's ``schedule.kind=sequential`` is the pipelined relay with one group of all
-``M`` micro-batches per step: it uses :data:`FORWARD` / :data:`BACKWARD` like
-``gpipe``/``1f1b`` (the former ``train.sky_pipe_fwd``/``train.sky_pipe_bwd`` are gone).
 
 Identity (idempotent delivery): every stage message says which set-up, step and
 micro-batches it belongs to. ``train.sky_setup`` carries the round and a set-up
@@ -96,8 +93,7 @@ _SESSION_LOCK = threading.Lock()
 
 
 def new_session() -> int:
-    """A fresh set-up session: larger than every session this process handed out before
-    (it starts at the wall clock in ns, so a restarted server's are larger too)."""
+    """A fresh set-up session, larger than every earlier one (from the clock in ns)."""
     with _SESSION_LOCK:
         return next(_SESSIONS)
 
