@@ -22,7 +22,7 @@ from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
-from sky_flower.sky.relay import stage_config
+from sky_flower.sky.relay import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
@@ -124,6 +124,7 @@ class DirectRunner(Runner):
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
+            content.update(migrated_state(self.s, plan, k))  # train.optimizer_state=keep
             msgs.append(message(plan.node_ids[k], P.DIRECT, content, str(server_round)))
         return msgs
 
@@ -202,7 +203,10 @@ class DirectRunner(Runner):
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
         new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
-        return self.outcome(ex, plan, new_arrays, metrics, steps, wall)
+        outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall)
+        if self.s.optimizer_store is not None:  # each layer's state, for the next set-up
+            self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+        return outcome
 
     def outcome(
         self,

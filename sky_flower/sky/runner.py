@@ -103,6 +103,9 @@ class RunSettings:
     metric_fn: Callable[..., int] | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     describe: Callable[[int], str | None] = lambda nid: None
+    # train.optimizer_state=keep: the pipelines' optimizer states between rounds
+    # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
+    optimizer_store: Any = None
 
     def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
         """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`."""

@@ -1,0 +1,486 @@
+"""Online re-planning: the plan follows the nodes as they drift.
+
+After every round the measured per-stage times update each node's profile
+(:class:`ProfileTracker`): per stage the round's robust compute per step (relay: the
+median message's compute times messages per step; direct: the round's mean) against
+what the plan predicted gives the node's compute factor, and (relay) the time a stage's
+handlers spend beyond compute (link delay, payload, state) against its prediction gives
+its link factor; a node in several pipelines takes the median of its stages; across
+rounds each factor is smoothed exponentially (``replan.smoothing``: the newest round's
+weight). A node's profile is its benchmark profile times its factors.
+
+Then the configured allocation re-plans on the updated profiles (:func:`decide`). The
+predicted times of the current plan and of the new one are both taken on the updated
+profiles, and the new one is scaled by the current plan's measured / predicted ratio,
+so a cost model that is off by the same factor for both plans (e.g. Flower's
+per-message overhead) triggers nothing. The new plan is taken when its expected step,
+plus the migration charged over the steps left in the run, beats the measured step by
+more than ``replan.threshold``. The migration is what moving the stage state would take:
+the weights (and, with ``train.optimizer_state=keep``, the optimizer state) of every
+layer that changes node, over the old node's and the new node's links (through the
+server). On the relay transport this is an upper bound: the global model is shipped to
+the stages every round anyway.
+
+Moving state: :mod:`sky_flower.sky.migration`. Asteroid (Ye et al., MobiCom 2024) and
+FTPipeHD (Chen et al., arXiv 2110.02781) re-plan pipelines at run time outside federated
+learning; SkyComputing (arXiv 2202.11836) lists it as future work.
+
+``replan.mode``: ``off`` (default: the plan is fixed, as before), ``on``, or ``force``
+(tests: every round runs a plan with other cuts, :func:`shifted_plan`, to check that
+migration keeps training exact).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.supercore import log
+
+from sky_flower.core.cost import CostModel
+from sky_flower.core.partition import make_plan
+from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.sky import planning
+
+REPLAN_MODES = ("off", "on", "force")
+FACTOR_RANGE = (0.02, 200.0)  # a factor outside this is a measurement error, clipped
+
+
+@dataclass(frozen=True)
+class ReplanConfig:
+    """Online re-planning's settings (``replan.*``, :mod:`sky_flower.sky.settings`).
+
+    Attributes
+    ----------
+    mode : {"off", "on", "force"}
+        ``off``: the plan is fixed; ``on``: re-plan when it pays; ``force`` (tests):
+        a plan with other cuts every round.
+    threshold : float
+        Minimum relative gain (0.10: the new plan's expected step, migration included,
+        at least 10 % below the measured step).
+    smoothing : float
+        In (0, 1]: weight of the newest round in the exponential smoothing of the
+        factors (1: the last round only).
+    """
+
+    mode: str = "off"
+    threshold: float = 0.10
+    smoothing: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.mode not in REPLAN_MODES:
+            raise ValueError(
+                f"replan.mode must be one of {', '.join(REPLAN_MODES)}, got {self.mode!r}"
+            )
+        if not 0.0 <= self.threshold < 1.0:
+            raise ValueError(f"replan.threshold must be in [0, 1), got {self.threshold}")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"replan.smoothing must be in (0, 1], got {self.smoothing}")
+
+
+def _clip(x: float) -> float:
+    return float(min(max(x, FACTOR_RANGE[0]), FACTOR_RANGE[1]))
+
+
+@dataclass
+class ProfileTracker:
+    """Each node's compute and link factors against its benchmark profile, smoothed
+    across rounds.
+
+    Parameters
+    ----------
+    base : sequence of NodeProfile
+        The benchmark round's profiles (factor 1).
+    smoothing : float
+        Weight of the newest round (``f <- (1 - a) f + a observed``).
+    """
+
+    base: Sequence[NodeProfile]
+    smoothing: float = 0.5
+    compute: dict[str, float] = field(default_factory=dict)
+    link: dict[str, float] = field(default_factory=dict)
+    planned: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.base = list(self.base)
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Remember the factors a plan's predictions are made with (call on every plan)."""
+        self.planned = {
+            n.name: (self.compute.get(n.name, 1.0), self.link.get(n.name, 1.0)) for n in self.base
+        }
+
+    def observe(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+        """Update the factors from a round's stage rows (``node``, ``predicted_compute_s``,
+        ``median_compute_s`` or ``measured_compute_s``; relay also ``measured_busy_s``,
+        ``predicted_busy_s``). Returns node -> (compute factor before, after)."""
+        seen: dict[str, list[float]] = {}
+        links: dict[str, list[float]] = {}
+        for st in stages:
+            node = st["node"]
+            f_c, f_l = self.planned.get(node, (1.0, 1.0))
+            pred, got = st.get("predicted_compute_s"), st.get("median_compute_s")
+            got = st.get("measured_compute_s") if got is None else got
+            if pred and got and pred > 0 and got > 0:
+                seen.setdefault(node, []).append(f_c * got / pred)
+            p_busy, m_busy = st.get("predicted_busy_s"), st.get("measured_busy_s")
+            if p_busy is not None and m_busy is not None and pred and got:
+                p_link, m_link = p_busy - pred, m_busy - st.get("measured_compute_s", got)
+                if p_link > 1e-6 and m_link > 0:
+                    links.setdefault(node, []).append(f_l * m_link / p_link)
+        a, changed = self.smoothing, {}
+        for node, obs in seen.items():
+            old = self.compute.get(node, 1.0)
+            self.compute[node] = _clip((1 - a) * old + a * float(np.median(obs)))
+            changed[node] = (old, self.compute[node])
+        for node, obs in links.items():
+            old = self.link.get(node, 1.0)
+            self.link[node] = _clip((1 - a) * old + a * float(np.median(obs)))
+        return changed
+
+    def profiles(self, nodes: Sequence[NodeProfile]) -> list[NodeProfile]:
+        """``nodes`` (by name) as their benchmark profiles times their factors."""
+        base = {n.name: n for n in self.base}
+        out = []
+        for n in nodes:
+            b = base.get(n.name, n)
+            c, g = self.compute.get(n.name, 1.0), self.link.get(n.name, 1.0)
+            out.append(
+                replace(
+                    b,
+                    layer_fwd_s=tuple(t * c for t in b.layer_fwd_s),
+                    layer_bwd_s=tuple(t * c for t in b.layer_bwd_s),
+                    latency_s=b.latency_s * g,
+                    bandwidth_bps=b.bandwidth_bps / g,
+                    node_id=n.node_id,
+                )
+            )
+        return out
+
+
+# -- predicted times ---------------------------------------------------------------------
+def round_time(fp: planning.FederatedPlanned, cost_of: Callable[[Any], float]) -> float:
+    """The federated plan's round time (s) with each pipeline's step time from
+    ``cost_of(owner_pipeline)``: a pipeline starts when those in its ``after`` end."""
+    ends: list[float] = []
+    for p in fp.fplan.pipelines:
+        start = max((ends[j] for j in p.after), default=0.0)
+        ends.append(start + p.steps * cost_of(p))
+    return max(ends, default=0.0)
+
+
+def step_on(
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    schedule: Any,
+    plan: Any,  # noqa: ANN401
+) -> float:
+    """``plan``'s predicted step time (s) on the profiles ``nodes`` (by name)."""
+    by_name = {n.name: n for n in nodes}
+    group = [by_name[st.node] for st in plan.stages]
+    spec = [(k, st.first_layer, st.last_layer) for k, st in enumerate(plan.stages)]
+    return float(CostModel(list(layers), group, schedule).step_time(spec))
+
+
+def moved_state(
+    old: planning.FederatedPlanned,
+    new: planning.FederatedPlanned,
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    optimizer_state: bool,
+) -> tuple[int, float, list[dict[str, Any]]]:
+    """What the migration from ``old`` to ``new`` moves: ``(bytes, seconds, moves)``;
+    per pipeline and layer whose node changes, its weights (+ optimizer state) over the
+    old node's link to the server and the server's to the new node (latency + bytes /
+    bandwidth each)."""
+    by_name = {n.name: n for n in nodes}
+
+    def owner_map(fp: planning.FederatedPlanned) -> dict[str, dict[int, str]]:
+        return {
+            p.owner: {
+                j: st.node for st in p.plan.stages for j in range(st.first_layer, st.last_layer + 1)
+            }
+            for p in fp.fplan.pipelines
+        }
+
+    before, after = owner_map(old), owner_map(new)
+    total, seconds, moves = 0, 0.0, []
+    for owner, layout in after.items():
+        for j, dst in layout.items():
+            src = before.get(owner, {}).get(j)
+            if src is None or src == dst:
+                continue
+            nbytes = layers[j].param_bytes + (
+                layers[j].optimizer_state_bytes if optimizer_state else 0
+            )
+            for name in (src, dst):
+                n = by_name.get(name)
+                if n is not None:
+                    bw = (
+                        n.bandwidth_bps
+                        if n.bandwidth_bps and math.isfinite(n.bandwidth_bps)
+                        else math.inf
+                    )
+                    seconds += n.latency_s + nbytes / bw
+            total += nbytes
+            moves.append({"owner": owner, "layer": j, "from": src, "to": dst, "bytes": nbytes})
+    return total, seconds, moves
+
+
+# -- a plan with other cuts (replan.mode=force) ------------------------------------------
+def shifted_plan(
+    fp: planning.FederatedPlanned,
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
+    direction: int,
+) -> planning.FederatedPlanned | None:
+    """``fp`` with every pipeline's first cut moved by one layer (``direction`` +1: a
+    layer from stage 1 to stage 0, -1: back), each stage keeping at least one layer and
+    fitting its node's memory (else the other direction); None when no pipeline changes."""
+    by_name = {n.name: n for n in nodes}
+    pipes, changed = [], False
+    for op in fp.fplan.pipelines:
+        stages = op.plan.stages
+        new = None
+        for d in (direction, -direction) if len(stages) > 1 else ():
+            cut = stages[0].last_layer + d
+            if not stages[0].first_layer <= cut < stages[1].last_layer:
+                continue
+            bounds = [(st.first_layer, st.last_layer) for st in stages]
+            bounds[0], bounds[1] = (bounds[0][0], cut), (cut + 1, bounds[1][1])
+            group = [by_name[st.node] for st in stages]
+            cost = CostModel(list(layers), group, schedule)
+            try:
+                plan = make_plan(
+                    cost, op.plan.method, [(k, a, b) for k, (a, b) in enumerate(bounds)], 0.0
+                )
+            except ValueError:  # memory
+                continue
+            new = replace(plan, note=f"forced re-plan (replan.mode=force): first cut {d:+d}")
+            break
+        changed = changed or new is not None
+        pipes.append(replace(op, plan=new) if new is not None else op)
+    if not changed:
+        return None
+    fplan = replace(fp.fplan, pipelines=tuple(pipes))
+    planned = tuple(planning.owner_planned(p, layers, nodes, schedule) for p in pipes)
+    return planning.FederatedPlanned(fplan, planned, fp.alternatives, fp.alternative_rounds)
+
+
+# -- the decision ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """Whether to run ``new`` from the next round, and why (``record``: the
+    ``replans`` entry of ``results.json``)."""
+
+    take: bool
+    new: planning.FederatedPlanned | None
+    record: dict[str, Any]
+
+
+def layouts(fp: planning.FederatedPlanned) -> dict[str, list[list[Any]]]:
+    """Owner -> ``[node, first, last]`` per stage (the ``replans`` entries' plans)."""
+    return {
+        p.owner: [[st.node, st.first_layer, st.last_layer] for st in p.plan.stages]
+        for p in fp.fplan.pipelines
+    }
+
+
+def decide(  # noqa: PLR0913
+    cfg: ReplanConfig,
+    current: planning.FederatedPlanned,
+    candidate: planning.FederatedPlanned | None,
+    layers: Sequence[LayerProfile],
+    nodes: Sequence[NodeProfile],
+    schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
+    measured_round_s: float,
+    rounds_left: int,
+    optimizer_state: bool,
+) -> Decision:
+    """Take ``candidate`` (planned on the updated profiles ``nodes``) instead of
+    ``current``? See the module docstring: with ``r = measured / predicted`` of the
+    current plan's round on ``nodes``, the candidate's expected round is ``r x`` its
+    prediction plus the migration spread over ``rounds_left`` rounds; it is taken when
+    that is below ``(1 - threshold) x measured`` (always under ``force``, if it differs)."""
+    rec: dict[str, Any] = {"measured_round_s": measured_round_s, "forced": cfg.mode == "force"}
+    if candidate is None or layouts(candidate) == layouts(current):
+        return Decision(False, None, {**rec, "reason": "the re-planned plan is the current one"})
+    cur_pred = round_time(current, lambda p: step_on(layers, nodes, schedule, p.plan))
+    new_pred = round_time(candidate, lambda p: step_on(layers, nodes, schedule, p.plan))
+    ratio = measured_round_s / cur_pred if cur_pred > 0 else 1.0
+    nbytes, mig_s, moves = moved_state(current, candidate, layers, nodes, optimizer_state)
+    expected = ratio * new_pred + mig_s / max(rounds_left, 1)
+    gain = 1.0 - expected / measured_round_s if measured_round_s > 0 else 0.0
+    rec.update(
+        {
+            "predicted_current_round_s": cur_pred,
+            "predicted_new_round_s": new_pred,
+            "measured_over_predicted": ratio,
+            "expected_new_round_s": expected,
+            "predicted_gain": gain,
+            "migration_bytes": nbytes,
+            "migration_s": mig_s,
+            "moved_layers": moves,
+            "old_plan": layouts(current),
+            "new_plan": layouts(candidate),
+        }
+    )
+    take = cfg.mode == "force" or gain > cfg.threshold
+    return Decision(take, candidate if take else None, rec)
+
+
+def drift_text(drifted: Mapping[str, tuple[float, float]], top: int = 3) -> str:
+    """The nodes whose compute factor moved most this round, as text."""
+    order = sorted(drifted.items(), key=lambda kv: -abs(math.log(kv[1][1] / kv[1][0])))
+    return ", ".join(f"{n} compute x{was:.2f} -> x{now:.2f}" for n, (was, now) in order[:top])
+
+
+def log_decision(rnd: int, d: Decision) -> None:
+    """Log a re-plan with its reason: the nodes that drifted most, the gain, the
+    migration."""
+    r = d.record
+    log(
+        INFO if not r["forced"] else WARNING,
+        "Re-plan after round %d%s: %s; measured round %.3f s, new plan expected %.3f s "
+        "(gain %.1f %%), migration %d bytes (%.3f s): %s -> %s",
+        rnd,
+        " (forced)" if r["forced"] else "",
+        r.get("drift") or "no drift measured",
+        r["measured_round_s"],
+        r["expected_new_round_s"],
+        100 * r["predicted_gain"],
+        r["migration_bytes"],
+        r["migration_s"],
+        r["old_plan"],
+        r["new_plan"],
+    )
+
+
+class RoundReplanning:
+    """Online re-planning for :class:`sky_flower.strategies.sky.SkyStrategy` (a mixin,
+    as :class:`sky_flower.sky.recovery.RoundRecovery`): :meth:`init_replan` in its
+    constructor, :meth:`install_plan` for every plan, :meth:`replan_after` after every
+    round that trained."""
+
+    layer_profiles: list[LayerProfile]
+    node_profiles: list[NodeProfile]
+    samples: dict[str, int]
+    schedule: Any
+    allocation: str
+    local_epochs: float
+    steps_per_round: int
+    milp_time_limit_s: float
+    federated: planning.FederatedPlanned | None
+    runs: list[Any]
+    _ids: dict[str, int]
+    _handler_rate: dict[str, float]
+    on_event: Callable[[str, dict], None]
+    runner: Callable[[], Any]
+
+    def init_replan(self, replan: ReplanConfig | None, optimizer_state: str) -> None:
+        """Set up re-planning (``replan``; None: off) and where optimizer state lives
+        between rounds (``round``: fresh each round; ``keep``: kept per pipeline by the
+        server, :mod:`sky_flower.sky.migration`).
+
+        Raises
+        ------
+        ValueError
+            On an unknown ``optimizer_state``.
+        """
+        from sky_flower.sky.migration import OPTIMIZER_STATES, OptimizerStore
+
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"train.optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
+                f"got {optimizer_state!r}"
+            )
+        self.replan_cfg = replan or ReplanConfig()
+        self.optimizer_state = optimizer_state
+        self.optimizer_store = OptimizerStore() if optimizer_state == "keep" else None
+        self.replans: list[dict[str, Any]] = []
+        self.tracker: ProfileTracker | None = None
+
+    def install_plan(self, fed: planning.FederatedPlanned) -> None:
+        """Run ``fed`` from the next round: its pipelines, the first one's plan as
+        ``plan`` / ``cost`` / ``pipeline``; the ``plan`` event."""
+        self.federated = fed
+        self.runs = planning.pipeline_runs(fed, self.node_profiles, self._ids, self._handler_rate)
+        first = fed.planned[0]
+        self.plan, self.cost, self.group_size = first.plan, first.cost, first.group_size
+        self.pipeline = self.runs[0].pipeline
+        if self.tracker is not None:
+            self.tracker.snapshot()
+        self.on_event("plan", fed.event())
+
+    def replan_after(self, rnd: int, row: dict[str, Any], num_rounds: int) -> None:
+        """After round ``rnd`` trained (``row``): update the profiles, and install a
+        better plan for the next round when :func:`decide` says so (``replans`` records
+        it). Nothing under ``replan.mode=off`` or after a round with failed pipelines
+        (the failure's re-plan has run)."""
+        cfg = self.replan_cfg
+        if cfg.mode == "off" or row.get("failed_pipelines") or self.federated is None:
+            return
+        if self.tracker is None:
+            self.tracker = ProfileTracker(self.node_profiles, cfg.smoothing)
+        drifted = self.tracker.observe(row["stages"])
+        self.node_profiles = self.tracker.profiles(self.node_profiles)
+        if rnd >= num_rounds:
+            return
+        layers, nodes, sched = self.layer_profiles, self.node_profiles, self.schedule
+        candidate = self._candidate(rnd)
+        steps = {p["owner"]: p["measured_step_time_s"] for p in row["pipelines"]}
+        measured = round_time(self.federated, lambda p: steps.get(p.owner) or 0.0)
+        d = decide(
+            cfg, self.federated, candidate, layers, nodes, sched, measured,
+            num_rounds - rnd, self.optimizer_store is not None,
+        )  # fmt: skip
+        if not d.take or d.new is None:
+            return
+        runs = planning.pipeline_runs(d.new, nodes, self._ids, self._handler_rate)
+        try:
+            for run in runs:
+                self.runner().check_plan(run.pipeline)
+        except ValueError as err:
+            log(WARNING, "Not re-planning after round %d: %s", rnd, err)
+            return
+        d.record.update({"after_round": rnd, "drift": drift_text(drifted)})
+        d.record["reason"] = (
+            "forced (replan.mode=force)"
+            if cfg.mode == "force"
+            else (
+                f"{d.record['drift'] or 'profiles updated'}: expected gain "
+                f"{100 * d.record['predicted_gain']:.1f} % > threshold {100 * cfg.threshold:.0f} %"
+            )
+        )
+        log_decision(rnd, d)
+        self.replans.append(d.record)
+        self.install_plan(d.new)
+
+    def _candidate(self, rnd: int) -> planning.FederatedPlanned | None:
+        """The plan to weigh: the allocation re-run on the updated profiles, or (force)
+        the current plan with its first cuts moved (alternating direction per round)."""
+        layers, nodes, sched = self.layer_profiles, self.node_profiles, self.schedule
+        assert self.federated is not None
+        if self.replan_cfg.mode == "force":
+            return shifted_plan(self.federated, layers, nodes, sched, 1 if rnd % 2 else -1)
+        try:
+            return planning.make_federated_plan(
+                layers,
+                nodes,
+                self.samples,
+                sched,
+                self.allocation,
+                local_epochs=self.local_epochs,
+                steps_per_round=self.steps_per_round,
+                time_limit_s=self.milp_time_limit_s,
+                alternatives=False,
+            )
+        except ValueError as err:  # e.g. memory: keep the current plan
+            log(WARNING, "Re-planning after round %d failed, keeping the plan: %s", rnd, err)
+            return None
