@@ -107,6 +107,16 @@ class InProcessGrid(Grid):
     run = property(_unused)  # type: ignore[assignment]
 
 
+def server_identity() -> None:
+    """Give this process a ServerApp's task identity (run 1, the SuperLink's node id),
+    so the strategy can build messages outside Flower's runtime (as the tests do)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        setattr(TaskIdentity, attr, value)
+
+
 def fleet(scenario: str, oracle: bool) -> list[Emulation]:
     """The fleet of ``scenario`` (``slow`` or ``leave``); ``oracle``: as after the drift."""
     h1: dict[str, Any] = {"name": "h1", "slowdown": 0.0}
@@ -115,10 +125,10 @@ def fleet(scenario: str, oracle: bool) -> list[Emulation]:
             {**h1, "slowdown": SLOW} if oracle else {**h1, "slowdown_schedule": {DRIFT_ROUND: SLOW}}
         )
     nodes = [
-        Emulation(name="owner", holds_data=True, slowdown=2.0),
+        Emulation(name="owner", holds_data=True, slowdown=8.0),
         Emulation(**h1),
         Emulation(name="h2", slowdown=1.0),
-        Emulation(name="h3", slowdown=2.0),
+        Emulation(name="h3", slowdown=3.0),
     ]
     if scenario == "leave":
         nodes = (
@@ -257,11 +267,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    args.width, args.layers, args.steps, args.batch = (
-        (256, 6, 6, 64) if args.quick else (512, 8, 10, 64)
-    )
+    quick, full = (512, 6, 4, 128), (512, 8, 8, 256)  # width, layers, steps/round, batch
+    args.width, args.layers, args.steps, args.batch = quick if args.quick else full
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)
+    server_identity()
     out = args.out or Path("outputs") / f"bench_drift_{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}

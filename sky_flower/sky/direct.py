@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from sky_flower.core.cost import Schedule
+from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
 from sky_flower.pipeline.stage import slice_state
@@ -185,7 +186,7 @@ class DirectRunner(Runner):
             Naming the node whose reply is malformed.
         """
         sent = {k: tuple(v.shape) for k, v in arrays.items()}
-        metrics = []
+        metrics, slept = [], []
         for reply in replies:
             src = reply.metadata.src_node_id
             rec = reply.content.array_records.get(P.ARRAYS)
@@ -197,13 +198,13 @@ class DirectRunner(Runner):
                         [src],
                     )
             try:
-                metrics.append(
-                    P.DirectMetrics.from_record(reply.content.metric_records.get(P.METRICS))
-                )
+                rec = reply.content.metric_records.get(P.METRICS)
+                metrics.append(P.DirectMetrics.from_record(rec))
+                slept.append(rec.get(EMULATED_S) if rec is not None else None)
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
         new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
-        outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall)
+        outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall, slept)
         if self.s.optimizer_store is not None:  # each layer's state, for the next set-up
             self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
         return outcome
@@ -216,8 +217,11 @@ class DirectRunner(Runner):
         metrics: list[P.DirectMetrics],
         steps: int,
         wall: float,
+        slept: list | None = None,
     ) -> RoundOutcome:
-        """The round's outcome from the stages' metrics (the last stage's losses)."""
+        """The round's outcome from the stages' metrics (the last stage's losses);
+        ``slept``: per stage, the seconds its emulated slowdown slept where it said (its
+        slowdown this round), else its compute times the benchmark's slowdown."""
         S, last = plan.num_stages, metrics[-1]
         times = np.array([list(m.step_times_s) for m in metrics], dtype=float)
         if times.shape != (S, steps) or len(last.losses) != steps:
@@ -230,7 +234,12 @@ class DirectRunner(Runner):
             {
                 "stage": k,
                 "node": st.node,
-                "measured_compute_s": m.compute_s * (1.0 + plan.slowdowns[k]) / steps,
+                "measured_compute_s": (
+                    m.compute_s + slept[k]
+                    if slept and slept[k] is not None
+                    else m.compute_s * (1.0 + plan.slowdowns[k])
+                )
+                / steps,
                 "predicted_compute_s": M * st.compute_s,
                 "median_step_s": float(np.median(times[k])),
             }

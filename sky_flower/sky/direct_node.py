@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import Emulation
+from sky_flower.emulation.devices import EMULATED_S, Emulation
 from sky_flower.pipeline.direct import (
     PEER_FAILURE,
     DirectStageError,
@@ -160,10 +160,12 @@ def run_direct_stage(  # noqa: PLR0913
         setup_s=float(res.setup_s),
         compute_s=float(res.compute_s),
     )
+    record = metrics.to_record()
+    record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
     out = RecordDict(
         {
             P.ARRAYS: ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
-            P.METRICS: metrics.to_record(),
+            P.METRICS: record,
         }
     )
     if optim is not None:  # the state after the round, by parameter name

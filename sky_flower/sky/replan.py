@@ -104,6 +104,7 @@ class ProfileTracker:
     compute: dict[str, float] = field(default_factory=dict)
     link: dict[str, float] = field(default_factory=dict)
     planned: dict[str, tuple[float, float]] = field(default_factory=dict)
+    baselines: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.base = list(self.base)
@@ -111,16 +112,22 @@ class ProfileTracker:
 
     def snapshot(self) -> None:
         """Remember the factors a plan's predictions are made with (call on every plan)."""
-        self.planned = {
-            n.name: (self.compute.get(n.name, 1.0), self.link.get(n.name, 1.0)) for n in self.base
-        }
+        self.planned = {n.name: self.factors(n.name) for n in self.base}
 
     def observe(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
         """Update the factors from a round's stage rows (``node``, ``predicted_compute_s``,
         ``median_compute_s`` or ``measured_compute_s``; relay also ``measured_busy_s``,
-        ``predicted_busy_s``). Returns node -> (compute factor before, after)."""
+        ``predicted_busy_s``). Returns node -> (compute factor before, after).
+
+        A node not measured yet takes the run's calibration: the median over the
+        helpers' stages (all stages if none) of the first round observed of measured /
+        benchmark-predicted
+        (``baselines``), so what the cost model misses on every node alike (e.g. the
+        relay's per-message work) does not make an unmeasured node look faster than
+        the measured ones."""
         seen: dict[str, list[float]] = {}
         links: dict[str, list[float]] = {}
+        helpers: list[float] = []  # the baseline: a data owner's stage also loads its data
         for st in stages:
             node = st["node"]
             f_c, f_l = self.planned.get(node, (1.0, 1.0))
@@ -128,20 +135,44 @@ class ProfileTracker:
             got = st.get("measured_compute_s") if got is None else got
             if pred and got and pred > 0 and got > 0:
                 seen.setdefault(node, []).append(f_c * got / pred)
+                if st.get("stage", 0) > 0:
+                    helpers.append(f_c * got / pred)
             p_busy, m_busy = st.get("predicted_busy_s"), st.get("measured_busy_s")
             if p_busy is not None and m_busy is not None and pred and got:
                 p_link, m_link = p_busy - pred, m_busy - st.get("measured_compute_s", got)
                 if p_link > 1e-6 and m_link > 0:
                     links.setdefault(node, []).append(f_l * m_link / p_link)
-        a, changed = self.smoothing, {}
+        old = {n: self.factors(n)[0] for n in seen}
+        self._smooth(self.compute, seen, "compute", helpers)
+        self._smooth(self.link, links, "link")
+        return {n: (old[n], self.compute[n]) for n in seen}
+
+    def _smooth(
+        self,
+        factors: dict[str, float],
+        seen: dict[str, list[float]],
+        kind: str,
+        calibrate: list[float] | None = None,
+    ) -> None:
+        """``factors`` <- EMA with each node's median observation (a node's first
+        observation starts from the baseline: the median of ``calibrate``, else of every
+        observation, in the first round observed)."""
+        if not seen:
+            return
+        if kind not in self.baselines:  # the first round observed calibrates the run
+            every = calibrate or [v for obs in seen.values() for v in obs]
+            self.baselines[kind] = float(np.median(every))
+        a, base = self.smoothing, self.baselines[kind]
         for node, obs in seen.items():
-            old = self.compute.get(node, 1.0)
-            self.compute[node] = _clip((1 - a) * old + a * float(np.median(obs)))
-            changed[node] = (old, self.compute[node])
-        for node, obs in links.items():
-            old = self.link.get(node, 1.0)
-            self.link[node] = _clip((1 - a) * old + a * float(np.median(obs)))
-        return changed
+            prior = factors.get(node, base)
+            factors[node] = _clip((1 - a) * prior + a * float(np.median(obs)))
+
+    def factors(self, name: str) -> tuple[float, float]:
+        """``name``'s (compute, link) factors; the baselines for a node not measured."""
+        b = self.baselines
+        return self.compute.get(name, b.get("compute", 1.0)), self.link.get(
+            name, b.get("link", 1.0)
+        )
 
     def profiles(self, nodes: Sequence[NodeProfile]) -> list[NodeProfile]:
         """``nodes`` (by name) as their benchmark profiles times their factors."""
@@ -149,7 +180,7 @@ class ProfileTracker:
         out = []
         for n in nodes:
             b = base.get(n.name, n)
-            c, g = self.compute.get(n.name, 1.0), self.link.get(n.name, 1.0)
+            c, g = self.factors(n.name)
             out.append(
                 replace(
                     b,
