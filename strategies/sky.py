@@ -61,7 +61,8 @@ from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.replan import ReplanConfig, RoundReplanning
+from sky_flower.sky.replan import ReplanConfig
+from sky_flower.sky.replan_hook import RoundReplanning
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 
 RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
@@ -362,7 +363,7 @@ class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy
             time_limit_s=self.milp_time_limit_s,
             alternatives=alternatives,
         )
-        self.install_plan(fed)  # sky_flower.sky.replan.RoundReplanning
+        self.install_plan(fed)  # sky_flower.sky.replan_hook.RoundReplanning
         return self.plan
 
     @property
@@ -467,7 +468,7 @@ class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy
                 self._recover(
                     rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
                 )
-            self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan
+            self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan_hook
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
         return result
