@@ -242,3 +242,28 @@ def test_a_node_that_slows_down_is_replanned_around_and_no_drift_keeps_the_plan(
     assert d.take, d.record
     assert d.record["predicted_gain"] > 0.10 and d.record["migration_bytes"] > 0
     assert d.record["moved_layers"]
+
+
+def test_optimizer_state_by_parameter_name_round_trips_and_slices_by_layer():
+    from flwr.app import ArrayRecord as AR
+
+    from sky_flower.pipeline.stage import build_stage, optimizer_to_tensors, stage_optimizer
+    from sky_flower.sky import migration
+
+    stage = build_stage(small_cnn, 1, 3)
+    opt = stage_optimizer(stage, "adam", LR)
+    stage(torch.randn(4, 4, 8, 8)).sum().backward()
+    opt.step()
+    local = AR(optimizer_to_tensors(opt))
+    by_name = migration.global_optimizer_state(small_cnn, 1, 3, local)
+    assert by_name and all(k.split(".", 1)[0] in {"1", "2", "3"} and "::" in k for k in by_name)
+    back = migration.local_optimizer_state(small_cnn, 1, 3, by_name).to_torch_state_dict()
+    assert {k: v.tolist() for k, v in back.items()} == {
+        k: v.tolist() for k, v in local.to_torch_state_dict().items()
+    }
+    store = migration.OptimizerStore()
+    store.put("owner", [by_name])
+    only_2 = store.stage_record("owner", 2, 2).to_torch_state_dict()
+    assert only_2 and all(k.startswith("2.") for k in only_2)
+    with pytest.raises(ValueError, match="not of layers 1..1"):
+        migration.local_optimizer_state(small_cnn, 1, 1, store.stage_record("owner", 2, 3))
