@@ -63,6 +63,8 @@ from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
+from sky_flower.sky.replan import ReplanConfig
+from sky_flower.sky.replan_hook import RoundReplanning
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 
 RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
@@ -73,7 +75,7 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
 
 
-class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
+class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
     Parameters
@@ -147,6 +149,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
     input_dtype : str (default: "float32")
         Dtype of the model's input (``"int64"`` for a language model's token ids): the
         profile, the benchmark and the ``direct`` stage 0 build their probes of it.
+    replan, optimizer_state : ReplanConfig (default: off), str (default: "round")
+        Online re-planning and optimizer state across rounds (:mod:`sky_flower.sky.replan`).
     """
 
     def __init__(  # noqa: PLR0913
@@ -183,6 +187,8 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         input_dtype: str = "float32",
         divergence_factor: float = 0.0,
         deadlines: Deadlines = Deadlines(),  # noqa: B008 - frozen
+        replan: ReplanConfig = ReplanConfig(),  # noqa: B008 - frozen
+        optimizer_state: str = "round",
     ) -> None:
         planning.check_settings(
             allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
@@ -232,6 +238,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
         self._handler_rate: dict[str, float] = {}
         self._stop = threading.Event()
         self.deadlines, self._ledger = deadlines, NodeLedger()
+        self.init_replan(replan, optimizer_state)
 
     # -- settings shared with the benchmark and the runners -----------------------------
     def request_stop(self) -> None:
@@ -261,6 +268,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
             describe=self._names.get,
             deadlines=self.deadlines,
             ledger=self._ledger,
+            optimizer_store=self.optimizer_store,
         )
 
     def runner(self) -> Runner:
@@ -361,13 +369,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
             time_limit_s=self.milp_time_limit_s,
             alternatives=alternatives,
         )
-        self.federated = fed
-        self.runs = planning.pipeline_runs(fed, self.node_profiles, self._ids, self._handler_rate)
-        first = fed.planned[0]
-        self.plan, self.cost, self.group_size = first.plan, first.cost, first.group_size
-        self.pipeline = self.runs[0].pipeline
-        event = fed.event()
-        self.on_event("plan", event)
+        self.install_plan(fed)  # sky_flower.sky.replan_hook.RoundReplanning
         return self.plan
 
     @property
@@ -472,6 +474,7 @@ class SkyStrategy(RoundRecovery, ServerSideEvaluation, Strategy):
                 self._recover(
                     rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
                 )
+            self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan_hook
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
         return result

@@ -131,6 +131,7 @@ def reference_rounds(  # noqa: PLR0913
     optimizer: str = "adam",
     weights: dict[str, torch.Tensor] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    keep_optimizer: bool = False,
 ) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
     """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
     batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
@@ -161,6 +162,9 @@ def reference_rounds(  # noqa: PLR0913
         Initial state dict (default: ``model_fn()``'s own).
     loss_fn : callable, optional
         ``(output, labels) -> mean loss`` of a micro-batch (default cross-entropy).
+    keep_optimizer : bool
+        One optimizer for the whole run instead of a fresh one each round (Sky's
+        ``train.optimizer_state=keep``).
 
     Returns
     -------
@@ -177,8 +181,10 @@ def reference_rounds(  # noqa: PLR0913
     if weights is not None:
         model.load_state_dict(weights)
     out = []
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     for rnd in range(1, rounds + 1):
-        opt = make_optimizer(optimizer, model.parameters(), lr)
+        if not keep_optimizer:
+            opt = make_optimizer(optimizer, model.parameters(), lr)
         losses = []
         for step in range(steps):
             x, y = _step_batch(data, step, rnd, batch_size, seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import psutil
@@ -24,6 +24,7 @@ from sky_flower.core.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 from sky_flower.emulation.faults import FAIL_MODES, FaultInjected
 
 MIB = 1024 * 1024
+EMULATED_S = "emulated_s"  # a stage reply's metric: seconds its emulated slowdown slept
 
 __all__ = [
     "GENERATED_FLEET_KEYS",
@@ -31,6 +32,7 @@ __all__ = [
     "compose_fleet",
     "Emulation",
     "FaultInjected",
+    "NodeAbsent",
     "expand_fleet",
     "parse_fleet",
 ]
@@ -84,6 +86,16 @@ class Emulation:
     fail_delay_s : float
         ``late``: seconds slept before the reply; ``stall``: seconds stalled (0: the
         direct stall's 1.5 x ``timeout_s``).
+    slowdown_schedule : dict of int to float
+        Drift: from round ``r`` on (each key a round >= 1) the node's slowdown is the
+        value of the largest key ``<= r`` (``{3: 4.0}``: ``slowdown`` until round 2,
+        4.0 from round 3). Empty: ``slowdown`` throughout. The benchmark round is round 0.
+    leave_round : int
+        Drift: from this round on the node has left (every message fails with
+        :class:`NodeAbsent`); 0 = never.
+    join_round : int
+        Drift: the node is absent before this round (the benchmark round included, so
+        the first plan leaves it out); 0 = present from the start.
     """
 
     name: str
@@ -97,6 +109,9 @@ class Emulation:
     fail_round: int = 0
     fail_step: int = 0
     fail_delay_s: float = 0.0
+    slowdown_schedule: Mapping[int, float] = field(default_factory=dict)
+    leave_round: int = 0
+    join_round: int = 0
 
     def __post_init__(self) -> None:
         where = f"node {self.name!r}"
@@ -117,10 +132,16 @@ class Emulation:
             _real(where, "bandwidth_mb_s", self.bandwidth_mb_s, "> 0", or_null=True)
         if not isinstance(self.fail_on, str):
             raise ValueError(f"{where}: fail_on must be a string, got {self.fail_on!r}")
-        for f in ("fail_round", "fail_step"):
+        for f in ("fail_round", "fail_step", "leave_round", "join_round"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{where}: {f} must be an integer >= 0, got {v!r}")
+        object.__setattr__(self, "slowdown_schedule", _schedule(where, self.slowdown_schedule))
+        if self.leave_round and self.join_round and self.leave_round <= self.join_round:
+            raise ValueError(
+                f"{where}: leave_round ({self.leave_round}) must come after join_round "
+                f"({self.join_round})"
+            )
 
     @classmethod
     def from_mapping(cls, spec: Mapping) -> Emulation:
@@ -144,13 +165,49 @@ class Emulation:
 
     def to_dict(self) -> dict:
         """Plain dict (for config records and JSON)."""
-        return asdict(self)
+        d = asdict(self)
+        d["slowdown_schedule"] = dict(self.slowdown_schedule)
+        return d
+
+    # --- drift -----------------------------------------------------------------------
+    @property
+    def drifts(self) -> bool:
+        """Whether the node's emulation changes during the run."""
+        return bool(self.slowdown_schedule or self.leave_round or self.join_round)
+
+    def present(self, server_round: int) -> bool:
+        """Whether the node takes part in round ``server_round`` (0: the benchmark)."""
+        if self.join_round and server_round < self.join_round:
+            return False
+        return not (self.leave_round and server_round >= self.leave_round)
+
+    def at_round(self, server_round: int) -> Emulation:
+        """This node as it is in round ``server_round`` (0: the benchmark round): its
+        slowdown from :attr:`slowdown_schedule`.
+
+        Raises
+        ------
+        NodeAbsent
+            If the node has not joined yet or has left (:meth:`present`).
+        """
+        if not self.present(server_round):
+            raise NodeAbsent(
+                f"node {self.name!r} is not in the federation in round {server_round} "
+                f"(fleet join_round={self.join_round}, leave_round={self.leave_round})"
+            )
+        due = [r for r in self.slowdown_schedule if r <= server_round]
+        if not due:
+            return self
+        return replace(self, slowdown=float(self.slowdown_schedule[max(due)]))
 
     # --- effects ---------------------------------------------------------------------
-    def after_compute(self, elapsed_s: float) -> None:
-        """Sleep ``slowdown x elapsed_s`` (SkyComputing's emulation)."""
+    def after_compute(self, elapsed_s: float) -> float:
+        """Sleep ``slowdown x elapsed_s`` (SkyComputing's emulation); return the seconds
+        slept (what the emulated device's compute took longer)."""
         if self.slowdown > 0 and elapsed_s > 0:
             time.sleep(self.slowdown * elapsed_s)
+            return self.slowdown * elapsed_s
+        return 0.0
 
     def link_delay_s(self, nbytes: float) -> float:
         """Seconds a message of ``nbytes`` (both directions together) takes on the link."""
@@ -176,6 +233,45 @@ class Emulation:
         if self.bandwidth_mb_s:
             parts.append(f"{self.bandwidth_mb_s:g} MB/s")
         return ", ".join(parts)
+
+
+def message_round(msg: Any) -> int:  # noqa: ANN401 - a flwr Message
+    """The server round a Sky message belongs to: its group id (``str(round)``, set by
+    :func:`sky_flower.sky.runner.message`); 0 for the benchmark's ``benchmark`` /
+    ``echo`` groups."""
+    group = str(getattr(msg.metadata, "group_id", "") or "")
+    return int(group) if group.isdigit() else 0
+
+
+class NodeAbsent(RuntimeError):  # noqa: N818 - a state, as FaultInjected
+    """A drifting node's message in a round it is not part of (fleet ``join_round`` /
+    ``leave_round``): Flower turns it into an error reply, so the node fails the round."""
+
+
+def _schedule(where: str, raw: object) -> dict[int, float]:
+    """``slowdown_schedule`` checked: round (int >= 1) -> slowdown (>= 0); YAML keys
+    may arrive as strings.
+
+    Raises
+    ------
+    ValueError
+        Naming the node, on another type, a round < 1 or a bad slowdown.
+    """
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{where}: slowdown_schedule must map rounds to slowdowns, e.g. {{3: 4.0}}, got {raw!r}"
+        )
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            rnd = int(key)
+        except (TypeError, ValueError):
+            rnd = -1
+        if isinstance(key, bool) or rnd < 1 or str(rnd) != str(key).strip():
+            raise ValueError(f"{where}: slowdown_schedule round {key!r} must be an integer >= 1")
+        _real(where, f"slowdown_schedule[{rnd}]", value, ">= 0")
+        out[rnd] = float(value)  # type: ignore[arg-type]
+    return out
 
 
 def parse_fleet(nodes: list[Mapping]) -> list[Emulation]:

@@ -268,13 +268,15 @@ def sky_results(
     failed_rounds: list[dict] | None = None,
     initial_test_accuracy: float | None = None,
     completed: bool = False,
+    replans: list[dict] | None = None,
 ) -> dict[str, Any]:
     """The ``results.json`` of a Sky run (Hydra job and ``flwr run``).
 
     ``rounds`` are the strategy's round rows (only :data:`ROUND_KEYS` are kept);
     ``final_test_accuracy`` is the last good round's (a failed round keeps the previous
     global model); ``initial_test_accuracy`` the untrained model's (round 0);
-    ``completed`` whether every round ran.
+    ``completed`` whether every round ran; ``replans`` the online re-plans
+    (:mod:`sky_flower.sky.replan`: after which round, why, gain, migration, plans).
     """
     rows = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
     return {
@@ -288,6 +290,7 @@ def sky_results(
         "rounds": rows,
         "error": error,
         "failed_rounds": failed_rounds or [],
+        "replans": replans or [],
         "completed": completed,
     }
 
@@ -359,6 +362,7 @@ class SkyRecorder:
             list(s.failed_rounds) if s is not None else [],
             self.initial_test_accuracy,
             self.completed,
+            list(getattr(s, "replans", [])),
         )
         return write_json(self.path, results)
 

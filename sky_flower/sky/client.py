@@ -59,13 +59,19 @@ from sky_flower.core.profile import (
     time_optimizer_steps,
 )
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import Emulation
+from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
+from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node_defaults import (  # noqa: F401 - re-exported
+    default_emulation,
+    fleet_emulation,
+    owner_data_fn,
+)
 from sky_flower.sky.stage_state import (
     NodeStateError,
     direct_ran,
@@ -185,6 +191,8 @@ class SkyClient:
                 return Message(again, reply_to=msg)
             torch.set_num_threads(1)
             emu = self.emulation_fn(context)
+            if emu.drifts:  # fleet drift: this round's slowdown; absent: fails (raises)
+                emu = emu.at_round(message_round(msg))
             content = (faulty if emu.fail_on else fn)(msg, context, emu)
             delay = emu.link_delay_s(_payload_bytes(msg.content) + _payload_bytes(content))
             if delay > 0:
@@ -341,6 +349,10 @@ class SkyClient:
         for key in list(context.state.keys()):
             if key in (OPTIM, GRADS, ACCUM) or key.startswith(STASH_MB):
                 del context.state[key]
+        if migration.OPTIM_KEY in msg.content.array_records:  # kept across rounds
+            context.state[OPTIM] = migration.local_optimizer_state(
+                self.model_fn, st.first, st.last, msg.content.array_records[migration.OPTIM_KEY]
+            )
         return RecordDict({P.METRICS: MetricRecord({P.READY: 1})})
 
     def forward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
@@ -386,7 +398,7 @@ class SkyClient:
             out[P.METRICS] = MetricRecord({P.COMPUTE_S: compute})
         if grad is not None:
             out[P.GRAD] = ArrayRecord({P.GRAD: grad})
-        emu.after_compute(compute)
+        out[P.METRICS][EMULATED_S] = emu.after_compute(compute)  # type: ignore[index]
         return RecordDict(out)
 
     def backward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
@@ -406,17 +418,24 @@ class SkyClient:
         compute = time.perf_counter() - t0
         del context.state[key]
         self._keep(context, ex, grp.step, done, st.microbatches)
-        emu.after_compute(compute)
+        slept = emu.after_compute(compute)
         out: dict[str, ArrayRecord | MetricRecord] = {
-            P.METRICS: MetricRecord({P.COMPUTE_S: compute})
+            P.METRICS: MetricRecord({P.COMPUTE_S: compute, EMULATED_S: slept})
         }
         if grad is not None:
             out[P.GRAD] = ArrayRecord({P.GRAD: grad})
         return RecordDict(out)
 
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """Return the stage's weights (end of round)."""
-        return RecordDict({P.ARRAYS: context.state.array_records[WEIGHTS]})
+        """Return the stage's weights (end of round); its optimizer state too, keyed by
+        the model's parameter names, when the message asks (``optim``)."""
+        out = RecordDict({P.ARRAYS: context.state.array_records[WEIGHTS]})
+        if migration.wants_optimizer(msg.content):
+            st = self._stage(context)
+            out[migration.OPTIM_KEY] = migration.global_optimizer_state(
+                self.model_fn, st.first, st.last, context.state.array_records.get(OPTIM)
+            )
+        return out
 
     def direct(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Run this node's stage for one whole round on the ``direct`` transport
@@ -447,48 +466,5 @@ class SkyClient:
             batch_fn=lambda step: self._batch(context, cfg.stage, step),
             loss_fn=loss_fn,
             metric_fn=metric_fn,
+            optim=msg.content.array_records.get(migration.OPTIM_KEY),
         )
-
-
-# --- defaults for the simulation engine ------------------------------------------------
-def default_emulation(context: Context) -> Emulation:
-    """A native node named by ``node_config["sky-node"]`` or its partition id."""
-    cfgn = context.node_config
-    name = str(cfgn.get("sky-node", f"node{cfgn.get('partition-id', 0)}"))
-    return Emulation(name=name)
-
-
-def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:
-    """Map simulation partition ``i`` to fleet node ``i``."""
-
-    def emulation_fn(context: Context) -> Emulation:
-        pid = int(context.node_config.get("partition-id", 0))
-        if not 0 <= pid < len(fleet):
-            raise ValueError(f"partition-id {pid} has no fleet entry ({len(fleet)} nodes)")
-        return fleet[pid]
-
-    return emulation_fn
-
-
-def owner_data_fn(
-    fleet: list[Emulation],
-    dataset: str | dict = "digits",
-    test_fraction: float = 0.2,
-    seed: int = 0,
-) -> Callable[[Context], Split | None]:
-    """This node's partition if it is a data owner (``pipeline.data.owner_split``)."""
-    from sky_flower.pipeline.data import owner_split
-
-    owners = [n.name for n in fleet if n.holds_data]
-    cache: dict[str, Split] = {}
-
-    def load(context: Context) -> Split | None:
-        emu = fleet_emulation(fleet)(context)
-        if not emu.holds_data:
-            return None
-        if emu.name not in cache:  # the same seeded split as the server's
-            i, n = owners.index(emu.name), len(owners)
-            cache[emu.name] = owner_split(dataset, i, n, seed, test_fraction)
-        return cache[emu.name]
-
-    return load

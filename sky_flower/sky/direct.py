@@ -18,12 +18,13 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from sky_flower.core.cost import Schedule
+from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.guard import check_stages
-from sky_flower.sky.relay import stage_config
+from sky_flower.sky.relay import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
@@ -126,6 +127,7 @@ class DirectRunner(Runner):
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
+            content.update(migrated_state(self.s, plan, k))  # train.optimizer_state=keep
             msgs.append(message(plan.node_ids[k], P.DIRECT, content, str(server_round)))
         return msgs
 
@@ -186,7 +188,7 @@ class DirectRunner(Runner):
             Naming the node whose reply is malformed.
         """
         sent = {k: tuple(v.shape) for k, v in arrays.items()}
-        metrics = []
+        metrics, slept = [], []
         for reply in replies:
             src = reply.metadata.src_node_id
             rec = reply.content.array_records.get(P.ARRAYS)
@@ -198,14 +200,17 @@ class DirectRunner(Runner):
                         [src],
                     )
             try:
-                metrics.append(
-                    P.DirectMetrics.from_record(reply.content.metric_records.get(P.METRICS))
-                )
+                rec = reply.content.metric_records.get(P.METRICS)
+                metrics.append(P.DirectMetrics.from_record(rec))
+                slept.append(rec.get(EMULATED_S) if rec is not None else None)
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
         new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
         check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.guard)
-        return self.outcome(ex, plan, new_arrays, metrics, steps, wall)
+        outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall, slept)
+        if self.s.optimizer_store is not None:  # each layer's state, for the next set-up
+            self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+        return outcome
 
     def outcome(
         self,
@@ -215,8 +220,11 @@ class DirectRunner(Runner):
         metrics: list[P.DirectMetrics],
         steps: int,
         wall: float,
+        slept: list | None = None,
     ) -> RoundOutcome:
-        """The round's outcome from the stages' metrics (the last stage's losses)."""
+        """The round's outcome from the stages' metrics (the last stage's losses);
+        ``slept``: per stage, the seconds its emulated slowdown slept where it said (its
+        slowdown this round), else its compute times the benchmark's slowdown."""
         S, last = plan.num_stages, metrics[-1]
         times = np.array([list(m.step_times_s) for m in metrics], dtype=float)
         if times.shape != (S, steps) or len(last.losses) != steps:
@@ -229,7 +237,12 @@ class DirectRunner(Runner):
             {
                 "stage": k,
                 "node": st.node,
-                "measured_compute_s": m.compute_s * (1.0 + plan.slowdowns[k]) / steps,
+                "measured_compute_s": (
+                    m.compute_s + slept[k]
+                    if slept and slept[k] is not None
+                    else m.compute_s * (1.0 + plan.slowdowns[k])
+                )
+                / steps,
                 "predicted_compute_s": M * st.compute_s,
                 "median_step_s": float(np.median(times[k])),
             }

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import Emulation
+from sky_flower.emulation.devices import EMULATED_S, Emulation
 from sky_flower.pipeline.direct import (
     PEER_FAILURE,
     DirectStageError,
@@ -22,7 +22,16 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
-from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, build_stage, stage_optimizer
+from sky_flower.pipeline.stage import (
+    LossFn,
+    MetricFn,
+    RngKey,
+    build_stage,
+    optimizer_from_tensors,
+    optimizer_to_tensors,
+    stage_optimizer,
+)
+from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 
 
@@ -64,6 +73,7 @@ def run_direct_stage(  # noqa: PLR0913
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     loss_fn: LossFn,
     metric_fn: MetricFn,
+    optim: ArrayRecord | None = None,
 ) -> RecordDict:
     """Run this node's stage for one whole round on the ``direct`` transport.
 
@@ -92,6 +102,10 @@ def run_direct_stage(  # noqa: PLR0913
         ``step -> (x, labels)``, the data owner's batches (used on rank 0 only).
     loss_fn, metric_fn : callable
         The last stage's objective.
+    optim : ArrayRecord, optional
+        ``train.optimizer_state=keep``: the stage's layers' optimizer state by parameter
+        name (:mod:`sky_flower.sky.migration`), loaded before the round and returned
+        after it (:data:`~sky_flower.sky.migration.OPTIM_KEY`); None: a fresh optimizer.
 
     A stage whose own computation raises (its model, loss or data) replies with
     :data:`~sky_flower.sky.protocol.STAGE_ERROR` instead (:func:`own_error`).
@@ -111,11 +125,15 @@ def run_direct_stage(  # noqa: PLR0913
             f"not for this node ({node_id})"
         )
     module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
+    opt = stage_optimizer(module, st.optimizer, st.lr)
+    if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
+        local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
+        optimizer_from_tensors(opt, local.to_torch_state_dict())
     try:
         res = run_stage(
             rdv,
             module,
-            stage_optimizer(module, st.optimizer, st.lr),
+            opt,
             kind=cfg.kind,
             microbatches=st.microbatches,
             steps=cfg.steps,
@@ -142,9 +160,17 @@ def run_direct_stage(  # noqa: PLR0913
         setup_s=float(res.setup_s),
         compute_s=float(res.compute_s),
     )
-    return RecordDict(
+    record = metrics.to_record()
+    record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
+    out = RecordDict(
         {
             P.ARRAYS: ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
-            P.METRICS: metrics.to_record(),
+            P.METRICS: record,
         }
     )
+    if optim is not None:  # the state after the round, by parameter name
+        local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
+        out[migration.OPTIM_KEY] = migration.global_optimizer_state(
+            model_fn, st.first, st.last, local
+        )
+    return out

@@ -21,12 +21,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from sky_flower.core.simulate import stage_order
+from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
+from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.deadlines import stage_message_s
 from sky_flower.sky.guard import check_reply, check_stages
@@ -87,11 +90,15 @@ class RelayRunner(Runner):
                 step_times.append(time.perf_counter() - t0)
                 losses.append(st.loss)
                 correct, seen = correct + st.correct, seen + st.seen
+            store = self.s.optimizer_store
             cfg = {P.CONFIG: self.ident.to_config_record()}
+            cfg.update(migration.want_record() if store is not None else {})
             msgs = [message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids]
             collect = ex.request(msgs, self.s.deadline("collect"))
             new = merge_weights(collect, ex, self.expected, P.ARRAYS)
             check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.guard)
+            if store is not None:  # each layer's optimizer state, for the next set-up
+                store.put(plan.plan.stages[0].node, optimizer_records(ex, collect))
         except Exception:  # not waited on: a later push to their nodes waits (Exchange)
             ex.abandon()
             raise
@@ -119,6 +126,7 @@ class RelayRunner(Runner):
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
+            content.update(migrated_state(self.s, plan, k))
             msgs.append(message(plan.node_ids[k], P.SETUP, content, str(server_round)))
         return msgs
 
@@ -210,6 +218,34 @@ class RelayRunner(Runner):
             st.grads[(k - 1, g)] = take(ex, reply, P.GRAD, st.in_shape[(k, g)])
 
 
+def migrated_state(s: RunSettings, plan: Pipeline, k: int) -> dict[str, ArrayRecord]:
+    """Stage ``k``'s set-up entry with its layers' optimizer state from the server's
+    store (``train.optimizer_state=keep``; :mod:`sky_flower.sky.migration`), else none."""
+    if s.optimizer_store is None:
+        return {}
+    st = plan.plan.stages[k]
+    rec = s.optimizer_store.stage_record(plan.plan.stages[0].node, st.first_layer, st.last_layer)
+    return {migration.OPTIM_KEY: rec}
+
+
+def optimizer_records(ex: Exchange, replies: list[Message]) -> list[ArrayRecord]:
+    """Every stage's optimizer state (by parameter name) from its reply.
+
+    Raises
+    ------
+    SkyNodeError
+        Naming the node whose reply lacks it.
+    """
+    out = []
+    for reply in replies:
+        rec = reply.content.array_records.get(migration.OPTIM_KEY)
+        if rec is None:
+            src = reply.metadata.src_node_id
+            raise ex.fail(f"{ex.name(src)}: reply lacks its optimizer state", [src])
+        out.append(rec)
+    return out
+
+
 def stage_config(  # noqa: PLR0913
     s: RunSettings, k: int, first: int, last: int, server_round: int, session: int = 0
 ) -> P.StageConfig:
@@ -279,8 +315,19 @@ def note(stat: dict[str, Any], reply: Message, slowdown: float) -> None:
     stat["messages"] += 1
     m = reply.content.metric_records.get(P.METRICS)
     if m is not None:
-        stat["compute_s"] += float(m.get(P.COMPUTE_S, 0.0)) * (1.0 + slowdown)
+        own = float(m.get(P.COMPUTE_S, 0.0))  # + what the node's emulation slept, if told
+        slept = m.get(EMULATED_S)
+        compute = own + float(slept) if slept is not None else own * (1.0 + slowdown)
+        stat["compute_s"] += compute
+        stat.setdefault("per_message", []).append(compute)
         stat["busy_s"] += float(m.get(P.BUSY_S, 0.0))
+
+
+def median_per_step(stat: dict[str, Any], steps: int) -> float:
+    """A stage's compute per step, robust to a stray slow message: the median message's
+    compute times the messages per step (seconds; 0 without messages)."""
+    per = stat.get("per_message") or [0.0]
+    return float(np.median(per)) * stat["messages"] / max(steps, 1)
 
 
 def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
@@ -293,6 +340,7 @@ def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[
             "messages": got["messages"] / steps,
             "predicted_messages": pred["messages"],
             "measured_compute_s": got["compute_s"] / steps,
+            "median_compute_s": median_per_step(got, steps),
             "predicted_compute_s": pred["compute_s"],
             "measured_busy_s": got["busy_s"] / steps,
             "predicted_busy_s": pred["busy_s"],

@@ -115,6 +115,10 @@ class RunSettings:
         ``message_timeout_s``)."""
         return self.deadlines.of(phase, self.message_timeout_s, predicted_s)
 
+    # train.optimizer_state=keep: the pipelines' optimizer states between rounds
+    # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
+    optimizer_store: Any = None
+
     def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
         """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`, on the
         run's ledger (first contact, messages in flight)."""

@@ -149,6 +149,24 @@ class MessagingSettings:
     min_nodes: int = _setting(0, "min-nodes", "messaging.min_nodes", AT_LEAST_0)
 
 
+UNIT_INTERVAL: Rule = ("in (0, 1]", lambda v: 0 < v <= 1)
+FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
+
+
+@dataclass(frozen=True)
+class ReplanSettings:
+    """Online re-planning (:mod:`sky_flower.sky.replan`) and optimizer state across
+    rounds (:mod:`sky_flower.sky.migration`). ``mode`` off by default: the plan stays
+    fixed (as before) unless a run asks for it; see the README's "Online re-planning"."""
+
+    mode: str = _setting("off", "replan", "replan.mode", choices=("off", "on", "force"))
+    threshold: float = _setting(0.10, "replan-threshold", "replan.threshold", FRACTION)
+    smoothing: float = _setting(0.5, "replan-smoothing", "replan.smoothing", UNIT_INTERVAL)
+    optimizer_state: str = _setting(
+        "round", "optimizer-state", "train.optimizer_state", choices=("round", "keep")
+    )
+
+
 REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
 
 
@@ -192,6 +210,7 @@ GROUPS = {
     "deadlines": DeadlineSettings,
     "messaging": MessagingSettings,
     "objective": ObjectiveSettings,
+    "replan": ReplanSettings,
 }
 
 
@@ -220,6 +239,7 @@ class SkySettings:
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     messaging: MessagingSettings = field(default_factory=MessagingSettings)
     objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
+    replan: ReplanSettings = field(default_factory=ReplanSettings)
 
     @classmethod
     def from_hydra(cls, cfg: Any) -> SkySettings:  # noqa: ANN401 - an omegaconf DictConfig
@@ -377,7 +397,16 @@ class SkySettings:
             "node_wait_s": self.messaging.node_wait_s,
             "loss_fn": loss_fn,
             "metric_fn": metric_fn,
+            **self.replan_kwargs(),
         }
+
+    def replan_kwargs(self) -> dict[str, Any]:
+        """``SkyStrategy``'s ``replan`` and ``optimizer_state`` keyword arguments."""
+        from sky_flower.sky.replan import ReplanConfig
+
+        r = self.replan
+        cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
+        return {"replan": cfg, "optimizer_state": r.optimizer_state}
 
 
 def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Field, Any]]:

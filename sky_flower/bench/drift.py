@@ -1,0 +1,293 @@
+"""Benchmark: a fleet that drifts under a fixed plan against online re-planning (issue 16).
+
+Two scenarios on one fleet (a data owner and three helpers; an MLP on digits, relay
+``sequential``, ``allocation=heuristic``, Adam with ``train.optimizer_state=keep``):
+
+- ``slow``: helper ``h1`` runs 4x slower from round 3 of 10 (``slowdown_schedule``);
+- ``leave``: ``h1`` leaves at round 3 (``leave_round``): round 3 fails, the strategy
+  drops it and re-plans (from the benchmark's profiles when static, from the updated
+  ones when re-planning online).
+
+Each runs three ways: ``static`` (``replan.mode=off``), ``online`` (``replan.mode=on``)
+and ``oracle``: the fleet as it is after the drift from round 1 (its own benchmark and
+plan), whose median step is the "new optimum". Reported per run: the measured step time
+of every round, the test accuracy, the time to a target accuracy (summed round times
+until the global model first reaches it), and the recovery time: rounds from the drift
+round to the first round back within 10 % of the new optimum ("-": never).
+
+**In-process, not Flower's simulation engine.** :class:`InProcessGrid` hands every
+message synchronously to its node's ClientApp in this process (each node its own
+``Context``), so there is no Ray and no per-message polling tick (the simulation
+engine's 0.1 s, which would drown the emulated compute). The Sky strategy, the
+ClientApp handlers, the relay protocol and the emulated slowdowns (sleeps) are the real
+ones; a helper's link and Flower's network are not emulated. Absolute step times are
+therefore smaller than under ``flwr run``; the ratios between the runs are the point.
+
+Usage::
+
+    python -m sky_flower.bench.drift            # 10 rounds, about 5 minutes on 2 cores
+    python -m sky_flower.bench.drift --quick    # smaller model and rounds, about 2 minutes
+
+It prints the tables (markdown) and writes ``results.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+
+from sky_flower.core.cost import Schedule
+from sky_flower.emulation.devices import Emulation
+from sky_flower.pipeline.data import Split, load_split, owner_partition
+from sky_flower.pipeline.models import build_mlp
+from sky_flower.sky.client import SkyClient
+from sky_flower.sky.replan import ReplanConfig
+from sky_flower.strategies.sky import SkyStrategy
+
+DRIFT_ROUND = 3
+SLOW = 3.0  # slowdown 3: 4x slower
+
+
+class InProcessGrid(Grid):
+    """A Grid whose nodes are ClientApps in this process, one ``Context`` each; a
+    message is handled when pushed; a handler that raises gives an error reply (as a
+    SuperNode's)."""
+
+    def __init__(self, apps: dict[str, ClientApp]) -> None:
+        self.ids = {101 + i: name for i, name in enumerate(apps)}
+        self.apps = {nid: apps[name] for nid, name in self.ids.items()}
+        self.contexts = {
+            nid: Context(
+                run_id=1,
+                node_id=nid,
+                node_config={"sky-node": name},
+                state=RecordDict(),
+                run_config={},
+            )
+            for nid, name in self.ids.items()
+        }
+        self.replies: dict[str, Message] = {}
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            nid = msg.metadata.dst_node_id
+            try:
+                reply = self.apps[nid](msg, self.contexts[nid])
+            except Exception as err:  # noqa: BLE001 - a node's failure: an error reply
+                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+            self.replies[mid] = reply
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.ids)
+
+    def _unused(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        raise AssertionError("SkyStrategy does not use this")
+
+    create_message = send_and_receive = set_run = _unused  # type: ignore[assignment]
+    run = property(_unused)  # type: ignore[assignment]
+
+
+def server_identity() -> None:
+    """Give this process a ServerApp's task identity (run 1, the SuperLink's node id),
+    so the strategy can build messages outside Flower's runtime (as the tests do)."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
+        setattr(TaskIdentity, attr, value)
+
+
+def fleet(scenario: str, oracle: bool) -> list[Emulation]:
+    """The fleet of ``scenario`` (``slow`` or ``leave``); ``oracle``: as after the drift."""
+    h1: dict[str, Any] = {"name": "h1", "slowdown": 0.0}
+    if scenario == "slow":
+        h1 = (
+            {**h1, "slowdown": SLOW} if oracle else {**h1, "slowdown_schedule": {DRIFT_ROUND: SLOW}}
+        )
+    nodes = [
+        Emulation(name="owner", holds_data=True, slowdown=8.0),
+        Emulation(**h1),
+        Emulation(name="h2", slowdown=1.0),
+        Emulation(name="h3", slowdown=3.0),
+    ]
+    if scenario == "leave":
+        nodes = (
+            [n for n in nodes if n.name != "h1"]
+            if oracle
+            else [
+                n if n.name != "h1" else Emulation(name="h1", leave_round=DRIFT_ROUND)
+                for n in nodes
+            ]
+        )
+    return nodes
+
+
+def run_one(scenario: str, how: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run (``how``: static, online, oracle): per round step, accuracy, round time."""
+    torch.manual_seed(0)
+    train, test = load_split("digits", 0.2, 0)
+    data = owner_partition(train, 0, 1, 0)
+
+    def model_fn() -> torch.nn.Sequential:
+        return build_mlp(64, args.width, args.layers)
+
+    nodes = fleet(scenario, how == "oracle")
+    by_name = {n.name: n for n in nodes}
+
+    def load(context: Context) -> Split | None:
+        return data if context.node_config["sky-node"] == "owner" else None
+
+    def emulation(context: Context) -> Emulation:
+        return by_name[str(context.node_config["sky-node"])]
+
+    app = SkyClient(model_fn, load, emulation_fn=emulation).register(ClientApp())
+    grid = InProcessGrid({n.name: app for n in nodes})
+    strategy = SkyStrategy(
+        model_fn=model_fn,
+        input_shape=[64],
+        allocation="heuristic",
+        schedule=Schedule(batch_size=args.batch, microbatches=1),
+        lr=1e-3,
+        steps_per_round=args.steps,
+        min_nodes=len(nodes),
+        benchmark_repeats=3,
+        echo_repeats=1,
+        echo_jitter_s=0.0,
+        state_probe_bytes=0,
+        poll_interval_s=0.0,
+        max_failed_rounds=2,
+        replan=ReplanConfig(mode="on" if how == "online" else "off"),
+        optimizer_state="keep",
+    )
+    x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
+
+    def evaluate(rnd: int, arrays: ArrayRecord) -> MetricRecord:
+        model = model_fn()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        with torch.no_grad():
+            acc = float((model(x).argmax(1) == y).float().mean())
+        return MetricRecord({"accuracy": acc})
+
+    torch.manual_seed(0)
+    initial = ArrayRecord(model_fn().state_dict())
+    strategy.start(grid, initial, num_rounds=args.rounds, evaluate_fn=evaluate)
+    rounds = [
+        {
+            "round": r["round"],
+            "step_s": r.get("measured_step_time_s"),
+            "round_s": r.get("round_time_s"),
+            "acc": r.get("test_accuracy"),
+            "nodes": sorted({st["node"] for st in r.get("stages", [])}),
+        }
+        for r in strategy.rounds
+    ]
+    return {"rounds": rounds, "replans": strategy.replans}
+
+
+def summarise(runs: dict[str, dict], target: float) -> dict[str, dict[str, Any]]:
+    """Per run: time to ``target`` accuracy (s) and recovery rounds after the drift."""
+    oracle = [r["step_s"] for r in runs["oracle"]["rounds"] if r["step_s"] is not None]
+    late = [
+        r["step_s"]
+        for r in runs["oracle"]["rounds"]
+        if r["round"] > DRIFT_ROUND + 1 and r["step_s"]
+    ]
+    optimum = float(np.median(late or oracle))  # the oracle's "median step after" column
+    out: dict[str, dict[str, Any]] = {}
+    for how, run in runs.items():
+        elapsed, to_target = 0.0, None
+        for r in run["rounds"]:
+            elapsed += r["round_s"] or 0.0
+            if to_target is None and r["acc"] is not None and r["acc"] >= target:
+                to_target = elapsed
+        back = next(
+            (
+                r["round"] - DRIFT_ROUND
+                for r in run["rounds"]
+                if r["round"] >= DRIFT_ROUND
+                and r["step_s"] is not None
+                and r["step_s"] <= 1.1 * optimum
+            ),
+            None,
+        )
+        after = [r["step_s"] for r in run["rounds"] if r["round"] > DRIFT_ROUND + 1 and r["step_s"]]
+        out[how] = {
+            "time_to_target_s": to_target,
+            "recovery_rounds": back if how != "oracle" else 0,
+            "median_step_after_s": float(np.median(after)) if after else None,
+            "total_s": elapsed,
+            "replans": len(run["replans"]),
+        }
+    out["oracle"]["optimum_step_s"] = optimum
+    return out
+
+
+def table(scenario: str, runs: dict[str, dict], summary: dict[str, dict], target: float) -> str:
+    """The scenario's markdown tables: step time per round, then the summary."""
+    n = max(len(r["rounds"]) for r in runs.values())
+    head = "| run | " + " | ".join(str(i + 1) for i in range(n)) + " |"
+    lines = [f"{scenario}: measured step s per round (drift at round {DRIFT_ROUND})", "", head]
+    lines.append("|---" * (n + 1) + "|")
+    for how, run in runs.items():
+        cells = ["failed" if r["step_s"] is None else f"{r['step_s']:.3f}" for r in run["rounds"]]
+        lines.append(f"| {how} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"| run | median step after s | time to {target:.2f} acc s | recovery rounds | re-plans |",
+    ]
+    lines.append("|---|---|---|---|---|")
+    for how, s in summary.items():
+        t = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
+        rec = "-" if s["recovery_rounds"] is None else str(s["recovery_rounds"])
+        med = "-" if s["median_step_after_s"] is None else f"{s['median_step_after_s']:.3f}"
+        lines.append(f"| {how} | {med} | {t} | {rec} | {s['replans']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run both scenarios three ways, print the tables, write ``results.json``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    quick, full = (512, 6, 4, 128), (512, 8, 8, 256)  # width, layers, steps/round, batch
+    args.width, args.layers, args.steps, args.batch = quick if args.quick else full
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    server_identity()
+    out = args.out or Path("outputs") / f"bench_drift_{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for scenario in ("slow", "leave"):
+        runs = {how: run_one(scenario, how, args) for how in ("static", "online", "oracle")}
+        summary = summarise(runs, args.target)
+        results[scenario] = {"runs": runs, "summary": summary}
+        print(table(scenario, runs, summary, args.target), "\n", flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
