@@ -9,6 +9,7 @@ path and the Flower path produce the same rows.
     python -m sky_flower.bench.decentralized            # the full grid (about 8 min on 2 cores)
     python -m sky_flower.bench.decentralized --quick    # a small grid (under a minute)
     python -m sky_flower.bench.decentralized --nodes 16 --homogeneity 0 100 --gaps 0.01
+    python -m sky_flower.bench.decentralized --noise    # noise-dominated, seeds (issue 18)
 
 Grid: nodes x homogeneity X x spectral gap x algorithm, the gap set exactly on a
 complete graph (``W = gap 11^T / n + (1 - gap) I``, the DeTAG paper's knob) unless
@@ -26,6 +27,7 @@ import argparse
 import csv
 import itertools
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,13 +70,16 @@ def simulate(  # noqa: PLR0913
     batch_size: int = 16,
     seed: int = 0,
     phase_rounds: int = 0,
+    variant: str = "paper",
+    phase_rule: str = "sqrt",
 ) -> list[dict[str, Any]]:
     """Run ``algorithm`` for ``rounds`` gossip rounds; return the rows the Flower strategy
     would record
     (:meth:`sky_flower.strategies.decentralized.DecentralizedStrategy.start`): ``round``,
     ``loss`` (training loss of the averaged model over all nodes' data), ``node_loss``,
     ``test_accuracy``, ``test_loss``, ``consensus_distance``. Stops early (last row
-    ``loss`` = inf) if the loss diverges.
+    ``loss`` = inf) if the loss diverges. ``phase_rounds``, ``variant``, ``phase_rule``:
+    DeTAG's (:class:`sky_flower.gossip.algorithms.DeTAG`).
 
     Raises
     ------
@@ -83,7 +88,7 @@ def simulate(  # noqa: PLR0913
     """
     if len(splits) != gossip.n:
         raise ValueError(f"{len(splits)} data splits for {gossip.n} nodes")
-    alg = make_algorithm(algorithm, gossip, lr, phase_rounds)
+    alg = make_algorithm(algorithm, gossip, lr, phase_rounds, variant, phase_rule)
     alg.reset(model.initial(seed))
     all_train = Split(np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits]))
     rows: list[dict[str, Any]] = []
@@ -327,7 +332,13 @@ def _cli_terms(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the grid; write results, table and plots; print the table; return its rows."""
+    """Run the grid; write results, table and plots; print the table; return its rows.
+    ``--noise`` first: the noise-dominated grid of :mod:`sky_flower.bench.decentralized_noise`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--noise"]:
+        from sky_flower.bench.decentralized_noise import main as noise_main
+
+        return noise_main(argv[1:])
     args = parse_args(argv)
     torch.set_num_threads(1)
     out: Path = args.out
