@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from sky_flower.bench.decentralized import simulate
+from sky_flower.bench.decentralized_fast import simulate
 from sky_flower.gossip.algorithms import ALGORITHMS, PHASE_RULES, DeTAG, make_algorithm
 from sky_flower.gossip.matrices import GossipMatrix, gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
