@@ -57,7 +57,7 @@ class DecentralizedStrategy(Strategy):
     batch_size : int (default: 16)
         Examples per mini-batch on each node.
     phase_rounds : int (default: 0)
-        DeTAG only: gossip rounds per phase ``R`` (0: ``round(1 / sqrt(gap))``).
+        DeTAG only: gossip rounds per phase ``R`` (0: by ``phase_rule``).
     seed : int (default: 0)
         Seeds the nodes' mini-batch draws.
     message_timeout_s : float (default: 120.0)
@@ -68,6 +68,9 @@ class DecentralizedStrategy(Strategy):
         raise it against a real SuperLink, where every poll is an RPC.
     on_event : Callable[[str, dict], None], optional
         Called with ``("round", row)`` after each step.
+    variant, phase_rule : str (default: "paper", "sqrt")
+        DeTAG only: :class:`sky_flower.gossip.algorithms.DeTAG`'s update variant
+        (``paper`` or ``overlap``) and automatic phase rule (``sqrt`` or ``log``).
 
     Raises
     ------
@@ -88,6 +91,8 @@ class DecentralizedStrategy(Strategy):
         message_timeout_s: float = 120.0,
         on_event: Callable[[str, dict], None] | None = None,
         poll_interval_s: float = 0.002,
+        variant: str = "paper",
+        phase_rule: str = "sqrt",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -98,7 +103,7 @@ class DecentralizedStrategy(Strategy):
             )
         self.gossip = gossip
         self.algorithm: DecentralizedAlgorithm = make_algorithm(
-            self.algorithm_name, gossip, lr, phase_rounds
+            self.algorithm_name, gossip, lr, phase_rounds, variant, phase_rule
         )
         self.batch_size, self.seed = int(batch_size), int(seed)
         self.message_timeout_s = float(message_timeout_s)

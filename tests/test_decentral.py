@@ -95,3 +95,14 @@ def test_initial_model_is_seeded_and_untrained():
     np.testing.assert_array_equal(model.initial(3), model.initial(3))
     assert model.dim == 64 * 32 + 32 + 32 * 10 + 10
     assert model.evaluate(model.initial(0), TEST)["accuracy"] < 0.4
+
+
+def test_detag_strategy_passes_its_variant_and_phase_rule_to_the_gossip_core():
+    from sky_flower.strategies.decentralized import DeTAGStrategy
+
+    from sky_flower.gossip.matrices import gossip_matrix
+
+    g = gossip_matrix("ring", 16)
+    s = DeTAGStrategy(gossip=g, lr=0.1, variant="overlap", phase_rule="log")
+    assert s.algorithm.variant == "overlap" and s.algorithm.rounds_per_step == 13
+    assert DeTAGStrategy(gossip=g, lr=0.1).algorithm.rounds_per_step == 4

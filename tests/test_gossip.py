@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sky_flower.gossip.algorithms import ALGORITHMS, D2, DeTAG, make_algorithm
+from sky_flower.gossip.algorithms import (
+    ALGORITHMS,
+    D2,
+    DeTAG,
+    default_phase_rounds,
+    make_algorithm,
+)
 from sky_flower.gossip.matrices import (
     TOPOLOGIES,
     GossipMatrix,
@@ -218,3 +224,55 @@ def test_a_hand_built_disconnected_matrix_is_refused_naming_its_components():
     with pytest.raises(ValueError, match="every eigenvalue above -1"):
         GossipMatrix(np.array([[0.0, 1.0], [1.0, 0.0]]), "swap")
     assert components(gossip_matrix("ring", 5).W) == [[0, 1, 2, 3, 4]]
+
+
+# --- DeTAG's two variants and its phase rule (issue 18) --------------------------------
+def test_detag_variants_on_a_hand_computed_two_node_example():
+    """W = 11^T / 2 (gap 1, eta 0, R 1), x0 = (1, 3), lr 0.1, G0 = (2, 4), G1 = (1, 1).
+
+    paper:   y_half = (2, 4); x1 = W (0.8, 2.6) = (1.7, 1.7); y1 = (3, 3);
+             y_half = (3, 3) + (1, 1) - (2, 4) = (2, 0); x2 = W (1.5, 1.7) = (1.6, 1.6).
+    overlap: x1 = W x0 - 0.1 W 0 = (2, 2); y1 = 0 + G0 = (2, 4);
+             x2 = W (2, 2) - 0.1 W (2, 4) = (1.7, 1.7); y2 = (3, 3) + G1 - G0 = (2, 0).
+    """
+    g = GossipMatrix(np.full((2, 2), 0.5), "hand-built")
+    G0, G1 = np.array([[2.0], [4.0]]), np.array([[1.0], [1.0]])
+    expected = {
+        "paper": ([1.7, 1.7], [3.0, 3.0], [1.6, 1.6], [1.0, 1.0]),
+        "overlap": ([2.0, 2.0], [2.0, 4.0], [1.7, 1.7], [2.0, 0.0]),
+    }
+    for variant, (x1, y1, x2, y2) in expected.items():
+        alg = DeTAG(g, lr=0.1, variant=variant)
+        assert alg.rounds_per_step == 1 and alg.eta == 0.0
+        alg.reset(np.array([[1.0], [3.0]]))
+        alg.step(G0)
+        np.testing.assert_allclose(alg.x[:, 0], x1, err_msg=variant)
+        np.testing.assert_allclose(alg.y[:, 0], y1, err_msg=variant)
+        alg.step(G1)
+        np.testing.assert_allclose(alg.x[:, 0], x2, err_msg=variant)
+        np.testing.assert_allclose(alg.y[:, 0], y2, err_msg=variant)
+
+
+def test_detag_overlap_variant_converges_exactly_on_a_ring():
+    grad, x_star = _quadratic()
+    alg = DeTAG(gossip_matrix("ring", N), lr=0.03, variant="overlap")
+    alg.reset(np.zeros(D))
+    for _ in range(4000 // alg.rounds_per_step):
+        alg.step(grad(alg.x))
+    assert np.abs(alg.x - x_star).max() < 1e-8
+
+
+def test_detag_phase_rule_with_the_log_factor():
+    # ring of 16: gap 0.0507 -> 1/sqrt(gap) = 4.44 -> sqrt rule 4, log rule ceil(2.77 * 4.44) = 13
+    g = gossip_matrix("ring", 16)
+    root = 1 / math.sqrt(g.spectral_gap)
+    assert default_phase_rounds(g.spectral_gap, 16, "sqrt") == round(root)
+    assert default_phase_rounds(g.spectral_gap, 16, "log") == math.ceil(math.log(16) * root)
+    alg = make_algorithm("detag", g, 0.1, phase_rule="log")
+    assert alg.rounds_per_step == alg.batches_per_step == math.ceil(math.log(16) * root) == 13
+    assert make_algorithm("detag", g, 0.1, phase_rounds=4, phase_rule="log").rounds_per_step == 4
+    assert default_phase_rounds(1.0, 2, "log") == 1
+    with pytest.raises(ValueError, match="unknown phase rule 'cube'"):
+        default_phase_rounds(0.5, 4, "cube")
+    with pytest.raises(ValueError, match="unknown DeTAG variant 'late'"):
+        make_algorithm("detag", g, 0.1, variant="late")

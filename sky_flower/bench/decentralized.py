@@ -9,6 +9,7 @@ path and the Flower path produce the same rows.
     python -m sky_flower.bench.decentralized            # the full grid (about 8 min on 2 cores)
     python -m sky_flower.bench.decentralized --quick    # a small grid (under a minute)
     python -m sky_flower.bench.decentralized --nodes 16 --homogeneity 0 100 --gaps 0.01
+    python -m sky_flower.bench.decentralized --noise    # noise-dominated, seeds (issue 18)
 
 Grid: nodes x homogeneity X x spectral gap x algorithm, the gap set exactly on a
 complete graph (``W = gap 11^T / n + (1 - gap) I``, the DeTAG paper's knob) unless
@@ -26,19 +27,20 @@ import argparse
 import csv
 import itertools
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from sky_flower.bench.decentralized_fast import simulate
 from sky_flower.gossip.algorithms import ALGORITHMS, make_algorithm
-from sky_flower.gossip.matrices import TOPOLOGIES, GossipMatrix, gossip_matrix
-from sky_flower.gossip.training import FlatModel, minibatch_indices, node_splits
+from sky_flower.gossip.matrices import TOPOLOGIES, gossip_matrix
+from sky_flower.gossip.training import FlatModel, node_splits
 from sky_flower.jobs.common import write_json
-from sky_flower.pipeline.data import Split, load_split
+from sky_flower.pipeline.data import load_split
 
 
 @dataclass(frozen=True)
@@ -55,71 +57,6 @@ class Setting:
         gap = "topo" if self.spectral_gap is None else f"{self.spectral_gap:g}"
         top = "" if self.topology == "complete" else f"_{self.topology}"
         return f"n{self.nodes}_X{self.homogeneity:g}_gap{gap}{top}"
-
-
-def simulate(  # noqa: PLR0913
-    algorithm: str,
-    gossip: GossipMatrix,
-    model: FlatModel,
-    splits: list[Split],
-    test: Split,
-    rounds: int,
-    lr: float,
-    batch_size: int = 16,
-    seed: int = 0,
-    phase_rounds: int = 0,
-) -> list[dict[str, Any]]:
-    """Run ``algorithm`` for ``rounds`` gossip rounds; return the rows the Flower strategy
-    would record
-    (:meth:`sky_flower.strategies.decentralized.DecentralizedStrategy.start`): ``round``,
-    ``loss`` (training loss of the averaged model over all nodes' data), ``node_loss``,
-    ``test_accuracy``, ``test_loss``, ``consensus_distance``. Stops early (last row
-    ``loss`` = inf) if the loss diverges.
-
-    Raises
-    ------
-    ValueError
-        As :func:`sky_flower.gossip.algorithms.make_algorithm`; ``len(splits) != gossip.n``.
-    """
-    if len(splits) != gossip.n:
-        raise ValueError(f"{len(splits)} data splits for {gossip.n} nodes")
-    alg = make_algorithm(algorithm, gossip, lr, phase_rounds)
-    alg.reset(model.initial(seed))
-    all_train = Split(np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits]))
-    rows: list[dict[str, Any]] = []
-
-    def record(step: int, node_loss: float | None) -> None:
-        test_res = model.evaluate(alg.average, test)
-        rows.append(
-            {
-                "round": step * alg.rounds_per_step,
-                "loss": model.evaluate(alg.average, all_train)["loss"],
-                "node_loss": node_loss,
-                "consensus_distance": alg.consensus_distance(),
-                "test_accuracy": test_res["accuracy"],
-                "test_loss": test_res["loss"],
-            }
-        )
-
-    record(0, None)
-    for step in range(rounds // alg.rounds_per_step):
-        grads, losses = np.zeros(alg.x.shape), np.zeros(gossip.n)
-        for k in range(alg.batches_per_step):
-            idx = [
-                minibatch_indices(len(s), batch_size, seed, i, step, k)
-                for i, s in enumerate(splits)
-            ]
-            xb = np.stack([s.x[j] for s, j in zip(splits, idx, strict=True)])
-            yb = np.stack([s.y[j] for s, j in zip(splits, idx, strict=True)])
-            loss, g = model.batched_loss_and_grad(alg.x, xb, yb)
-            grads += g
-            losses += loss
-        alg.step(grads / alg.batches_per_step)
-        record(step + 1, float(np.mean(losses) / alg.batches_per_step))
-        if not math.isfinite(rows[-1]["loss"]) or rows[-1]["loss"] > 1e3:
-            rows[-1]["loss"] = math.inf
-            break
-    return rows
 
 
 def rounds_to(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -327,7 +264,13 @@ def _cli_terms(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the grid; write results, table and plots; print the table; return its rows."""
+    """Run the grid; write results, table and plots; print the table; return its rows.
+    ``--noise`` first: the noise-dominated grid of :mod:`sky_flower.bench.decentralized_noise`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--noise"]:
+        from sky_flower.bench.decentralized_noise import main as noise_main
+
+        return noise_main(argv[1:])
     args = parse_args(argv)
     torch.set_num_threads(1)
     out: Path = args.out

@@ -101,6 +101,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         lr=float(s.lr),
         batch_size=int(s.batch_size),
         phase_rounds=int(s.phase_rounds),
+        variant=str(s.get("detag_variant", "paper")),
+        phase_rule=str(s.get("phase_rule", "sqrt")),
         seed=seed,
         message_timeout_s=float(cfg.message_timeout_s),
     )

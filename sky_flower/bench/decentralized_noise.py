@@ -1,0 +1,281 @@
+"""The noise-dominated regime of the decentralized benchmark (issue 18), several seeds.
+
+    python -m sky_flower.bench.decentralized --noise            # the grid below
+    python -m sky_flower.bench.decentralized --noise --quick    # about a minute
+
+Grid: ``--nodes`` (16, 32) x ``--topologies`` (ring, torus; each its own Metropolis-Hastings
+gap) x ``--homogeneity`` (0, 25 %: label-sorted data) x ``--batch-sizes`` (1, 4 per node)
+x ``--algorithms`` (D-PSGD, D2, DSGT, DeTAG), each run for every ``--seeds`` seed (the seed
+draws the data split, the initial model and the mini-batches). D2 is *refused* (and the
+table says so) where ``lambda_min(W) <= -1/3``. The step size is the best of ``--lrs`` on the
+first seed (lowest final training loss), then run on every seed. Training loss (of the
+averaged model, over all nodes' data) and test accuracy are recorded against gossip rounds
+and against bytes sent (:func:`bytes_per_round`); the table gives mean, 95 % confidence
+interval (Student t over seeds) and min-max at the last round and at equal bytes; one PNG per
+setting (mean line, min-max band). Uses the fast path of :mod:`sky_flower.bench.decentralized`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+
+from sky_flower.bench.decentralized_fast import simulate
+from sky_flower.gossip.algorithms import ALGORITHMS, PHASE_RULES, DeTAG, make_algorithm
+from sky_flower.gossip.matrices import GossipMatrix, gossip_matrix
+from sky_flower.gossip.training import FlatModel, node_splits
+from sky_flower.jobs.common import write_json
+from sky_flower.pipeline.data import load_split
+
+VECTORS_SENT = {"dpsgd": 1, "d2": 1, "dsgt": 2, "detag": 2}
+"""Vectors of ``d`` floats each node sends each neighbour per gossip round: the model
+(D-PSGD, D2: D2 gossips ``2 x_t - x_{t-1} - ...``, one vector), model and tracker (DSGT,
+DeTAG)."""
+
+
+def bytes_per_round(algorithm: str, gossip: GossipMatrix, dim: int, item_bytes: int = 4) -> int:
+    """Bytes the whole network sends in one gossip round: every node sends
+    ``VECTORS_SENT[algorithm]`` vectors of ``dim`` float32 values to each neighbour
+    (``2 |E|`` directed edges, the nonzero off-diagonal entries of ``W``).
+
+    Raises
+    ------
+    KeyError
+        Unknown algorithm.
+    """
+    w = gossip.W
+    directed_edges = int(np.count_nonzero(np.abs(w - np.diag(np.diag(w))) > 1e-12))
+    return directed_edges * VECTORS_SENT[algorithm] * dim * item_bytes
+
+
+def seed_stats(values: list[float], confidence: float = 0.95) -> dict[str, float]:
+    """Mean, Student-t confidence interval of the mean, min and max over seeds.
+
+    ``values``: one number per seed (NaN/inf kept: the mean is then not finite). With one
+    value the interval is that value. Returns ``{"mean", "ci_lo", "ci_hi", "min", "max"}``.
+
+    Raises
+    ------
+    ValueError
+        No values, or ``confidence`` outside (0, 1).
+    """
+    if not values:
+        raise ValueError("seed_stats needs at least one value")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    a = np.asarray(values, dtype=float)
+    mean = float(a.mean())
+    half = 0.0
+    if len(a) > 1:
+        with np.errstate(invalid="ignore"):  # a diverged seed (inf): the interval is nan
+            sem = float(a.std(ddof=1)) / math.sqrt(len(a))
+        half = float(stats.t.ppf(0.5 + confidence / 2.0, len(a) - 1)) * sem
+    return {
+        "mean": mean,
+        "ci_lo": mean - half,
+        "ci_hi": mean + half,
+        "min": float(a.min()),
+        "max": float(a.max()),
+    }
+
+
+def at_budget(rows: list[dict[str, Any]], per_round: int, budget: float, key: str) -> float:
+    """``key`` of the last row whose bytes sent (``round * per_round``) are <= ``budget``."""
+    ok = [r for r in rows if r["round"] * per_round <= budget]
+    return float(ok[-1][key]) if ok else math.nan
+
+
+def _final(rows: list[dict[str, Any]], key: str) -> float:
+    value = rows[-1][key]
+    return math.inf if value is None or not math.isfinite(value) else float(value)
+
+
+def run_setting(  # noqa: PLR0913
+    nodes: int,
+    topology: str,
+    homogeneity: float,
+    batch: int,
+    args: argparse.Namespace,
+    model: FlatModel,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """All algorithms and seeds of one setting: ``(table cells, raw runs)``."""
+    gossip = gossip_matrix(topology, nodes)
+    train, test = load_split("digits", 0.2, 0)
+    splits = {s: node_splits(train, nodes, homogeneity, s) for s in args.seeds}
+    detag = {"phase_rounds": args.phase_rounds, "variant": args.variant}
+    detag["phase_rule"] = args.phase_rule
+    cells: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for name in args.algorithms:
+        try:
+            alg = make_algorithm(name, gossip, args.lrs[0], **detag)
+        except ValueError as err:
+            cells[name] = {"refused": str(err).split(":")[0]}
+            continue
+
+        def run(lr: float, seed: int, name: str = name) -> list[dict[str, Any]]:
+            return simulate(
+                name, gossip, model, splits[seed], test, args.rounds, lr, batch, seed, **detag
+            )
+
+        first = {lr: run(lr, args.seeds[0]) for lr in args.lrs}
+        lr = min(first, key=lambda v: _final(first[v], "loss"))
+        runs = [first[lr]] + [run(lr, s) for s in args.seeds[1:]]
+        raw[name] = {"lr": lr, "rows": runs, "per_round": bytes_per_round(name, gossip, model.dim)}
+        cells[name] = {
+            "lr": lr,
+            "R": alg.rounds_per_step if isinstance(alg, DeTAG) else 1,
+            "loss": seed_stats([_final(r, "loss") for r in runs]),
+            "acc": seed_stats([_final(r, "test_accuracy") for r in runs]),
+        }
+    # equal bytes: the budget D-PSGD (1 vector a round) spends in all its rounds
+    budget = args.rounds * bytes_per_round("dpsgd", gossip, model.dim)
+    for name, r in raw.items():
+        cells[name]["acc_at_bytes"] = seed_stats(
+            [at_budget(rows, r["per_round"], budget, "test_accuracy") for rows in r["rows"]]
+        )
+        cells[name]["loss_at_bytes"] = seed_stats(
+            [at_budget(rows, r["per_round"], budget, "loss") for rows in r["rows"]]
+        )
+    info = {"gap": gossip.spectral_gap, "lambda_min": gossip.lambda_min, "budget_bytes": budget}
+    return {**info, "cells": cells}, raw
+
+
+def plot_setting(title: str, raw: dict[str, Any], path: Path) -> None:
+    """Loss and test accuracy against gossip rounds and against MB sent: seed mean (line)
+    and min-max (band), one colour per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for name, r in raw.items():
+        rounds = np.array([row["round"] for row in r["rows"][0]])
+        for col, scale in ((0, 1.0), (1, r["per_round"] / 2**20)):
+            for row_ax, key in ((0, "loss"), (1, "test_accuracy")):
+                n = min(len(rows) for rows in r["rows"])
+                vals = np.array([[row[key] for row in rows[:n]] for rows in r["rows"]], float)
+                x, ax = rounds[:n] * scale, axes[row_ax, col]
+                ax.plot(x, vals.mean(0), label=f"{name} (lr {r['lr']:g})")
+                ax.fill_between(x, vals.min(0), vals.max(0), alpha=0.2)
+    for col, xlabel in ((0, "gossip rounds"), (1, "MB sent (whole network)")):
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("training loss (averaged model)")
+        axes[1, col].set_ylabel("test accuracy (averaged model)")
+        axes[1, col].set_ylim(0, 1)
+        for row_ax in (0, 1):
+            axes[row_ax, col].set_xlabel(xlabel)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+
+
+def _ci(s: dict[str, float], digits: int = 3) -> str:
+    half = (s["ci_hi"] - s["ci_lo"]) / 2.0
+    if not math.isfinite(s["mean"]):
+        return "diverged"
+    d = digits
+    return f"{s['mean']:.{d}f} ± {half:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"
+
+
+def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """One line per setting and algorithm: lr, R, final loss and accuracy, accuracy at
+    D-PSGD's byte budget; each ``mean ± 95 % CI half-width [min, max]`` over seeds."""
+    lines = [
+        f"{len(args.seeds)} seeds, {args.rounds} gossip rounds; mean ± 95 % CI half-width "
+        "[min, max] over seeds; equal bytes: at the bytes D-PSGD sends in all its rounds",
+        "",
+        "| nodes | topology (gap) | X % | batch | algorithm | lr | R | final loss "
+        "| final test acc | test acc at equal bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        head = (
+            f"| {t['nodes']} | {t['topology']} ({t['gap']:.3f}) | {t['homogeneity']:g} "
+            f"| {t['batch']} "
+        )
+        for name, c in t["cells"].items():
+            if "refused" in c:
+                lines.append(head + f"| {name} | refused: {c['refused']} | | | | |")
+                continue
+            lines.append(
+                head + f"| {name} | {c['lr']:g} | {c['R']} | {_ci(c['loss'])} | "
+                f"{_ci(c['acc'])} | {_ci(c['acc_at_bytes'])} |"
+            )
+    return "\n".join(lines)
+
+
+FULL = {"rounds": 200, "nodes": [16, 32], "batch_sizes": [1, 4], "lrs": [0.1, 0.2, 0.4]}
+QUICK = {"rounds": 60, "nodes": [16], "batch_sizes": [2], "lrs": [0.2]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line (see the module docstring); grid flags not given come from
+    :data:`FULL` or, with ``--quick``, :data:`QUICK`. Bad values exit with status 2."""
+    p = argparse.ArgumentParser(prog="python -m sky_flower.bench.decentralized --noise")
+    p.add_argument("--nodes", type=int, nargs="+", default=None)
+    p.add_argument("--topologies", nargs="+", default=["ring", "torus"])
+    p.add_argument("--homogeneity", type=float, nargs="+", default=[0.0, 25.0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--lrs", type=float, nargs="+", default=None, help="tuned on the first seed")
+    p.add_argument("--phase-rounds", type=int, default=0, help="DeTAG's R (0: --phase-rule)")
+    p.add_argument("--phase-rule", default="sqrt", choices=list(PHASE_RULES))
+    p.add_argument("--variant", default="paper", choices=list(DeTAG.VARIANTS))
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="16 nodes, batch 2, 60 rounds")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.rounds < 1 or min(args.batch_sizes) < 1 or min(args.nodes) < 2:
+        p.error("--rounds and --batch-sizes must be >= 1, --nodes >= 2")
+    if not all(lr > 0 and math.isfinite(lr) for lr in args.lrs) or args.phase_rounds < 0:
+        p.error("--lrs must be > 0 and --phase-rounds >= 0")
+    if min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
+        p.error("--seeds must be distinct and >= 0")
+    if args.out is None:
+        args.out = Path("outputs") / time.strftime("bench_noise_%Y-%m-%d_%H-%M-%S")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the grid; write ``results.json``, ``table.md`` and one PNG per setting into
+    ``--out``; print the table; return its rows."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, t0 = FlatModel(32), time.time()
+    table, everything = [], []
+    grid = itertools.product(args.nodes, args.topologies, args.homogeneity, args.batch_sizes)
+    for nodes, topology, x, batch in grid:
+        key = {"nodes": nodes, "topology": topology, "homogeneity": x, "batch": batch}
+        row, raw = run_setting(nodes, topology, x, batch, args, model)
+        table.append({**key, **row})
+        everything.append({**key, "runs": raw})
+        title = f"{nodes} nodes, {topology}, X={x:g}%, batch {batch}, {len(args.seeds)} seeds"
+        plot_setting(title, raw, args.out / f"n{nodes}_{topology}_X{x:g}_b{batch}.png")
+        print(markdown([table[-1]], args).splitlines()[-len(row["cells"]) :], flush=True)
+    args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(args.out / "results.json", {"args": args_json, "table": table, "runs": everything})
+    md = markdown(table, args)
+    (args.out / "table.md").write_text(md + "\n")
+    print("\n" + md + f"\n\n{time.time() - t0:.0f} s; outputs in {args.out}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
