@@ -205,3 +205,24 @@ def test_predict_and_choose_schedule():
     # too few layers for 4 chunks per rank: the virtual kinds drop out
     _, few = choose_schedule(cost, stages, chunks=4)
     assert few["interleaved"] is None and few["zero_bubble"] is None
+
+
+def test_planner_picks_and_records_the_schedule():
+    # schedule.kind=auto: the partitioners search with GPipe, then every direct kind is
+    # predicted for the plan and the fastest recorded in plan.schedule
+    from sky_flower.core.partition import partition
+    from sky_flower.sky.planning import chosen_schedule
+
+    cost = _cost()
+    auto = CostModel(cost.layers, cost.nodes, replace(cost.schedule, kind="auto"))
+    plan = partition(CostModel(cost.layers, cost.nodes, auto.schedule.for_search()), "even")
+    got, got_cost = chosen_schedule(plan, auto)
+    table = got.schedule["predicted_step_by_kind_s"]
+    kind = got.schedule["kind"]
+    assert kind == min((k for k in table if table[k] is not None), key=table.get)
+    assert got.predicted_step_time_s == pytest.approx(table[kind])
+    assert got_cost.schedule.kind == kind and got.schedule["chunks"] == 2
+    assert got_cost.step_time(plan.spec) == pytest.approx(got.predicted_step_time_s)
+    assert len(got.schedule["chunk_layers"]) == 8
+    with pytest.raises(ValueError, match="transport=direct only"):
+        Schedule(64, 8, "interleaved", "relay")

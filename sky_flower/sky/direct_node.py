@@ -22,7 +22,15 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
-from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, build_stage, stage_optimizer
+from sky_flower.pipeline.engine import Chunk
+from sky_flower.pipeline.stage import (
+    LossFn,
+    MetricFn,
+    RngKey,
+    build_stage,
+    slice_state,
+    stage_optimizer,
+)
 from sky_flower.sky import protocol as P
 
 
@@ -53,6 +61,25 @@ def own_error(err: Exception) -> BaseException | None:
     if isinstance(err, RankRefusedError) or cause is None or PEER_FAILURE in str(err):
         return None
     return None if isinstance(cause, (faults.FaultInjected, DirectStageError)) else cause
+
+
+def node_chunks(cfg: P.DirectConfig, model_fn: Callable[[], nn.Module], state: dict) -> list[Chunk]:
+    """The rank's chunks from ``cfg.chunk_layers`` / ``cfg.chunk_shapes`` (interleaved,
+    zero bubble), or its one stage ``cfg.stage.first..last`` as chunk ``rank``; their
+    weights from ``state`` (keys of the full model)."""
+    st, rank = cfg.stage, cfg.rendezvous.rank
+    if cfg.chunk_layers == "-":
+        module = build_stage(model_fn, st.first, st.last, state)
+        return [Chunk(rank, module, tuple(cfg.input_shape), cfg.input_dtype)]
+    chunks, dims = [], [int(v) for v in cfg.chunk_shapes.split()]
+    triples = [int(v) for v in cfg.chunk_layers.split()]
+    for i in range(0, len(triples), 3):
+        c, first, last = triples[i : i + 3]
+        ndim, dims = dims[0], dims[1:]
+        shape, dims = tuple(dims[:ndim]), dims[ndim:]
+        module = build_stage(model_fn, first, last, slice_state(state, first, last))
+        chunks.append(Chunk(c, module, shape, cfg.input_dtype if c == 0 else None))
+    return chunks
 
 
 def run_direct_stage(  # noqa: PLR0913
@@ -110,11 +137,12 @@ def run_direct_stage(  # noqa: PLR0913
             f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
             f"not for this node ({node_id})"
         )
-    module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
+    chunks = node_chunks(cfg, model_fn, weights.to_torch_state_dict())
+    module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
     try:
         res = run_stage(
             rdv,
-            module,
+            chunks if cfg.chunk_layers != "-" else chunks[0].module,
             stage_optimizer(module, st.optimizer, st.lr),
             kind=cfg.kind,
             microbatches=st.microbatches,
@@ -144,7 +172,9 @@ def run_direct_stage(  # noqa: PLR0913
     )
     return RecordDict(
         {
-            P.ARRAYS: ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
+            P.ARRAYS: ArrayRecord(
+                {k: v.detach() for ch in chunks for k, v in ch.module.state_dict().items()}
+            ),
             P.METRICS: metrics.to_record(),
         }
     )

@@ -371,6 +371,12 @@ class DirectConfig(Record):
     input_shape: tuple[int, ...]
     node_id: int
     input_dtype: str = "float32"  # of this stage's input (the model's input on stage 0)
+    # interleaved / zero_bubble: this rank's chunks as flat (chunk, first, last) triples
+    # and their input shapes as flat (ndim, dims...) runs, integers separated by spaces;
+    # "-" = the one stage above (Flower 1.42's ConfigRecord.count_bytes raises on an
+    # empty list and on an empty string)
+    chunk_layers: str = "-"
+    chunk_shapes: str = "-"
 
 
 @dataclass(frozen=True)
