@@ -226,3 +226,9 @@ def test_planner_picks_and_records_the_schedule():
     assert len(got.schedule["chunk_layers"]) == 8
     with pytest.raises(ValueError, match="transport=direct only"):
         Schedule(64, 8, "interleaved", "relay")
+    # partition() itself searches a chunked kind with its search kind
+    inter = CostModel(cost.layers, cost.nodes, replace(cost.schedule, kind="interleaved"))
+    search = CostModel(cost.layers, cost.nodes, inter.schedule.for_search())
+    assert search.schedule.kind == "1f1b"
+    got = partition(inter, "optimal", time_limit_s=5.0)
+    assert got.spec == partition(search, "optimal", time_limit_s=5.0).spec
