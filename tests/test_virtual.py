@@ -224,6 +224,9 @@ def test_planner_picks_and_records_the_schedule():
     assert got_cost.schedule.kind == kind and got.schedule["chunks"] == 2
     assert got_cost.step_time(plan.spec) == pytest.approx(got.predicted_step_time_s)
     assert len(got.schedule["chunk_layers"]) == 8
+    # each stage's compute is its rank's chunks' (uniform nodes here: 1/4 of the model)
+    total = cost.stage_fwd(0, 0, 7) + cost.stage_bwd(0, 0, 7, True)
+    assert [st.compute_s for st in got.stages] == pytest.approx([total / 4] * 4)
     with pytest.raises(ValueError, match="transport=direct only"):
         Schedule(64, 8, "interleaved", "relay")
     # partition() itself searches a chunked kind with its search kind

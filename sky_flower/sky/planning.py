@@ -148,8 +148,9 @@ def stage_predictions(
     M, S = cost.schedule.microbatches, len(plan.stages)
     groups = M // planned.group_size
     out = []
+    chunked = "chunk_layers" in plan.schedule  # a rank's chunks: chosen_schedule's sum
     for k, st in enumerate(plan.stages):
-        compute = M * float(t.fwd[k] + t.bwd[k])
+        compute = M * (st.compute_s if chunked else float(t.fwd[k] + t.bwd[k]))
         payload = 2 * M * float(t.node_link[k]) if t.node_link is not None else 0.0
         messages = groups * (1 if k == S - 1 else 2)
         state = float(cost.state_prefix[st.last_layer + 1] - cost.state_prefix[st.first_layer])
@@ -264,8 +265,9 @@ def chosen_schedule(plan: Plan, cost: CostModel) -> tuple[Plan, CostModel]:
     """A plan searched with :attr:`Schedule.search_kind`, predicted with its real kind
     (``auto``: the direct kind with the least predicted step,
     :func:`sky_flower.core.schedule.choose_schedule`): the plan's predicted step and
-    per-stage memory, its ``schedule`` record (``kind``, ``chunks``, the chunks'
-    layers, ``predicted_step_by_kind_s`` for ``auto``) and the cost model of that kind.
+    per-stage memory and compute (each rank's chunks), its ``schedule`` record
+    (``kind``, ``chunks``, the chunks' layers, ``predicted_step_by_kind_s`` for
+    ``auto``) and the cost model of that kind.
 
     Raises
     ------
@@ -285,8 +287,13 @@ def chosen_schedule(plan: Plan, cost: CostModel) -> tuple[Plan, CostModel]:
     record["predicted_bubble_share"] = best.bubble_share
     if table is not None:
         record["predicted_step_by_kind_s"] = table
+    S, parts = len(plan.stages), best.chunk_layers
+    compute = [0.0] * S  # a rank's chunks' forward + backward per micro-batch
+    for c, (i, a, b) in enumerate(parts):
+        compute[c % S] += cost.stage_fwd(i, a, b) + cost.stage_bwd(i, a, b, c == len(parts) - 1)
     stages = [
-        replace(st, memory_bytes=m) for st, m in zip(plan.stages, best.memory_bytes, strict=True)
+        replace(st, memory_bytes=m, compute_s=t)
+        for st, m, t in zip(plan.stages, best.memory_bytes, compute, strict=True)
     ]
     plan = replace(plan, stages=stages, predicted_step_time_s=best.step_time_s, schedule=record)
     return plan, cost
