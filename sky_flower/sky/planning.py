@@ -217,7 +217,7 @@ class FederatedPlanned:
                 "predicted_start_s": p.start_s,
                 "predicted_time_s": p.time_s,
                 "microbatches_per_message": pl.group_size,
-                **p.plan.to_dict(),
+                **pl.plan.to_dict(),  # the schedule it runs (auto: the one picked)
             }
             for p, pl in zip(f.pipelines, self.planned, strict=True)
         ]
