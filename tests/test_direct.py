@@ -21,7 +21,7 @@ from sky_flower.pipeline.direct import (
     stage_input_shapes,
 )
 from sky_flower.pipeline.models import build_model
-from sky_flower.pipeline.stage import build_stage
+from sky_flower.pipeline.stage import RngKey, build_stage
 
 MODEL = {"name": "mlp", "hidden_width": 32, "hidden_layers": 3}
 ROUND_TIMEOUT_S = 2.0  # the failure tests' round timeout (every peer operation)
@@ -48,6 +48,45 @@ def test_local_pipeline_equals_unsplit_training(kind):
         torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-6)
     assert len(results[-1].losses) == 3 and results[-1].samples == 48
     assert all(len(r.step_times_s) == 3 and r.compute_s > 0 for r in results)
+
+
+CNN_BN = {
+    "_target_": "sky_flower.pipeline.models.build_cnn_bn",
+    "channels": [4, 8, 8],
+    "hidden": 16,
+}
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zero_bubble"])
+def test_chunked_schedules_equal_unsplit_training(kind):
+    # 2 ranks x 2 chunks (chunk c on rank c % 2) of a CNN with BatchNorm and Dropout:
+    # weights and BatchNorm buffers after 2 steps equal the unsplit model's
+    torch.manual_seed(0)
+    weights = build_model(CNN_BN).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+        for _ in range(2)
+    ]
+    merged, results = run_local(
+        CNN_BN,
+        [(0, 0), (1, 1), (2, 3), (4, 4)],
+        weights,
+        batches,
+        kind=kind,
+        microbatches=4,
+        lr=1e-3,
+        ranks=2,
+        rng=RngKey(0, 1),  # reference_rounds' first round
+    )
+    ((expected, _),) = reference_rounds(
+        lambda: build_model(CNN_BN), batches, 1, 2, 1e-3, microbatches=4, weights=weights
+    )
+    assert set(merged) == set(expected)
+    assert any("running_mean" in k for k in expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-6)
+    assert len(results) == 2 and len(results[-1].losses) == 2 and results[-1].samples == 32
 
 
 def test_stage_input_shapes():

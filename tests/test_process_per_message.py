@@ -75,20 +75,24 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
     assert_pipelined_relay_row(row, per_message, 4)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zero_bubble"])
 def test_direct_training_equals_local_training(kind, server_identity):
     """transport=direct, every stage in its own process at once, peer to peer: weights
     after 3 steps through 3 stages (4 micro-batches) equal those of the unsplit model
     trained on the same batches and micro-batches. (The Ray version of the gpipe case
-    is in tests/test_direct_sim.py.)"""
+    is in tests/test_direct_sim.py.) zero_bubble: one chunk per stage (the 4-layer
+    model has too few layers for 2 x 3), sent as the chunk fields of DirectConfig; the
+    engine's several chunks per rank: tests/test_direct.py."""
     run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 1, "steps-per-round": 3}
     run |= {"transport": "direct", "schedule-kind": kind, "microbatches": 4}
+    run |= {"schedule-chunks": 1}
     run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
     strategy, result, _ = run_sky_app(ConcurrentGrid, run)
     (row,) = strategy.rounds
     assert row.get("error") is None, row
     assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
     assert [s["node"] for s in row["stages"]] == ["node0", "node1", "node2"]
+    assert strategy.plan.schedule["kind"] == kind
     _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
 
 

@@ -82,6 +82,7 @@ from sky_flower.core.schedule import (
     Stage,
     StageTerms,
     Transport,
+    predict_plan,
 )
 
 __all__ = [
@@ -265,9 +266,10 @@ class CostModel(LowerBounds, Calibration):
         return t
 
     def inflight(self, k: int, num_stages: int) -> int:
-        """Micro-batches whose activations stage ``k`` stashes at its peak."""
+        """Micro-batches whose activations stage ``k`` stashes at its peak (the chunked
+        kinds and ``auto``: ``M``, a bound; :meth:`stage_memories` simulates them)."""
         M = self.schedule.microbatches
-        if self.relay or self.schedule.kind == "gpipe":
+        if self.relay or self.schedule.kind not in ("1f1b", "sequential"):
             return M
         if self.schedule.kind == "1f1b":
             return min(num_stages - k, M)
@@ -433,9 +435,11 @@ class CostModel(LowerBounds, Calibration):
         return min(divisors, key=lambda c: (self.relay_pipeline_time(t, c), -c))
 
     def step_time_of(self, t: StageTerms) -> float:
-        """Step time (seconds) from stage terms, for ``schedule.kind``."""
+        """Step time (seconds) from stage terms, for ``schedule.kind`` (the chunked
+        kinds and ``auto``: their :attr:`Schedule.search_kind`; :meth:`step_time`
+        plays them)."""
         M = self.schedule.microbatches
-        kind = self.schedule.kind
+        kind = self.schedule.search_kind
         if self.relay and kind != "sequential" and t.message is not None:
             return self.relay_pipeline_time(t, self.relay_group_size(t))
         if kind == "sequential":
@@ -453,6 +457,8 @@ class CostModel(LowerBounds, Calibration):
 
     def step_time(self, plan: Sequence[Sequence[int]]) -> float:
         """Predicted seconds per training step of a plan."""
+        if self.schedule.kind != self.schedule.search_kind:  # chunked kinds, auto
+            return predict_plan(self, self.as_stages(plan)).step_time_s
         return self.step_time_of(self.terms(plan))
 
     def period(self, plan: Sequence[Sequence[int]]) -> float:
@@ -467,6 +473,8 @@ class CostModel(LowerBounds, Calibration):
 
     def stage_memories(self, plan: Sequence[Sequence[int]]) -> list[float]:
         """Bytes each stage needs (schedule's in-flight micro-batches included)."""
+        if self.schedule.kind != self.schedule.search_kind:  # chunked kinds, auto
+            return predict_plan(self, self.as_stages(plan)).memory_bytes
         st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)
         S = len(st)
         inflight = np.array([self.inflight(k, S) for k in range(S)])

@@ -67,7 +67,9 @@ class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, box: list) -> torch.Tensor:  # noqa: D102
         ctx.box = box
-        return x.view_as(x)
+        # zero bubble detaches the stage's output in place after the input-gradient pass,
+        # which a view refuses: a copy there (the same values)
+        return x.clone() if box[0].plain_output else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
@@ -103,6 +105,7 @@ class EmulatedStage(nn.Module):
         self.emulated = emulated
         self.is_first, self.is_last = is_first, is_last
         self._t_backward = 0.0
+        self.plain_output = False  # zero bubble: the output is not a view (see above)
         self._box = [self]
         self._key, self._microbatch = RngKey(), 0
 
@@ -180,3 +183,22 @@ class EmulatedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``inner.zero_grad``."""
         self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def emulate_weight_pass(stage: Any, emulated: Emulated) -> None:  # noqa: ANN401 - a PipelineStage
+    """Time (and slow down, ``emulated.slowdown x``) a zero-bubble stage's deferred
+    weight-gradient pass, which runs outside the autograd functions of
+    :class:`EmulatedStage` (``PipelineStage.backward_weight_one_chunk``, wrapped on the
+    instance; numerically the identity)."""
+    inner = stage.backward_weight_one_chunk
+
+    def timed(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - torch's signature
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        emulated.compute_s += elapsed
+        if emulated.slowdown > 0:
+            time.sleep(emulated.slowdown * elapsed)
+        return out
+
+    stage.backward_weight_one_chunk = timed

@@ -1,16 +1,21 @@
 """The stage engine of the ``direct`` transport: one round of one pipeline stage.
 
-Rank ``k`` runs stage ``k`` of a ``torch.distributed.pipelining`` schedule (GPipe,
-Huang et al. 2019, arXiv 1811.06965; or 1F1B / PipeDream-Flush, Narayanan et al. 2021,
-arXiv 2006.09503) over ``M`` micro-batches per step. Rank 0 is the data owner: it feeds
-stage 0 with its own batches and sends each batch's labels to the last stage
-(``dist.isend``, tag :data:`LABEL_TAG`), where the schedule's loss function uses them.
-The loss is the mean cross-entropy per micro-batch and the schedule divides the
-accumulated gradients by ``M`` (``scale_grads=True``), so a step computes exactly the
-gradient of the whole batch's mean loss, as the unsplit model does. Every stage steps
-its own optimizer once per step (a stage without parameters has none). The schedule
-runs each micro-batch's forward once, with its graph, in micro-batch order, so buffers
-(BatchNorm) update as the whole model's do; each layer's randomness is keyed by
+Rank ``k`` runs stage ``k`` of a ``torch.distributed.pipelining`` schedule (GPipe, Huang
+et al. 2019, arXiv 1811.06965; or 1F1B / PipeDream-Flush, Narayanan et al. 2021, arXiv
+2006.09503) over ``M`` micro-batches per step; or, with ``v`` model chunks per rank
+(:class:`Chunk`; chunk ``c`` of ``C = S v`` on rank ``c mod S``), interleaved 1F1B
+(``ScheduleInterleaved1F1B``, arXiv 2104.04473) or zero bubble
+(``ScheduleInterleavedZeroBubble``, ZB1P of arXiv 2401.10241, whose backward is split
+into input and weight gradients). Each chunk runs its forwards in micro-batch order in
+every schedule, so the keyed randomness and BatchNorm buffers are as on one stage. Rank
+0 is the data owner: it feeds stage 0 with its own batches and sends each batch's labels
+to the last stage (``dist.isend``, tag :data:`LABEL_TAG`), where the schedule's loss
+function uses them. The loss is the mean cross-entropy per micro-batch and the schedule
+divides the accumulated gradients by ``M`` (``scale_grads=True``), so a step computes
+exactly the gradient of the whole batch's mean loss, as the unsplit model does. Every
+stage steps its own optimizer once per step (a stage without parameters has none). The
+schedule runs each micro-batch's forward once, with its graph, in micro-batch order, so
+buffers (BatchNorm) update as the whole model's do; each layer's randomness is keyed by
 ``(seed, round, step, micro-batch, layer)`` as on every path
 (:func:`sky_flower.pipeline.stage.forward_layers`); the static-shape probe has no side
 effects (:func:`sky_flower.pipeline.stage.probe_forward`). :func:`run_stage` always
@@ -27,9 +32,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
-from sky_flower.pipeline.emulated import Emulated, EmulatedOptimizer, EmulatedStage
+from sky_flower.pipeline.emulated import (
+    Emulated,
+    EmulatedOptimizer,
+    EmulatedStage,
+    emulate_weight_pass,
+)
 from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.pipeline.rendezvous import (
@@ -42,8 +58,36 @@ from sky_flower.pipeline.rendezvous import (
 )
 from sky_flower.pipeline.stage import RngKey, probe_forward
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_CHUNK = ("interleaved", "zero_bubble")  # schedules over a list of chunks per rank
 LABEL_TAG = 7
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk (virtual stage) of a rank.
+
+    Attributes
+    ----------
+    index : int
+        Global chunk index ``c``, ``0 <= c < C``; it runs on rank ``c mod S``.
+    module : nn.Module
+        The chunk's layers (trained in place).
+    input_shape : tuple of int
+        Shape of one sample of its input (no batch dimension).
+    input_dtype : torch.dtype or str, optional
+        Its input's dtype (default float32).
+    """
+
+    index: int
+    module: nn.Module
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype | str | None = None
 
 
 @dataclass
@@ -77,7 +121,7 @@ class StageResult:
 
 def run_stage(  # noqa: PLR0913
     rdv: Rendezvous,
-    module: nn.Module,
+    module: nn.Module | Sequence[Chunk],
     optimizer: torch.optim.Optimizer | None,
     kind: str,
     microbatches: int,
@@ -98,13 +142,15 @@ def run_stage(  # noqa: PLR0913
     ----------
     rdv : Rendezvous
         The round's rendezvous for this stage.
-    module : nn.Module
-        The stage's layers (trained in place).
+    module : nn.Module or sequence of Chunk
+        The stage's layers (trained in place), or the rank's chunks (``v`` of the
+        ``S v``; ``input_shape`` and ``input_dtype`` are then each chunk's own).
     optimizer : torch.optim.Optimizer or None
-        Over ``module``'s parameters; stepped once per step. None for a stage without
-        trainable parameters.
-    kind : {"gpipe", "1f1b"}
-        The ``torch.distributed.pipelining`` schedule.
+        Over ``module``'s (every chunk's) parameters; stepped once per step. None for a
+        stage without trainable parameters.
+    kind : {"gpipe", "1f1b", "interleaved", "zero_bubble"}
+        The ``torch.distributed.pipelining`` schedule (:data:`SCHEDULES`; the last two
+        take any number of chunks per rank, the first two one).
     microbatches : int
         ``M``; must divide the batch.
     steps : int
@@ -147,32 +193,33 @@ def run_stage(  # noqa: PLR0913
         Naming the stage when it, or a peer it waits for, fails or stalls (after at
         most ``rdv.timeout_s``); :class:`RankRefusedError` for an unplanned rank.
     ValueError
-        On an unknown schedule kind or a missing ``batch_fn`` on rank 0.
+        On an unknown schedule kind, several chunks for GPipe / 1F1B or a missing
+        ``batch_fn`` on rank 0.
     """
-    _check(kind, rdv.rank, batch_fn, batch_size, microbatches)
-    rank, S = rdv.rank, rdv.world_size
-    example = example_input(batch_size // microbatches, input_shape, input_dtype)
-    # static shapes: requires_grad decides what is sent back
-    example.requires_grad_(rank > 0 and example.is_floating_point())
+    chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
+    _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))
+    S = rdv.world_size
+    C = len(chunks) * S
     emulated = emulated or Emulated()
-    wrapped = EmulatedStage(module, emulated, is_first=rank == 0, is_last=rank == S - 1)
+    wrapped = [
+        EmulatedStage(ch.module, emulated, is_first=ch.index == 0, is_last=ch.index == C - 1)
+        for ch in chunks
+    ]
     rng = rng or RngKey()
     result = StageResult()
     t0 = time.perf_counter()
     join(rdv)
     try:
         result.setup_s = time.perf_counter() - t0
-        example_out = probe_forward(module, example)  # in the group: a failure ends it for all
-        stage = PipelineStage(
-            wrapped,
-            rank,
-            S,
-            torch.device("cpu"),
-            input_args=example,
-            output_args=example_out.requires_grad_(True),
-        )
+        stages = [
+            _pipeline_stage(ch, w, C, batch_size // microbatches)
+            for ch, w in zip(chunks, wrapped, strict=True)
+        ]
+        for st, w in zip(stages, wrapped, strict=True) if kind == "zero_bubble" else ():
+            emulate_weight_pass(st, emulated)
+            w.plain_output = True
         schedule = SCHEDULES[kind](
-            stage,
+            stages if kind in MULTI_CHUNK else stages[0],
             n_microbatches=microbatches,
             loss_fn=loss_fn or nn.functional.cross_entropy,  # every rank: sets has_backward
             scale_grads=True,
@@ -181,7 +228,8 @@ def run_stage(  # noqa: PLR0913
             if fault is not None:
                 fault(step)
             t_step = time.perf_counter()
-            wrapped.start_step(RngKey(rng.seed, rng.round, step))
+            for w in wrapped:
+                w.start_step(RngKey(rng.seed, rng.round, step))
             opt = None if optimizer is None else EmulatedOptimizer(optimizer, emulated)
             _step(rdv, schedule, opt, batch_size, batch_fn, step, result, metric_fn)
             result.step_times_s.append(time.perf_counter() - t_step)
@@ -196,17 +244,52 @@ def run_stage(  # noqa: PLR0913
     return result
 
 
-def _check(
+def _chunks(
+    module: nn.Module | Sequence[Chunk],
+    rank: int,
+    input_shape: Sequence[int],
+    input_dtype: torch.dtype | str | None,
+) -> list[Chunk]:
+    """The rank's chunks: ``module`` itself as chunk ``rank``, or the given ones."""
+    if isinstance(module, nn.Module):
+        return [Chunk(rank, module, tuple(input_shape), input_dtype)]
+    return list(module)
+
+
+def _pipeline_stage(chunk: Chunk, wrapped: nn.Module, C: int, mb_size: int) -> PipelineStage:
+    """``torch.distributed.pipelining`` stage ``chunk.index`` of ``C``, static shapes
+    from a side-effect-free probe of the chunk (in the group: a failure ends it for all)."""
+    example = example_input(mb_size, chunk.input_shape, chunk.input_dtype)
+    # static shapes: requires_grad decides what is sent back
+    example.requires_grad_(chunk.index > 0 and example.is_floating_point())
+    example_out = probe_forward(chunk.module, example)
+    return PipelineStage(
+        wrapped,
+        chunk.index,
+        C,
+        torch.device("cpu"),
+        input_args=example,
+        output_args=example_out.requires_grad_(True),
+    )
+
+
+def _check(  # noqa: PLR0913
     kind: str,
     rank: int,
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     batch_size: int,
     microbatches: int,
+    chunks: int = 1,
 ) -> None:
-    """Raise ValueError on an unknown schedule, rank 0 without batches, or a batch that
-    the micro-batches do not divide."""
+    """Raise ValueError on an unknown schedule, several chunks per rank for GPipe /
+    1F1B, rank 0 without batches, or a batch that the micro-batches do not divide."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+    if chunks != 1 and kind not in MULTI_CHUNK:
+        raise ValueError(
+            f"schedule {kind!r} runs one chunk per rank, got {chunks}: use one of "
+            f"{', '.join(MULTI_CHUNK)} for several"
+        )
     if rank == 0 and batch_fn is None:
         raise ValueError("rank 0 (the data owner) needs batch_fn")
     if batch_size % microbatches:

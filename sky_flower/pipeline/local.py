@@ -16,15 +16,16 @@ import torch
 from torch import nn
 
 from sky_flower.pipeline.emulated import Emulated
-from sky_flower.pipeline.engine import StageResult, run_stage
+from sky_flower.pipeline.engine import MULTI_CHUNK, Chunk, StageResult, run_stage
 from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.rendezvous import DirectStageError, Rendezvous, RoundHost
+from sky_flower.pipeline.stage import RngKey
 
 
 def _local_worker(  # noqa: PLR0913
     rdv: Rendezvous,
     model_cfg: dict,
-    bounds: tuple[int, int],
+    parts: list[tuple[int, tuple[int, int], tuple]],
     weights: dict,
     optimizer: str,
     lr: float,
@@ -33,33 +34,45 @@ def _local_worker(  # noqa: PLR0913
     batches: list | None,
     steps: int,
     batch_size: int,
-    input_shape: tuple,
     slowdown: float,
     queue: object,
+    input_dtype: torch.dtype | None = None,
+    rng: RngKey | None = None,
 ) -> None:
+    """Stage process of :func:`run_local`: its chunks ``(index, (first, last), input
+    shape)`` (one for GPipe / 1F1B), one round, its weights and results to ``queue``."""
     from sky_flower.pipeline.models import build_model
     from sky_flower.pipeline.stage import build_stage, slice_state, stage_optimizer
 
     torch.set_num_threads(1)
     try:
-        first, last = bounds
-        module = build_stage(
-            lambda: build_model(model_cfg), first, last, slice_state(weights, first, last)
-        )
+        chunks = [
+            Chunk(
+                c,
+                build_stage(lambda: build_model(model_cfg), a, b, slice_state(weights, a, b)),
+                tuple(shape),
+                input_dtype if c == 0 else None,
+            )
+            for c, (a, b), shape in parts
+        ]
+        module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's parameters
         res = run_stage(
             rdv,
-            module,
+            chunks if kind in MULTI_CHUNK else chunks[0].module,
             stage_optimizer(module, optimizer, lr),
             kind,
             microbatches,
             steps,
             batch_size,
-            input_shape,
+            chunks[0].input_shape,
             batch_fn=(lambda s: batches[s]) if batches is not None else None,
             emulated=Emulated(slowdown=slowdown),
-            input_dtype=batches[0][0].dtype if batches is not None else None,
+            input_dtype=chunks[0].input_dtype,
+            rng=rng,
         )
-        state = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+        state = {}
+        for ch in chunks:
+            state.update({k: v.detach().numpy().copy() for k, v in ch.module.state_dict().items()})
         queue.put((rdv.rank, res, state))  # type: ignore[attr-defined]
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         queue.put((rdv.rank, err, None))  # type: ignore[attr-defined]
@@ -76,6 +89,8 @@ def run_local(  # noqa: PLR0913
     lr: float = 1e-3,
     slowdowns: Sequence[float] | None = None,
     timeout_s: float = 60.0,
+    ranks: int | None = None,
+    rng: RngKey | None = None,
 ) -> tuple[dict, list[StageResult]]:
     """``torch.distributed.pipelining`` alone: one local process per stage, no Flower.
 
@@ -84,7 +99,7 @@ def run_local(  # noqa: PLR0913
     model_cfg : dict
         :func:`sky_flower.pipeline.models.build_model` config.
     bounds : sequence of (first, last)
-        Layers of each stage, in pipeline order.
+        Layers of each stage (or chunk), in pipeline order.
     weights : dict
         Full-model state dict to start from.
     batches : list of (x (B, ...), labels (B,))
@@ -95,6 +110,13 @@ def run_local(  # noqa: PLR0913
         Emulated slowdown per stage.
     timeout_s : float
         Bound on the round, seconds.
+    ranks : int, optional
+        Processes ``S`` (default one per entry of ``bounds``); with fewer, entry ``c``
+        is chunk ``c`` of rank ``c mod S`` (``len(bounds)`` a multiple of ``S``; the
+        ``interleaved`` and ``zero_bubble`` kinds).
+    rng : RngKey, optional
+        Seed and round of the layers' keyed randomness (default seed 0, round 0;
+        ``tests/reference.py``'s rounds count from 1).
 
     Returns
     -------
@@ -110,7 +132,9 @@ def run_local(  # noqa: PLR0913
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    S = len(bounds)
+    S = ranks or len(bounds)
+    if len(bounds) % S:
+        raise ValueError(f"{len(bounds)} chunks do not divide over {S} ranks")
     slowdowns = list(slowdowns or [0.0] * S)
     dtype = batches[0][0].dtype
     shapes = stage_input_shapes(
@@ -125,7 +149,7 @@ def run_local(  # noqa: PLR0913
                 args=(
                     host.rendezvous(k),
                     dict(model_cfg),
-                    tuple(bounds[k]),
+                    [(c, tuple(bounds[c]), shapes[c]) for c in range(k, len(bounds), S)],
                     weights,
                     optimizer,
                     lr,
@@ -134,9 +158,10 @@ def run_local(  # noqa: PLR0913
                     batches if k == 0 else None,
                     len(batches),
                     int(batches[0][1].shape[0]),
-                    shapes[k],
                     slowdowns[k],
                     queue,
+                    dtype,
+                    rng,
                 ),
                 daemon=True,
             )

@@ -21,11 +21,41 @@ from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
+from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.guard import check_stages
 from sky_flower.sky.relay import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+
+
+def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
+    """The schedule a pipeline runs: the one its plan records (``auto`` picked it), else
+    the configured one."""
+    return str(plan.plan.schedule.get("kind", schedule.kind))
+
+
+def chunk_plan(plan: Pipeline, s: Any, S: int) -> list[dict[str, str]] | None:  # noqa: ANN401
+    """Per rank, the :class:`~sky_flower.sky.protocol.DirectConfig` chunk fields of a
+    chunked plan (``interleaved``, ``zero_bubble``: chunk ``c`` on rank ``c mod S``),
+    or None for one stage per rank."""
+    layers = plan.plan.schedule.get("chunk_layers")
+    if plan_kind(plan, s.schedule) not in MULTI_CHUNK or not layers:
+        return None
+    bounds = [(int(a), int(b)) for a, b in layers]
+    shapes = stage_input_shapes(s.model_fn, list(s.input_shape), bounds, s.input_dtype)
+    out = []
+    for k in range(S):
+        mine = range(k, len(bounds), S)
+        layers_k = [v for c in mine for v in (c, *bounds[c])]
+        shapes_k = [v for c in mine for v in (len(shapes[c]), *shapes[c])]
+        out.append(
+            {
+                "chunk_layers": " ".join(map(str, layers_k)),
+                "chunk_shapes": " ".join(map(str, shapes_k)),
+            }
+        )
+    return out
 
 
 class DirectRunner(Runner):
@@ -44,7 +74,8 @@ class DirectRunner(Runner):
 
     @staticmethod
     def check_schedule(schedule: Schedule) -> None:
-        """Refuse ``schedule.kind=sequential`` (torch's pipelining runs gpipe, 1f1b).
+        """Refuse ``schedule.kind=sequential`` (torch's pipelining runs gpipe, 1f1b,
+        interleaved, zero_bubble; ``auto`` picks one).
 
         Raises
         ------
@@ -54,7 +85,8 @@ class DirectRunner(Runner):
         if schedule.kind == "sequential":
             raise ValueError(
                 "schedule.kind=sequential runs on transport=relay, gpipe and 1f1b on "
-                "transport=direct (torch.distributed.pipelining) and on relay: got "
+                "transport=direct (torch.distributed.pipelining, with interleaved, "
+                "zero_bubble and auto) and on relay: got "
                 "kind=sequential, transport=direct"
             )
 
@@ -67,7 +99,7 @@ class DirectRunner(Runner):
             Saying how to fix it.
         """
         S, M = plan.num_stages, self.s.schedule.microbatches
-        if self.s.schedule.kind == "1f1b" and M < S:
+        if plan_kind(plan, self.s.schedule) == "1f1b" and M < S:
             raise ValueError(
                 f"schedule.kind=1f1b needs at least as many micro-batches as stages: the "
                 f"plan has {S} stages, schedule.microbatches={M}. Raise "
@@ -112,6 +144,8 @@ class DirectRunner(Runner):
         def link(k: int) -> tuple[float, float]:
             return plan.links[k] if 0 <= k < len(stages) else (0.0, 0.0)
 
+        kind = plan_kind(plan, self.s.schedule)
+        chunked = chunk_plan(plan, self.s, S=len(stages))
         msgs = []
         for k, st in enumerate(stages):
             (lat, bw), (nlat, nbw), (plat, pbw) = link(k), link(k + 1), link(k - 1)
@@ -119,13 +153,25 @@ class DirectRunner(Runner):
                 stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round, session),
                 rendezvous=host.rendezvous(k),
                 links=P.DirectLinks(lat, bw, nlat, nbw, plat, pbw),
-                kind=self.s.schedule.kind,
+                kind=kind,
                 steps=steps,
                 input_shape=tuple(shapes[k]),
                 node_id=plan.node_ids[k],
                 input_dtype=self.s.input_dtype if k == 0 else "float32",  # activations
+                **(chunked[k] if chunked else {}),
             )
-            weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
+            parts = (
+                [int(v) for v in chunked[k]["chunk_layers"].split()]
+                if chunked
+                else [k, st.first_layer, st.last_layer]
+            )
+            weights = ArrayRecord(
+                {
+                    key: v
+                    for c in range(0, len(parts), 3)
+                    for key, v in slice_state(full, parts[c + 1], parts[c + 2]).items()
+                }
+            )
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
             content.update(migrated_state(self.s, plan, k))  # train.optimizer_state=keep
             msgs.append(message(plan.node_ids[k], P.DIRECT, content, str(server_round)))

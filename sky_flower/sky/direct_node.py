@@ -22,6 +22,7 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
+from sky_flower.pipeline.engine import Chunk
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
@@ -29,6 +30,7 @@ from sky_flower.pipeline.stage import (
     build_stage,
     optimizer_from_tensors,
     optimizer_to_tensors,
+    slice_state,
     stage_optimizer,
 )
 from sky_flower.sky import migration
@@ -62,6 +64,25 @@ def own_error(err: Exception) -> BaseException | None:
     if isinstance(err, RankRefusedError) or cause is None or PEER_FAILURE in str(err):
         return None
     return None if isinstance(cause, (faults.FaultInjected, DirectStageError)) else cause
+
+
+def node_chunks(cfg: P.DirectConfig, model_fn: Callable[[], nn.Module], state: dict) -> list[Chunk]:
+    """The rank's chunks from ``cfg.chunk_layers`` / ``cfg.chunk_shapes`` (interleaved,
+    zero bubble), or its one stage ``cfg.stage.first..last`` as chunk ``rank``; their
+    weights from ``state`` (keys of the full model)."""
+    st, rank = cfg.stage, cfg.rendezvous.rank
+    if cfg.chunk_layers == "-":
+        module = build_stage(model_fn, st.first, st.last, state)
+        return [Chunk(rank, module, tuple(cfg.input_shape), cfg.input_dtype)]
+    chunks, dims = [], [int(v) for v in cfg.chunk_shapes.split()]
+    triples = [int(v) for v in cfg.chunk_layers.split()]
+    for i in range(0, len(triples), 3):
+        c, first, last = triples[i : i + 3]
+        ndim, dims = dims[0], dims[1:]
+        shape, dims = tuple(dims[:ndim]), dims[ndim:]
+        module = build_stage(model_fn, first, last, slice_state(state, first, last))
+        chunks.append(Chunk(c, module, shape, cfg.input_dtype if c == 0 else None))
+    return chunks
 
 
 def run_direct_stage(  # noqa: PLR0913
@@ -124,15 +145,18 @@ def run_direct_stage(  # noqa: PLR0913
             f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
             f"not for this node ({node_id})"
         )
-    module = build_stage(model_fn, st.first, st.last, weights.to_torch_state_dict())
+    chunks = node_chunks(cfg, model_fn, weights.to_torch_state_dict())
+    module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
     opt = stage_optimizer(module, st.optimizer, st.lr)
     if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
+        if cfg.chunk_layers != "-":  # refused by the strategy (SkyStrategy.init_replan)
+            raise ValueError("train.optimizer_state=keep needs one chunk per stage")
         local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
         optimizer_from_tensors(opt, local.to_torch_state_dict())
     try:
         res = run_stage(
             rdv,
-            module,
+            chunks if cfg.chunk_layers != "-" else chunks[0].module,
             opt,
             kind=cfg.kind,
             microbatches=st.microbatches,
@@ -164,7 +188,9 @@ def run_direct_stage(  # noqa: PLR0913
     record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
     out = RecordDict(
         {
-            P.ARRAYS: ArrayRecord({k: v.detach() for k, v in module.state_dict().items()}),
+            P.ARRAYS: ArrayRecord(
+                {k: v.detach() for ch in chunks for k, v in ch.module.state_dict().items()}
+            ),
             P.METRICS: record,
         }
     )

@@ -24,6 +24,7 @@ from sky_flower.core.federated import (
 from sky_flower.core.partition import METHODS, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
+from sky_flower.core.schedule import choose_schedule, predict
 from sky_flower.pipeline.example import as_dtype
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.runner import Pipeline
@@ -118,7 +119,7 @@ def precheck(
         )
         for name, cap in zip(names, memory_caps, strict=True)
     ]
-    feasible_bounds(CostModel(list(layers), nodes, schedule))
+    feasible_bounds(CostModel(list(layers), nodes, schedule.for_search()))
     if allocation == "even" and owners:
         largest = 1 + math.ceil((len(nodes) - owners) / owners)  # owner + its helpers
         if len(layers) < largest:
@@ -223,8 +224,9 @@ def stage_predictions(
     M, S = cost.schedule.microbatches, len(plan.stages)
     groups = M // planned.group_size
     out = []
+    chunked = "chunk_layers" in plan.schedule  # a rank's chunks: chosen_schedule's sum
     for k, st in enumerate(plan.stages):
-        compute = M * float(t.fwd[k] + t.bwd[k])
+        compute = M * (st.compute_s if chunked else float(t.fwd[k] + t.bwd[k]))
         payload = 2 * M * float(t.node_link[k]) if t.node_link is not None else 0.0
         messages = groups * (1 if k == S - 1 else 2)
         state = float(cost.state_prefix[st.last_layer + 1] - cost.state_prefix[st.first_layer])
@@ -291,14 +293,14 @@ class FederatedPlanned:
                 "predicted_start_s": p.start_s,
                 "predicted_time_s": p.time_s,
                 "microbatches_per_message": pl.group_size,
-                **p.plan.to_dict(),
+                **pl.plan.to_dict(),  # the schedule it runs (auto: the one picked)
             }
             for p, pl in zip(f.pipelines, self.planned, strict=True)
         ]
         return {
             **self.planned[0].plan.to_dict(),
             "method": f.method,
-            "predicted_step_time_s": max(p.plan.predicted_step_time_s for p in f.pipelines),
+            "predicted_step_time_s": max(p.plan.predicted_step_time_s for p in self.planned),
             "alternatives": self.alternatives,
             "alternative_round_times_s": self.alternative_rounds,
             "microbatches_per_message": self.planned[0].group_size,
@@ -327,10 +329,50 @@ def owner_planned(
     stages = [replace(st, node_index=k) for k, st in enumerate(op.plan.stages)]
     plan = replace(op.plan, stages=stages)
     cost = CostModel(list(layers), group, schedule)
+    if schedule.kind != schedule.search_kind:  # chunked kinds, auto: played, picked
+        plan, cost = chosen_schedule(plan, cost)
     size = schedule.microbatches
     if schedule.kind != "sequential" and schedule.transport == "relay":
         size = cost.relay_group_size(cost.terms(plan_spec(plan)))
     return Planned(plan, cost, size)
+
+
+def chosen_schedule(plan: Plan, cost: CostModel) -> tuple[Plan, CostModel]:
+    """A plan searched with :attr:`Schedule.search_kind`, predicted with its real kind
+    (``auto``: the direct kind with the least predicted step,
+    :func:`sky_flower.core.schedule.choose_schedule`): the plan's predicted step and
+    per-stage memory and compute (each rank's chunks), its ``schedule`` record
+    (``kind``, ``chunks``, the chunks' layers, ``predicted_step_by_kind_s`` for
+    ``auto``) and the cost model of that kind.
+
+    Raises
+    ------
+    ValueError
+        If the kind cannot run the plan (e.g. fewer layers than chunks).
+    """
+    spec = plan_spec(plan)
+    sched = cost.schedule
+    table = None
+    if sched.kind == "auto":
+        best, table = choose_schedule(cost, spec, chunks=sched.chunks)
+    else:
+        best = predict(cost, spec, sched.kind, sched.chunks)
+    cost = CostModel(cost.layers, cost.nodes, replace(sched, kind=best.kind, chunks=best.chunks))
+    record = {**plan.schedule, "kind": best.kind, "chunks": best.chunks}
+    record["chunk_layers"] = [[a, b] for _, a, b in best.chunk_layers]
+    record["predicted_bubble_share"] = best.bubble_share
+    if table is not None:
+        record["predicted_step_by_kind_s"] = table
+    S, parts = len(plan.stages), best.chunk_layers
+    compute = [0.0] * S  # a rank's chunks' forward + backward per micro-batch
+    for c, (i, a, b) in enumerate(parts):
+        compute[c % S] += cost.stage_fwd(i, a, b) + cost.stage_bwd(i, a, b, c == len(parts) - 1)
+    stages = [
+        replace(st, memory_bytes=m, compute_s=t)
+        for st, m, t in zip(plan.stages, best.memory_bytes, compute, strict=True)
+    ]
+    plan = replace(plan, stages=stages, predicted_step_time_s=best.step_time_s, schedule=record)
+    return plan, cost
 
 
 def make_federated_plan(  # noqa: PLR0913
@@ -361,7 +403,7 @@ def make_federated_plan(  # noqa: PLR0913
             list(layers),
             list(nodes),
             samples,
-            schedule,
+            schedule.for_search(),
             method,
             local_epochs=local_epochs,
             steps_per_round=steps_per_round,

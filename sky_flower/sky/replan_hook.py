@@ -53,7 +53,8 @@ class RoundReplanning:
         Raises
         ------
         ValueError
-            On an unknown ``optimizer_state``.
+            On an unknown ``optimizer_state``, or ``keep`` with a schedule that may run
+            several chunks per stage (``interleaved``, ``zero_bubble``, ``auto``).
         """
         from sky_flower.sky.migration import OPTIMIZER_STATES, OptimizerStore
 
@@ -61,6 +62,14 @@ class RoundReplanning:
             raise ValueError(
                 f"train.optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, "
                 f"got {optimizer_state!r}"
+            )
+        kind = self.schedule.kind  # type: ignore[attr-defined] - the strategy's
+        if optimizer_state == "keep" and kind in ("interleaved", "zero_bubble", "auto"):
+            raise ValueError(
+                f"train.optimizer_state=keep moves each layer's optimizer state with its "
+                f"stage, which needs one chunk per stage: schedule.kind={kind} may split a "
+                f"stage into chunks. Use schedule.kind=gpipe or 1f1b with keep, or "
+                f"train.optimizer_state=round"
             )
         self.replan_cfg = replan or ReplanConfig()
         self.optimizer_state = optimizer_state

@@ -76,6 +76,8 @@ class ScheduleSettings:
     microbatches_per_message: int = _setting(
         0, "microbatches-per-message", "schedule.microbatches_per_message", AT_LEAST_0
     )
+    # issue 16 (slice schedules): model chunks per stage of interleaved / zero_bubble
+    chunks: int = _setting(2, "schedule-chunks", "schedule.chunks", AT_LEAST_1)
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,7 @@ class SkySettings:
         if s.transport == "direct" and s.kind == "sequential":
             raise ValueError(
                 "run config schedule-kind='sequential' runs on transport='relay' only: with "
-                "transport='direct' choose one of gpipe, 1f1b "
+                "transport='direct' choose one of gpipe, 1f1b, interleaved, zero_bubble, auto "
                 "(e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
             )
         if s.batch_size % s.microbatches:
@@ -362,6 +364,7 @@ class SkySettings:
             kind=s.kind,  # type: ignore[arg-type]
             transport=s.transport,  # type: ignore[arg-type]
             microbatches_per_message=s.microbatches_per_message,
+            chunks=s.chunks,
         )
 
     def strategy_kwargs(self) -> dict[str, Any]:

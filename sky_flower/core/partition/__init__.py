@@ -145,8 +145,14 @@ def partition(
     InfeasibleMemoryError
         If no plan fits the nodes' memory (proven by the exact check, whose name the
         message gives) or the check could not decide within ``time_limit_s``.
+
+    The chunked kinds (``interleaved``, ``zero_bubble``) and ``auto`` are searched with
+    :attr:`~sky_flower.core.schedule.Schedule.search_kind` (the plan is theirs; the Sky
+    planner then predicts the real kind, :func:`sky_flower.sky.planning.chosen_schedule`).
     """
     _check_objective(objective)
+    if cost.schedule.kind != cost.schedule.search_kind:
+        cost = CostModel(cost.layers, cost.nodes, cost.schedule.for_search())
     if method == "even":
         return even(cost, objective)
     if method == "heuristic":
