@@ -268,3 +268,18 @@ def test_optimizer_state_by_parameter_name_round_trips_and_slices_by_layer():
     assert only_2 and all(k.startswith("2.") for k in only_2)
     with pytest.raises(ValueError, match="not of layers 1..1"):
         migration.local_optimizer_state(small_cnn, 1, 1, store.stage_record("owner", 2, 3))
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zero_bubble", "auto"])
+def test_keeping_optimizer_state_is_refused_with_chunked_schedules(kind):
+    """Migration moves state layer by layer with one stage per node: a schedule that may
+    split a stage into chunks is refused up front, naming the way out."""
+    schedule = Schedule(batch_size=8, microbatches=4, kind=kind, transport="direct")
+    with pytest.raises(ValueError, match=rf"optimizer_state=keep .* schedule.kind={kind}"):
+        SkyStrategy(
+            lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)),
+            [4],
+            schedule=schedule,
+            optimizer_state="keep",
+        )
+    SkyStrategy(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4], schedule=schedule)

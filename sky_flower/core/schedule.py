@@ -49,7 +49,7 @@ class Schedule:
         Samples per training step (B).
     microbatches : int
         Micro-batches per step (M); must divide ``batch_size``. 1 = whole batch.
-    kind : {"sequential", "gpipe", "1f1b"}
+    kind : {"sequential", "gpipe", "1f1b", "interleaved", "zero_bubble", "auto"}
         Execution order of the micro-batches (see module docstring).
     transport : {"relay", "direct"}
         ``relay``: every hop is a Flower message through the server; ``direct``: peer to
