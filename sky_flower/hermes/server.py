@@ -144,8 +144,10 @@ class WorkerBook:
 
 
 class HermesSizing:
-    """Hermes' speed-aware sizes: fit each worker's step time from the benchmark round,
-    set the target round to the median worker's at equal shares, search every worker's
+    """Hermes' speed-aware sizes: fit each worker's step time from the benchmark round
+    (:meth:`plan`) or from its first training rounds' own step timings
+    (:meth:`observe`, :meth:`plan_from_training`; refitted after every round), set the
+    target round to the median worker's at equal shares, search every worker's
     share and batch for it; re-search a worker that turns straggler. Writes the sizes
     into ``book.data`` / ``book.batch``.
 
@@ -164,6 +166,8 @@ class HermesSizing:
         this fraction off the target.
     """
 
+    OBSERVED_WINDOW = 12  # (batch, seconds) observations per worker the online refit uses
+
     def __init__(
         self,
         book: WorkerBook,
@@ -180,6 +184,38 @@ class HermesSizing:
         self.target_s = 0.0
         self.searches = [0] * book.n  # size searches per worker (the first included)
         self.straggler_events = [0] * book.n
+        # (batch, seconds per step) seen in training rounds, per worker, latest last
+        self.observed: list[list[tuple[float, float]]] = [[] for _ in range(book.n)]
+
+    @property
+    def planned(self) -> bool:
+        """Whether the sizes have been searched (:meth:`plan` or :meth:`plan_from_training`)."""
+        return bool(self.sizes)
+
+    def observe(self, worker: int, batches: Sequence[float], seconds: Sequence[float]) -> None:
+        """Take one training round's step timings of ``worker`` (per step size, the median
+        seconds per step); once planned, refit its step-time model from its latest
+        ``OBSERVED_WINDOW`` observations (the straggler rule then rescales the refit)."""
+        obs = self.observed[worker]
+        obs.extend((float(b), float(s)) for b, s in zip(batches, seconds, strict=True) if s > 0)
+        del obs[: -self.OBSERVED_WINDOW]
+        if not (self.planned and obs):
+            return
+        if len({b for b, _ in obs}) >= 2:
+            self.step_models[worker] = StepTimeModel.fit(*zip(*obs, strict=True))
+        else:  # one step size in the window: keep the model's shape, match its level
+            b = obs[-1][0]
+            measured = float(np.median([t for _, t in obs]))
+            model = self.step_models[worker]
+            self.step_models[worker] = model.scaled(measured / model.step_s(b))
+
+    def ready_to_plan(self) -> bool:
+        """Every worker has timed steps of at least two sizes in its training rounds."""
+        return all(len({b for b, _ in obs}) >= 2 for obs in self.observed)
+
+    def plan_from_training(self) -> None:
+        """:meth:`plan` from the training rounds' own timings (no benchmark round)."""
+        self.plan([tuple(zip(*obs, strict=True)) for obs in self.observed])  # type: ignore[misc]
 
     def plan(self, measured: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
         """Fit the step-time models from ``measured`` (per worker: batch sizes, median

@@ -227,6 +227,7 @@ def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  #
         threshold=float(s.threshold),
         patience=int(s.patience),
         relax=float(s.relax),
+        step_model=str(s.get("step_model", "training")),
         profile_batches=tuple(int(b) for b in s.profile_batches),
         profile_repeats=int(s.profile_repeats),
         batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
