@@ -202,7 +202,7 @@ class HermesSizing:
         if not (self.planned and obs):
             return
         if len({b for b, _ in obs}) >= 2:
-            self.step_models[worker] = StepTimeModel.fit(*zip(*obs, strict=True))
+            self.step_models[worker] = StepTimeModel.fit(*_medians(obs))
         else:  # one step size in the window: keep the model's shape, match its level
             b = obs[-1][0]
             measured = float(np.median([t for _, t in obs]))
@@ -215,7 +215,7 @@ class HermesSizing:
 
     def plan_from_training(self) -> None:
         """:meth:`plan` from the training rounds' own timings (no benchmark round)."""
-        self.plan([tuple(zip(*obs, strict=True)) for obs in self.observed])  # type: ignore[misc]
+        self.plan([_medians(obs) for obs in self.observed])
 
     def plan(self, measured: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
         """Fit the step-time models from ``measured`` (per worker: batch sizes, median
@@ -330,3 +330,10 @@ class LossWeightedMerger:
         merged = loss_weighted_merge(global_vec, self.global_loss, update, update_loss)
         self.global_loss = self.val_loss_fn(merged)
         return merged
+
+
+def _medians(obs: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Per distinct batch size of ``obs`` ((batch, seconds) pairs), ascending, the median
+    seconds (robust to one slow step, e.g. a cold process's first)."""
+    sizes = sorted({b for b, _ in obs})
+    return sizes, [float(np.median([t for b, t in obs if b == s])) for s in sizes]
