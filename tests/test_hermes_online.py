@@ -140,3 +140,18 @@ def test_an_emulated_round_pays_latency_plus_bytes_over_bandwidth():
     assert int(m["sent"]) == 0 and int(m["link_bytes"]) == 0
     assert float(m["link_s"]) == pytest.approx(0.040)
     assert not np.isnan(float(m["val_loss"]))
+
+
+@pytest.mark.parametrize("name", ["slowlinks8", "straggler8", "slowlinks16"])
+def test_the_async_fleets_have_links_on_every_worker(name):
+    """The issue-18 fleets load, every worker has a latency and a bandwidth, and
+    ``straggler8`` is 10:1 (one worker 1 + 9 times slower than seven native ones)."""
+    from pathlib import Path
+
+    from sky_flower.emulation.devices import compose_fleet, expand_fleet
+
+    conf = Path(__file__).parents[1] / "conf" / "fleet"
+    fleet = expand_fleet(compose_fleet(name, lambda n: (conf / f"{n}.yaml").read_text()))
+    assert all(f.latency_ms > 0 and f.bandwidth_mb_s for f in fleet)
+    if name == "straggler8":
+        assert sorted(1 + f.slowdown for f in fleet) == [1.0] * 7 + [10.0]

@@ -283,6 +283,7 @@ def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> 
         "final_test_accuracy": timeline[-1].get("test_accuracy") if timeline else None,
         "updates_sent": list(strategy.updates_sent),
         "updates_sent_total": int(sum(strategy.updates_sent)),
+        "bytes_sent": int(sum(strategy.updates_sent)) * 4 * int(strategy.model.dim),  # float32
         "minor_rounds": list(strategy.minor_rounds),
         "workers": strategy.worker_rows(),
         "ready_s": getattr(strategy, "ready_s", None),
