@@ -73,6 +73,9 @@ class WorkerBook:
         Rounds whose reply was discarded as non-finite (not in ``updates_sent``).
     round_times : list[list[float]]
         Measured training seconds of each completed round.
+    sized_at : list[int]
+        Rounds each worker had completed when its current sizes were set (Hermes sizes
+        from training rounds: the rounds before ran at the equal share).
     """
 
     data: list[int]
@@ -82,6 +85,7 @@ class WorkerBook:
     minor_rounds: list[int] = field(default_factory=list)
     round_times: list[list[float]] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
+    sized_at: list[int] = field(default_factory=list)
 
     @classmethod
     def equal(cls, num_workers: int, pool_size: int, batch_size: int) -> WorkerBook:
@@ -95,6 +99,7 @@ class WorkerBook:
             minor_rounds=[0] * n,
             round_times=[[] for _ in range(n)],
             rejected=[0] * n,
+            sized_at=[0] * n,
         )
 
     @property
@@ -124,7 +129,8 @@ class WorkerBook:
     def rows(self, slowdowns: Sequence[float]) -> list[dict[str, Any]]:
         """Per worker: slowdown (``None`` if unknown), share, batch, rounds, updates sent,
         minor rounds, rejected rounds, median round time (s, ``None`` before its first
-        round). ``rounds = updates_sent + minor_rounds + rejected``."""
+        round; over the rounds at its current sizes when there are any).
+        ``rounds = updates_sent + minor_rounds + rejected``."""
         return [
             {
                 "worker": w,
@@ -135,7 +141,9 @@ class WorkerBook:
                 "updates_sent": self.updates_sent[w],
                 "minor_rounds": self.minor_rounds[w],
                 "rejected": self.rejected[w],
-                "median_round_s": float(np.median(self.round_times[w]))
+                "median_round_s": float(
+                    np.median(self.round_times[w][self.sized_at[w] :] or self.round_times[w])
+                )
                 if self.round_times[w]
                 else None,
             }
@@ -247,6 +255,7 @@ class HermesSizing:
         else:
             self.sizes[worker] = sizes
         self.book.data[worker], self.book.batch[worker] = sizes.data, sizes.batch
+        self.book.sized_at[worker] = len(self.book.round_times[worker])
         self.searches[worker] += 1
 
     def check_straggler(self, worker: int) -> tuple[tuple[int, int], float] | None:
