@@ -170,7 +170,10 @@ class HermesStrategy(AsyncStrategy):
     def _plan_from_training(self) -> None:
         """Search the sizes from the training rounds' step timings (all workers have two
         step sizes); the benchmark record says where the fit came from."""
-        measured = [tuple(map(list, zip(*obs, strict=True))) for obs in self.sizing.observed]
+        measured = [
+            tuple(map(list, zip(*obs, strict=True))) if obs else ([], [])
+            for obs in self.sizing.observed
+        ]
         self.sizing.plan_from_training()
         self.benchmark = {
             "source": "training rounds",
@@ -217,7 +220,7 @@ class HermesStrategy(AsyncStrategy):
         m = reply.content.metric_records["metrics"]
         if self.step_model == "training" and "step_batches" in m:
             self.sizing.observe(worker, m["step_batches"], m["step_seconds"])  # type: ignore[arg-type]
-            if not self.sizing.planned and self.sizing.ready_to_plan():
+            if not self.sizing.planned and self.sizing.ready_to_plan(sorted(self.members.live)):
                 self._plan_from_training()
         changed = self.sizing.check_straggler(worker) if self.sizing.planned else None
         if changed is not None:

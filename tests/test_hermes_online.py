@@ -84,6 +84,18 @@ def test_the_online_refit_follows_a_worker_that_slows_down():
     assert sizing.step_models[0].step_s(32) == pytest.approx(0.120)
 
 
+def test_a_worker_removed_before_its_timings_gets_the_slowest_fit():
+    """Planning waits for the live workers only; a worker with no timed rounds (removed)
+    is sized with the slowest timed worker's model."""
+    book = WorkerBook.equal(3, 300, 32)
+    sizing = HermesSizing(book, 32, (8, 300), (8, 128), 0.1)
+    sizing.observe(0, [8, 32], [0.016, 0.040])
+    sizing.observe(1, [8, 32], [0.032, 0.080])
+    assert not sizing.ready_to_plan() and sizing.ready_to_plan([0, 1])
+    sizing.plan_from_training()
+    assert sizing.step_models[2] == sizing.step_models[1] != sizing.step_models[0]
+
+
 class CountingGrid:
     """A grid wrapper counting the message types pushed (the rest passes through)."""
 

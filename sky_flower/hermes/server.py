@@ -217,13 +217,20 @@ class HermesSizing:
             model = self.step_models[worker]
             self.step_models[worker] = model.scaled(measured / model.step_s(b))
 
-    def ready_to_plan(self) -> bool:
-        """Every worker has timed steps of at least two sizes in its training rounds."""
-        return all(len({b for b, _ in obs}) >= 2 for obs in self.observed)
+    def ready_to_plan(self, workers: Sequence[int] | None = None) -> bool:
+        """Every worker of ``workers`` (default all; the driver passes the live ones) has
+        timed steps of at least two sizes in its training rounds."""
+        ws = range(self.book.n) if workers is None else workers
+        return all(len({b for b, _ in self.observed[w]}) >= 2 for w in ws)
 
     def plan_from_training(self) -> None:
-        """:meth:`plan` from the training rounds' own timings (no benchmark round)."""
-        self.plan([_medians(obs) for obs in self.observed])
+        """:meth:`plan` from the training rounds' own timings (no benchmark round). A
+        worker without two timed step sizes (removed before it had) gets the slowest
+        fitted worker's timings."""
+        fits = [_medians(obs) for obs in self.observed]
+        timed = [f for f in fits if len(f[0]) >= 2]
+        slowest = max(timed, key=lambda f: StepTimeModel.fit(*f).step_s(self.batch_size))
+        self.plan([f if len(f[0]) >= 2 else slowest for f in fits])
 
     def plan(self, measured: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
         """Fit the step-time models from ``measured`` (per worker: batch sizes, median
