@@ -10,8 +10,9 @@ strategy's start rule allows (:class:`AsyncStrategy`). The sizing and the merge 
 Flower-free (:mod:`sky_flower.hermes.server`).
 
 ==========  =====================================================================
-``hermes``  benchmark round, per-worker sizes by the dual binary search, re-searched for
-            a worker that turns straggler; workers send only significant updates
+``hermes``  per-worker sizes by the dual binary search from step times fitted on the
+            first training rounds (or a benchmark round), refitted every round,
+            re-searched for a worker that turns straggler; workers send only significant updates
             (``z <= threshold``); the server merges each with the loss-weighted rule,
             losses on its own validation split. A worker that sent gets the new global
             model in its next round; after a minor round it goes on from its own model.
@@ -31,6 +32,7 @@ Usage (ServerApp side)::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from logging import INFO
 from typing import Any
@@ -67,10 +69,16 @@ class HermesStrategy(AsyncStrategy):
         Loss of a flat model on the server's validation split (never the test split).
     window, threshold, patience, relax : (default: 10, -1.3, 5, 0.1)
         The gate (:class:`sky_flower.hermes.core.SignificanceGate`; lambda, beta).
+    step_model : str (default: "training")
+        Where the step-time model comes from: ``"training"``, the first training rounds'
+        own steps (they cycle through ``profile_batches``; every worker trains at its
+        equal share until all have timed two step sizes, then the sizes are searched;
+        refitted from every round after), so no time is spent outside training;
+        ``"benchmark"``, the separate benchmark round before training (the original).
     profile_batches : tuple of int (default: (8, 32, 128))
-        Batch sizes timed on every worker in the benchmark round.
+        Batch sizes timed on every worker (benchmark round, or the first rounds' cycle).
     profile_repeats : int (default: 3)
-        Timed steps per batch size.
+        Timed steps per batch size in the benchmark round.
     batch_range : (int, int) (default: (8, 128))
         Batches the search may choose.
     min_data : int (default: 8)
@@ -91,6 +99,7 @@ class HermesStrategy(AsyncStrategy):
         threshold: float = -1.3,
         patience: int = 5,
         relax: float = 0.1,
+        step_model: str = "training",
         profile_batches: tuple[int, ...] = (8, 32, 128),
         profile_repeats: int = 3,
         batch_range: tuple[int, int] = (8, 128),
@@ -104,7 +113,9 @@ class HermesStrategy(AsyncStrategy):
             raise ValueError(f"batch_size {self.batch_size} must lie in batch_range {batch_range}")
         if not 1 <= min_data <= self.pool_size:
             raise ValueError(f"min_data must be in [1, {self.pool_size}], got {min_data}")
-        self.val_loss_fn = val_loss_fn
+        if step_model not in ("training", "benchmark"):
+            raise ValueError(f"step_model must be 'training' or 'benchmark', got {step_model!r}")
+        self.val_loss_fn, self.step_model = val_loss_fn, step_model
         self.gate = {"window": window, "threshold": threshold, "patience": patience, "relax": relax}
         self.profile_batches, self.profile_repeats = tuple(profile_batches), int(profile_repeats)
         self.sizing = HermesSizing(
@@ -139,16 +150,39 @@ class HermesStrategy(AsyncStrategy):
         return self.sizing.straggler_events
 
     def prepare(self, grid: Grid) -> None:
-        """The benchmark round (:func:`sky_flower.hermes.protocol.profile`): time steps at
-        ``profile_batches`` on every worker, fit each worker's step time, set the target
-        to the median worker's round at equal shares, and search every worker's sizes
+        """With ``step_model="training"`` nothing (the sizes come from the first rounds,
+        :meth:`apply`). Else the benchmark round
+        (:func:`sky_flower.hermes.protocol.profile`): time steps at ``profile_batches``
+        on every worker, fit each worker's step time, set the target to the median
+        worker's round at equal shares, and search every worker's sizes
         (:class:`sky_flower.hermes.server.HermesSizing`)."""
         assert self._exchange is not None and self._exchange.grid is grid
+        if self.step_model == "training":
+            log(INFO, "Hermes: step times fitted from the first training rounds")
+            return
         measured = protocol.profile(
             self._exchange, self.ids, self.profile_batches, self.profile_repeats
         )
         self.sizing.plan(measured)
         self.benchmark = self.sizing.benchmark(self.slowdowns, measured)
+        self._log_sizes()
+
+    def _plan_from_training(self) -> None:
+        """Search the sizes from the training rounds' step timings (all workers have two
+        step sizes); the benchmark record says where the fit came from."""
+        measured = [
+            tuple(map(list, zip(*obs, strict=True))) if obs else ([], [])
+            for obs in self.sizing.observed
+        ]
+        self.sizing.plan_from_training()
+        self.benchmark = {
+            "source": "training rounds",
+            "at_s": time.monotonic() - self._t0,
+            **self.sizing.benchmark(self.slowdowns, measured),  # type: ignore[arg-type]
+        }
+        self._log_sizes()
+
+    def _log_sizes(self) -> None:
         log(INFO, "Hermes target round %.3f s; sizes (share, batch, predicted s):", self.target_s)
         for w, sz in enumerate(self.sizes):
             log(
@@ -162,7 +196,10 @@ class HermesStrategy(AsyncStrategy):
             )
 
     def round_config(self, worker: int) -> dict[str, Any]:
-        """The gate's settings."""
+        """The gate's settings; before the sizes are searched (``step_model="training"``)
+        the step sizes to cycle through."""
+        if self.step_model == "training" and not self.sizing.planned:
+            return {"gate": True, **self.gate, "batch_cycle": list(self.profile_batches)}
         return {"gate": True, **self.gate}
 
     def sends_global(self, worker: int) -> bool:
@@ -181,7 +218,11 @@ class HermesStrategy(AsyncStrategy):
         the driver then discards the update); after any round, redo the
         worker's sizes if its round time is an outlier of the others' latest."""
         m = reply.content.metric_records["metrics"]
-        changed = self.sizing.check_straggler(worker)
+        if self.step_model == "training" and "step_batches" in m:
+            self.sizing.observe(worker, m["step_batches"], m["step_seconds"])  # type: ignore[arg-type]
+            if not self.sizing.planned and self.sizing.ready_to_plan(sorted(self.members.live)):
+                self._plan_from_training()
+        changed = self.sizing.check_straggler(worker) if self.sizing.planned else None
         if changed is not None:
             old, seconds = changed
             log(

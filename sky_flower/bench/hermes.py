@@ -1,22 +1,26 @@
-"""Benchmark: Hermes against BSP, ASP and SSP on one emulated fleet.
+"""Benchmark: Hermes against BSP, ASP and SSP on one emulated fleet, several seeds.
 
-Runs ``python -m sky_flower.run strategy=<method>`` once per method (each in its own
-process, so each gets a fresh Flower simulation engine), on 8 workers with SkyComputing's
-slowdowns 1-6 (``fleet=skycomputing8``) and the digits data, every method until the same
-target test accuracy (or its time cap), then writes into ``--out``:
+Runs ``python -m sky_flower.run strategy=<method> seed=<s>`` once per method and seed (each
+in its own process, so each gets a fresh Flower simulation engine), by default on 8
+workers with SkyComputing's slowdowns 1-6 and slow emulated uplinks
+(``fleet=slowlinks8``; also ``straggler8``: 10:1, ``slowlinks16``: 16 workers), a wider
+MLP (64 -> 256 -> 10) and the digits data, every method until the same target test
+accuracy (or its time cap), then writes into ``--out``:
 
-- ``table.md`` / ``table.csv``: per method the server's wall time to the target, updates
-  sent (in all and per worker), rounds the workers ran, final test accuracy; Hermes'
-  speed-up over BSP and its communication saving over SSP beside the paper's figures;
-- ``accuracy_vs_time.png``: test accuracy of the global model against wall time;
-- ``<method>/``: each job's output files (``results.json`` and the rest).
+- ``table.md`` / ``table.csv``: per method, mean and spread (sample standard deviation)
+  over the seeds of the server's wall time to the target, updates and bytes sent, worker
+  rounds, the share of minor rounds; Hermes' speed-up over BSP and its communication
+  saving over SSP beside the paper's 13.22x and 62.1 %;
+- ``accuracy_vs_time.png``: test accuracy of the global model against wall time (seed 0);
+- ``<method>_s<seed>/``: each job's output files (``results.json`` and the rest).
 
 Usage::
 
-    python -m sky_flower.bench.hermes            # target 0.9, 4 methods, ~6-10 min on 2 cores
-    python -m sky_flower.bench.hermes --quick    # target 0.8, cap 60 s per method, ~3-4 min
+    python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock          # target 0.95, 3 seeds
+    python -m sky_flower.bench.hermes --quick --lock /tmp/sky-ray.lock  # 0.9, 1 seed, 45 s cap
 
-Every job starts Ray: on a shared machine wrap it in ``flock /tmp/sky-ray.lock``.
+Every job starts Ray: ``--lock FILE`` runs each job under ``flock FILE`` (the lock is held
+for one job at a time, not for the whole benchmark).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -37,19 +42,23 @@ PAPER = {
 }
 
 
-def run_method(method: str, out: Path, overrides: list[str]) -> dict[str, Any]:
-    """Run one job in a child process; return its ``results.json`` (with ``error`` set if
-    the job failed or wrote none)."""
-    job_dir = out / method
+def run_method(
+    method: str, out: Path, overrides: list[str], seed: int = 0, lock: str | None = None
+) -> dict[str, Any]:
+    """Run one job (``seed``) in a child process, under ``flock lock`` if given; return its
+    ``results.json`` (with ``error`` set if the job failed or wrote none)."""
+    job_dir = out / f"{method}_s{seed}"
     cmd = [
+        *(["flock", lock] if lock else []),
         sys.executable,
         "-m",
         "sky_flower.run",
         f"strategy={method}",
         f"hydra.run.dir={job_dir}",
+        f"seed={seed}",
         *overrides,
     ]
-    print(f"[{method}] {' '.join(cmd[2:])}", flush=True)
+    print(f"[{method}] {' '.join(cmd[cmd.index('-m') + 1 :])}", flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     results_file = job_dir / "results.json"
@@ -66,86 +75,121 @@ def run_method(method: str, out: Path, overrides: list[str]) -> dict[str, Any]:
     return results
 
 
-def summarise(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per method."""
+def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    """Mean and sample standard deviation of the non-``None`` values (``None`` when there
+    are none; spread 0 for one), and how many there were."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+
+
+def run_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One job's figures: time to target (s), wall time, updates and bytes sent, worker
+    rounds, share of minor rounds, final test accuracy, error."""
+    workers = r.get("workers") or []
+    rounds = sum(w["rounds"] for w in workers) if workers else None
+    minor = sum(r.get("minor_rounds") or [])
+    return {
+        "time_to_target_s": r.get("time_to_target_s"),
+        "wall_time_s": r.get("wall_time_s"),
+        "updates_sent_total": r.get("updates_sent_total"),
+        "bytes_sent": r.get("bytes_sent"),
+        "worker_rounds": rounds,
+        "minor_share": minor / rounds if rounds else None,
+        "final_test_accuracy": r.get("final_test_accuracy"),
+        "error": r.get("error"),
+    }
+
+
+FIGURES = ("time_to_target_s", "updates_sent_total", "bytes_sent", "worker_rounds")
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per method: mean and spread over its seeds of each figure, the seeds that
+    reached the target, the share of minor rounds, the errors."""
     rows = []
-    for method, r in runs.items():
-        workers = r.get("workers") or []
-        rows.append(
-            {
-                "method": method,
-                "target_accuracy": r.get("target_accuracy"),
-                "time_to_target_s": r.get("time_to_target_s"),
-                "wall_time_s": r.get("wall_time_s"),
-                "final_test_accuracy": r.get("final_test_accuracy"),
-                "updates_sent_total": r.get("updates_sent_total"),
-                "worker_rounds": sum(w["rounds"] for w in workers) if workers else None,
-                "updates_sent": " ".join(str(u) for u in r.get("updates_sent") or []),
-                "error": r.get("error"),
-            }
-        )
+    for method, results in runs.items():
+        per = [run_row(r) for r in results]
+        row: dict[str, Any] = {"method": method, "seeds": len(per)}
+        for key in (*FIGURES, "minor_share", "final_test_accuracy"):
+            row[key], row[key + "_sd"], _ = _stats([p[key] for p in per])
+        row["reached"] = sum(p["time_to_target_s"] is not None for p in per)
+        row["wall_time_s"] = _stats([p["wall_time_s"] for p in per])[0]
+        row["error"] = "; ".join(str(p["error"])[:80] for p in per if p["error"]) or None
+        rows.append(row)
     return rows
 
 
-def comparison(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+def comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Hermes' speed-up over BSP (time to target) and its saving in updates sent against
-    SSP, both up to the target."""
-    by = {r["method"]: r for r in rows}
-    h, b, s = by.get("hermes", {}), by.get("bsp", {}), by.get("ssp", {})
-    speedup = saving = None
-    if h.get("time_to_target_s") and b.get("time_to_target_s"):
-        speedup = b["time_to_target_s"] / h["time_to_target_s"]
-    if h.get("updates_sent_total") and s.get("updates_sent_total"):
-        saving = 1 - h["updates_sent_total"] / s["updates_sent_total"]
-    return {"speedup_vs_bsp": speedup, "comm_saving_vs_ssp": saving}
+    SSP, per seed where both reached the target; mean and spread over those seeds."""
+    h, b, s = (runs.get(m, []) for m in ("hermes", "bsp", "ssp"))
+    speed, saving = [], []
+    for rh, rb, rs in zip(h, b, s, strict=False):
+        if rh.get("time_to_target_s") and rb.get("time_to_target_s"):
+            speed.append(rb["time_to_target_s"] / rh["time_to_target_s"])
+        if rh.get("updates_sent_total") and rs.get("updates_sent_total"):
+            saving.append(1 - rh["updates_sent_total"] / rs["updates_sent_total"])
+    (sp, sp_sd, n_sp), (sv, sv_sd, n_sv) = _stats(speed), _stats(saving)  # type: ignore[arg-type]
+    return {"speedup_vs_bsp": sp, "speedup_sd": sp_sd, "speedup_n": n_sp,
+            "comm_saving_vs_ssp": sv, "saving_sd": sv_sd, "saving_n": n_sv}  # fmt: skip
 
 
-def markdown(rows: list[dict[str, Any]], cmp: dict[str, float | None], note: str) -> str:
-    """The table and the comparison with the paper, as markdown."""
+def _f(v: Any, sd: Any = None, fmt: str = "{:.1f}") -> str:
+    if v is None:
+        return "-"
+    text = fmt.format(v) if isinstance(v, float) else str(v)
+    return text if sd is None else f"{text} ± {fmt.format(sd)}"
 
-    def f(v: Any, fmt: str = "{:.1f}") -> str:
-        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
 
+def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
+    """The table (mean ± sample sd over seeds) and the comparison with the paper."""
     lines = [
         note,
         "",
-        "| method | time to target (s) | updates sent | worker rounds | final test acc | "
-        "updates per worker |",
-        "|---|---|---|---|---|---|",
+        "| method | reached | time to target (s) | updates sent | bytes sent (MB) | "
+        "worker rounds | minor rounds | final test acc |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ttt = (
-            f(r["time_to_target_s"])
-            if r["time_to_target_s"] is not None
-            else (f"not reached ({f(r['wall_time_s'])} s)")
-        )
+        mb = None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6
+        mb_sd = None if r["bytes_sent_sd"] is None else r["bytes_sent_sd"] / 1e6
+        share = None if r["minor_share"] is None else 100 * r["minor_share"]
         lines.append(
-            f"| {r['method']} | {ttt} | {f(r['updates_sent_total'])} | {f(r['worker_rounds'])} "
-            f"| {f(r['final_test_accuracy'], '{:.3f}')} | {r['updates_sent']} |"
-            + (f" error: {r['error'][:80]}" if r["error"] else "")
+            f"| {r['method']} | {r['reached']}/{r['seeds']} | "
+            f"{_f(r['time_to_target_s'], r['time_to_target_s_sd'])} | "
+            f"{_f(r['updates_sent_total'], r['updates_sent_total_sd'], '{:.0f}')} | "
+            f"{_f(mb, mb_sd, '{:.2f}')} | {_f(r['worker_rounds'], r['worker_rounds_sd'], '{:.0f}')}"
+            f" | {_f(share, None, '{:.1f}%')} | "
+            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} |"
+            + (f" error: {r['error'][:160]}" if r["error"] else "")
         )
-    sp, sv = cmp["speedup_vs_bsp"], cmp["comm_saving_vs_ssp"]
+    sv = cmp["comm_saving_vs_ssp"]
+    sv_sd = None if cmp["saving_sd"] is None else 100 * cmp["saving_sd"]
     lines += [
         "",
-        "| figure | ours | paper (arXiv 2410.20495) |",
+        "| figure | ours (mean ± sd over seeds) | paper (arXiv 2410.20495) |",
         "|---|---|---|",
-        f"| Hermes training time vs BSP | {f(sp, '{:.2f}x less')} | up to "
-        f"{PAPER['speedup_vs_bsp']}x less |",
-        f"| Hermes communication vs SSP | {f(None if sv is None else 100 * sv, '{:.1f}% less')} "
-        f"| {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
+        f"| Hermes training time vs BSP | "
+        f"{_f(cmp['speedup_vs_bsp'], cmp['speedup_sd'], '{:.2f}')}x less "
+        f"({cmp['speedup_n']} seeds) | up to {PAPER['speedup_vs_bsp']}x less |",
+        f"| Hermes communication vs SSP | {_f(None if sv is None else 100 * sv, sv_sd)}% less "
+        f"({cmp['saving_n']} seeds) | {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
     ]
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, dict[str, Any]], target: float, path: Path) -> None:
-    """Test accuracy against wall time, one line per method."""
+def plot(runs: dict[str, list[dict[str, Any]]], target: float, title: str, path: Path) -> None:
+    """Test accuracy against wall time, one line per method (its first seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, r in runs.items():
+    for method, results in runs.items():
+        r = results[0]
         rows = [t for t in r.get("timeline") or [] if t.get("test_accuracy") is not None]
         if rows:
             ax.step(
@@ -157,7 +201,7 @@ def plot(runs: dict[str, dict[str, Any]], target: float, path: Path) -> None:
     ax.axhline(target, color="grey", ls="--", lw=0.8, label=f"target {target:g}")
     ax.set_xlabel("wall time on the server (s)")
     ax.set_ylabel("test accuracy of the global model")
-    ax.set_title("8 workers, SkyComputing slowdowns 1-6, digits")
+    ax.set_title(title)
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -165,42 +209,58 @@ def plot(runs: dict[str, dict[str, Any]], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; return 1 if a job failed."""
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="target 0.8, 60 s cap per method")
+    ap.add_argument("--quick", action="store_true", help="target 0.9, 45 s cap, 1 seed")
     ap.add_argument("--target", type=float, default=None, help="target test accuracy")
-    ap.add_argument("--max-time", type=float, default=None, help="cap per method (s)")
+    ap.add_argument("--max-time", type=float, default=None, help="cap per job (s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
+    ap.add_argument("--fleet", default="slowlinks8", help="slowlinks8|straggler8|slowlinks16|...")
+    ap.add_argument("--hidden", type=int, default=None, help="MLP width (default 256; quick 64)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--lock", default=None, help="run each job under `flock LOCK`")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
-    args = ap.parse_args(argv)
-    target = args.target if args.target is not None else (0.8 if args.quick else 0.9)
-    cap = args.max_time if args.max_time is not None else (60.0 if args.quick else 150.0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; return 1 if a job failed."""
+    args = _args(argv)
+    target = args.target if args.target is not None else (0.9 if args.quick else 0.95)
+    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 240.0)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    hidden = args.hidden if args.hidden is not None else (64 if args.quick else 256)
     out = args.out or Path("outputs") / time.strftime("bench_hermes_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
+        f"fleet={args.fleet}",
         f"strategy.target_accuracy={target}",
         f"strategy.max_time_s={cap}",
+        f"strategy.hidden_width={hidden}",
         *args.overrides,
     ]
     t0 = time.monotonic()
-    runs = {m: run_method(m, out, overrides) for m in args.methods}
+    runs = {
+        m: [run_method(m, out, overrides, seed, args.lock) for seed in seeds] for m in args.methods
+    }
     rows = summarise(runs)
-    cmp = comparison(rows)
     note = (
-        f"Target test accuracy {target:g}, cap {cap:g} s per method, 8 workers "
-        "(SkyComputing slowdowns 1-6), digits; wall time on the server's clock, Hermes' "
-        "benchmark round included. Updates sent: worker models that reached the server "
-        "up to the end of the run (the run stops at the target)."
+        f"{'QUICK MODE: ' if args.quick else ''}fleet {args.fleet}, MLP 64-{hidden}-10, "
+        f"digits, target test accuracy {target:g}, cap {cap:g} s per job, seeds "
+        f"{' '.join(map(str, seeds))}; mean ± sample sd over the seeds that reached the "
+        "target (time) or over all seeds (the rest); wall time on the server's clock from "
+        "the end of the readiness barrier (Hermes' sizing happens inside training). Updates "
+        "/ bytes sent: worker models that reached the server (float32) up to the end of the "
+        "run (it stops at the target); minor rounds: share of worker rounds that sent nothing."
     )
-    text = markdown(rows, cmp, note)
+    text = markdown(rows, comparison(runs), note)
     (out / "table.md").write_text(text)
     with open(out / "table.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(runs, target, out / "accuracy_vs_time.png")
+    plot(runs, target, f"{args.fleet}, MLP 64-{hidden}-10, digits", out / "accuracy_vs_time.png")
     print(text)
     print(f"benchmark finished in {time.monotonic() - t0:.0f} s; outputs in {out}")
     return 1 if any(r["error"] for r in rows) else 0

@@ -8,9 +8,12 @@ their data layout.
 ``train.hermes_round``     one round: if the message carries ``global``, start from it,
                            else from this worker's own model (kept in ``context.state``);
                            one pass over its share of ``data`` samples in batches of
-                           ``batch``; its local validation loss; with ``gate`` on, Hermes'
+                           ``batch`` (or cycling through ``batch_cycle``; the median
+                           seconds per step size come back for the step-time fit);
+                           its local validation loss; with ``gate`` on, Hermes'
                            significant-update test decides whether the model goes back
-                           (``sent`` 1) or not (``sent`` 0, a *minor* round: no arrays)
+                           (``sent`` 1) or not (``sent`` 0, a *minor* round: no arrays);
+                           the emulated link is charged on what crossed it
 =========================  ============================================================
 
 Every worker holds a data partition (data-parallel): the digits train split minus a
@@ -238,13 +241,18 @@ class HermesClient:
         lr, rnd, seed = float(cfg["lr"]), int(cfg["round"]), int(cfg["seed"])
         share = data.share(pos, self.num_workers, size)
         order = share[np.random.default_rng([seed, pos, rnd]).permutation(len(share))]
-        losses, steps_s = [], []
-        for start in range(0, len(order), batch):
-            idx = order[start : start + batch]
+        cycle = [int(b) for b in cfg["batch_cycle"]] if "batch_cycle" in cfg else [batch]  # type: ignore[union-attr]
+        losses, steps_s, steps_b = [], [], []
+        start = 0
+        while start < len(order):
+            idx = order[start : start + cycle[len(steps_s) % len(cycle)]]
             vec, loss, t = self._step(vec, data.pool.x[idx], data.pool.y[idx], lr, emu)
             losses.append(loss)
             steps_s.append(t)
+            steps_b.append(len(idx))
+            start += len(idx)
         train_s = time.perf_counter() - t_start
+        step_batches, step_seconds = step_medians(steps_b, steps_s)
         val = data.worker_val[pos] if len(data.worker_val[pos]) else data.pool
         val_loss = self.model.evaluate(vec, val)["loss"]
         context.state[MODEL_KEY] = vector_record("x", vec)
@@ -270,6 +278,8 @@ class HermesClient:
                 "sent": int(send),
                 "train_time_s": train_s,
                 "step_time_s": float(np.mean(steps_s)),
+                "step_batches": step_batches,
+                "step_seconds": step_seconds,
                 "steps": len(steps_s),
                 "data": size,
                 "batch": batch,
@@ -282,7 +292,11 @@ class HermesClient:
         content = RecordDict({"metrics": metrics})
         if send:
             content["model"] = vector_record("x", vec)
-        delay = emu.link_delay_s(_bytes(msg.content) + _bytes(content))
+        # the emulated link: latency once, plus the global model received and the update
+        # sent at its bandwidth (a minor round after a minor round pays only the latency)
+        link_bytes = _bytes(msg.content) + _bytes(content)
+        delay = emu.link_delay_s(link_bytes)
+        metrics["link_bytes"], metrics["link_s"] = link_bytes, float(delay)
         if delay > 0:
             time.sleep(delay)
         return Message(content, reply_to=msg)
@@ -290,6 +304,15 @@ class HermesClient:
 
 def _bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
+
+
+def step_medians(batches: list[int], seconds: list[float]) -> tuple[list[int], list[float]]:
+    """Per distinct step size of a round (ascending), the median seconds of its steps:
+    the observations the server fits each worker's step-time model from
+    (:meth:`sky_flower.hermes.server.HermesSizing.observe`)."""
+    sizes = sorted(set(batches))
+    b, t = np.asarray(batches), np.asarray(seconds)
+    return sizes, [float(np.median(t[b == s])) for s in sizes]
 
 
 def hermes_data_fn(

@@ -73,6 +73,9 @@ class WorkerBook:
         Rounds whose reply was discarded as non-finite (not in ``updates_sent``).
     round_times : list[list[float]]
         Measured training seconds of each completed round.
+    sized_at : list[int]
+        Rounds each worker had completed when its current sizes were set (Hermes sizes
+        from training rounds: the rounds before ran at the equal share).
     """
 
     data: list[int]
@@ -82,6 +85,7 @@ class WorkerBook:
     minor_rounds: list[int] = field(default_factory=list)
     round_times: list[list[float]] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
+    sized_at: list[int] = field(default_factory=list)
 
     @classmethod
     def equal(cls, num_workers: int, pool_size: int, batch_size: int) -> WorkerBook:
@@ -95,6 +99,7 @@ class WorkerBook:
             minor_rounds=[0] * n,
             round_times=[[] for _ in range(n)],
             rejected=[0] * n,
+            sized_at=[0] * n,
         )
 
     @property
@@ -124,7 +129,8 @@ class WorkerBook:
     def rows(self, slowdowns: Sequence[float]) -> list[dict[str, Any]]:
         """Per worker: slowdown (``None`` if unknown), share, batch, rounds, updates sent,
         minor rounds, rejected rounds, median round time (s, ``None`` before its first
-        round). ``rounds = updates_sent + minor_rounds + rejected``."""
+        round; over the rounds at its current sizes when there are any).
+        ``rounds = updates_sent + minor_rounds + rejected``."""
         return [
             {
                 "worker": w,
@@ -135,7 +141,9 @@ class WorkerBook:
                 "updates_sent": self.updates_sent[w],
                 "minor_rounds": self.minor_rounds[w],
                 "rejected": self.rejected[w],
-                "median_round_s": float(np.median(self.round_times[w]))
+                "median_round_s": float(
+                    np.median(self.round_times[w][self.sized_at[w] :] or self.round_times[w])
+                )
                 if self.round_times[w]
                 else None,
             }
@@ -144,8 +152,10 @@ class WorkerBook:
 
 
 class HermesSizing:
-    """Hermes' speed-aware sizes: fit each worker's step time from the benchmark round,
-    set the target round to the median worker's at equal shares, search every worker's
+    """Hermes' speed-aware sizes: fit each worker's step time from the benchmark round
+    (:meth:`plan`) or from its first training rounds' own step timings
+    (:meth:`observe`, :meth:`plan_from_training`; refitted after every round), set the
+    target round to the median worker's at equal shares, search every worker's
     share and batch for it; re-search a worker that turns straggler. Writes the sizes
     into ``book.data`` / ``book.batch``.
 
@@ -164,6 +174,8 @@ class HermesSizing:
         this fraction off the target.
     """
 
+    OBSERVED_WINDOW = 12  # (batch, seconds) observations per worker the online refit uses
+
     def __init__(
         self,
         book: WorkerBook,
@@ -180,6 +192,45 @@ class HermesSizing:
         self.target_s = 0.0
         self.searches = [0] * book.n  # size searches per worker (the first included)
         self.straggler_events = [0] * book.n
+        # (batch, seconds per step) seen in training rounds, per worker, latest last
+        self.observed: list[list[tuple[float, float]]] = [[] for _ in range(book.n)]
+
+    @property
+    def planned(self) -> bool:
+        """Whether the sizes have been searched (:meth:`plan` or :meth:`plan_from_training`)."""
+        return bool(self.sizes)
+
+    def observe(self, worker: int, batches: Sequence[float], seconds: Sequence[float]) -> None:
+        """Take one training round's step timings of ``worker`` (per step size, the median
+        seconds per step); once planned, refit its step-time model from its latest
+        ``OBSERVED_WINDOW`` observations (the straggler rule then rescales the refit)."""
+        obs = self.observed[worker]
+        obs.extend((float(b), float(s)) for b, s in zip(batches, seconds, strict=True) if s > 0)
+        del obs[: -self.OBSERVED_WINDOW]
+        if not (self.planned and obs):
+            return
+        if len({b for b, _ in obs}) >= 2:
+            self.step_models[worker] = StepTimeModel.fit(*_medians(obs))
+        else:  # one step size in the window: keep the model's shape, match its level
+            b = obs[-1][0]
+            measured = float(np.median([t for _, t in obs]))
+            model = self.step_models[worker]
+            self.step_models[worker] = model.scaled(measured / model.step_s(b))
+
+    def ready_to_plan(self, workers: Sequence[int] | None = None) -> bool:
+        """Every worker of ``workers`` (default all; the driver passes the live ones) has
+        timed steps of at least two sizes in its training rounds."""
+        ws = range(self.book.n) if workers is None else workers
+        return all(len({b for b, _ in self.observed[w]}) >= 2 for w in ws)
+
+    def plan_from_training(self) -> None:
+        """:meth:`plan` from the training rounds' own timings (no benchmark round). A
+        worker without two timed step sizes (removed before it had) gets the slowest
+        fitted worker's timings."""
+        fits = [_medians(obs) for obs in self.observed]
+        timed = [f for f in fits if len(f[0]) >= 2]
+        slowest = max(timed, key=lambda f: StepTimeModel.fit(*f).step_s(self.batch_size))
+        self.plan([f if len(f[0]) >= 2 else slowest for f in fits])
 
     def plan(self, measured: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
         """Fit the step-time models from ``measured`` (per worker: batch sizes, median
@@ -211,6 +262,7 @@ class HermesSizing:
         else:
             self.sizes[worker] = sizes
         self.book.data[worker], self.book.batch[worker] = sizes.data, sizes.batch
+        self.book.sized_at[worker] = len(self.book.round_times[worker])
         self.searches[worker] += 1
 
     def check_straggler(self, worker: int) -> tuple[tuple[int, int], float] | None:
@@ -294,3 +346,10 @@ class LossWeightedMerger:
         merged = loss_weighted_merge(global_vec, self.global_loss, update, update_loss)
         self.global_loss = self.val_loss_fn(merged)
         return merged
+
+
+def _medians(obs: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Per distinct batch size of ``obs`` ((batch, seconds) pairs), ascending, the median
+    seconds (robust to one slow step, e.g. a cold process's first)."""
+    sizes = sorted({b for b, _ in obs})
+    return sizes, [float(np.median([t for b, t in obs if b == s])) for s in sizes]

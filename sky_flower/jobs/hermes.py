@@ -227,6 +227,7 @@ def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  #
         threshold=float(s.threshold),
         patience=int(s.patience),
         relax=float(s.relax),
+        step_model=str(s.get("step_model", "training")),
         profile_batches=tuple(int(b) for b in s.profile_batches),
         profile_repeats=int(s.profile_repeats),
         batch_range=(int(s.batch_range[0]), int(s.batch_range[1])),
@@ -282,6 +283,7 @@ def _results(cfg: DictConfig, strategy: Any, fleet: list, error: str | None) -> 
         "final_test_accuracy": timeline[-1].get("test_accuracy") if timeline else None,
         "updates_sent": list(strategy.updates_sent),
         "updates_sent_total": int(sum(strategy.updates_sent)),
+        "bytes_sent": int(sum(strategy.updates_sent)) * 4 * int(strategy.model.dim),  # float32
         "minor_rounds": list(strategy.minor_rounds),
         "workers": strategy.worker_rows(),
         "ready_s": getattr(strategy, "ready_s", None),
