@@ -41,7 +41,7 @@ from sky_flower.flower.vectors import vector_of, vector_record
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes import protocol
 from sky_flower.hermes.core import validate_settings
-from sky_flower.hermes.membership import Membership, wait_any
+from sky_flower.hermes.membership import MAX_REJECTED_IN_A_ROW, Membership, wait_any
 from sky_flower.hermes.server import WorkerBook, check_driver_settings
 
 
@@ -271,19 +271,20 @@ class AsyncStrategy(ServerSideEvaluation, Strategy):
                 self.global_vec = before
                 changed = self.reject(w, str(err), counted=True) or changed
                 continue
+            self.members.accepted(w)
             losses.append(float(reply.content.metric_records["metrics"]["train_loss"]))  # type: ignore[arg-type]
         metrics = MetricRecord({"train_loss": float(np.mean(losses))}) if losses else None
         assert self.global_vec is not None
         return (vector_record("x", self.global_vec) if changed else None), metrics
 
     def reject(self, worker: int, reason: str, counted: bool = False) -> bool:
-        """Discard ``worker``'s latest reply (non-finite; ``counted``: its round was
-        already counted as sent): a warning naming it and a row
-        (:meth:`sky_flower.hermes.membership.Membership.reject`). Returns whether the
-        global model changed (BSP may close its barrier round)."""
+        """Discard ``worker``'s latest reply (non-finite; ``counted``: its round was already
+        counted as sent), a warning and a row (:meth:`Membership.reject`; several in a row
+        remove it). Returns whether the global model changed (BSP may close its round)."""
         self.book.reject(worker, counted)
         rnd, now = self.clock[worker] - 1, time.monotonic() - self._t0
-        self.members.reject(worker, self._name(worker), rnd, reason, now)
+        if self.members.reject(worker, self._name(worker), rnd, reason, now):
+            return self.remove(worker, f"{MAX_REJECTED_IN_A_ROW} rejected in a row: {reason}")
         return self.on_reject(worker)
 
     def remove(self, worker: int, reason: str) -> bool:

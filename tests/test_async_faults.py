@@ -31,7 +31,8 @@ ROUND = "train.hermes_round"
 
 class FaultyGrid(ThreadedGrid):
     """:class:`test_exchange.ThreadedGrid` with two faults on ``train.hermes_round``:
-    ``nan[node] = r``: the model in node's reply to its round ``r`` is all ``NaN``;
+    ``nan[node] = r``: the model in node's reply to its round ``r`` is all ``NaN``
+    (``"all"``: in every reply);
     ``stall[node] = r``: from its round ``r`` on, node's reply is held back until
     ``release`` is set (or ``stall_s`` seconds have passed)."""
 
@@ -45,7 +46,8 @@ class FaultyGrid(ThreadedGrid):
         if msg.metadata.message_type != ROUND or reply.has_error():
             return reply
         nid, rnd = msg.metadata.dst_node_id, int(msg.content.config_records["cfg"]["round"])
-        if self.nan.get(nid) == rnd and "model" in reply.content.array_records:
+        bad = self.nan.get(nid) in (rnd, "all")
+        if bad and "model" in reply.content.array_records:
             dim = reply.content.array_records["model"]["x"].shape[0]
             reply.content["model"] = vector_record("x", np.full(dim, np.nan))
         if nid in self.stall and rnd >= self.stall[nid]:
@@ -93,6 +95,27 @@ def test_a_nan_update_is_discarded_by_name_and_the_global_model_stays_finite(nam
     assert rows[1]["rejected"] == 1 and strategy.clock == [2, 2, 2]
     assert all(r["rounds"] == r["updates_sent"] + r["minor_rounds"] + r["rejected"] for r in rows)
     assert not strategy.members.removals
+
+
+@pytest.mark.parametrize("min_live", [None, 2])
+def test_a_worker_whose_updates_are_always_nan_is_removed(min_live, caplog):
+    """Worker 1 diverges in every round (its update is NaN although it starts from the
+    finite global model): once, it stayed in the run forever with every update rejected.
+    Now three rejections in a row remove it like a failed worker: by default the run fails
+    naming it; with min_live_workers=2 the others go on and the model stays finite."""
+    strategy, grid, model = _run("asp", {"nan": {102: "all"}}, min_live_workers=min_live)
+    with caplog.at_level(logging.WARNING):
+        if min_live is None:
+            with pytest.raises(
+                HermesNodeError, match=r"3 rejected in a row: worker 1 \(node 102\)"
+            ):
+                _start(strategy, grid, model, num_rounds=6)
+        else:
+            _start(strategy, grid, model, num_rounds=6)
+            assert np.isfinite(strategy.global_vec).all()
+    assert [r["worker"] for r in strategy.members.rejected] == [1, 1, 1]
+    (row,) = strategy.members.removals
+    assert row["worker"] == 1 and "3 rejected in a row" in row["reason"]
 
 
 def test_hermes_merge_takes_a_zero_loss_and_refuses_a_nan_loss_by_name():

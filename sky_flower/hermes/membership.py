@@ -18,9 +18,11 @@ happens to the reply of a removed worker that still comes in is the *staleness p
 
 The run goes on while at least ``min_live_workers`` workers are live (default: all of
 them, so one removal fails the run, naming the worker: what ``message_timeout_s`` has
-always promised). Non-finite replies do not remove a worker: the update is *rejected*
-(discarded, the worker named), and the worker gets the global model with its next round.
-Both kinds of event are kept as rows for ``results.json``.
+always promised). A non-finite reply does not remove a worker at once: the update is
+*rejected* (discarded, the worker named), and the worker gets the global model with its
+next round; a worker whose last :data:`MAX_REJECTED_IN_A_ROW` updates were all rejected
+(it keeps diverging from the global model it is sent) is removed like a failed one. Both
+kinds of event are kept as rows for ``results.json``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from flwr.supercore import log
 from sky_flower.flower.exchange import Exchange
 
 STALENESS_POLICIES = ("discard", "keep")
+#: A worker whose updates were rejected this many times in a row (non-finite each time,
+#: though it starts every round from the finite global model) is removed from the run.
+MAX_REJECTED_IN_A_ROW = 3
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Membership:
     live: set[int] = field(default_factory=set)
     removals: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    streak: dict[int, int] = field(default_factory=dict)  # worker -> rejections in a row
 
     @classmethod
     def create(
@@ -120,11 +126,18 @@ class Membership:
         )
         return True
 
-    def reject(self, worker: int, name: str, rnd: int, reason: str, time_s: float) -> None:
+    def reject(self, worker: int, name: str, rnd: int, reason: str, time_s: float) -> bool:
         """Record that ``worker``'s update of its round ``rnd`` was discarded for
-        ``reason``: a warning and a row in :attr:`rejected`."""
+        ``reason``: a warning and a row in :attr:`rejected`. True when this makes
+        :data:`MAX_REJECTED_IN_A_ROW` rejections in a row (the caller removes it)."""
         self.rejected.append(_row(worker, name, rnd, reason, time_s))
         log(WARN, "%s: update of its round %d discarded: %s", name, rnd, reason)
+        self.streak[worker] = self.streak.get(worker, 0) + 1
+        return self.streak[worker] >= MAX_REJECTED_IN_A_ROW
+
+    def accepted(self, worker: int) -> None:
+        """``worker``'s update was applied: its run of rejections ends."""
+        self.streak.pop(worker, None)
 
     def failure(self, reason: str) -> str | None:
         """The run's error after a removal for ``reason`` if fewer than ``min_live`` workers
