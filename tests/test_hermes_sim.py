@@ -66,6 +66,11 @@ def test_bsp_reaches_the_target_in_lockstep(tmp_path, no_leftover_processes):
         (["strategy=hermes", "strategy.batch_range=[64,128]"], "must lie in batch_range"),
         (["strategy=bsp", "strategy.min_live_workers=9"], r"min_live_workers must be .* \[1, 8\]"),
         (["strategy=asp", "strategy.staleness_policy=forever"], "staleness_policy must be one of"),
+        (["strategy=hermes", "strategy.profile_batches=[]"], "profile_batches must be a list"),
+        (["strategy=hermes", "strategy.profile_batches=[0,8]"], "profile_batches must be a list"),
+        (["strategy=hermes", "strategy.profile_batches=abc"], "profile_batches must be a list"),
+        (["strategy=hermes", "strategy.profile_batches=[8,8]"], "at least two different"),
+        (["strategy=hermes", "strategy.profile_repeats=0"], "profile_repeats must be an integer"),
     ],
 )
 def test_bad_settings_refused_before_flower_starts(overrides, message, tmp_path):

@@ -283,3 +283,37 @@ def test_keeping_optimizer_state_is_refused_with_chunked_schedules(kind):
             optimizer_state="keep",
         )
     SkyStrategy(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4], schedule=schedule)
+
+
+def test_link_factors_ignore_the_owners_stage_and_near_zero_link_predictions():
+    """A review found every re-printed plan predicted ~20 s slower than measured: the data
+    owner's stage (native link, 1 ms predicted) measured 0.18 s busy, mostly drawing its
+    batch, and that ratio became its link factor. Link factors now come only from helper
+    stages whose predicted link time is material."""
+    from sky_flower.core.profile import LayerProfile
+
+    layers = [
+        LayerProfile(j, f"{j}:Linear", 2e6, 4e6, 4096, 8192, 4096.0, 4096.0) for j in range(4)
+    ]
+    nodes = synthetic_node_profiles(layers, [0.0, 1.0, 1.0], 32, 1e9, 2**34, 0.001, 1e9)
+    names = [n.name for n in nodes]
+    tracker = ProfileTracker(nodes, smoothing=1.0)
+    row = {"predicted_compute_s": 0.001, "median_compute_s": 0.001, "measured_compute_s": 0.001}
+    owner = {
+        **row,
+        "node": names[0],
+        "stage": 0,
+        "predicted_busy_s": 0.002,
+        "measured_busy_s": 0.18,
+    }
+    tiny = {**row, "node": names[1], "stage": 1, "predicted_busy_s": 0.0012, "measured_busy_s": 0.2}
+    real = {
+        **row,
+        "node": names[2],
+        "stage": 2,
+        "predicted_busy_s": 0.051,
+        "measured_busy_s": 0.101,
+    }
+    tracker.observe([owner, tiny, real])
+    assert names[0] not in tracker.link and names[1] not in tracker.link
+    assert tracker.link[names[2]] == pytest.approx(2.0)

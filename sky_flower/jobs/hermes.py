@@ -142,6 +142,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
         relax=float(s.relax),
         staleness=int(s.staleness),
         target_accuracy=float(s.target_accuracy),
+        profile_batches=OmegaConf.to_object(s.profile_batches)
+        if OmegaConf.is_config(s.profile_batches)
+        else s.profile_batches,
+        profile_repeats=s.profile_repeats,
     )
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
     n, seed = len(fleet), int(cfg.seed)

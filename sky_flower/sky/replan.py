@@ -82,6 +82,20 @@ class ReplanConfig:
             raise ValueError(f"replan.smoothing must be in (0, 1], got {self.smoothing}")
 
 
+#: A stage's link factor is observed only where its predicted link time is at least this
+#: (s) and this share of its predicted busy time: a ratio of two near-zero times is noise.
+LINK_MIN_S, LINK_MIN_SHARE = 1e-3, 0.1
+
+
+def _link_observable(stage: int, p_link: float, p_busy: float) -> bool:
+    """Whether a stage row's link time says anything about its node's link: not the data
+    owner's stage 0 (its handler also draws the batch, which no prediction holds), and a
+    predicted link time that is a material part of the predicted busy time. Without this
+    an owner with a native link (``bw inf``, 1 ms predicted) took a factor of about 100
+    from its batch drawing, and every plan it headed was predicted 20 s slower."""
+    return stage > 0 and p_link >= LINK_MIN_S and p_link >= LINK_MIN_SHARE * p_busy
+
+
 def _clip(x: float) -> float:
     return float(min(max(x, FACTOR_RANGE[0]), FACTOR_RANGE[1]))
 
@@ -140,7 +154,7 @@ class ProfileTracker:
             p_busy, m_busy = st.get("predicted_busy_s"), st.get("measured_busy_s")
             if p_busy is not None and m_busy is not None and pred and got:
                 p_link, m_link = p_busy - pred, m_busy - st.get("measured_compute_s", got)
-                if p_link > 1e-6 and m_link > 0:
+                if _link_observable(st.get("stage", 0), p_link, p_busy) and m_link > 0:
                     links.setdefault(node, []).append(f_l * m_link / p_link)
         old = {n: self.factors(n)[0] for n in seen}
         self._smooth(self.compute, seen, "compute", helpers)
