@@ -71,6 +71,9 @@ def test_detag_in_flower_equals_the_fast_path(tmp_path, no_leftover_processes):
         (["strategy=detag", "strategy.rounds=1", "strategy.phase_rounds=3"], "shorter than one"),
         (["strategy=dsgt", "strategy.batch_size=1000"], "examples per node"),
         (["strategy=dsgt", "strategy.lr=-1"], "lr must be > 0"),
+        (["strategy=detag", "strategy.phase_rounds=1.5"], "phase_rounds must be an integer"),
+        (["strategy=dpsgd", "strategy.detag_variant=bogus"], "detag_variant must be one of"),
+        (["strategy=dpsgd", "strategy.phase_rule=cube"], "phase_rule must be one of"),
     ],
 )
 def test_bad_settings_refused_before_flower_starts(overrides, message, tmp_path):

@@ -43,6 +43,10 @@ def write_decentralized_results(
         "homogeneity": s.get("homogeneity"),
         "num_nodes": s.get("num_nodes"),
         "lr": s.get("lr"),
+        "batch_size": s.get("batch_size"),
+        "phase_rounds": s.get("phase_rounds"),  # DeTAG's R setting (0: by phase_rule)
+        "phase_rule": s.get("phase_rule", "sqrt"),
+        "detag_variant": s.get("detag_variant", "paper"),
         "network": network,
         "final_test_accuracy": rounds[-1].get("test_accuracy") if rounds else None,
         "final_loss": rounds[-1].get("loss") if rounds else None,
@@ -50,6 +54,31 @@ def write_decentralized_results(
         "error": error,
     }
     return write_json(out_dir / "results.json", results)
+
+
+def check_detag_settings(s: DictConfig) -> None:
+    """Refuse DeTAG's settings when bad, whichever strategy runs (so a typo is not
+    silently ignored by D-PSGD and then used by a DeTAG run of the same sweep).
+
+    Raises
+    ------
+    ValueError
+        ``phase_rounds`` not an integer >= 0, an unknown ``phase_rule`` or ``detag_variant``.
+    """
+    from sky_flower.gossip.algorithms import PHASE_RULES, DeTAG
+
+    r = s.get("phase_rounds", 0)
+    if isinstance(r, bool) or not isinstance(r, int | float) or r != int(r) or r < 0:
+        raise ValueError(f"strategy.phase_rounds must be an integer >= 0 (0: automatic), got {r!r}")
+    if s.get("phase_rule", "sqrt") not in PHASE_RULES:
+        raise ValueError(
+            f"strategy.phase_rule must be one of {PHASE_RULES}, got {s.get('phase_rule')!r}"
+        )
+    if s.get("detag_variant", "paper") not in DeTAG.VARIANTS:
+        raise ValueError(
+            f"strategy.detag_variant must be one of {DeTAG.VARIANTS}, "
+            f"got {s.get('detag_variant')!r}"
+        )
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
@@ -83,6 +112,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         raise ValueError(
             f"unknown decentralized strategy {name!r}: choose one of {list(STRATEGIES)}"
         )
+    check_detag_settings(s)
     n, seed = int(s.num_nodes), int(cfg.seed)
     gap = None if s.spectral_gap is None else float(s.spectral_gap)
     gossip = gossip_matrix(
