@@ -185,6 +185,7 @@ def test_fleet_drift_is_parsed_and_applied_per_round():
         ({"slowdown_schedule": [2.0]}, "must map rounds"),
         ({"leave_round": 2, "join_round": 3}, "must come after"),
         ({"leave_round": -1}, "leave_round must be an integer"),
+        ({"holds_data": True, "join_round": 2}, "a data owner cannot have join_round"),
     ]
     for extra, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -142,6 +142,12 @@ class Emulation:
                 f"{where}: leave_round ({self.leave_round}) must come after join_round "
                 f"({self.join_round})"
             )
+        if self.holds_data and self.join_round:
+            raise ValueError(
+                f"{where}: a data owner cannot have join_round ({self.join_round}): a node "
+                f"absent from the benchmark round is never added to a running plan, so its "
+                f"data would never train. Drop join_round, or make the node a helper"
+            )
 
     @classmethod
     def from_mapping(cls, spec: Mapping) -> Emulation:
