@@ -318,7 +318,9 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.initial_weights()), num_rounds=3)
     last = strategy.plan.stages[-1].node
     assert f"stage 2 on {last} (node " in str(info.value) and "raised ValueError" in str(info.value)
-    assert [f["dropped_nodes"] for f in strategy.failed_rounds] == [[]]
+    # both failed rounds are listed, the one that ended the run too (it once was not)
+    assert [f["round"] for f in strategy.failed_rounds] == [1, 2]
+    assert [f["dropped_nodes"] for f in strategy.failed_rounds] == [[], []]
     assert len(strategy.node_profiles) == 3 and len(strategy.plan.stages) == 3
 
 

@@ -56,7 +56,8 @@ class RoundRecovery:
         }
         self.rounds.append(failed)
         self.on_event("round", failed)
-        if failures >= self.max_failed_rounds:
+        if failures >= self.max_failed_rounds:  # the round that ends the run is listed too
+            self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": []})
             raise SkyNodeError(
                 f"round {rnd} failed: {err} ({failures} consecutive failed round(s): "
                 f"max_failed_rounds={self.max_failed_rounds} reached)",
