@@ -50,7 +50,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from sky_flower.emulation.devices import Emulation, compose_fleet, expand_fleet
-from sky_flower.sky.settings import SkySettings, run_config_keys
+from sky_flower.sky.settings import SkySettings, in_run_config_words, run_config_keys
 
 if TYPE_CHECKING:
     from sky_flower.pipeline.data import Split
@@ -197,13 +197,16 @@ def sky_strategy(
 
     cfg = validate_run_config(run_config, app_keys)
     settings, nodes = cfg.settings, cfg.nodes
-    strategy = SkyStrategy(
-        model_fn=model_fn,
-        input_shape=input_shape,
-        node_order=[n.name for n in nodes],
-        min_nodes=settings.messaging.min_nodes or len(nodes),  # 0, no fleet: all in node-wait-s
-        **{**settings.strategy_kwargs(), **kwargs},
-    )
+    try:
+        strategy = SkyStrategy(
+            model_fn=model_fn,
+            input_shape=input_shape,
+            node_order=[n.name for n in nodes],
+            min_nodes=settings.messaging.min_nodes or len(nodes),  # 0: all in node-wait-s
+            **{**settings.strategy_kwargs(), **kwargs},
+        )
+    except ValueError as err:  # its checks name Hydra paths: say the run-config keys
+        raise ValueError(in_run_config_words(str(err))) from err
     if settings.results_path:
         SkyRecorder(Path(settings.results_path), settings.allocation, settings.fleet).attach(
             strategy

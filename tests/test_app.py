@@ -91,6 +91,36 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     assert (relay.schedule.transport, relay.schedule.kind) == ("relay", "1f1b")
 
 
+@pytest.mark.parametrize(
+    "run_config, said, not_said",
+    [
+        (
+            {"schedule-kind": "interleaved", "microbatches": 4},
+            "transport=direct",
+            "schedule.transport",
+        ),
+        (
+            {"transport": "direct", "schedule-kind": "auto", "optimizer-state": "keep"},
+            "optimizer-state=keep",
+            "train.optimizer_state",
+        ),
+    ],
+)
+def test_strategy_refusals_name_run_config_keys_under_flwr_run(run_config, said, not_said):
+    """A combination SkyStrategy refuses was named by its Hydra paths (``set
+    schedule.transport=direct``), which a ``flwr run`` user cannot set; the app's error
+    says the run-config keys."""
+    import torch
+
+    with pytest.raises(ValueError) as err:
+        sky_strategy(
+            run_config,
+            model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(64, 10)),
+            input_shape=[64],
+        )
+    assert said in str(err.value) and not_said not in str(err.value)
+
+
 def test_node_config_carries_the_emulated_device():
     for i, node in enumerate(load_fleet("edge4")):
         text = node_config(node, i, 4)

@@ -432,6 +432,22 @@ def run_config_keys() -> dict[str, tuple[type, Any]]:
     return keys
 
 
+def in_run_config_words(text: str) -> str:
+    """``text`` (an error that names settings by their Hydra paths, e.g. ``set
+    schedule.transport=direct``) with every Hydra path of a setting that has a run-config
+    key replaced by that key (``set transport=direct``), for a ``flwr run`` user."""
+    import re
+
+    pairs = [
+        (f.metadata["hydra"], f.metadata["key"])
+        for f, _ in settings_fields()
+        if f.metadata["hydra"] and f.metadata["key"]
+    ]
+    for hydra, key in sorted(pairs, key=lambda p: -len(p[0])):
+        text = re.sub(rf"(?<![\w.-]){re.escape(hydra)}(?![\w.-])", key, text)
+    return text
+
+
 def _run_config_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
     return ValueError(f"run config {name} must be {rule}, got {value}")
 
