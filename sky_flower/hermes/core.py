@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -46,8 +45,6 @@ def validate_settings(
     relax: float = 0.1,
     staleness: int = 3,
     target_accuracy: float = 0.9,
-    profile_batches: Any = (8, 32, 128),  # noqa: ANN401 - checked here
-    profile_repeats: Any = 1,  # noqa: ANN401 - checked here
 ) -> None:
     """Refuse bad Hermes / baseline settings with a message saying what is wrong.
 
@@ -56,30 +53,8 @@ def validate_settings(
     ValueError
         ``window < 2`` (a z-score needs at least two past losses), ``threshold > 0`` (the
         gate would send updates that made the loss worse), ``patience < 1``, ``relax``
-        outside (0, 1), ``staleness < 0``, ``target_accuracy`` outside (0, 1],
-        ``profile_batches`` not a list of at least two different integers >= 1 (the
-        affine step-time model is fitted from steps timed at them), ``profile_repeats``
-        not an integer >= 1.
+        outside (0, 1), ``staleness < 0``, ``target_accuracy`` outside (0, 1].
     """
-    batches = list(profile_batches) if isinstance(profile_batches, list | tuple) else None
-    if (
-        batches is None
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batches)
-        or len(set(batches)) < 2
-    ):
-        raise ValueError(
-            "strategy.profile_batches must be a list of at least two different batch sizes "
-            f"(integers >= 1) to fit the step-time model from, e.g. [8, 32, 128]; got "
-            f"{profile_batches!r}"
-        )
-    if (
-        isinstance(profile_repeats, bool)
-        or not isinstance(profile_repeats, int)
-        or (profile_repeats < 1)
-    ):
-        raise ValueError(
-            f"strategy.profile_repeats must be an integer >= 1, got {profile_repeats!r}"
-        )
     if isinstance(window, bool) or int(window) != window or window < 2:
         raise ValueError(f"gate window must be an integer >= 2 (past losses), got {window}")
     if not threshold <= 0:

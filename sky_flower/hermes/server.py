@@ -24,6 +24,37 @@ from sky_flower.hermes.core import (
 )
 
 
+def check_profile_settings(profile_batches: Any, profile_repeats: Any) -> None:  # noqa: ANN401
+    """Refuse Hermes' step-time sampling settings before Flower starts.
+
+    Raises
+    ------
+    ValueError
+        ``profile_batches`` not a list of at least two different integers >= 1 (the affine
+        step-time model is fitted from steps timed at them), ``profile_repeats`` not an
+        integer >= 1.
+    """
+    batches = list(profile_batches) if isinstance(profile_batches, list | tuple) else None
+    if (
+        batches is None
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batches)
+        or len(set(batches)) < 2
+    ):
+        raise ValueError(
+            "strategy.profile_batches must be a list of at least two different batch sizes "
+            f"(integers >= 1) to fit the step-time model from, e.g. [8, 32, 128]; got "
+            f"{profile_batches!r}"
+        )
+    if isinstance(profile_repeats, bool) or not isinstance(profile_repeats, int):
+        raise ValueError(
+            f"strategy.profile_repeats must be an integer >= 1, got {profile_repeats!r}"
+        )
+    if profile_repeats < 1:
+        raise ValueError(
+            f"strategy.profile_repeats must be an integer >= 1, got {profile_repeats!r}"
+        )
+
+
 def check_driver_settings(  # noqa: PLR0913
     num_workers: int,
     pool_size: int,

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.gossip.training import FlatModel
 from sky_flower.hermes.core import validate_settings
+from sky_flower.hermes.server import check_profile_settings
 from sky_flower.jobs.common import (
     flat_model_start,
     log,
@@ -142,10 +143,11 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
         relax=float(s.relax),
         staleness=int(s.staleness),
         target_accuracy=float(s.target_accuracy),
-        profile_batches=OmegaConf.to_object(s.profile_batches)
-        if OmegaConf.is_config(s.profile_batches)
-        else s.profile_batches,
-        profile_repeats=s.profile_repeats,
+    )
+    batches = s.profile_batches
+    check_profile_settings(
+        OmegaConf.to_object(batches) if OmegaConf.is_config(batches) else batches,
+        s.profile_repeats,
     )
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
     n, seed = len(fleet), int(cfg.seed)
