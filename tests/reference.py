@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from flwr.common.constant import ErrorCode
@@ -40,6 +40,7 @@ from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp import Grid
 
+from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.pipeline.data import batch_indices
 from sky_flower.pipeline.stage import RngKey, forward_layers
 
@@ -232,12 +233,13 @@ def _wire(msg: Message) -> Message:
     return message_from_proto(message_to_proto(msg))
 
 
-class ProcessPerMessageGrid(Grid):
+class ProcessPerMessageGrid(InProcessGrid):
     """A Grid that delivers each message as a SuperNode of Flower's deployment engine
     does: the node's context is restored from the protobuf bytes saved after its last
     message, a ClientApp freshly built by ``app_fn`` (no module-level cache survives)
     handles the message, the updated context is saved back as bytes. Messages and
-    replies go through Flower's protobuf too. Runs synchronously in push_messages.
+    replies go through Flower's protobuf too. Runs synchronously in push_messages; a
+    raising handler propagates (unlike the base class, which makes it an error reply).
 
     ``node_configs`` are the SuperNodes' ``--node-config`` dicts (node ids 101, 102, ...)."""
 
@@ -247,42 +249,20 @@ class ProcessPerMessageGrid(Grid):
         node_configs: list[dict],
         run_config: dict,
     ) -> None:
+        names = [f"node{i}" for i in range(len(node_configs))]
+        apps: dict[str, Any] = dict.fromkeys(names)  # built per message by app_fn
+        super().__init__(apps, dict(zip(names, node_configs, strict=True)), run_config)
         self.app_fn = app_fn
-        self.ids = list(range(101, 101 + len(node_configs)))
-        self.saved: dict[int, bytes] = {}
-        for nid, cfg in zip(self.ids, node_configs, strict=True):
-            ctx = Context(
-                run_id=1, node_id=nid, node_config=cfg, state=RecordDict(), run_config=run_config
-            )
-            self.saved[nid] = context_to_proto(ctx).SerializeToString()
-        self.replies: dict[str, Message] = {}
-        self.handled: list[tuple[int, str]] = []  # (node id, message type), in order
+        self.saved: dict[int, bytes] = {
+            nid: context_to_proto(ctx).SerializeToString() for nid, ctx in self.contexts.items()
+        }
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
-            mid = str(uuid.uuid4())
-            msg.metadata.__dict__["_message_id"] = mid
-            nid = msg.metadata.dst_node_id
-            context = context_from_proto(ProtoContext.FromString(self.saved[nid]))
-            reply = self.app_fn()(_wire(msg), context)
-            self.saved[nid] = context_to_proto(context).SerializeToString()
-            self.replies[mid] = _wire(reply)
-            self.handled.append((nid, msg.metadata.message_type))
-            ids.append(mid)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.ids)
-
-    def _unused(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("SkyStrategy does not use this")
-
-    create_message = send_and_receive = set_run = _unused
-    run = property(_unused)
+    def deliver(self, node_id: int, message: Message) -> Message:
+        """Restore the node's context from bytes, run a fresh ClientApp, save it back."""
+        context = context_from_proto(ProtoContext.FromString(self.saved[node_id]))
+        reply = self.app_fn()(_wire(message), context)
+        self.saved[node_id] = context_to_proto(context).SerializeToString()
+        return _wire(reply)
 
 
 def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, conn) -> None:  # noqa: ANN001

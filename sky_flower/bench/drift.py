@@ -37,19 +37,17 @@ import argparse
 import json
 import logging
 import time
-import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
 
 from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import Emulation
+from sky_flower.flower.inprocess import InProcessGrid, server_identity
 from sky_flower.pipeline.data import Split, load_split, owner_partition
 from sky_flower.pipeline.models import build_mlp
 from sky_flower.sky.client import SkyClient
@@ -58,63 +56,6 @@ from sky_flower.strategies.sky import SkyStrategy
 
 DRIFT_ROUND = 3
 SLOW = 3.0  # slowdown 3: 4x slower
-
-
-class InProcessGrid(Grid):
-    """A Grid whose nodes are ClientApps in this process, one ``Context`` each; a
-    message is handled when pushed; a handler that raises gives an error reply (as a
-    SuperNode's)."""
-
-    def __init__(self, apps: dict[str, ClientApp]) -> None:
-        self.ids = {101 + i: name for i, name in enumerate(apps)}
-        self.apps = {nid: apps[name] for nid, name in self.ids.items()}
-        self.contexts = {
-            nid: Context(
-                run_id=1,
-                node_id=nid,
-                node_config={"sky-node": name},
-                state=RecordDict(),
-                run_config={},
-            )
-            for nid, name in self.ids.items()
-        }
-        self.replies: dict[str, Message] = {}
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
-            mid = str(uuid.uuid4())
-            msg.metadata.__dict__["_message_id"] = mid
-            nid = msg.metadata.dst_node_id
-            try:
-                reply = self.apps[nid](msg, self.contexts[nid])
-            except Exception as err:  # noqa: BLE001 - a node's failure: an error reply
-                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
-            self.replies[mid] = reply
-            ids.append(mid)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.ids)
-
-    def _unused(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
-        raise AssertionError("SkyStrategy does not use this")
-
-    create_message = send_and_receive = set_run = _unused  # type: ignore[assignment]
-    run = property(_unused)  # type: ignore[assignment]
-
-
-def server_identity() -> None:
-    """Give this process a ServerApp's task identity (run 1, the SuperLink's node id),
-    so the strategy can build messages outside Flower's runtime (as the tests do)."""
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 1), ("_node_id", SUPERLINK_NODE_ID), ("_task_id", 1)):
-        setattr(TaskIdentity, attr, value)
 
 
 def fleet(scenario: str, oracle: bool) -> list[Emulation]:
