@@ -69,3 +69,26 @@ def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
     # the app's own save_results (identical in both example apps) keeps Sky's record
     task.save_results(run_config, result)
     assert json.loads(path.read_text())["rounds"] == saved["rounds"]
+
+
+def test_the_example_apps_save_results_writes_strict_json_when_a_metric_is_nan(tmp_path):
+    """A diverged run's NaN / inf metrics become ``null``: the file parses strictly."""
+    from types import SimpleNamespace
+
+    task = sky_app_task()
+    path = tmp_path / "results.json"
+    result = SimpleNamespace(
+        evaluate_metrics_serverapp={
+            0: {"accuracy": 0.1, "loss": 2.3},
+            1: {"accuracy": float("nan"), "loss": float("inf")},
+        }
+    )
+    task.save_results({"results-path": str(path)}, result)
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"not strict JSON: {token}")
+
+    saved = json.loads(path.read_text(), parse_constant=refuse)
+    assert saved["initial_test_accuracy"] == 0.1
+    assert saved["rounds"] == [{"round": 1, "test_accuracy": None, "test_loss": None}]
+    assert saved["final_test_accuracy"] is None

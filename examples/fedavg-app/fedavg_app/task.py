@@ -90,9 +90,18 @@ def test(net: nn.Module, data: Split) -> tuple[float, float]:
 def save_results(run_config: dict, result: object) -> None:
     """Write the run's per-round server-side metrics (a Flower ``Result``) as JSON to the
     run config's ``results-path`` (nothing when it is ``""``). What a strategy recorded
-    there itself (Sky: every round's measurements) is kept."""
+    there itself (Sky: every round's measurements) is kept. The file is strictly valid
+    JSON: a NaN or infinite metric is written as ``null``."""
     import json
+    import math
     from pathlib import Path
+
+    def finite(v: object) -> object:  # NaN / inf are not JSON: null instead
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        return [finite(x) for x in v] if isinstance(v, list | tuple) else v
 
     path = str(run_config.get("results-path", ""))
     if not path:
@@ -107,4 +116,4 @@ def save_results(run_config: dict, result: object) -> None:
         "completed": True,
     }
     own = json.loads(Path(path).read_text()) if Path(path).exists() else {}
-    Path(path).write_text(json.dumps({**results, **own}, indent=2))
+    Path(path).write_text(json.dumps(finite({**results, **own}), indent=2, allow_nan=False))
