@@ -318,3 +318,31 @@ def test_link_factors_ignore_the_owners_stage_and_near_zero_link_predictions():
     tracker.observe([owner, tiny, real])
     assert names[0] not in tracker.link and names[1] not in tracker.link
     assert tracker.link[names[2]] == pytest.approx(2.0)
+
+
+def test_a_replanning_candidate_is_not_logged_unless_taken(caplog):
+    """Online re-planning weighs a candidate plan every round; its tables are logged only
+    when the re-plan is taken (the first plan always is)."""
+    import logging
+
+    from sky_flower.core.profile import LayerProfile
+
+    layers = [
+        LayerProfile(j, f"{j}:Linear", 2e6, 4e6, 4_000_000, 8_000_000, 4096.0, 4096.0)
+        for j in range(4)
+    ]
+    nodes = synthetic_node_profiles(layers, [4.0, 0.0], 32, 1e9, 2**34, 0.001, 1e9)
+    schedule = Schedule(batch_size=32, microbatches=1)
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            args = (layers, nodes, {"node0": 640}, schedule, "heuristic")
+            planning.make_federated_plan(*args, alternatives=False, log_tables=False)
+            assert "Federated plan" not in caplog.text
+            planning.make_federated_plan(*args, alternatives=False)
+            assert (
+                "Federated plan (heuristic)" in caplog.text and "Pipeline of node0" in caplog.text
+            )
+    finally:
+        flwr_logger.removeHandler(caplog.handler)

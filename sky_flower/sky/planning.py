@@ -386,9 +386,11 @@ def make_federated_plan(  # noqa: PLR0913
     steps_per_round: int = 0,
     time_limit_s: float = 30.0,
     alternatives: bool = True,
+    log_tables: bool = True,
 ) -> FederatedPlanned:
     """One pipeline per data owner (:func:`sky_flower.core.federated.plan_federation`),
-    logged; ``alternatives``: also plan the other allocations on this benchmark.
+    logged unless ``log_tables`` is false (a re-planning candidate is logged only if
+    taken); ``alternatives``: also plan the other allocations on this benchmark.
 
     Raises
     ------
@@ -411,11 +413,10 @@ def make_federated_plan(  # noqa: PLR0913
         )
 
     fplan = solve(allocation)
-    log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
     planned = tuple(owner_planned(p, layers, nodes, schedule) for p in fplan.pipelines)
+    if log_tables:
+        log_plan_tables(fplan, planned, allocation)
     check_state_limit(planned, [p.owner for p in fplan.pipelines])  # before any training
-    for p, pl in zip(fplan.pipelines, planned, strict=True):
-        log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
     steps = {allocation: max(p.plan.predicted_step_time_s for p in fplan.pipelines)}
     rounds: dict[str, float | None] = {allocation: fplan.round_time_s}
     for method in METHODS if alternatives else ():
@@ -444,6 +445,13 @@ def make_federated_plan(  # noqa: PLR0913
             else f"{fplan.fedavg_round_time_s:.3f} s",
         )
     return FederatedPlanned(fplan, planned, steps, rounds)
+
+
+def log_plan_tables(fplan: FederatedPlan, planned: tuple[Planned, ...], allocation: str) -> None:
+    """Log the federated plan's table and each pipeline's stage table."""
+    log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
+    for p, pl in zip(fplan.pipelines, planned, strict=True):
+        log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
 
 
 def pipeline_runs(

@@ -130,6 +130,7 @@ class RoundReplanning:
             )
         )
         log_decision(rnd, d)
+        planning.log_plan_tables(d.new.fplan, d.new.planned, self.allocation)
         self.replans.append(d.record)
         self.install_plan(d.new)
 
@@ -151,6 +152,7 @@ class RoundReplanning:
                 steps_per_round=self.steps_per_round,
                 time_limit_s=self.milp_time_limit_s,
                 alternatives=False,
+                log_tables=False,  # logged below only if the re-plan is taken
             )
         except ValueError as err:  # e.g. memory: keep the current plan
             log(WARNING, "Re-planning after round %d failed, keeping the plan: %s", rnd, err)
