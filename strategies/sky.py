@@ -57,7 +57,7 @@ from sky_flower.sky.benchmark import (
     wait_for_nodes,
 )
 from sky_flower.sky.deadlines import Deadlines
-from sky_flower.sky.direct import DirectRunner
+from sky_flower.sky.direct import DirectRunner, kinds_label
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.protocol import ARRAYS
@@ -467,7 +467,7 @@ class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy
             self._evaluate(rnd, self.global_arrays, evaluate_fn, result, row)
             self.rounds.append(row)
             report.log_round_line(row)
-            report.log_stage_report(row, f"{self.runner_cls.label}, {self.schedule.kind}")
+            report.log_stage_report(row, kinds_label(self.runner_cls, self.runs, self.schedule))
             report.log_pipelines(row)
             self.on_event("round", row)
             if row["failed_pipelines"]:

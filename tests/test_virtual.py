@@ -235,3 +235,22 @@ def test_planner_picks_and_records_the_schedule():
     assert search.schedule.kind == "1f1b"
     got = partition(inter, "optimal", time_limit_s=5.0)
     assert got.spec == partition(search, "optimal", time_limit_s=5.0).spec
+
+
+def test_the_round_log_names_the_schedule_auto_picked_per_pipeline():
+    from types import SimpleNamespace as NS
+
+    from sky_flower.core.cost import Schedule
+    from sky_flower.sky.direct import kinds_label
+
+    def run(kind: str | None) -> NS:
+        return NS(pipeline=NS(plan=NS(schedule={} if kind is None else {"kind": kind})))
+
+    auto = Schedule(batch_size=32, microbatches=4, kind="auto", transport="direct")
+    direct = NS(label="direct")
+    assert kinds_label(direct, [run("1f1b")], auto) == "direct, 1f1b"
+    assert (
+        kinds_label(direct, [run("interleaved"), run("gpipe")], auto) == "direct, gpipe/interleaved"
+    )
+    gpipe = Schedule(batch_size=32, microbatches=4, kind="gpipe", transport="direct")
+    assert kinds_label(direct, [run(None)], gpipe) == "direct, gpipe"

@@ -35,6 +35,14 @@ def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
     return str(plan.plan.schedule.get("kind", schedule.kind))
 
 
+def kinds_label(runner_cls: Any, runs: Sequence[Any], schedule: Schedule) -> str:  # noqa: ANN401
+    """``"<runner_cls.label>, <kinds>"`` for the round log: the schedule kinds the pipelines of
+    ``runs`` (each with a ``pipeline``) run, i.e. what ``auto`` picked, not ``auto``
+    (``"direct, 1f1b"``, ``"direct, gpipe/1f1b"``)."""
+    kinds = sorted({plan_kind(r.pipeline, schedule) for r in runs})
+    return f"{runner_cls.label}, {'/'.join(kinds) or schedule.kind}"
+
+
 def chunk_plan(plan: Pipeline, s: Any, S: int) -> list[dict[str, str]] | None:  # noqa: ANN401
     """Per rank, the :class:`~sky_flower.sky.protocol.DirectConfig` chunk fields of a
     chunked plan (``interleaved``, ``zero_bubble``: chunk ``c`` on rank ``c mod S``),
