@@ -57,9 +57,10 @@ class RedeliveringGrid(ProcessPerMessageGrid):
         self.held: dict[int, list[Message]] = {}
         self.peak: dict[int, int] = {}  # node id -> largest serialised context seen
 
-    def deliver(self, msg: Message) -> Message:
-        """Handle ``msg`` on its node (context restored from and saved to bytes)."""
-        nid = msg.metadata.dst_node_id
+    def deliver(self, node_id: int, message: Message) -> Message:
+        """Handle ``message`` on node ``node_id`` (context restored from and saved to
+        bytes); a raising handler gives an error reply, as a SuperNode's does."""
+        nid, msg = node_id, message
         context = context_from_proto(ProtoContext.FromString(self.saved[nid]))
         try:
             reply = self.app_fn()(_wire(msg), context)
@@ -70,17 +71,21 @@ class RedeliveringGrid(ProcessPerMessageGrid):
         self.handled.append((nid, msg.metadata.message_type))
         return _wire(reply)
 
+    def send(self, msg: Message) -> Message:
+        """Deliver ``msg`` to its destination node now (no message id, no retry)."""
+        return self.deliver(msg.metadata.dst_node_id, msg)
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
             mid = str(uuid.uuid4())
             msg.metadata.__dict__["_message_id"] = mid
             nid = msg.metadata.dst_node_id
-            reply = self.deliver(msg)
+            reply = self.deliver(nid, msg)
             for old in self.held.pop(nid, []):  # stale copies, after a newer message
-                self.late.append((old, self.deliver(old)))
+                self.late.append((old, self.deliver(nid, old)))
             if self.twice(msg):
-                again = self.deliver(msg)
+                again = self.deliver(nid, msg)
                 self.pairs.append((reply, again))
                 reply = again
             if self.later(msg):
@@ -251,7 +256,7 @@ def _setup(grid: RedeliveringGrid, full: dict, session: int) -> None:
             P.ARRAYS: ArrayRecord(slice_state(full, first, last)),
             P.CONFIG: st.to_config_record(),
         }
-        assert not grid.deliver(_msg(101 + k, P.SETUP, content)).has_error()
+        assert not grid.send(_msg(101 + k, P.SETUP, content)).has_error()
 
 
 def _one_step(grid, step: int, session: int, rng, repeat: bool) -> None:  # noqa: ANN001
@@ -262,10 +267,10 @@ def _one_step(grid, step: int, session: int, rng, repeat: bool) -> None:  # noqa
 
     def send(nid: int, mtype: str, content: dict) -> Message:
         msg = _msg(nid, mtype, content)
-        reply = grid.deliver(msg)
+        reply = grid.send(msg)
         assert not reply.has_error() and P.STAGE_ERROR not in reply.content, reply
         if repeat:
-            _same_reply(reply, grid.deliver(msg))
+            _same_reply(reply, grid.send(msg))
         return reply
 
     mb = {g: P.MicroBatchGroup(step, int(g), 1, 1, session).to_config_record() for g in range(M)}
@@ -282,7 +287,7 @@ def _collect(grid: RedeliveringGrid, session: int) -> dict:
     cfg = {P.CONFIG: P.SessionId(1, session).to_config_record()}
     got = {}
     for nid in (101, 102):
-        got.update(grid.deliver(_msg(nid, P.COLLECT, cfg)).content[P.ARRAYS].to_torch_state_dict())
+        got.update(grid.send(_msg(nid, P.COLLECT, cfg)).content[P.ARRAYS].to_torch_state_dict())
     return got
 
 
@@ -312,20 +317,20 @@ def test_missed_set_up_and_missing_stash_are_the_nodes_failure(server_identity):
     grid, full, _ = _two_stage_grid()
     _setup(grid, full, session=7)
     newer = P.MicroBatchGroup(0, 0, 1, 1, 8).to_config_record()
-    reply = grid.deliver(_msg(101, P.FORWARD, {P.MB: newer}))
+    reply = grid.send(_msg(101, P.FORWARD, {P.MB: newer}))
     assert reply.has_error() and "NodeStateError" in reply.error.reason
     assert (
         "round 1 (set-up 8)" in reply.error.reason
         and "holds the stage of round 1 (set-up 7)" in reply.error.reason
     )
     early = P.MicroBatchGroup(0, 1, 1, 1, 7).to_config_record()
-    reply = grid.deliver(_msg(101, P.BACKWARD, {P.MB: early, P.GRAD: _zeros_grad()}))
+    reply = grid.send(_msg(101, P.BACKWARD, {P.MB: early, P.GRAD: _zeros_grad()}))
     assert reply.has_error() and "no stashed input for micro-batch 1" in reply.error.reason
     before = _collect(grid, 7)
     _setup(grid, {k: v + 1.0 for k, v in full.items()}, session=7)  # a repeat: first reply
     old = P.StageConfig(0, 0, 1, True, False, M, B, "adam", 0.01, 1, 0, session=6)
     content = {P.ARRAYS: grid_weights(full, 0, 1), P.CONFIG: old.to_config_record()}
-    reply = grid.deliver(_msg(101, P.SETUP, content))
+    reply = grid.send(_msg(101, P.SETUP, content))
     assert (
         "StaleMessageError: train.sky_setup of round 1 (set-up 6) is older"
         in reply.content[P.STAGE_ERROR]["error"]
