@@ -49,8 +49,6 @@ from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import correct_count, ref
 from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (
-    BenchmarkRound,
-    BenchmarkSettings,
     Link,
     benchmark_event,
     benchmark_table,
@@ -60,6 +58,7 @@ from sky_flower.sky.deadlines import Deadlines
 from sky_flower.sky.direct import DirectRunner, kinds_label
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.guard import RoundGuard
+from sky_flower.sky.joins import NodeJoins
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.recovery import RoundRecovery
 from sky_flower.sky.relay import RelayRunner
@@ -75,7 +74,7 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
 
 
-class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy):
+class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluation, Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
     Parameters
@@ -319,33 +318,8 @@ class SkyStrategy(RoundReplanning, RoundRecovery, ServerSideEvaluation, Strategy
         SkyNodeError
             If no data owner answered.
         """
-        settings = BenchmarkSettings(
-            warmup=self.benchmark_warmup,
-            repeats=self.benchmark_repeats,
-            echo_bytes=self.echo_bytes,
-            echo_repeats=self.echo_repeats,
-            echo_jitter_s=self.echo_jitter_s,
-            state_probe_bytes=self.state_probe_bytes,
-            peer_links=self.runner_cls.peer_links,
-        )
-        run = self.run_settings()
-        bench = BenchmarkRound(
-            run.exchange(grid, run.deadline("benchmark")),
-            self.profile_model(),
-            self.schedule,
-            self.input_shape,
-            self.optimizer,
-            self.lr,
-            settings,
-            self._names,
-            seed=self.seed,
-            link_cache=self.link_cache,
-            input_dtype=self.input_dtype,
-        )
-        found = bench.run(node_ids, self.node_order)
-        self.node_profiles, self._ids = found.nodes, found.node_ids
-        self.num_examples, self._handler_rate = found.num_examples, found.handler_rate
-        self.samples = dict(found.samples)
+        found = self.benchmark_round(grid).run(node_ids, self.node_order)
+        self.remember_benchmark(grid, found)  # sky_flower.sky.joins
         self.on_event("benchmark", benchmark_event(self.layer_profiles, found))
         return self.node_profiles
 

@@ -15,9 +15,9 @@ import os
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
-from reference import ConcurrentGrid, ProcessPerMessageGrid, reference_rounds
+from reference import ConcurrentGrid, ProcessPerMessageGrid, error_reply, reference_rounds
 from sky_flower.strategies.sky import SkyStrategy
 
 from sky_flower.core.cost import Schedule
@@ -346,3 +346,75 @@ def test_a_replanning_candidate_is_not_logged_unless_taken(caplog):
             )
     finally:
         flwr_logger.removeHandler(caplog.handler)
+
+
+# -- a node that joins mid-run -------------------------------------------------------------
+JOINING = {
+    "owner": Emulation(name="owner", slowdown=9.0),
+    "mid": Emulation(name="mid", slowdown=9.0),
+    "tail": Emulation(name="tail", slowdown=9.0),
+    "fast": Emulation(name="fast", join_round=2),  # 10x faster, in the federation from round 2
+}
+
+
+def joining_app() -> ClientApp:
+    """Three slow nodes from the start; ``fast`` joins before round 2."""
+
+    def emulation(context: Context) -> Emulation:
+        return JOINING[str(context.node_config["sky-node"])]
+
+    return SkyClient(small_cnn, _owner_data, emulation_fn=emulation).register(ClientApp())
+
+
+class RepliesErrorsGrid(ProcessPerMessageGrid):
+    """A raising handler gives an error reply, as a SuperNode's ClientApp does."""
+
+    def deliver(self, node_id: int, message: Message) -> Message:
+        try:
+            return super().deliver(node_id, message)
+        except Exception as err:  # noqa: BLE001 - as a SuperNode
+            return error_reply(message, err)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_node_that_joins_mid_run_is_benchmarked_and_planned_with(mode, server_identity):
+    """``fast`` says "not in the federation" at the benchmark round and is left out; with
+    ``replan.mode=on`` it is profiled before round 2, admitted, and the re-plan puts
+    layers on it; with ``off`` the plan stays. Either way the weights are the unsplit
+    reference's (Adam state kept across rounds, so moved layers keep theirs)."""
+    configs = [{"sky-node": n} for n in JOINING]
+    grid = RepliesErrorsGrid(joining_app, configs, {})
+    strategy = SkyStrategy(
+        model_fn=small_cnn,
+        input_shape=[64],
+        allocation="heuristic",
+        schedule=Schedule(batch_size=BATCH, microbatches=MICRO, kind="sequential"),
+        optimizer="adam",
+        lr=LR,
+        steps_per_round=STEPS,
+        min_nodes=4,
+        benchmark_repeats=1,
+        echo_repeats=1,
+        echo_jitter_s=0.0,
+        state_probe_bytes=0,
+        poll_interval_s=0.0,
+        replan=ReplanConfig(mode=mode, threshold=0.0),  # any gain: the join is the point
+        optimizer_state="keep",
+    )
+    result = strategy.start(grid, ArrayRecord(_weights()), num_rounds=ROUNDS)
+    assert strategy.failed_rounds == []
+    planned_nodes = {st.node for p in strategy.federated.fplan.pipelines for st in p.plan.stages}
+    if mode == "off":
+        assert strategy.joins == [] and strategy.replans == [] and "fast" not in planned_nodes
+    else:
+        assert strategy.joins == [{"round": 2, "node": "fast", "node_id": 104}]
+        assert "fast" in [n.name for n in strategy.node_profiles]
+        first = strategy.replans[0]
+        assert (first["after_round"], first["joined"]) == (1, ["fast"])
+        assert first["reason"].startswith("fast joined: expected gain")
+        assert "fast" in planned_nodes
+        # the rounds after the join trained on it
+        assert any(st["node"] == "fast" for st in strategy.rounds[-1]["stages"])
+        results = sky_results("heuristic", "test", strategy.rounds, None, joins=strategy.joins)
+        assert results["joins"][0]["node"] == "fast"
+    _assert_same(result.arrays.to_torch_state_dict(), _reference("adam"))

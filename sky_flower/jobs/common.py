@@ -269,6 +269,7 @@ def sky_results(
     initial_test_accuracy: float | None = None,
     completed: bool = False,
     replans: list[dict] | None = None,
+    joins: list[dict] | None = None,
 ) -> dict[str, Any]:
     """The ``results.json`` of a Sky run (Hydra job and ``flwr run``).
 
@@ -276,7 +277,9 @@ def sky_results(
     ``final_test_accuracy`` is the last good round's (a failed round keeps the previous
     global model); ``initial_test_accuracy`` the untrained model's (round 0);
     ``completed`` whether every round ran; ``replans`` the online re-plans
-    (:mod:`sky_flower.sky.replan`: after which round, why, gain, migration, plans).
+    (:mod:`sky_flower.sky.replan`: after which round, why, gain, migration, plans);
+    ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.joins`: ``round``,
+    ``node``, ``node_id``).
     """
     rows = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
     return {
@@ -291,6 +294,7 @@ def sky_results(
         "error": error,
         "failed_rounds": failed_rounds or [],
         "replans": replans or [],
+        "joins": joins or [],
         "completed": completed,
     }
 
@@ -363,6 +367,7 @@ class SkyRecorder:
             self.initial_test_accuracy,
             self.completed,
             list(getattr(s, "replans", [])),
+            list(getattr(s, "joins", [])),
         )
         return write_json(self.path, results)
 

@@ -80,6 +80,8 @@ class BenchmarkResult:
         (and, half of the time, saving) its stage.
     emulation : dict[str, str]
         Node name -> its emulation's description.
+    left_out : dict[int, str]
+        Node id -> why the node was left out (its error), for each node that failed.
     """
 
     nodes: list[NodeProfile]
@@ -88,6 +90,7 @@ class BenchmarkResult:
     samples: dict[str, int] = field(default_factory=dict)
     handler_rate: dict[str, float] = field(default_factory=dict)
     emulation: dict[str, str] = field(default_factory=dict)
+    left_out: dict[int, str] = field(default_factory=dict)
 
 
 class BenchmarkRound:
@@ -116,6 +119,10 @@ class BenchmarkRound:
         run several strategies on one grid).
     input_dtype : str
         Dtype of the model's input (``"int64"`` for token ids).
+    server_round : int
+        The round the messages belong to (their group id): 0, the benchmark round
+        (groups ``benchmark`` and ``echo``); a round, a node joining before it
+        (:mod:`sky_flower.sky.joins`).
     """
 
     def __init__(  # noqa: PLR0913
@@ -131,8 +138,10 @@ class BenchmarkRound:
         seed: int = 0,
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
+        server_round: int = 0,
     ) -> None:
         self.ex, self.layers, self.schedule = exchange, list(layers), schedule
+        self.groups = ("benchmark", "echo") if server_round == 0 else (str(server_round),) * 2
         self.input_dtype = input_dtype
         self.input_shape, self.optimizer, self.lr = list(input_shape), optimizer, lr
         self.settings, self.names = settings, names
@@ -159,6 +168,7 @@ class BenchmarkRound:
                 if self.ex.stop is not None and self.ex.stop.is_set():
                     raise  # the run was stopped (e.g. Ctrl-C): no node is to blame
                 left_out.append((nid, err))
+                result.left_out[nid] = str(err)
                 continue
             result.nodes.append(node)
             result.node_ids[node.name] = nid
@@ -169,7 +179,15 @@ class BenchmarkRound:
             for nid, err in left_out
         ]
         for line in why:
-            log(WARNING, "Benchmark: leaving %s out of the plan", line)
+            if "is not in the federation" in line:  # an emulated join_round: not yet
+                log(
+                    INFO,
+                    "Benchmark: %s. It is profiled and planned with when it joins if "
+                    "replan.mode is on (sky_flower.sky.joins), else left out",
+                    line,
+                )
+            else:
+                log(WARNING, "Benchmark: leaving %s out of the plan", line)
         if not any(n.holds_data for n in result.nodes):
             left = f" (left out: {'; '.join(why)})" if why else ""
             raise SkyNodeError(f"no data owner answered the benchmark round: cannot train{left}")
@@ -219,7 +237,7 @@ class BenchmarkRound:
             calibrate=self.settings.peer_links,
         )
         (reply,) = self.ex.request(
-            [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, "benchmark")]
+            [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, self.groups[0])]
         )
         prof = P.ProfileReply.from_config_record(reply.content.config_records[P.PROFILE_KEY])
         if prof.name in result.node_ids:
@@ -272,7 +290,7 @@ class BenchmarkRound:
             P.CONFIG: P.EchoRequest(store_bytes=store_bytes).to_config_record(),
         }
         t0 = time.perf_counter()
-        self.ex.request([message(nid, P.ECHO, content, "echo")])
+        self.ex.request([message(nid, P.ECHO, content, self.groups[1])])
         return time.perf_counter() - t0
 
     def link(self, nid: int) -> Link:

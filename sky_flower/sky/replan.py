@@ -386,6 +386,11 @@ def drift_text(drifted: Mapping[str, tuple[float, float]], top: int = 3) -> str:
     return ", ".join(f"{n} compute x{was:.2f} -> x{now:.2f}" for n, (was, now) in order[:top])
 
 
+def joined_text(joined: Sequence[str] | None) -> str:
+    """``"a, b joined"`` for the nodes admitted mid-run ("" for none)."""
+    return f"{', '.join(joined)} joined" if joined else ""
+
+
 def log_decision(rnd: int, d: Decision) -> None:
     """Log a re-plan with its reason: the nodes that drifted most, the gain, the
     migration."""
@@ -396,7 +401,8 @@ def log_decision(rnd: int, d: Decision) -> None:
         "(gain %.1f %%), migration %d bytes (%.3f s): %s -> %s",
         rnd,
         " (forced)" if r["forced"] else "",
-        r.get("drift") or "no drift measured",
+        "; ".join(x for x in (joined_text(r.get("joined")), r.get("drift")) if x)
+        or "no drift measured",
         r["measured_round_s"],
         r["expected_new_round_s"],
         100 * r["predicted_gain"],

@@ -6,7 +6,7 @@ module short. What it decides and why: :mod:`sky_flower.sky.replan`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.supercore import log
@@ -44,6 +44,7 @@ class RoundReplanning:
     _handler_rate: dict[str, float]
     on_event: Callable[[str, dict], None]
     runner: Callable[[], Any]
+    admit_joiners: Callable[[int], list[str]]  # sky_flower.sky.joins.NodeJoins
 
     def init_replan(self, replan: ReplanConfig | None, optimizer_state: str) -> None:
         """Set up re-planning (``replan``; None: off) and where optimizer state lives
@@ -103,8 +104,9 @@ class RoundReplanning:
         self.node_profiles = self.tracker.profiles(self.node_profiles)
         if rnd >= num_rounds:
             return
+        joined = self.admit_joiners(rnd + 1)  # profiled now, planned with below
         layers, nodes, sched = self.layer_profiles, self.node_profiles, self.schedule
-        candidate = self._candidate(rnd)
+        candidate = self._candidate(rnd, bool(joined))
         steps = {p["owner"]: p["measured_step_time_s"] for p in row["pipelines"]}
         measured = round_time(self.federated, lambda p: steps.get(p.owner) or 0.0)
         d = decide(
@@ -112,6 +114,16 @@ class RoundReplanning:
             num_rounds - rnd, self.optimizer_store is not None,
         )  # fmt: skip
         if not d.take or d.new is None:
+            if joined:
+                log(
+                    INFO,
+                    "Not re-planning after round %d for %s (joined): %s",
+                    rnd,
+                    ", ".join(joined),
+                    d.record.get("reason")
+                    or f"expected gain {100 * d.record['predicted_gain']:.1f} % <= threshold "
+                    f"{100 * cfg.threshold:.0f} %",
+                )
             return
         runs = planning.pipeline_runs(d.new, nodes, self._ids, self._handler_rate)
         try:
@@ -120,12 +132,13 @@ class RoundReplanning:
         except ValueError as err:
             log(WARNING, "Not re-planning after round %d: %s", rnd, err)
             return
-        d.record.update({"after_round": rnd, "drift": drift_text(drifted)})
+        d.record.update({"after_round": rnd, "drift": drift_text(drifted), "joined": joined})
+        why = f"{', '.join(joined)} joined" if joined else d.record["drift"] or "profiles updated"
         d.record["reason"] = (
-            "forced (replan.mode=force)"
+            f"forced (replan.mode=force){'; ' + why if joined else ''}"
             if cfg.mode == "force"
             else (
-                f"{d.record['drift'] or 'profiles updated'}: expected gain "
+                f"{why}: expected gain "
                 f"{100 * d.record['predicted_gain']:.1f} % > threshold {100 * cfg.threshold:.0f} %"
             )
         )
@@ -134,12 +147,13 @@ class RoundReplanning:
         self.replans.append(d.record)
         self.install_plan(d.new)
 
-    def _candidate(self, rnd: int) -> planning.FederatedPlanned | None:
-        """The plan to weigh: the allocation re-run on the updated profiles, or (force)
-        the current plan with its first cuts moved (alternating direction per round)."""
+    def _candidate(self, rnd: int, joined: bool = False) -> planning.FederatedPlanned | None:
+        """The plan to weigh: the allocation re-run on the updated profiles, or (force,
+        when no node ``joined``) the current plan with its first cuts moved (alternating
+        direction per round)."""
         layers, nodes, sched = self.layer_profiles, self.node_profiles, self.schedule
         assert self.federated is not None
-        if self.replan_cfg.mode == "force":
+        if self.replan_cfg.mode == "force" and not joined:
             return shifted_plan(self.federated, layers, nodes, sched, 1 if rnd % 2 else -1)
         try:
             return planning.make_federated_plan(
