@@ -230,6 +230,11 @@ def test_detag_phase_length_and_momentum():
     lam = 0.99
     assert alg.eta == pytest.approx((1 - math.sqrt(1 - lam**2)) / (1 + math.sqrt(1 - lam**2)))
     assert DeTAG(g, lr=0.1, phase_rounds=3, accumulate=False).batches_per_step == 1
+    assert (
+        DeTAG(g, lr=0.1, eta=0.2).eta == 0.2 and make_algorithm("detag", g, 0.1, eta=0.0).eta == 0
+    )
+    with pytest.raises(ValueError, match=r"eta must be in \[0, 1\)"):
+        DeTAG(g, lr=0.1, eta=1.0)
 
 
 def test_bad_algorithm_settings_refused():

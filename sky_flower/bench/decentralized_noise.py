@@ -127,7 +127,7 @@ def run_setting(  # noqa: PLR0913
     train, test = load_split("digits", 0.2, 0)
     splits = {s: node_splits(train, nodes, homogeneity, s) for s in args.seeds}
     detag = {"phase_rounds": args.phase_rounds, "variant": args.variant}
-    detag["phase_rule"] = args.phase_rule
+    detag["phase_rule"], detag["eta"] = args.phase_rule, args.eta
     cells: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     for name in args.algorithms:
@@ -287,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-rounds", type=int, default=0, help="DeTAG's R (0: --phase-rule)")
     p.add_argument("--phase-rule", default="sqrt", choices=list(PHASE_RULES))
     p.add_argument("--variant", default="paper", choices=list(DeTAG.VARIANTS))
+    p.add_argument("--eta", type=float, default=None, help="DeTAG's gossip momentum")
     p.add_argument("--hidden-width", type=int, default=32, help="MLP 64-w-10 (0: logistic)")
     p.add_argument("--checkpoints", type=int, nargs="*", default=[], help="print loss there")
     p.add_argument(
@@ -307,6 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hidden-width must be >= 0 and --checkpoints in [1, --rounds]")
     if not all(lr > 0 and math.isfinite(lr) for lr in args.lrs) or args.phase_rounds < 0:
         p.error("--lrs must be > 0 and --phase-rounds >= 0")
+    if args.eta is not None and not 0.0 <= args.eta < 1.0:
+        p.error("--eta must be in [0, 1)")
     if min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct and >= 0")
     if args.out is None:

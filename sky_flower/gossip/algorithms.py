@@ -238,8 +238,8 @@ class DeTAG(DecentralizedAlgorithm):
       the tracker's gossip and its update). Eq. (16), ``y += g^(k) - g^(k-1)``: read.
     - Lines 8-9, shift the buffers, copy ``x~ = x``: read.
     - The paper's experiments tune ``eta`` in {0, 0.1, 0.2, 0.4} and ``R`` in {1, 2, 3}
-      (Appendix A.1, read); here ``eta`` is Algorithm 3's formula and ``R`` by
-      ``phase_rule`` unless ``phase_rounds`` is set.
+      (Appendix A.1, read); here ``eta`` is Algorithm 3's formula unless ``eta`` is
+      given, and ``R`` by ``phase_rule`` unless ``phase_rounds`` is set.
 
     Parameters
     ----------
@@ -252,11 +252,15 @@ class DeTAG(DecentralizedAlgorithm):
         See above.
     phase_rule : {"sqrt", "log"} (default: "sqrt")
         Automatic ``R`` (``phase_rounds=0``): see :func:`default_phase_rounds`.
+    eta : float or None (default: None)
+        Accelerated gossip's momentum in [0, 1); None: Algorithm 3's formula. The paper
+        tunes it (Appendix A.1); 0 is plain gossip.
 
     Raises
     ------
     ValueError
-        ``phase_rounds < 0``, an unknown ``variant`` or ``phase_rule``.
+        ``phase_rounds < 0``, an unknown ``variant`` or ``phase_rule``, ``eta`` outside
+        [0, 1).
     """
 
     name = "detag"
@@ -270,8 +274,11 @@ class DeTAG(DecentralizedAlgorithm):
         accumulate: bool = True,
         variant: str = "paper",
         phase_rule: str = "sqrt",
+        eta: float | None = None,
     ) -> None:
         super().__init__(gossip, lr)
+        if eta is not None and not 0.0 <= eta < 1.0:
+            raise ValueError(f"DeTAG's eta must be in [0, 1) (None: automatic), got {eta}")
         if phase_rounds < 0:
             raise ValueError(f"phase_rounds must be >= 0 (0: automatic), got {phase_rounds}")
         if variant not in self.VARIANTS:
@@ -288,7 +295,7 @@ class DeTAG(DecentralizedAlgorithm):
             gossip.spectral_gap, gossip.n, phase_rule
         )
         self.batches_per_step = self.rounds_per_step if accumulate else 1
-        self.eta = acceleration_eta(gossip.mixing_rate)
+        self.eta = acceleration_eta(gossip.mixing_rate) if eta is None else float(eta)
 
     def reset(self, x0: np.ndarray) -> None:  # noqa: D102
         super().reset(x0)
@@ -362,9 +369,11 @@ def make_algorithm(  # noqa: PLR0913
     phase_rounds: int = 0,
     variant: str = "paper",
     phase_rule: str = "sqrt",
+    eta: float | None = None,
 ) -> DecentralizedAlgorithm:
     """Build algorithm ``name`` (``dpsgd``, ``d2``, ``dsgt``, ``detag``); ``phase_rounds``,
-    ``variant`` and ``phase_rule`` are DeTAG's (see :class:`DeTAG`), ignored otherwise.
+    ``variant``, ``phase_rule`` and ``eta`` are DeTAG's (see :class:`DeTAG`), ignored
+    otherwise.
 
     Raises
     ------
@@ -375,5 +384,7 @@ def make_algorithm(  # noqa: PLR0913
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
     if name == "detag":
-        return DeTAG(gossip, lr, phase_rounds=phase_rounds, variant=variant, phase_rule=phase_rule)
+        return DeTAG(
+            gossip, lr, phase_rounds=phase_rounds, variant=variant, phase_rule=phase_rule, eta=eta
+        )
     return ALGORITHMS[name](gossip, lr)
