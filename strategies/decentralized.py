@@ -70,7 +70,8 @@ class DecentralizedStrategy(Strategy):
         Called with ``("round", row)`` after each step.
     variant, phase_rule : str (default: "paper", "sqrt")
         DeTAG only: :class:`sky_flower.gossip.algorithms.DeTAG`'s update variant
-        (``paper`` or ``overlap``) and automatic phase rule (``sqrt`` or ``log``).
+        (``paper``, the paper's Algorithm 2, or ``atc``) and automatic phase rule
+        (``sqrt`` or ``log``).
 
     Raises
     ------

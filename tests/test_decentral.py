@@ -103,6 +103,6 @@ def test_detag_strategy_passes_its_variant_and_phase_rule_to_the_gossip_core():
     from sky_flower.gossip.matrices import gossip_matrix
 
     g = gossip_matrix("ring", 16)
-    s = DeTAGStrategy(gossip=g, lr=0.1, variant="overlap", phase_rule="log")
-    assert s.algorithm.variant == "overlap" and s.algorithm.rounds_per_step == 13
+    s = DeTAGStrategy(gossip=g, lr=0.1, variant="atc", phase_rule="log")
+    assert s.algorithm.variant == "atc" and s.algorithm.rounds_per_step == 7
     assert DeTAGStrategy(gossip=g, lr=0.1).algorithm.rounds_per_step == 4

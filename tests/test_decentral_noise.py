@@ -12,6 +12,7 @@ from sky_flower.bench.decentralized import simulate
 from sky_flower.bench.decentralized_noise import (
     at_budget,
     bytes_per_round,
+    markdown,
     parse_args,
     run_setting,
     seed_stats,
@@ -61,11 +62,22 @@ def test_fast_path_is_seeded_and_seeds_differ():
     assert not np.allclose([r["loss"] for r in a[1:]], [r["loss"] for r in c[1:]])
 
 
-def test_quick_grid_setting_refuses_d2_on_a_ring_and_aggregates_every_seed():
-    args = parse_args(["--quick", "--seeds", "3", "5", "--rounds", "4", "--out", "/tmp/x"])
-    row, raw = run_setting(4, "ring", 0.0, 1, args, FlatModel(4))
+def test_quick_grid_setting_runs_d2_lazy_on_a_ring_and_aggregates_every_seed():
+    argv = ["--quick", "--seeds", "3", "5", "--rounds", "4", "--out", "/tmp/x"]
+    refusing = parse_args([*argv, "--no-lazy-d2"])
+    row, raw = run_setting(4, "ring", 0.0, 1, refusing, FlatModel(4))
     assert row["cells"]["d2"]["refused"].startswith("D2 needs lambda_min(W) > -1/3")
     assert set(raw) == {"dpsgd", "dsgt", "detag"}
+    args = parse_args([*argv, "--checkpoints", "2", "4"])
+    row, raw = run_setting(4, "ring", 0.0, 1, args, FlatModel(4))
+    lazy = "d2 (lazy, gap 0.333)"  # 4-ring: lambda_2 1/3 -> lazy 2/3
+    assert set(raw) == {"dpsgd", lazy, "dsgt", "detag"} and "d2" not in row["cells"]
+    assert row["cells"][lazy]["checkpoints"]["4"]["mean"] == pytest.approx(
+        row["cells"][lazy]["loss"]["mean"]
+    )
+    assert "| 4 ring X0 b1 | d2 (lazy, gap 0.333) |" in markdown(
+        [{**row, "nodes": 4, "topology": "ring", "homogeneity": 0.0, "batch": 1}], args
+    )
     for name, r in raw.items():
         assert len(r["rows"]) == 2, name
         finals = [rows[-1]["loss"] for rows in r["rows"]]

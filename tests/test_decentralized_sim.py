@@ -26,30 +26,47 @@ SMALL = [
 
 
 @pytest.mark.simulation
-def test_detag_in_flower_equals_the_fast_path(tmp_path, no_leftover_processes):
-    """4 SuperNodes on a ring, fully sorted data, DeTAG with phases of 2 rounds: the rows
-    Flower produces (loss of the averaged model from the nodes' own data, consensus
+@pytest.mark.parametrize(
+    ("name", "extra", "fast"),
+    [
+        ("detag", [], {"phase_rounds": 2}),  # the paper's Algorithm 2
+        ("detag", ["strategy.detag_variant=atc"], {"phase_rounds": 2, "variant": "atc"}),
+        ("d2", ["strategy.lazy_mixing=true"], {"lazy": True}),
+    ],
+    ids=["detag-paper", "detag-atc", "d2-lazy"],
+)
+def test_flower_equals_the_fast_path(name, extra, fast, tmp_path, no_leftover_processes):
+    """4 SuperNodes on a ring, fully sorted data: DeTAG (phases of 2 rounds, both
+    variants) and D2 on the lazy ring ``(I + W) / 2`` (the plain 4-ring is refused): the
+    rows Flower produces (loss of the averaged model from the nodes' own data, consensus
     distance, test accuracy) are those of the benchmark's fast path."""
-    cfg = make_cfg(["strategy=detag", *SMALL, "strategy.phase_rounds=2", "strategy.rounds=8"])
+    fast = dict(fast)
+    lazy = fast.pop("lazy", False)
+    phases = ["strategy.phase_rounds=2"] if name == "detag" else []
+    cfg = make_cfg([f"strategy={name}", *SMALL, *phases, "strategy.rounds=8", *extra])
     results = run_job(cfg, tmp_path)
     assert results["error"] is None
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["strategy"] == "detag" and saved["network"]["nodes"] == 4
+    assert saved["strategy"] == name and saved["network"]["nodes"] == 4
+    assert saved["lazy_mixing"] is lazy
+    if lazy:  # (I + W) / 2 of the 4-ring (lambda_min -1/3): lambda_min 1/3
+        assert saved["network"]["lambda_min"] == pytest.approx(1 / 3)
     rows = saved["rounds"]
-    assert [r["round"] for r in rows] == [0, 2, 4, 6, 8]
+    step = 2 if name == "detag" else 1
+    assert [r["round"] for r in rows] == list(range(0, 9, step))
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
     assert rows[0]["consensus_distance"] == 0 and rows[-1]["consensus_distance"] > 0
 
     train, test = load_split("digits", 0.2, 0)
     expected = simulate(
-        "detag",
-        gossip_matrix("ring", 4),
+        name,
+        gossip_matrix("ring", 4, lazy=lazy),
         FlatModel(8),
         node_splits(train, 4, 0.0, 0),
         test,
         rounds=8,
         lr=0.2,
-        phase_rounds=2,
+        **fast,
     )
     for key in ("loss", "test_accuracy", "consensus_distance"):
         np.testing.assert_allclose(
@@ -63,7 +80,9 @@ def test_detag_in_flower_equals_the_fast_path(tmp_path, no_leftover_processes):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["strategy=d2"], r"D2 needs lambda_min\(W\) > -1/3.*ring.*-0\.3333"),
+        (["strategy=d2"], r"D2 needs lambda_min\(W\) > -1/3.*ring.*-0\.3333.*lazy_mixing=true"),
+        (["strategy=d2", "strategy.lazy_mixing=yes"], "lazy_mixing must be true or false"),
+        (["strategy=detag", "strategy.detag_variant=overlap"], "'overlap' is now 'paper'"),
         (["strategy=dpsgd", "strategy.topology=mesh"], "unknown topology 'mesh'"),
         (["strategy=dsgt", "strategy.spectral_gap=0"], r"spectral_gap must be in \(0, 1\]"),
         (["strategy=dsgt", "strategy.num_nodes=1"], "at least 2 nodes"),

@@ -138,12 +138,43 @@ def test_torus_shape_is_most_square():
     assert torus_shape(16) == (4, 4) and torus_shape(8) == (2, 4) and torus_shape(12) == (3, 4)
 
 
-def test_d2_refuses_lambda_min_at_or_below_minus_a_third():
+def test_d2_refuses_lambda_min_at_or_below_minus_a_third_naming_lazy_mixing():
     ring = gossip_matrix("ring", 8)  # Metropolis-Hastings ring of even n: lambda_min = -1/3
     assert ring.lambda_min == pytest.approx(-1 / 3)
-    with pytest.raises(ValueError, match=r"D2 needs lambda_min\(W\) > -1/3.*-0\.3333"):
+    with pytest.raises(
+        ValueError,
+        match=r"D2 needs lambda_min\(W\) > -1/3.*-0\.3333: set strategy\.lazy_mixing=true "
+        r"\(lazy gossip W' = \(I \+ W\) / 2, lambda_min 0\.3333\)",
+    ):
         D2(ring, lr=0.1)
     D2(gossip_matrix("ring", 9), lr=0.1)  # odd ring: lambda_min = -0.29, accepted
+
+
+@pytest.mark.parametrize(("topology", "n"), [("ring", 8), ("ring", 16), ("torus", 16), ("star", 5)])
+def test_lazy_gossip_matrix_has_eigenvalues_one_plus_lambda_over_two(topology, n):
+    g = gossip_matrix(topology, n)
+    lazy = gossip_matrix(topology, n, lazy=True)
+    np.testing.assert_array_equal(lazy.W, 0.5 * (np.eye(n) + g.W))
+    np.testing.assert_allclose(lazy.eigenvalues, (1.0 + g.eigenvalues) / 2.0, atol=1e-13)
+    assert lazy.lambda_min >= 0.0 and lazy.topology == f"{topology}+lazy"
+    assert np.array_equal(lazy.W != 0, (g.W != 0) | np.eye(n, dtype=bool))  # same graph
+    if topology == "torus":  # 4x4 torus: lambda_min -0.6 -> 0.2; lambda_2 0.6 -> 0.8
+        assert g.lambda_min == pytest.approx(-0.6) and lazy.spectral_gap == pytest.approx(0.2)
+
+
+def test_lazy_mixing_then_an_exact_gap():
+    lazy = gossip_matrix("ring", 8, spectral_gap=0.05, lazy=True)
+    assert lazy.spectral_gap == pytest.approx(0.05) and lazy.topology == "ring+lazy+gap"
+    with pytest.raises(ValueError, match="out of reach"):  # lazy 8-ring: gap 0.146 at most
+        gossip_matrix("ring", 8, spectral_gap=0.2, lazy=True)
+
+
+def test_d2_on_the_lazy_even_ring_is_accepted_and_converges_exactly():
+    lazy = gossip_matrix("ring", N, lazy=True)
+    assert D2(lazy, lr=0.05).gossip is lazy
+    err, alg = _run("d2", lazy, lr=0.05, rounds=6000)
+    assert err < 1e-8
+    assert alg.consensus_distance() < 1e-16
 
 
 # --- convergence on a quadratic with heterogeneous local optima ------------------------
@@ -199,6 +230,11 @@ def test_detag_phase_length_and_momentum():
     lam = 0.99
     assert alg.eta == pytest.approx((1 - math.sqrt(1 - lam**2)) / (1 + math.sqrt(1 - lam**2)))
     assert DeTAG(g, lr=0.1, phase_rounds=3, accumulate=False).batches_per_step == 1
+    assert (
+        DeTAG(g, lr=0.1, eta=0.2).eta == 0.2 and make_algorithm("detag", g, 0.1, eta=0.0).eta == 0
+    )
+    with pytest.raises(ValueError, match=r"eta must be in \[0, 1\)"):
+        DeTAG(g, lr=0.1, eta=1.0)
 
 
 def test_bad_algorithm_settings_refused():
@@ -230,16 +266,17 @@ def test_a_hand_built_disconnected_matrix_is_refused_naming_its_components():
 def test_detag_variants_on_a_hand_computed_two_node_example():
     """W = 11^T / 2 (gap 1, eta 0, R 1), x0 = (1, 3), lr 0.1, G0 = (2, 4), G1 = (1, 1).
 
-    paper:   y_half = (2, 4); x1 = W (0.8, 2.6) = (1.7, 1.7); y1 = (3, 3);
-             y_half = (3, 3) + (1, 1) - (2, 4) = (2, 0); x2 = W (1.5, 1.7) = (1.6, 1.6).
-    overlap: x1 = W x0 - 0.1 W 0 = (2, 2); y1 = 0 + G0 = (2, 4);
-             x2 = W (2, 2) - 0.1 W (2, 4) = (1.7, 1.7); y2 = (3, 3) + G1 - G0 = (2, 0).
+    paper (Algorithm 2): x1 = W x0 - 0.1 W 0 = (2, 2); y1 = W 0 + G0 - 0 = (2, 4);
+                         x2 = W (2, 2) - 0.1 W (2, 4) = (1.7, 1.7); y2 = (3, 3) + G1 - G0
+                         = (2, 0).
+    atc:   y_half = (2, 4); x1 = W (0.8, 2.6) = (1.7, 1.7); y1 = (3, 3);
+           y_half = (3, 3) + (1, 1) - (2, 4) = (2, 0); x2 = W (1.5, 1.7) = (1.6, 1.6).
     """
     g = GossipMatrix(np.full((2, 2), 0.5), "hand-built")
     G0, G1 = np.array([[2.0], [4.0]]), np.array([[1.0], [1.0]])
     expected = {
-        "paper": ([1.7, 1.7], [3.0, 3.0], [1.6, 1.6], [1.0, 1.0]),
-        "overlap": ([2.0, 2.0], [2.0, 4.0], [1.7, 1.7], [2.0, 0.0]),
+        "paper": ([2.0, 2.0], [2.0, 4.0], [1.7, 1.7], [2.0, 0.0]),
+        "atc": ([1.7, 1.7], [3.0, 3.0], [1.6, 1.6], [1.0, 1.0]),
     }
     for variant, (x1, y1, x2, y2) in expected.items():
         alg = DeTAG(g, lr=0.1, variant=variant)
@@ -251,11 +288,28 @@ def test_detag_variants_on_a_hand_computed_two_node_example():
         alg.step(G1)
         np.testing.assert_allclose(alg.x[:, 0], x2, err_msg=variant)
         np.testing.assert_allclose(alg.y[:, 0], y2, err_msg=variant)
+    assert DeTAG(g, lr=0.1).variant == "paper"
 
 
-def test_detag_overlap_variant_converges_exactly_on_a_ring():
+def test_detag_atc_at_one_round_without_momentum_is_dsgt():
+    """``atc`` with R = 1 on the complete graph (mixing rate 0, so eta = 0) gives DSGT's
+    iterates step for step (the paper, Sec. 6.1, calls DSGT DeTAG's R = 1, eta = 0 case;
+    exactly, with our DSGT, that holds for ``atc``)."""
+    g = gossip_matrix("complete", N)
+    grad, _ = _quadratic()
+    a, b = DeTAG(g, lr=0.05, phase_rounds=1, variant="atc"), make_algorithm("dsgt", g, 0.05)
+    assert a.eta == 0.0
+    for alg in (a, b):
+        alg.reset(np.zeros(D))
+    for _ in range(20):
+        a.step(grad(a.x))
+        b.step(grad(b.x))
+        np.testing.assert_allclose(a.x, b.x, rtol=1e-12, atol=1e-12)
+
+
+def test_detag_atc_variant_converges_exactly_on_a_ring():
     grad, x_star = _quadratic()
-    alg = DeTAG(gossip_matrix("ring", N), lr=0.03, variant="overlap")
+    alg = DeTAG(gossip_matrix("ring", N), lr=0.03, variant="atc")
     alg.reset(np.zeros(D))
     for _ in range(4000 // alg.rounds_per_step):
         alg.step(grad(alg.x))
@@ -263,16 +317,19 @@ def test_detag_overlap_variant_converges_exactly_on_a_ring():
 
 
 def test_detag_phase_rule_with_the_log_factor():
-    # ring of 16: gap 0.0507 -> 1/sqrt(gap) = 4.44 -> sqrt rule 4, log rule ceil(2.77 * 4.44) = 13
+    # ring of 16: gap 0.0507 -> 1/sqrt(gap) = 4.44 -> sqrt rule 4;
+    # log rule (Corollary 6's first term) ceil(ln(16) / 2 * 4.44) = ceil(6.16) = 7
     g = gossip_matrix("ring", 16)
     root = 1 / math.sqrt(g.spectral_gap)
     assert default_phase_rounds(g.spectral_gap, 16, "sqrt") == round(root)
-    assert default_phase_rounds(g.spectral_gap, 16, "log") == math.ceil(math.log(16) * root)
+    assert default_phase_rounds(g.spectral_gap, 16, "log") == math.ceil(math.log(16) / 2 * root)
     alg = make_algorithm("detag", g, 0.1, phase_rule="log")
-    assert alg.rounds_per_step == alg.batches_per_step == math.ceil(math.log(16) * root) == 13
+    assert alg.rounds_per_step == alg.batches_per_step == 7
     assert make_algorithm("detag", g, 0.1, phase_rounds=4, phase_rule="log").rounds_per_step == 4
     assert default_phase_rounds(1.0, 2, "log") == 1
     with pytest.raises(ValueError, match="unknown phase rule 'cube'"):
         default_phase_rounds(0.5, 4, "cube")
     with pytest.raises(ValueError, match="unknown DeTAG variant 'late'"):
         make_algorithm("detag", g, 0.1, variant="late")
+    with pytest.raises(ValueError, match="'overlap' is now 'paper'"):
+        make_algorithm("detag", g, 0.1, variant="overlap")

@@ -29,13 +29,14 @@ def simulate(  # noqa: PLR0913
     phase_rounds: int = 0,
     variant: str = "paper",
     phase_rule: str = "sqrt",
+    eta: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``algorithm`` for ``rounds`` gossip rounds; return the rows the Flower strategy
     would record
     (:meth:`sky_flower.strategies.decentralized.DecentralizedStrategy.start`): ``round``,
     ``loss`` (training loss of the averaged model over all nodes' data), ``node_loss``,
     ``test_accuracy``, ``test_loss``, ``consensus_distance``. Stops early (last row
-    ``loss`` = inf) if the loss diverges. ``phase_rounds``, ``variant``, ``phase_rule``:
+    ``loss`` = inf) if the loss diverges. ``phase_rounds``, ``variant``, ``phase_rule``, ``eta``:
     DeTAG's (:class:`sky_flower.gossip.algorithms.DeTAG`).
 
     Raises
@@ -45,7 +46,7 @@ def simulate(  # noqa: PLR0913
     """
     if len(splits) != gossip.n:
         raise ValueError(f"{len(splits)} data splits for {gossip.n} nodes")
-    alg = make_algorithm(algorithm, gossip, lr, phase_rounds, variant, phase_rule)
+    alg = make_algorithm(algorithm, gossip, lr, phase_rounds, variant, phase_rule, eta)
     alg.reset(model.initial(seed))
     all_train = Split(np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits]))
     rows: list[dict[str, Any]] = []

@@ -6,13 +6,17 @@
 Grid: ``--nodes`` (16, 32) x ``--topologies`` (ring, torus; each its own Metropolis-Hastings
 gap) x ``--homogeneity`` (0, 25 %: label-sorted data) x ``--batch-sizes`` (1, 4 per node)
 x ``--algorithms`` (D-PSGD, D2, DSGT, DeTAG), each run for every ``--seeds`` seed (the seed
-draws the data split, the initial model and the mini-batches). D2 is *refused* (and the
-table says so) where ``lambda_min(W) <= -1/3``. The step size is the best of ``--lrs`` on the
-first seed (lowest final training loss), then run on every seed. Training loss (of the
-averaged model, over all nodes' data) and test accuracy are recorded against gossip rounds
-and against bytes sent (:func:`bytes_per_round`); the table gives mean, 95 % confidence
-interval (Student t over seeds) and min-max at the last round and at equal bytes; one PNG per
-setting (mean line, min-max band). Uses the fast path of :mod:`sky_flower.bench.decentralized`.
+draws the data split, the initial model and the mini-batches). Where D2 refuses ``W``
+(``lambda_min(W) <= -1/3``: even rings, these tori) it runs on the lazy matrix
+``(I + W) / 2`` instead, labelled ``d2 (lazy, gap ...)`` with that matrix's gap
+(``--no-lazy-d2``: the table says "refused"). ``--hidden-width`` sets the MLP's width,
+``--checkpoints`` adds a table of the loss at those gossip rounds. The step size is the
+best of ``--lrs`` on the first seed (lowest final training loss), then run on every seed.
+Training loss (of the averaged model, over all nodes' data) and test accuracy are recorded
+against gossip rounds and against bytes sent (:func:`bytes_per_round`); the table gives
+mean, 95 % confidence interval (Student t over seeds) and min-max at the last round and at
+equal bytes; one PNG per setting (mean line, min-max band). Uses the fast path of
+:mod:`sky_flower.bench.decentralized`.
 """
 
 from __future__ import annotations
@@ -93,6 +97,18 @@ def at_budget(rows: list[dict[str, Any]], per_round: int, budget: float, key: st
     return float(ok[-1][key]) if ok else math.nan
 
 
+def at_round(rows: list[dict[str, Any]], rnd: int, key: str) -> float:
+    """``key`` of the last row at or before gossip round ``rnd`` (inf if the run diverged
+    before it; NaN if no row is that early)."""
+    ok = [r for r in rows if r["round"] <= rnd]
+    if not ok:
+        return math.nan
+    if rows[-1]["round"] < rnd and not math.isfinite(rows[-1][key] or math.inf):
+        return math.inf
+    value = ok[-1][key]
+    return math.inf if value is None or not math.isfinite(value) else float(value)
+
+
 def _final(rows: list[dict[str, Any]], key: str) -> float:
     value = rows[-1][key]
     return math.inf if value is None or not math.isfinite(value) else float(value)
@@ -111,30 +127,41 @@ def run_setting(  # noqa: PLR0913
     train, test = load_split("digits", 0.2, 0)
     splits = {s: node_splits(train, nodes, homogeneity, s) for s in args.seeds}
     detag = {"phase_rounds": args.phase_rounds, "variant": args.variant}
-    detag["phase_rule"] = args.phase_rule
+    detag["phase_rule"], detag["eta"] = args.phase_rule, args.eta
     cells: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     for name in args.algorithms:
+        label, net = name, gossip
         try:
             alg = make_algorithm(name, gossip, args.lrs[0], **detag)
         except ValueError as err:
-            cells[name] = {"refused": str(err).split(":")[0]}
-            continue
+            if name != "d2" or not args.lazy_d2:
+                cells[name] = {"refused": str(err).split(":")[0]}
+                continue
+            # D2 refused (lambda_min <= -1/3): run it on the lazy matrix (I + W) / 2
+            net = gossip.lazy()
+            label = f"d2 (lazy, gap {net.spectral_gap:.3f})"
+            alg = make_algorithm(name, net, args.lrs[0], **detag)
 
-        def run(lr: float, seed: int, name: str = name) -> list[dict[str, Any]]:
+        def run(lr: float, seed: int, name: str = name, net: GossipMatrix = net) -> list[dict]:
             return simulate(
-                name, gossip, model, splits[seed], test, args.rounds, lr, batch, seed, **detag
+                name, net, model, splits[seed], test, args.rounds, lr, batch, seed, **detag
             )
 
         first = {lr: run(lr, args.seeds[0]) for lr in args.lrs}
         lr = min(first, key=lambda v: _final(first[v], "loss"))
         runs = [first[lr]] + [run(lr, s) for s in args.seeds[1:]]
-        raw[name] = {"lr": lr, "rows": runs, "per_round": bytes_per_round(name, gossip, model.dim)}
-        cells[name] = {
+        per_round = bytes_per_round(name, net, model.dim)
+        raw[label] = {"lr": lr, "rows": runs, "per_round": per_round}
+        cells[label] = {
             "lr": lr,
             "R": alg.rounds_per_step if isinstance(alg, DeTAG) else 1,
             "loss": seed_stats([_final(r, "loss") for r in runs]),
             "acc": seed_stats([_final(r, "test_accuracy") for r in runs]),
+            "tuning": {f"{v:g}": _final(first[v], "loss") for v in args.lrs},
+            "checkpoints": {
+                str(c): seed_stats([at_round(r, c, "loss") for r in runs]) for c in args.checkpoints
+            },
         }
     # equal bytes: the budget D-PSGD (1 vector a round) spends in all its rounds
     budget = args.rounds * bytes_per_round("dpsgd", gossip, model.dim)
@@ -213,6 +240,31 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 head + f"| {name} | {c['lr']:g} | {c['R']} | {_ci(c['loss'])} | "
                 f"{_ci(c['acc'])} | {_ci(c['acc_at_bytes'])} |"
             )
+    if args.checkpoints:
+        lines += ["", checkpoint_markdown(table, args.checkpoints)]
+    return "\n".join(lines)
+
+
+def checkpoint_markdown(table: list[dict[str, Any]], checkpoints: list[int]) -> str:
+    """Training loss (averaged model) at each of ``checkpoints`` gossip rounds, one line
+    per setting and algorithm, ``mean ± 95 % CI half-width`` over seeds; then the
+    first-seed loss of every step size tried (the tuning)."""
+    head = "| setting | algorithm | lr | " + " | ".join(f"loss @ {c}" for c in checkpoints)
+    lines = [head + " | tuning (seed 0 final loss by lr) |"]
+    lines.append("|---|---|---|" + "---|" * len(checkpoints) + "---|")
+    for t in table:
+        setting = f"{t['nodes']} {t['topology']} X{t['homogeneity']:g} b{t['batch']}"
+        for name, c in t["cells"].items():
+            if "refused" in c:
+                continue
+            cps = []
+            for cp in checkpoints:
+                st = c["checkpoints"][str(cp)]
+                half = (st["ci_hi"] - st["ci_lo"]) / 2.0
+                cps.append(f"{st['mean']:.3f} ± {half:.3f}" if math.isfinite(st["mean"]) else "-")
+            tune = ", ".join(f"{k}: {v:.3f}" for k, v in c["tuning"].items())
+            row = f"| {setting} | {name} | {c['lr']:g} | " + " | ".join(cps)
+            lines.append(row + f" | {tune} |")
     return "\n".join(lines)
 
 
@@ -235,6 +287,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-rounds", type=int, default=0, help="DeTAG's R (0: --phase-rule)")
     p.add_argument("--phase-rule", default="sqrt", choices=list(PHASE_RULES))
     p.add_argument("--variant", default="paper", choices=list(DeTAG.VARIANTS))
+    p.add_argument("--eta", type=float, default=None, help="DeTAG's gossip momentum")
+    p.add_argument("--hidden-width", type=int, default=32, help="MLP 64-w-10 (0: logistic)")
+    p.add_argument("--checkpoints", type=int, nargs="*", default=[], help="print loss there")
+    p.add_argument(
+        "--no-lazy-d2",
+        dest="lazy_d2",
+        action="store_false",
+        help="refuse D2 where lambda_min(W) <= -1/3 instead of running it on (I + W) / 2",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="16 nodes, batch 2, 60 rounds")
     args = p.parse_args(argv)
@@ -243,8 +304,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.rounds < 1 or min(args.batch_sizes) < 1 or min(args.nodes) < 2:
         p.error("--rounds and --batch-sizes must be >= 1, --nodes >= 2")
+    if args.hidden_width < 0 or any(not 1 <= c <= args.rounds for c in args.checkpoints):
+        p.error("--hidden-width must be >= 0 and --checkpoints in [1, --rounds]")
     if not all(lr > 0 and math.isfinite(lr) for lr in args.lrs) or args.phase_rounds < 0:
         p.error("--lrs must be > 0 and --phase-rounds >= 0")
+    if args.eta is not None and not 0.0 <= args.eta < 1.0:
+        p.error("--eta must be in [0, 1)")
     if min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct and >= 0")
     if args.out is None:
@@ -258,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    model, t0 = FlatModel(32), time.time()
+    model, t0 = FlatModel(args.hidden_width), time.time()
     table, everything = [], []
     grid = itertools.product(args.nodes, args.topologies, args.homogeneity, args.batch_sizes)
     for nodes, topology, x, batch in grid:

@@ -10,10 +10,10 @@ d2      D2 (Tang et al., ICML 2018, Algorithm 1): ``X_{t+1} = W (2 X_t - X_{t-1}
         alpha (G_t - G_{t-1}))``; needs ``lambda_min(W) > -1/3``
 dsgt    DSGT, gradient tracking (Pu and Nedic, Math. Prog. 2021):
         ``Y_t = W Y_{t-1} + G_t - G_{t-1}``, ``X_{t+1} = W (X_t - alpha Y_t)``
-detag   DeTAG (Lu and De Sa 2021, Algorithm 2 with accelerated gossip, Algorithm 3):
-        ``Y_t = AG_R(Y_{t-1} + G_t - G_{t-1})``, ``X_{t+1} = AG_R(X_t - alpha (Y_{t-1} +
-        G_t - G_{t-1}))``, ``G_t`` accumulated over the ``R`` mini-batches of the phase
-        (``variant="overlap"``: the authors' code, one phase staler tracker)
+detag   DeTAG (Lu and De Sa 2021/2023, Algorithm 2 with accelerated gossip, Algorithm 3):
+        ``X_{k+1} = AG_R(X_k) - alpha AG_R(Y_k)``, ``Y_{k+1} = AG_R(Y_k) + G_k - G_{k-1}``,
+        ``G_k`` accumulated over the ``R`` mini-batches of phase ``k``
+        (``variant="atc"``: tracker updated before gossip, not in the paper)
 ======  ==============================================================================
 """
 
@@ -121,7 +121,11 @@ class D2(DecentralizedAlgorithm):
     ``X_{t+1} = W (2 X_t - X_{t-1} - alpha G_t + alpha G_{t-1})``.
 
     Removes the data-heterogeneity bias of D-PSGD; converges only if
-    ``lambda_min(W) > -1/3``.
+    ``lambda_min(W) > -1/3`` (Tang et al.'s assumption on ``W``, as also quoted by Lu and
+    De Sa, JMLR 2023, footnote 9, read). Metropolis-Hastings weights on an even ring give
+    exactly -1/3 and on the 4x4 / 4x8 tori -0.6; lazy gossip ``(I + W) / 2``
+    (:meth:`sky_flower.gossip.matrices.GossipMatrix.lazy`, ``strategy.lazy_mixing``)
+    lifts every eigenvalue to ``(1 + lambda) / 2 >= 0`` at the cost of about half the gap.
 
     Raises
     ------
@@ -133,10 +137,12 @@ class D2(DecentralizedAlgorithm):
 
     def __init__(self, gossip: GossipMatrix, lr: float) -> None:
         if gossip.lambda_min <= -1.0 / 3.0 + 1e-9:
+            lazy_min = (1.0 + gossip.lambda_min) / 2.0
             raise ValueError(
                 f"D2 needs lambda_min(W) > -1/3 (Tang et al. 2018), but the {gossip.topology} "
                 f"gossip matrix on {gossip.n} nodes has lambda_min = {gossip.lambda_min:.4f}: "
-                "choose another topology (complete, exponential, star) or set spectral_gap"
+                f"set strategy.lazy_mixing=true (lazy gossip W' = (I + W) / 2, lambda_min "
+                f"{lazy_min:.4f}), or choose another topology (complete, exponential, star)"
             )
         super().__init__(gossip, lr)
 
@@ -184,39 +190,56 @@ class DSGT(DecentralizedAlgorithm):
 
 class DeTAG(DecentralizedAlgorithm):
     """DeTAG (Lu and De Sa, "Optimal Complexity in Decentralized Training", ICML 2021,
-    arXiv 2006.08085, Algorithm 2 with the accelerated gossip of Algorithm 3): gradient
-    tracking with accelerated gossip by phase and mini-batch accumulation. One step is a
-    *phase* of ``R`` gossip rounds; in it each node accumulates (averages) its gradient
-    over ``R`` mini-batches (``batches_per_step``) at fixed ``x_t``, giving ``g_t``.
+    arXiv 2006.08085; extended as "Decentralized Learning: Theoretical Optimality and
+    Practical Improvements", JMLR 24(93), 2023): gradient tracking with accelerated
+    gossip by phase and mini-batch accumulation. One step is a *phase* ``k`` of ``R``
+    gossip rounds; in it each node accumulates (averages) its gradient over ``R``
+    mini-batches (``batches_per_step``) at the fixed point ``x_k``, giving ``g_k``.
 
-    ``variant="paper"`` (default), the paper's Algorithm 2::
+    ``variant="paper"`` (default), Algorithm 2 of the JMLR version, per node ``i``::
 
-        y_{t+1/2} = y_t + g_t - g_{t-1}              (y_0 = g_{-1} = 0)
-        x_{t+1}   = AG_R(x_t - alpha y_{t+1/2})
-        y_{t+1}   = AG_R(y_{t+1/2})
+        x_{k+1} = AG_R(x_k) - alpha AG_R(y_k)        (y_0 = 0, g_{-1} = 0)
+        y_{k+1} = AG_R(y_k) + g_k - g_{k-1}
 
-    ``variant="overlap"``, the authors' released optimizer (a ``pcode`` ``DeTAG``
-    class): the phase's gossip runs *while* the phase's gradients are computed, so the
-    update uses the tracker of the previous phase::
+    ``variant="atc"`` (not in the paper; kept because the README's earlier tables used
+    it): the tracker takes the phase's gradient *before* gossip::
 
-        x_{t+1} = AG_R(x_t) - alpha AG_R(y_t)         (y_0 = 0: phase 0 only gossips)
-        y_{t+1} = AG_R(y_t) + g_t - g_{t-1}
+        y_{k+1/2} = y_k + g_k - g_{k-1}
+        x_{k+1}   = AG_R(x_k - alpha y_{k+1/2})
+        y_{k+1}   = AG_R(y_{k+1/2})
 
-    Since ``AG_R`` is linear, ``paper`` is ``x_{t+1} = AG_R(x_t) - alpha y_{t+1}``: the two
-    differ only in that ``overlap`` steps along a tracker one phase staler (the gradient
-    taken at ``x_t`` first moves ``x_{t+2}``), which halves the wall-clock of a phase
-    when computing and gossiping take equally long but acts as a delayed gradient.
+    Since ``AG_R`` is linear, ``atc`` is ``x_{k+1} = AG_R(x_k) - alpha y_{k+1}``: it steps
+    along the tracker of this phase, ``paper`` along the previous phase's (the gradient
+    taken at ``x_k`` first moves ``x_{k+2}``), which lets the phase's gossip run while its
+    gradients are computed. At ``R = 1``, ``eta = 0``, ``atc`` is exactly :class:`DSGT`.
 
-    Provenance. Read from the authors' code (the ``pcode`` optimizer, read through the
-    search tool): accumulation of ``R`` mini-batches at fixed parameters, both the
-    parameters and the tracker gossiped with ``(1 + eta) W z_k - eta z_{k-1}`` from
-    ``z_{-1} = z_0``, the phase-end update of ``variant="overlap"``. Its tracker starts
-    at the first mini-batch gradient; ours at 0, because a step sees the phase's gradient
-    only at the phase's end (inferred equivalent up to that one mini-batch). The paper's
-    Algorithm 2 (``variant="paper"``), ``eta`` and ``R ~ log(.) / sqrt(gap)`` are the
-    paper as recalled: the search tool reached the paper's abstract ("achieves the lower
-    bound with only a logarithm gap") but not its pseudocode, so the line order and the
-    argument of the log are *inferred*, not re-read (see :func:`default_phase_rounds`).
+    Provenance, line by line against the JMLR paper's Algorithm 2 (its PDF read through
+    the search tool's ``JmlrOrg/v24`` snapshot, 22-0044; the ICML version is *assumed*
+    to print the same algorithm, the JMLR one says it extends it):
+
+    - Input ``x~_0 = x_0``, tracker ``y_0``, buffers ``g^(0) = g^(-1) = 0``, steps
+      ``alpha_k``: read. ``y_0`` is an input there; ``y_0 = 0`` here is *inferred*
+      (the authors' ``pcode`` ``DeTAG`` optimizer sets it to the first mini-batch
+      gradient). A constant ``alpha`` (Theorem 5's plain version): read.
+    - Lines 2-3, ``k = floor(t / R)``, ``r = t mod R``: read; one :meth:`step` here is
+      the ``R`` iterations of phase ``k`` at once.
+    - Line 4, eqs. (13)-(14), one accelerated-gossip step per iteration on the replica
+      ``x~`` and on ``y``, i.e. ``AG_R`` over the phase: read; ``AG`` is Algorithm 3,
+      :func:`~sky_flower.gossip.matrices.accelerated_gossip` (``z_{-1} = z_0``,
+      ``z_{r+1} = (1 + eta) W z_r - eta z_{r-1}``,
+      ``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``, ``l = max(|lambda_2|,
+      |lambda_n|)``): read. Restarting ``AG`` each phase (``z_{-1} = z_0`` at the
+      phase start): read from Algorithm 3 being called per phase and from ``pcode``.
+    - Line 5, ``g^(k) += g~ / R`` at ``x_{k,i}`` with ``B`` samples per query: read
+      (``accumulate=True``; ``B`` is the mini-batch size of the caller).
+    - Line 7, eq. (15), ``x_{t+1} = x~_{t+1} - alpha_k y_i``: read; that ``y_i`` is the
+      tracker *after* the phase's gossip and *before* eq. (16) is *inferred* from the
+      line order and matches ``pcode`` (``apply_gradient_from_gradient_tracker`` between
+      the tracker's gossip and its update). Eq. (16), ``y += g^(k) - g^(k-1)``: read.
+    - Lines 8-9, shift the buffers, copy ``x~ = x``: read.
+    - The paper's experiments tune ``eta`` in {0, 0.1, 0.2, 0.4} and ``R`` in {1, 2, 3}
+      (Appendix A.1, read); here ``eta`` is Algorithm 3's formula unless ``eta`` is
+      given, and ``R`` by ``phase_rule`` unless ``phase_rounds`` is set.
 
     Parameters
     ----------
@@ -225,19 +248,23 @@ class DeTAG(DecentralizedAlgorithm):
         ``phase_rule``.
     accumulate : bool (default: True)
         Average the gradient over ``R`` mini-batches per phase (False: one mini-batch).
-    variant : {"paper", "overlap"} (default: "paper")
+    variant : {"paper", "atc"} (default: "paper")
         See above.
     phase_rule : {"sqrt", "log"} (default: "sqrt")
         Automatic ``R`` (``phase_rounds=0``): see :func:`default_phase_rounds`.
+    eta : float or None (default: None)
+        Accelerated gossip's momentum in [0, 1); None: Algorithm 3's formula. The paper
+        tunes it (Appendix A.1); 0 is plain gossip.
 
     Raises
     ------
     ValueError
-        ``phase_rounds < 0``, an unknown ``variant`` or ``phase_rule``.
+        ``phase_rounds < 0``, an unknown ``variant`` or ``phase_rule``, ``eta`` outside
+        [0, 1).
     """
 
     name = "detag"
-    VARIANTS: ClassVar[tuple[str, ...]] = ("paper", "overlap")
+    VARIANTS: ClassVar[tuple[str, ...]] = ("paper", "atc")
 
     def __init__(  # noqa: PLR0913
         self,
@@ -247,18 +274,28 @@ class DeTAG(DecentralizedAlgorithm):
         accumulate: bool = True,
         variant: str = "paper",
         phase_rule: str = "sqrt",
+        eta: float | None = None,
     ) -> None:
         super().__init__(gossip, lr)
+        if eta is not None and not 0.0 <= eta < 1.0:
+            raise ValueError(f"DeTAG's eta must be in [0, 1) (None: automatic), got {eta}")
         if phase_rounds < 0:
             raise ValueError(f"phase_rounds must be >= 0 (0: automatic), got {phase_rounds}")
         if variant not in self.VARIANTS:
-            raise ValueError(f"unknown DeTAG variant {variant!r}: choose one of {self.VARIANTS}")
+            hint = (
+                " ('overlap' is now 'paper': the paper's Algorithm 2 is that update)"
+                if variant == "overlap"
+                else ""
+            )
+            raise ValueError(
+                f"unknown DeTAG variant {variant!r}: choose one of {self.VARIANTS}{hint}"
+            )
         self.variant = variant
         self.rounds_per_step = int(phase_rounds) or default_phase_rounds(
             gossip.spectral_gap, gossip.n, phase_rule
         )
         self.batches_per_step = self.rounds_per_step if accumulate else 1
-        self.eta = acceleration_eta(gossip.mixing_rate)
+        self.eta = acceleration_eta(gossip.mixing_rate) if eta is None else float(eta)
 
     def reset(self, x0: np.ndarray) -> None:  # noqa: D102
         super().reset(x0)
@@ -269,11 +306,11 @@ class DeTAG(DecentralizedAlgorithm):
         return accelerated_gossip(z, self.W, self.rounds_per_step, self.eta)
 
     def _update(self, grads: np.ndarray) -> np.ndarray:
-        if self.variant == "overlap":
+        if self.variant == "paper":  # Algorithm 2, eqs. (13)-(16)
             mixed_y = self._gossip(self.y)
             new_x = self._gossip(self.x) - self.lr * mixed_y
             self.y = mixed_y + grads - self._prev_g
-        else:
+        else:  # atc
             half_y = self.y + grads - self._prev_g
             new_x = self._gossip(self.x - self.lr * half_y)
             self.y = self._gossip(half_y)
@@ -287,13 +324,14 @@ PHASE_RULES = ("sqrt", "log")
 def default_phase_rounds(spectral_gap: float, nodes: int = 2, rule: str = "sqrt") -> int:
     """DeTAG's automatic phase length ``R`` in gossip rounds.
 
-    ``rule="sqrt"``: ``max(1, round(1 / sqrt(gap)))``, the paper's order ``1/sqrt(1-lambda)``
-    without its log factor. ``rule="log"``: ``max(1, ceil(ln(n) / sqrt(gap)))``. The paper
-    (Lu and De Sa 2021, DeTAG's convergence theorem) sets ``R`` to a log of problem
-    constants over ``sqrt(1 - lambda)``; those constants (smoothness, noise, the initial
-    gap, the target) are unknown in practice, so the log's argument is *inferred* here as
-    the node count ``n``: accelerated gossip then shrinks the disagreement by about
-    ``exp(-R sqrt(gap)) <= 1/n`` per phase.
+    ``rule="sqrt"``: ``max(1, round(1 / sqrt(gap)))``, the paper's order
+    ``1/sqrt(1-lambda)`` without its log factor. ``rule="log"``:
+    ``max(1, ceil(ln(n) / (2 sqrt(gap))))``. Lu and De Sa (JMLR 2023, Corollary 6, read)
+    set ``R = max(log(n) / 2, log(s0^2 T / (Delta L)) / 2) / sqrt(1 - lambda)``; the
+    second term needs the outer variance ``s0^2``, the initial gap ``Delta`` and the
+    smoothness ``L``, unknown in practice, so it is *dropped* here, and the log is taken
+    natural (*inferred*: the paper does not say). (Until issue 18's line-by-line check
+    this rule was ``ceil(ln(n) / sqrt(gap))``, twice the paper's first term.)
 
     Parameters
     ----------
@@ -316,7 +354,7 @@ def default_phase_rounds(spectral_gap: float, nodes: int = 2, rule: str = "sqrt"
         raise ValueError(f"unknown phase rule {rule!r}: choose one of {PHASE_RULES}")
     if nodes < 2:
         raise ValueError(f"nodes must be >= 2, got {nodes}")
-    return max(1, math.ceil(math.log(nodes) / math.sqrt(spectral_gap) - 1e-9))
+    return max(1, math.ceil(0.5 * math.log(nodes) / math.sqrt(spectral_gap) - 1e-9))
 
 
 ALGORITHMS: dict[str, type[DecentralizedAlgorithm]] = {
@@ -331,9 +369,11 @@ def make_algorithm(  # noqa: PLR0913
     phase_rounds: int = 0,
     variant: str = "paper",
     phase_rule: str = "sqrt",
+    eta: float | None = None,
 ) -> DecentralizedAlgorithm:
     """Build algorithm ``name`` (``dpsgd``, ``d2``, ``dsgt``, ``detag``); ``phase_rounds``,
-    ``variant`` and ``phase_rule`` are DeTAG's (see :class:`DeTAG`), ignored otherwise.
+    ``variant``, ``phase_rule`` and ``eta`` are DeTAG's (see :class:`DeTAG`), ignored
+    otherwise.
 
     Raises
     ------
@@ -344,5 +384,7 @@ def make_algorithm(  # noqa: PLR0913
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
     if name == "detag":
-        return DeTAG(gossip, lr, phase_rounds=phase_rounds, variant=variant, phase_rule=phase_rule)
+        return DeTAG(
+            gossip, lr, phase_rounds=phase_rounds, variant=variant, phase_rule=phase_rule, eta=eta
+        )
     return ALGORITHMS[name](gossip, lr)

@@ -202,6 +202,20 @@ class GossipMatrix:
         """``1 - lambda`` in [0, 1]; 0 means a disconnected graph."""
         return float(min(1.0, max(0.0, 1.0 - self.mixing_rate)))
 
+    def lazy(self) -> GossipMatrix:
+        """The lazy gossip matrix ``W' = (I + W) / 2``: every node keeps half its own vector
+        each round. Its eigenvalues are exactly ``(1 + lambda_i) / 2``, so
+        ``lambda_min(W') >= 0`` (D2's ``lambda_min > -1/3`` always holds) and its gap is
+        ``(1 - lambda_2) / 2`` once ``lambda_2 >= |lambda_min|``. Same graph, same sparsity.
+
+        Source: the lazy chain ``(I + P) / 2`` of a Markov chain (Levin and Peres, "Markov
+        Chains and Mixing Times", recalled, not re-read); the DeTAG paper's "slack matrix"
+        ``W_k = k W + (1 - k) I`` (Lu and De Sa, JMLR 24(93) 2023, Sec. 7.1, read) with
+        ``k = 1/2``. Topology name gets ``+lazy``.
+        """
+        n = self.n
+        return GossipMatrix(0.5 * (np.eye(n) + self.W), f"{self.topology}+lazy")
+
     def describe(self) -> dict[str, float | int | str]:
         """A JSON-able summary: topology, n, lambda_2, lambda_min, spectral gap."""
         return {
@@ -220,8 +234,13 @@ def gossip_matrix(
     *,
     edge_probability: float = 0.5,
     seed: int = 0,
+    lazy: bool = False,
 ) -> GossipMatrix:
     """Metropolis-Hastings gossip matrix of ``topology`` on ``n`` nodes.
+
+    With ``lazy``, the Metropolis-Hastings ``W`` is first replaced by ``(I + W) / 2``
+    (:meth:`GossipMatrix.lazy`: eigenvalues ``(1 + lambda) / 2 >= 0``, what D2 needs on
+    even rings and tori); ``spectral_gap``, if set, then applies to that matrix.
 
     With ``spectral_gap`` set, the gap is made exactly that by lazy mixing
     ``W' = (1 - c) I + c W`` with ``c = gap / (1 - lambda_2(W))``: on ``complete``
@@ -241,6 +260,8 @@ def gossip_matrix(
     base = GossipMatrix(metropolis_hastings(graph), topology)
     if base.spectral_gap <= 1e-12:
         raise ValueError(f"the {topology} graph on {n} nodes is not connected")
+    if lazy:
+        base = base.lazy()
     if spectral_gap is None:
         return base
     reach = 1.0 - base.lambda_2
@@ -253,7 +274,7 @@ def gossip_matrix(
         )
     c = min(c, 1.0)
     w = (1.0 - c) * np.eye(n) + c * base.W
-    return GossipMatrix(w, f"{topology}+gap")
+    return GossipMatrix(w, f"{base.topology}+gap")
 
 
 # ------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def write_decentralized_results(
         "strategy": str(s.name),
         "topology": str(s.topology),
         "spectral_gap_setting": s.get("spectral_gap"),
+        "lazy_mixing": s.get("lazy_mixing", False),
         "homogeneity": s.get("homogeneity"),
         "num_nodes": s.get("num_nodes"),
         "lr": s.get("lr"),
@@ -63,7 +64,8 @@ def check_detag_settings(s: DictConfig) -> None:
     Raises
     ------
     ValueError
-        ``phase_rounds`` not an integer >= 0, an unknown ``phase_rule`` or ``detag_variant``.
+        ``phase_rounds`` not an integer >= 0, an unknown ``phase_rule`` or ``detag_variant``,
+        ``lazy_mixing`` not a boolean.
     """
     from sky_flower.gossip.algorithms import PHASE_RULES, DeTAG
 
@@ -74,10 +76,15 @@ def check_detag_settings(s: DictConfig) -> None:
         raise ValueError(
             f"strategy.phase_rule must be one of {PHASE_RULES}, got {s.get('phase_rule')!r}"
         )
-    if s.get("detag_variant", "paper") not in DeTAG.VARIANTS:
+    if not isinstance(s.get("lazy_mixing", False), bool):
         raise ValueError(
-            f"strategy.detag_variant must be one of {DeTAG.VARIANTS}, "
-            f"got {s.get('detag_variant')!r}"
+            f"strategy.lazy_mixing must be true or false, got {s.get('lazy_mixing')!r}"
+        )
+    variant = s.get("detag_variant", "paper")
+    if variant not in DeTAG.VARIANTS:
+        hint = " ('overlap' is now 'paper', the paper's Algorithm 2)" * (variant == "overlap")
+        raise ValueError(
+            f"strategy.detag_variant must be one of {DeTAG.VARIANTS}, got {variant!r}{hint}"
         )
 
 
@@ -116,7 +123,12 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     n, seed = int(s.num_nodes), int(cfg.seed)
     gap = None if s.spectral_gap is None else float(s.spectral_gap)
     gossip = gossip_matrix(
-        str(s.topology), n, gap, edge_probability=float(s.edge_probability), seed=seed
+        str(s.topology),
+        n,
+        gap,
+        edge_probability=float(s.edge_probability),
+        seed=seed,
+        lazy=bool(s.get("lazy_mixing", False)),
     )
     model = FlatModel(int(s.hidden_width))
     test_fraction = float(cfg.dataset.test_fraction)
