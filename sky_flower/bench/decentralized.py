@@ -258,6 +258,10 @@ def _cli_terms(message: str) -> str:
     """A library message with its Hydra-style ``key=value`` advice as flags."""
     return (
         message.replace("use topology=complete", "use --topology complete")
+        .replace(
+            "set strategy.lazy_mixing=true (lazy gossip",
+            "set --gaps below the topology's own gap (lazy mixing to that gap; the lazy",
+        )
         .replace("set spectral_gap", "set --gaps")
         .replace("spectral_gap=", "--gaps ")
     )
