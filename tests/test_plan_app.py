@@ -186,3 +186,16 @@ def test_cli_multirun_infeasible_job_is_a_row_and_the_sweep_goes_on(tmp_path):
     rows = list(csv.DictReader((sweep / "plan_sweep.csv").open()))
     assert [r["status"] for r in rows] == ["infeasible", "ok"]
     assert "infeasible memory budget" in rows[0]["error"]
+
+
+def test_a_fleet_with_several_data_owners_previews_one_pipeline_per_owner(tmp_path):
+    """As the training job plans it: each owner heads its own pipeline (FedAvg across)."""
+    plan = plan_job(_cfg(["model=mlp", "fleet=edge4"]), tmp_path)["plan"]
+    pipelines = plan["pipelines"]
+    owners = [p["owner"] for p in pipelines]
+    assert sorted(owners) == ["edge-box", "phone"]
+    for p in pipelines:
+        assert p["stages"][0][:2] == [p["owner"], 0]  # the owner is stage 0, from layer 0
+        assert p["stages"][-1][2] == 8 and p["predicted_step_time_s"] > 0
+    single = plan_job(_cfg([*SMALL]), tmp_path / "one")["plan"]
+    assert single["pipelines"] is None  # one data owner: the pipeline above is the plan

@@ -111,3 +111,96 @@ def test_indivisible_microbatches():
     st = StageExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1), 3)
     with pytest.raises(ValueError, match="not divisible into 3 micro-batches"):
         st.forward(torch.randn(16, 64))
+
+
+class ToLong(torch.nn.Module):
+    """Quantises its input to indices 0..16 (an integer output: no gradient flows back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs() * 4).clamp(0, 16).long()
+
+
+def _int_cut_model() -> torch.nn.Sequential:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        ToLong(), torch.nn.Embedding(17, 4), torch.nn.Flatten(), torch.nn.Linear(256, 10)
+    )
+
+
+@pytest.mark.parametrize("bounds", [[(0, 0), (1, 3)], [(0, 1), (2, 3)], [(0, 0), (1, 1), (2, 3)]])
+def test_an_integer_tensor_crossing_a_cut_trains_as_the_whole_model(bounds):
+    """A cut after a layer with an integer output (indices for an Embedding): the next
+    stage takes no input gradient (zeros go back) and training equals the whole model."""
+    state = _int_cut_model().state_dict()
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    stages = []
+    for a, b in bounds:
+        module = build_stage(_int_cut_model, a, b, slice_state(state, a, b))
+        params = list(module.parameters())
+        opt = torch.optim.SGD(params, lr=0.1) if params else None
+        stages.append(StageExecutor(module, opt, 2))
+    for _ in range(2):
+        run_split_step(stages, x, y)
+    whole = _int_cut_model()
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        sum(
+            torch.nn.functional.cross_entropy(whole(xm), ym) / 2
+            for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True)
+        ).backward()
+        opt.step()
+    split = {}
+    for st in stages:
+        split.update(st.module.state_dict())
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(split[k], v, rtol=1e-5, atol=1e-6)
+
+
+class TiedInside(torch.nn.Module):
+    """Two linear maps sharing one weight, inside one entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _tied_inside() -> torch.nn.Sequential:
+    torch.manual_seed(2)
+    return torch.nn.Sequential(TiedInside(), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("bounds", [[(0, 2)], [(0, 0), (1, 2)]])
+def test_a_tie_inside_one_entry_is_kept_and_trains_as_the_whole_model(bounds):
+    state = _tied_inside().state_dict()
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    stages = []
+    for a, b in bounds:
+        module = build_stage(_tied_inside, a, b, slice_state(state, a, b))
+        stages.append(StageExecutor(module, torch.optim.Adam(module.parameters(), lr=0.01), 1))
+    for _ in range(3):
+        run_split_step(stages, x, y)
+    split = {}
+    for st in stages:
+        split.update(st.module.state_dict())
+    assert torch.equal(split["0.a.weight"], split["0.b.weight"])  # still one tensor
+    whole = _tied_inside()
+    opt = torch.optim.Adam(whole.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(whole(x), y).backward()
+        opt.step()
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(split[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_tied_across_entries_is_refused_naming_both():
+    a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    b.weight = a.weight
+    model = torch.nn.Sequential(a, torch.nn.ReLU(), b, torch.nn.Linear(64, 10))
+    with pytest.raises(ValueError, match=r"0\.weight and 2\.weight are one tensor.*entries 0\.\.2"):
+        build_stage(lambda: model, 0, 3)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from sky_flower.core.ties import refuse_ties_across_entries
 from sky_flower.pipeline.example import example_input
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -115,6 +116,7 @@ def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
         )
     if not layers:
         raise ValueError("model has no layers: pass at least one module")
+    refuse_ties_across_entries(layers)
     return layers
 
 

@@ -236,7 +236,8 @@ def main_job(
     """What the entry point does with a job: ``run(cfg, out_dir)``, then log its
     ``summary`` line. A failed job is logged; one refused before it wrote ``results.json``
     gets one through ``refused(error)``; it exits 1 (in a multirun it is recorded and
-    the sweep goes on).
+    the sweep goes on). A job that returns results with an ``error`` (a Sky run whose
+    every round failed) exits 1 too.
 
     Raises
     ------
@@ -253,6 +254,10 @@ def main_job(
             return
         raise SystemExit(1) from None
     log.info("%s; outputs in %s", summary(results), out_dir)
+    if results.get("error"):  # it ran to its end but trained nothing (every round failed)
+        log.error("run failed: %s (outputs in %s)", results["error"], out_dir)
+        if not multirun:
+            raise SystemExit(1)
 
 
 def number(v: float | None, digits: int = 4) -> str:

@@ -366,12 +366,64 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "time_limit_s": limit,
     }
     payload["alternatives"] = alternatives
+    payload["pipelines"] = federated_preview(cfg, layers, nodes, schedule, method, limit)
     row.update(_summary(plan), idle_nodes=len(plan.idle_nodes), status="ok")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "plan.json", payload)
     (out_dir / "plan.txt").write_text(plan.table() + "\n")
     write_json(out_dir / ROW_FILE, row)
     return {"plan": payload, "row": row, "table": plan.table()}
+
+
+def federated_preview(
+    cfg: DictConfig,
+    layers: list[LayerProfile],
+    nodes: list[NodeProfile],
+    schedule: Schedule,
+    method: str,
+    limit: float,
+) -> list[dict[str, Any]] | None:
+    """With two or more data owners, the training job plans one pipeline per owner
+    (FedAvg across, :func:`sky_flower.core.federated.plan_federation`), not the single
+    pipeline above: plan that too and log it. Every owner is given equal data (the job
+    takes each owner's real sample count from its benchmark round), with
+    ``train.steps_per_round`` steps when it is > 0. None with one data owner.
+
+    Returns
+    -------
+    list of dict or None
+        One ``{"owner", "stages": [[node, first, last], ...], "predicted_step_time_s"}``
+        per pipeline.
+    """
+    from sky_flower.core.federated import plan_federation
+
+    owners = [n.name for n in nodes if n.holds_data]
+    if len(owners) < 2:
+        return None
+    steps = int(cfg.get("train", {}).get("steps_per_round", 0) or 0)
+    fplan = plan_federation(
+        layers,
+        nodes,
+        dict.fromkeys(owners, 1000),
+        schedule,
+        method,
+        steps_per_round=steps or 1,
+        time_limit_s=limit,
+    )
+    log.info(
+        "%d data owners: the training job runs one pipeline per owner (FedAvg across), "
+        "planned here with equal data per owner:\n%s",
+        len(owners),
+        fplan.table(),
+    )
+    return [
+        {
+            "owner": p.owner,
+            "stages": [[st.node, st.first_layer, st.last_layer] for st in p.plan.stages],
+            "predicted_step_time_s": p.plan.predicted_step_time_s,
+        }
+        for p in fplan.pipelines
+    ]
 
 
 def summary_line(row: dict[str, Any]) -> str:

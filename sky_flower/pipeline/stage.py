@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from sky_flower.core.profile import as_layers, default_optimizer_factory
+from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
 from sky_flower.pipeline.objective import correct_count
 
@@ -72,7 +73,13 @@ def build_stage(
         raise ValueError(f"layers {first}..{last} outside a model of {len(layers)} layers")
     stage = nn.Sequential(OrderedDict((str(j), layers[j]) for j in range(first, last + 1)))
     if weights is not None:
+        ties = tied_parameters(stage)  # to_empty gives every module its own copy: re-tie
         stage = stage.to_empty(device="cpu")
+        for names in ties:
+            shared = stage.get_parameter(names[0])
+            for name in names[1:]:
+                parent, _, attr = name.rpartition(".")
+                setattr(stage.get_submodule(parent), attr, shared)
         stage.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=True)
     return stage
 
@@ -324,7 +331,8 @@ class StageExecutor:
         grads = []
         chunks = zip(self._chunks(x), self._chunks(grad_out), strict=True)
         for i, (xm, gm) in enumerate(chunks):
-            xm = xm.detach().requires_grad_(input_grad)
+            # an integer input (token ids, indices) takes no gradient: zeros are sent back
+            xm = xm.detach().requires_grad_(input_grad and xm.is_floating_point())
             out = self._run(xm, i)
             if out.requires_grad:  # a stage whose output needs no gradient has nothing to do
                 out.backward(gm)
@@ -373,7 +381,7 @@ class StageExecutor:
         grads, total, correct = [], 0.0, 0
         chunks = zip(self._chunks(x), self._chunks(labels), strict=True)
         for i, (xm, ym) in enumerate(chunks):
-            xm = xm.detach().requires_grad_(input_grad)
+            xm = xm.detach().requires_grad_(input_grad and xm.is_floating_point())
             out = self._run(xm, i)
             loss = loss_fn(out, ym) / self.loss_divisor
             if loss.requires_grad:  # not when no stage before or here has parameters
@@ -381,7 +389,7 @@ class StageExecutor:
             total += loss.detach().item()
             correct += int(metric_fn(out.detach(), ym))
             if input_grad:
-                grads.append(xm.grad)
+                grads.append(xm.grad if xm.grad is not None else torch.zeros_like(xm))
         if step:
             self.apply_step()
         return (torch.cat(grads) if input_grad else None), total, correct
