@@ -6,6 +6,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# The tests without Ray or a SuperLink run on pytest-xdist workers (one torch thread each,
+# tests/conftest.py); `make test XDIST=` runs them in one process. The Flower simulation
+# (Ray) and deployment tests always run in one process, one after another: a Ray test
+# fails if another test's Ray process appears (tests/conftest.py, no_leftover_processes).
+XDIST  ?= -n 2
+NO_RAY := not simulation and not deployment
 
 .PHONY: install run test test-fast lint format clean
 
@@ -30,11 +37,16 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Both pytest calls run; the target fails if either fails (pytest's exit 5, "no tests
+# collected", is a failure too: each call must select tests).
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	@rc=0; \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
+	$(PYTEST) $(PYTEST_ARGS) tests -m "simulation or deployment" || rc=1; \
+	exit $$rc
 
 test-fast: lint
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests -m "not simulation and not deployment and not slow"
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis

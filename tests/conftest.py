@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from simhelpers import ray_processes, wait_no_ray
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # under pytest-xdist (`make test`, `make test-fast`: -n 2 on 2 cores) each worker,
+    # and the processes it starts, computes on one thread: two workers with a thread
+    # per core each would oversubscribe the cores
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

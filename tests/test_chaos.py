@@ -37,6 +37,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -233,8 +234,10 @@ def _finite(state: dict[str, torch.Tensor]) -> bool:
     return all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
 
 
+@cache
 def _reference_model() -> dict[str, torch.Tensor]:
-    """The model a fault-free run ends with: unsplit training on the data owner's batches."""
+    """The model a fault-free run ends with: unsplit training on the data owner's batches
+    (computed once per session; callers only read it)."""
     task = sky_app_task()
     lr = float(app_run_config(SKY_APP)["lr"])
     return reference_rounds(

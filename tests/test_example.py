@@ -1,6 +1,6 @@
 """The example apps run with ``flwr run`` on Flower's simulation runtime, 4 SuperNodes
 (a private SuperLink started by ``sky_flower.deploy --simulation``): the standard
-FedAvg app and the same app switched to Sky."""
+FedAvg app and the same app switched to Sky (every SuperNode heading its own pipeline)."""
 
 from pathlib import Path
 
@@ -38,5 +38,15 @@ def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_process
         assert results["initial_test_accuracy"] is not None
         assert [r["round"] for r in results["rounds"]] == [1, 2]
         assert all(r["measured_step_time_s"] > 0 for r in results["rounds"])
-        for node in ("phone", "laptop", "cloud-gpu", "edge-box"):
+        owners = ["phone", "laptop", "cloud-gpu", "edge-box"]
+        for node in owners:
             assert node in text
+        # every SuperNode (node config: Flower's partition-id / num-partitions) owns its
+        # partition and heads a pipeline, as every SuperNode trains in the FedAvg app; the
+        # log and results.json say how many samples each trained (this run was also
+        # test_federation.py's test_sky_app_under_flwr_run_trains_every_supernodes_partition)
+        assert "one pipeline per data owner" in text, text[-3000:]
+        for row in results["rounds"]:
+            pipelines = row["pipelines"]
+            assert sorted(p["owner"] for p in pipelines) == sorted(owners), pipelines
+            assert all(p["samples_trained"] == 5 * 64 for p in pipelines), pipelines

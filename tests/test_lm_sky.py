@@ -7,6 +7,7 @@ model (a residual MLP) converted by :func:`sky_flower.pipeline.graph.as_sequenti
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 
 import pytest
@@ -157,9 +158,18 @@ class ResidualMLP(nn.Module):
         return self.head(torch.relu(self.c(torch.relu(self.b(h))) + h))
 
 
-def residual_model() -> nn.Sequential:
+@cache
+def _converted_residual_model() -> nn.Sequential:
+    """The residual MLP (seed 0) converted once: each conversion traces the model (about
+    a second), and the relay builds a model for every message."""
     torch.manual_seed(0)
     return as_sequential(ResidualMLP(), torch.zeros(2, 64))
+
+
+def residual_model() -> nn.Sequential:
+    """A fresh copy of the converted residual MLP (the same weights every call, as a
+    model_fn seeding the user's module and converting it each time gives)."""
+    return copy.deepcopy(_converted_residual_model())
 
 
 def test_sky_trains_a_converted_non_sequential_model(server_identity):

@@ -234,8 +234,10 @@ def test_large_instances_are_fast(s, m):
 
     rng = np.random.default_rng(0)
     a = (rng.random(s), rng.random(s), rng.random(s - 1), rng.random(s - 1))
-    t0 = time.perf_counter()
+    # this process's CPU time, not wall time: the bound holds on a busy machine (other
+    # users, or the other pytest-xdist worker) as on an idle one
+    t0 = time.process_time()
     for kind in KINDS:
         simulate(*a, m, kind)
-    assert time.perf_counter() - t0 < 3.0  # about 0.2 s each on a laptop-class CPU
+    assert time.process_time() - t0 < 3.0  # about 0.2 s each on a laptop-class CPU
     assert math.isclose(simulate(*a, m).step_time_s, gpipe_step_time(*a, m), rel_tol=1e-9)

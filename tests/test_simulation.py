@@ -19,7 +19,11 @@ from sky_flower.run import run_job
 
 
 @pytest.mark.simulation
-@pytest.mark.parametrize("allocation", ["even", "optimal"])  # heuristic: make run, sky-app
+# heuristic: make run, sky-app (tests/test_example.py). even: the plan is checked in
+# process (tests/test_plan_app.py), the other runs here and in test_direct_sim.py /
+# test_chaos.py train on an even plan in the engine, and the optimal run's plan.json
+# compares it (alternatives); split training equals unsplit training whatever the plan
+@pytest.mark.parametrize("allocation", ["optimal"])
 def test_trains_digits_above_90_percent(allocation, tmp_path, no_leftover_processes):
     cfg = make_cfg(
         [*FAST, "fleet=edge3", f"allocation={allocation}", "num_rounds=1", "train.local_epochs=2"]
