@@ -144,10 +144,20 @@ class Emulation:
             )
         if self.holds_data and self.join_round:
             raise ValueError(
-                f"{where}: a data owner cannot have join_round ({self.join_round}): a node "
-                f"absent from the benchmark round is never added to a running plan, so its "
-                f"data would never train. Drop join_round, or make the node a helper"
+                f"{where}: a data owner cannot have join_round ({self.join_round}): a data "
+                f"owner absent from the benchmark round is never given a pipeline (only "
+                f"helpers join mid-run), so its data would never train. Drop join_round, "
+                f"or make the node a helper"
             )
+        if self.fail_mode == "stall" and self.fail_on != "train.sky_direct":
+            if self.fail_delay_s <= 0:
+                raise ValueError(
+                    f"{where}: fail_mode stall on {self.fail_on or 'every message'} needs "
+                    f"fail_delay_s > 0 (how long the node stays silent; set it past "
+                    f"message_timeout_s to stall past the deadline): a relay node does not "
+                    f"know its deadline (on train.sky_direct the default is 1.5 x the "
+                    f"round's timeout)"
+                )
 
     @classmethod
     def from_mapping(cls, spec: Mapping) -> Emulation:

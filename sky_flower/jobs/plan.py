@@ -111,7 +111,7 @@ def _model_layers(
     model_cfg: dict, schedule: Schedule, optimizer: str
 ) -> tuple[list[LayerProfile], nn.Sequential | None]:
     """Layer profiles of the configured model, and the model if it can be built."""
-    name = str(model_cfg.get("name"))
+    name = str(model_cfg.get("name") or model_cfg.get("_target_"))
     if name.startswith("bert"):
         kwargs = {k: v for k, v in model_cfg.items() if k not in ("name", "planning_only")}
         try:
@@ -128,7 +128,11 @@ def _model_layers(
         )
     model = build_model(model_cfg)
     if "input_shape" not in model_cfg:
-        raise ValueError(f"model {name!r} needs input_shape (one sample's shape) to be profiled")
+        raise ValueError(
+            f"model {name!r} needs input_shape (one sample's shape) to be profiled: the "
+            "planner has no data to take it from (the training job does). Set it, e.g. "
+            "+model.input_shape=[64]"
+        )
     layers = profile_layers(
         model,
         input_shape=list(model_cfg["input_shape"]),
@@ -268,7 +272,7 @@ def _base_row(cfg: DictConfig) -> dict[str, Any]:
     model, fleet = _plain(cfg.get("model")) or {}, _plain(cfg.get("fleet")) or {}
     sched = _plain(cfg.get("schedule")) or {}
     return {
-        "model": model.get("name"),
+        "model": model.get("name") or model.get("_target_"),
         "fleet": fleet.get("name"),
         "nodes": _fleet_size(fleet),
         "num_layers": model.get("num_layers", model.get("hidden_layers")),
