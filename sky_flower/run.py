@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from sky_flower.jobs.added_keys import check_added_keys
 from sky_flower.jobs.common import conf_dir, main_job
 
 _conf_dir = conf_dir  # the name tests and sky_flower.plan used before sky_flower.jobs
@@ -71,7 +72,12 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     run, refused, summary = _jobs(cfg, out_dir)
-    main_job(run, refused, summary, cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
+
+    def checked(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+        check_added_keys(hydra_cfg.overrides.task, conf_dir())  # +trian.lr=...: refused
+        return run(cfg, out_dir)
+
+    main_job(checked, refused, summary, cfg, out_dir, hydra_cfg.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":

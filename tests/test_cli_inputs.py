@@ -230,3 +230,47 @@ def test_deploy_workdir_that_is_a_file_is_refused_before_anything_starts(tmp_pat
     app = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
     with pytest.raises(ValueError, match="is a file: pass a directory"):
         run_local(app, "edge3", workdir=afile, echo=False)
+
+
+# ------------------------------------------------------------------------------------
+# python -m sky_flower.run with a misspelt key added by "+"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+trian.lr=0.1", "top-level key 'trian', which nothing reads: did you mean train?"),
+        (
+            "++schedule.microbatchs=2",
+            "schedule.microbatchs, which is not a setting: did you mean schedule.microbatches?",
+        ),
+    ],
+)
+def test_a_misspelt_key_added_with_plus_is_refused(override, message):
+    from sky_flower.jobs.added_keys import check_added_keys
+    from sky_flower.jobs.common import conf_dir
+
+    with pytest.raises(ValueError, match=message.replace("?", r"\?")):
+        check_added_keys(["fleet=edge3", override], conf_dir())
+
+
+def test_keys_the_user_owns_may_be_added():
+    from sky_flower.jobs.added_keys import check_added_keys
+    from sky_flower.jobs.common import conf_dir
+
+    fine = [
+        "+model._target_=a.b",
+        "+model.width=8",
+        "+train.lr=0.1",
+        "+strategy.x=1",
+        "+objective.loss=m:f",
+        "seed=3",
+    ]
+    check_added_keys(fine, conf_dir())  # nothing raised
+
+
+def test_the_run_entry_point_refuses_a_misspelt_plus_key_before_flower_starts(tmp_path):
+    proc = _run("sky_flower.run", "+trian.lr=0.1", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 1
+    assert "did you mean train?" in proc.stderr + proc.stdout
+    assert "did you mean train?" in (tmp_path / "results.json").read_text()
