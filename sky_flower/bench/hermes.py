@@ -16,7 +16,7 @@ accuracy (or its time cap), then writes into ``--out``:
 
 Usage::
 
-    python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock          # target 0.95, 3 seeds
+    python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock  # 0.95, lr 0.07, 3 seeds, 180 s cap
     python -m sky_flower.bench.hermes --quick --lock /tmp/sky-ray.lock  # 0.9, 1 seed, 45 s cap
 
 Every job starts Ray: ``--lock FILE`` runs each job under ``flock FILE`` (the lock is held
@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("hermes", "bsp", "asp", "ssp")
+#: The full bench's SGD step: at 0.3 (conf/hermes.yaml) BSP reaches 0.95 in 24 rounds per
+#: worker; at 0.1 in 44 (slowlinks8, seed 0); 0.07 makes it 50+ (issue 18's "long run").
+FULL_LR = 0.07
 PAPER = {
     "speedup_vs_bsp": 13.22,  # "up to 13.22x less training time than synchronous training"
     "comm_saving_vs_ssp": 0.621,  # "62.1% less communication than stale-synchronous"
@@ -88,7 +91,8 @@ def run_row(r: dict[str, Any]) -> dict[str, Any]:
     """One job's figures: time to target (s), wall time, updates and bytes sent, worker
     rounds, share of minor rounds, final test accuracy, error."""
     workers = r.get("workers") or []
-    rounds = sum(w["rounds"] for w in workers) if workers else None
+    per_worker = [w["rounds"] for w in workers]
+    rounds = sum(per_worker) if workers else None
     minor = sum(r.get("minor_rounds") or [])
     return {
         "time_to_target_s": r.get("time_to_target_s"),
@@ -97,6 +101,8 @@ def run_row(r: dict[str, Any]) -> dict[str, Any]:
         "bytes_sent": r.get("bytes_sent"),
         "worker_rounds": rounds,
         "minor_share": minor / rounds if rounds else None,
+        "rounds_per_worker": rounds / len(workers) if rounds else None,
+        "min_rounds_per_worker": min(per_worker) if per_worker else None,
         "final_test_accuracy": r.get("final_test_accuracy"),
         "error": r.get("error"),
     }
@@ -112,8 +118,12 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for method, results in runs.items():
         per = [run_row(r) for r in results]
         row: dict[str, Any] = {"method": method, "seeds": len(per)}
-        for key in (*FIGURES, "minor_share", "final_test_accuracy"):
+        for key in (*FIGURES, "rounds_per_worker", "minor_share", "final_test_accuracy"):
             row[key], row[key + "_sd"], _ = _stats([p[key] for p in per])
+        row["min_rounds_per_worker"] = min(
+            (p["min_rounds_per_worker"] for p in per if p["min_rounds_per_worker"] is not None),
+            default=None,
+        )
         row["reached"] = sum(p["time_to_target_s"] is not None for p in per)
         row["wall_time_s"] = _stats([p["wall_time_s"] for p in per])[0]
         row["error"] = "; ".join(str(p["error"])[:80] for p in per if p["error"]) or None
@@ -149,8 +159,8 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
         note,
         "",
         "| method | reached | time to target (s) | updates sent | bytes sent (MB) | "
-        "worker rounds | minor rounds | final test acc |",
-        "|---|---|---|---|---|---|---|---|",
+        "worker rounds | rounds per worker (fewest) | minor rounds | final test acc |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mb = None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6
@@ -161,6 +171,8 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
             f"{_f(r['time_to_target_s'], r['time_to_target_s_sd'])} | "
             f"{_f(r['updates_sent_total'], r['updates_sent_total_sd'], '{:.0f}')} | "
             f"{_f(mb, mb_sd, '{:.2f}')} | {_f(r['worker_rounds'], r['worker_rounds_sd'], '{:.0f}')}"
+            f" | {_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
+            f" ({_f(r['min_rounds_per_worker'])})"
             f" | {_f(share, None, '{:.1f}%')} | "
             f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} |"
             + (f" error: {r['error'][:160]}" if r["error"] else "")
@@ -217,6 +229,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
     ap.add_argument("--fleet", default="slowlinks8", help="slowlinks8|straggler8|slowlinks16|...")
     ap.add_argument("--hidden", type=int, default=None, help="MLP width (default 256; quick 64)")
+    ap.add_argument(
+        "--lr", type=float, default=None, help=f"SGD step (default {FULL_LR}; quick: conf's 0.3)"
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--lock", default=None, help="run each job under `flock LOCK`")
     ap.add_argument("--out", type=Path, default=None)
@@ -228,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 1 if a job failed."""
     args = _args(argv)
     target = args.target if args.target is not None else (0.9 if args.quick else 0.95)
-    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 240.0)
+    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 180.0)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     hidden = args.hidden if args.hidden is not None else (64 if args.quick else 256)
+    lr = args.lr if args.lr is not None else (None if args.quick else FULL_LR)
     out = args.out or Path("outputs") / time.strftime("bench_hermes_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
@@ -238,16 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         f"strategy.target_accuracy={target}",
         f"strategy.max_time_s={cap}",
         f"strategy.hidden_width={hidden}",
+        *([f"strategy.lr={lr}"] if lr is not None else []),
         *args.overrides,
     ]
     t0 = time.monotonic()
-    runs = {
-        m: [run_method(m, out, overrides, seed, args.lock) for seed in seeds] for m in args.methods
-    }
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    for seed in seeds:  # seed by seed, so a bench cut short leaves whole seeds
+        for m in args.methods:
+            runs[m].append(run_method(m, out, overrides, seed, args.lock))
     rows = summarise(runs)
     note = (
         f"{'QUICK MODE: ' if args.quick else ''}fleet {args.fleet}, MLP 64-{hidden}-10, "
-        f"digits, target test accuracy {target:g}, cap {cap:g} s per job, seeds "
+        f"lr {lr if lr is not None else 'conf'}, digits, target test accuracy {target:g}, "
+        f"cap {cap:g} s per job, seeds "
         f"{' '.join(map(str, seeds))}; mean ± sample sd over the seeds that reached the "
         "target (time) or over all seeds (the rest); wall time on the server's clock from "
         "the end of the readiness barrier (Hermes' sizing happens inside training). Updates "
