@@ -56,3 +56,39 @@ def test_comparison_is_per_seed_ratios():
     cmp = bench.comparison(runs)
     assert cmp["speedup_vs_bsp"] == 3.0 and cmp["speedup_n"] == 2  # 4x and 2x
     assert cmp["comm_saving_vs_ssp"] == 0.5 and cmp["saving_sd"] == 0.0
+
+
+def test_time_to_and_loss_raised_share_read_the_timeline():
+    r = {
+        "timeline": [
+            {"time_s": 0.0, "test_accuracy": 0.1, "test_loss": 2.0},
+            {"time_s": 1.0, "test_accuracy": 0.91, "test_loss": 0.5},
+            {"time_s": 2.0, "test_accuracy": 0.90, "test_loss": 0.6},  # raised
+            {"time_s": 3.0, "test_accuracy": 0.93, "test_loss": 0.4},
+            {"time_s": 4.0, "test_accuracy": 0.93, "test_loss": 0.4},  # equal: not raised
+            {"time_s": 5.0, "event": "no evaluation"},
+        ]
+    }
+    assert bench.time_to(r, 0.9) == 1.0 and bench.time_to(r, 0.93) == 3.0
+    assert bench.time_to(r, 0.99) is None
+    assert bench.loss_raised_share(r, 0.9) == pytest.approx(1 / 3)
+    assert bench.loss_raised_share(r, 0.93) == 0.0
+    assert bench.loss_raised_share(r, 0.99) is None
+
+
+def test_from_dir_reads_only_whole_seeds(tmp_path, capsys):
+    import json
+
+    for name in ("hermes_s0", "bsp_s0", "ssp_s0", "hermes_s1"):  # seed 1 cut short
+        (tmp_path / name).mkdir()
+        t = {"hermes": 5.0, "bsp": 20.0, "ssp": 4.0}[name.split("_")[0]]
+        (tmp_path / name / "results.json").write_text(json.dumps(_result([3, 3], [1, 0], t, 6)))
+    methods = ["hermes", "bsp", "ssp"]
+    assert bench.complete_seeds(tmp_path, methods, [0, 1, 2]) == [0]
+    argv = ["--from-dir", "--out", str(tmp_path), "--methods", *methods, "--seeds", "0", "1"]
+    assert bench.main(argv) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "seeds 0;" in text and "speed-up vs BSP 4.00x" in text
+    assert (tmp_path / "accuracy_vs_time.png").exists() and (tmp_path / "table.csv").exists()
+    with pytest.raises(SystemExit, match="give --out"):
+        bench.main(["--from-dir"])

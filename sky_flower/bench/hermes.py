@@ -78,6 +78,17 @@ def run_method(
     return results
 
 
+def load_result(out: Path, method: str, seed: int) -> dict[str, Any]:
+    """The ``results.json`` of ``<out>/<method>_s<seed>``."""
+    return json.loads((out / f"{method}_s{seed}" / "results.json").read_text())
+
+
+def complete_seeds(out: Path, methods: list[str], seeds: list[int]) -> list[int]:
+    """The seeds (of ``seeds``) whose job directory in ``out`` has a ``results.json`` for
+    every one of ``methods`` (a bench cut short leaves whole seeds and a partial one)."""
+    return [s for s in seeds if all((out / f"{m}_s{s}" / "results.json").exists() for m in methods)]
+
+
 def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
     """Mean and sample standard deviation of the non-``None`` values (``None`` when there
     are none; spread 0 for one), and how many there were."""
@@ -85,6 +96,30 @@ def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]
     if not vals:
         return None, None, 0
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
+
+
+def _scored(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [t for t in r.get("timeline") or [] if t.get("test_accuracy") is not None]
+
+
+def time_to(r: dict[str, Any], accuracy: float) -> float | None:
+    """Seconds (server clock) to the first test accuracy ``>= accuracy`` in the job's
+    timeline; ``None`` if never."""
+    return next((t["time_s"] for t in _scored(r) if t["test_accuracy"] >= accuracy), None)
+
+
+def loss_raised_share(r: dict[str, Any], accuracy: float) -> float | None:
+    """From the first test accuracy ``>= accuracy`` on: the share of the timeline's
+    changes of the global model (an update merged, or a BSP barrier) that raised the test
+    loss; ``None`` with fewer than two points. Near 0.5 the late merges are noise-dominated
+    (ours: a diagnostic of why a method slows down near its target)."""
+    tl = [t for t in _scored(r) if t.get("test_loss") is not None]
+    i0 = next((i for i, t in enumerate(tl) if t["test_accuracy"] >= accuracy), None)
+    if i0 is None or len(tl) - i0 < 2:
+        return None
+    seg = tl[i0:]
+    raised = sum(b["test_loss"] > a["test_loss"] for a, b in zip(seg, seg[1:], strict=False))
+    return raised / (len(seg) - 1)
 
 
 def run_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -95,6 +130,8 @@ def run_row(r: dict[str, Any]) -> dict[str, Any]:
     rounds = sum(per_worker) if workers else None
     minor = sum(r.get("minor_rounds") or [])
     return {
+        "time_to_0.9_s": time_to(r, 0.9),
+        "raised_after_0.9": loss_raised_share(r, 0.9),
         "time_to_target_s": r.get("time_to_target_s"),
         "wall_time_s": r.get("wall_time_s"),
         "updates_sent_total": r.get("updates_sent_total"),
@@ -108,7 +145,7 @@ def run_row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-FIGURES = ("time_to_target_s", "updates_sent_total", "bytes_sent", "worker_rounds")
+FIGURES = ("time_to_target_s", "time_to_0.9_s", "updates_sent_total", "bytes_sent", "worker_rounds")
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -118,7 +155,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for method, results in runs.items():
         per = [run_row(r) for r in results]
         row: dict[str, Any] = {"method": method, "seeds": len(per)}
-        for key in (*FIGURES, "rounds_per_worker", "minor_share", "final_test_accuracy"):
+        for key in (*FIGURES, "rounds_per_worker", "minor_share", "raised_after_0.9",
+                    "final_test_accuracy"):  # fmt: skip
             row[key], row[key + "_sd"], _ = _stats([p[key] for p in per])
         row["min_rounds_per_worker"] = min(
             (p["min_rounds_per_worker"] for p in per if p["min_rounds_per_worker"] is not None),
@@ -135,15 +173,20 @@ def comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Hermes' speed-up over BSP (time to target) and its saving in updates sent against
     SSP, per seed where both reached the target; mean and spread over those seeds."""
     h, b, s = (runs.get(m, []) for m in ("hermes", "bsp", "ssp"))
-    speed, saving = [], []
-    for rh, rb, rs in zip(h, b, s, strict=False):
-        if rh.get("time_to_target_s") and rb.get("time_to_target_s"):
-            speed.append(rb["time_to_target_s"] / rh["time_to_target_s"])
-        if rh.get("updates_sent_total") and rs.get("updates_sent_total"):
-            saving.append(1 - rh["updates_sent_total"] / rs["updates_sent_total"])
+    speed = [
+        rb["time_to_target_s"] / rh["time_to_target_s"]
+        for rh, rb in zip(h, b, strict=False)
+        if rh.get("time_to_target_s") and rb.get("time_to_target_s")
+    ]
+    saving = [
+        1 - rh["updates_sent_total"] / rs["updates_sent_total"]
+        for rh, rs in zip(h, s, strict=False)
+        if rh.get("updates_sent_total") and rs.get("updates_sent_total")
+    ]
     (sp, sp_sd, n_sp), (sv, sv_sd, n_sv) = _stats(speed), _stats(saving)  # type: ignore[arg-type]
     return {"speedup_vs_bsp": sp, "speedup_sd": sp_sd, "speedup_n": n_sp,
-            "comm_saving_vs_ssp": sv, "saving_sd": sv_sd, "saving_n": n_sv}  # fmt: skip
+            "comm_saving_vs_ssp": sv, "saving_sd": sv_sd, "saving_n": n_sv,
+            "speedups": speed, "savings": saving}  # fmt: skip
 
 
 def _f(v: Any, sd: Any = None, fmt: str = "{:.1f}") -> str:
@@ -159,13 +202,15 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
         note,
         "",
         "| method | reached | time to target (s) | updates sent | bytes sent (MB) | "
-        "worker rounds | rounds per worker (fewest) | minor rounds | final test acc |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "worker rounds | rounds per worker (fewest) | minor rounds | final test acc | "
+        "time to 0.9 (s) | merges raising the test loss after 0.9 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mb = None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6
         mb_sd = None if r["bytes_sent_sd"] is None else r["bytes_sent_sd"] / 1e6
         share = None if r["minor_share"] is None else 100 * r["minor_share"]
+        raised = None if r["raised_after_0.9"] is None else 100 * r["raised_after_0.9"]
         lines.append(
             f"| {r['method']} | {r['reached']}/{r['seeds']} | "
             f"{_f(r['time_to_target_s'], r['time_to_target_s_sd'])} | "
@@ -174,7 +219,8 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
             f" | {_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
             f" ({_f(r['min_rounds_per_worker'])})"
             f" | {_f(share, None, '{:.1f}%')} | "
-            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} |"
+            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} | "
+            f"{_f(r['time_to_0.9_s'], r['time_to_0.9_s_sd'])} | {_f(raised, None, '{:.0f}%')} |"
             + (f" error: {r['error'][:160]}" if r["error"] else "")
         )
     sv = cmp["comm_saving_vs_ssp"]
@@ -188,6 +234,12 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
         f"({cmp['speedup_n']} seeds) | up to {PAPER['speedup_vs_bsp']}x less |",
         f"| Hermes communication vs SSP | {_f(None if sv is None else 100 * sv, sv_sd)}% less "
         f"({cmp['saving_n']} seeds) | {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
+        "",
+        "Per seed: speed-up vs BSP "
+        + (", ".join(f"{x:.2f}x" for x in cmp["speedups"]) or "-")
+        + "; fewer updates than SSP "
+        + (", ".join(f"{100 * x:.1f}%" for x in cmp["savings"]) or "-")
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -235,6 +287,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--lock", default=None, help="run each job under `flock LOCK`")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--from-dir",
+        action="store_true",
+        help="run nothing: tables and plot from the whole seeds already in --out",
+    )
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
     return ap.parse_args(argv)
 
@@ -247,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     hidden = args.hidden if args.hidden is not None else (64 if args.quick else 256)
     lr = args.lr if args.lr is not None else (None if args.quick else FULL_LR)
+    if args.from_dir and args.out is None:
+        raise SystemExit("--from-dir reads the jobs in --out: give --out DIR")
     out = args.out or Path("outputs") / time.strftime("bench_hermes_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
@@ -259,9 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     t0 = time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
-    for seed in seeds:  # seed by seed, so a bench cut short leaves whole seeds
+    if args.from_dir:  # no jobs: the table of the whole seeds already in --out
+        seeds = complete_seeds(out, args.methods, seeds)
+        runs = {m: [load_result(out, m, seed) for seed in seeds] for m in args.methods}
+    for seed in [] if args.from_dir else seeds:  # seed by seed: a cut bench keeps whole seeds
         for m in args.methods:
             runs[m].append(run_method(m, out, overrides, seed, args.lock))
+    if not seeds:
+        raise SystemExit(f"no seed with a results.json for every method in {out}")
     rows = summarise(runs)
     note = (
         f"{'QUICK MODE: ' if args.quick else ''}fleet {args.fleet}, MLP 64-{hidden}-10, "
