@@ -4,13 +4,15 @@ Runs ``python -m sky_flower.run strategy=<method> seed=<s>`` once per method and
 in its own process, so each gets a fresh Flower simulation engine), by default on 8
 workers with SkyComputing's slowdowns 1-6 and slow emulated uplinks
 (``fleet=slowlinks8``; also ``straggler8``: 10:1, ``slowlinks16``: 16 workers), a wider
-MLP (64 -> 256 -> 10) and the digits data, every method until the same target test
-accuracy (or its time cap), then writes into ``--out``:
+MLP (64 -> 256 -> 10), SGD step 0.07 (:data:`FULL_LR`) and the digits data, every method
+until the same target test accuracy (or its time cap), seed by seed, then writes into
+``--out``:
 
 - ``table.md`` / ``table.csv``: per method, mean and spread (sample standard deviation)
-  over the seeds of the server's wall time to the target, updates and bytes sent, worker
-  rounds, the share of minor rounds; Hermes' speed-up over BSP and its communication
-  saving over SSP beside the paper's 13.22x and 62.1 %;
+  over the seeds of the server's wall time to the target and to 0.9, updates and bytes
+  sent, worker rounds, rounds per worker (and the fewest), the share of minor rounds, the
+  share of merges that raised the test loss after 0.9; Hermes' speed-up over BSP and its
+  communication saving over SSP, per seed and beside the paper's 13.22x and 62.1 %;
 - ``accuracy_vs_time.png``: test accuracy of the global model against wall time (seed 0);
 - ``<method>_s<seed>/``: each job's output files (``results.json`` and the rest).
 
@@ -18,6 +20,7 @@ Usage::
 
     python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock  # 0.95, lr 0.07, 3 seeds, 180 s cap
     python -m sky_flower.bench.hermes --quick --lock /tmp/sky-ray.lock  # 0.9, 1 seed, 45 s cap
+    python -m sky_flower.bench.hermes --from-dir --out DIR  # no jobs: tables of DIR's whole seeds
 
 Every job starts Ray: ``--lock FILE`` runs each job under ``flock FILE`` (the lock is held
 for one job at a time, not for the whole benchmark).
