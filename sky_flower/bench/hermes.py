@@ -4,20 +4,23 @@ Runs ``python -m sky_flower.run strategy=<method> seed=<s>`` once per method and
 in its own process, so each gets a fresh Flower simulation engine), by default on 8
 workers with SkyComputing's slowdowns 1-6 and slow emulated uplinks
 (``fleet=slowlinks8``; also ``straggler8``: 10:1, ``slowlinks16``: 16 workers), a wider
-MLP (64 -> 256 -> 10) and the digits data, every method until the same target test
-accuracy (or its time cap), then writes into ``--out``:
+MLP (64 -> 256 -> 10), SGD step 0.07 (:data:`FULL_LR`) and the digits data, every method
+until the same target test accuracy (or its time cap), seed by seed, then writes into
+``--out``:
 
 - ``table.md`` / ``table.csv``: per method, mean and spread (sample standard deviation)
-  over the seeds of the server's wall time to the target, updates and bytes sent, worker
-  rounds, the share of minor rounds; Hermes' speed-up over BSP and its communication
-  saving over SSP beside the paper's 13.22x and 62.1 %;
+  over the seeds of the server's wall time to the target and to 0.9, updates and bytes
+  sent, worker rounds, rounds per worker (and the fewest), the share of minor rounds, the
+  share of merges that raised the test loss after 0.9; Hermes' speed-up over BSP and its
+  communication saving over SSP, per seed and beside the paper's 13.22x and 62.1 %;
 - ``accuracy_vs_time.png``: test accuracy of the global model against wall time (seed 0);
 - ``<method>_s<seed>/``: each job's output files (``results.json`` and the rest).
 
 Usage::
 
-    python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock          # target 0.95, 3 seeds
+    python -m sky_flower.bench.hermes --lock /tmp/sky-ray.lock  # 0.95, lr 0.07, 3 seeds, 180 s cap
     python -m sky_flower.bench.hermes --quick --lock /tmp/sky-ray.lock  # 0.9, 1 seed, 45 s cap
+    python -m sky_flower.bench.hermes --from-dir --out DIR  # no jobs: tables of DIR's whole seeds
 
 Every job starts Ray: ``--lock FILE`` runs each job under ``flock FILE`` (the lock is held
 for one job at a time, not for the whole benchmark).
@@ -36,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("hermes", "bsp", "asp", "ssp")
+#: The full bench's SGD step: at 0.3 (conf/hermes.yaml) BSP reaches 0.95 in 24 rounds per
+#: worker; at 0.1 in 44 (slowlinks8, seed 0); 0.07 makes it 50+ (issue 18's "long run").
+FULL_LR = 0.07
 PAPER = {
     "speedup_vs_bsp": 13.22,  # "up to 13.22x less training time than synchronous training"
     "comm_saving_vs_ssp": 0.621,  # "62.1% less communication than stale-synchronous"
@@ -75,6 +81,17 @@ def run_method(
     return results
 
 
+def load_result(out: Path, method: str, seed: int) -> dict[str, Any]:
+    """The ``results.json`` of ``<out>/<method>_s<seed>``."""
+    return json.loads((out / f"{method}_s{seed}" / "results.json").read_text())
+
+
+def complete_seeds(out: Path, methods: list[str], seeds: list[int]) -> list[int]:
+    """The seeds (of ``seeds``) whose job directory in ``out`` has a ``results.json`` for
+    every one of ``methods`` (a bench cut short leaves whole seeds and a partial one)."""
+    return [s for s in seeds if all((out / f"{m}_s{s}" / "results.json").exists() for m in methods)]
+
+
 def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
     """Mean and sample standard deviation of the non-``None`` values (``None`` when there
     are none; spread 0 for one), and how many there were."""
@@ -84,25 +101,54 @@ def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), len(vals)
 
 
+def _scored(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [t for t in r.get("timeline") or [] if t.get("test_accuracy") is not None]
+
+
+def time_to(r: dict[str, Any], accuracy: float) -> float | None:
+    """Seconds (server clock) to the first test accuracy ``>= accuracy`` in the job's
+    timeline; ``None`` if never."""
+    return next((t["time_s"] for t in _scored(r) if t["test_accuracy"] >= accuracy), None)
+
+
+def loss_raised_share(r: dict[str, Any], accuracy: float) -> float | None:
+    """From the first test accuracy ``>= accuracy`` on: the share of the timeline's
+    changes of the global model (an update merged, or a BSP barrier) that raised the test
+    loss; ``None`` with fewer than two points. Near 0.5 the late merges are noise-dominated
+    (ours: a diagnostic of why a method slows down near its target)."""
+    tl = [t for t in _scored(r) if t.get("test_loss") is not None]
+    i0 = next((i for i, t in enumerate(tl) if t["test_accuracy"] >= accuracy), None)
+    if i0 is None or len(tl) - i0 < 2:
+        return None
+    seg = tl[i0:]
+    raised = sum(b["test_loss"] > a["test_loss"] for a, b in zip(seg, seg[1:], strict=False))
+    return raised / (len(seg) - 1)
+
+
 def run_row(r: dict[str, Any]) -> dict[str, Any]:
     """One job's figures: time to target (s), wall time, updates and bytes sent, worker
     rounds, share of minor rounds, final test accuracy, error."""
     workers = r.get("workers") or []
-    rounds = sum(w["rounds"] for w in workers) if workers else None
+    per_worker = [w["rounds"] for w in workers]
+    rounds = sum(per_worker) if workers else None
     minor = sum(r.get("minor_rounds") or [])
     return {
+        "time_to_0.9_s": time_to(r, 0.9),
+        "raised_after_0.9": loss_raised_share(r, 0.9),
         "time_to_target_s": r.get("time_to_target_s"),
         "wall_time_s": r.get("wall_time_s"),
         "updates_sent_total": r.get("updates_sent_total"),
         "bytes_sent": r.get("bytes_sent"),
         "worker_rounds": rounds,
         "minor_share": minor / rounds if rounds else None,
+        "rounds_per_worker": rounds / len(workers) if rounds else None,
+        "min_rounds_per_worker": min(per_worker) if per_worker else None,
         "final_test_accuracy": r.get("final_test_accuracy"),
         "error": r.get("error"),
     }
 
 
-FIGURES = ("time_to_target_s", "updates_sent_total", "bytes_sent", "worker_rounds")
+FIGURES = ("time_to_target_s", "time_to_0.9_s", "updates_sent_total", "bytes_sent", "worker_rounds")
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -112,8 +158,13 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for method, results in runs.items():
         per = [run_row(r) for r in results]
         row: dict[str, Any] = {"method": method, "seeds": len(per)}
-        for key in (*FIGURES, "minor_share", "final_test_accuracy"):
+        for key in (*FIGURES, "rounds_per_worker", "minor_share", "raised_after_0.9",
+                    "final_test_accuracy"):  # fmt: skip
             row[key], row[key + "_sd"], _ = _stats([p[key] for p in per])
+        row["min_rounds_per_worker"] = min(
+            (p["min_rounds_per_worker"] for p in per if p["min_rounds_per_worker"] is not None),
+            default=None,
+        )
         row["reached"] = sum(p["time_to_target_s"] is not None for p in per)
         row["wall_time_s"] = _stats([p["wall_time_s"] for p in per])[0]
         row["error"] = "; ".join(str(p["error"])[:80] for p in per if p["error"]) or None
@@ -125,15 +176,20 @@ def comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Hermes' speed-up over BSP (time to target) and its saving in updates sent against
     SSP, per seed where both reached the target; mean and spread over those seeds."""
     h, b, s = (runs.get(m, []) for m in ("hermes", "bsp", "ssp"))
-    speed, saving = [], []
-    for rh, rb, rs in zip(h, b, s, strict=False):
-        if rh.get("time_to_target_s") and rb.get("time_to_target_s"):
-            speed.append(rb["time_to_target_s"] / rh["time_to_target_s"])
-        if rh.get("updates_sent_total") and rs.get("updates_sent_total"):
-            saving.append(1 - rh["updates_sent_total"] / rs["updates_sent_total"])
+    speed = [
+        rb["time_to_target_s"] / rh["time_to_target_s"]
+        for rh, rb in zip(h, b, strict=False)
+        if rh.get("time_to_target_s") and rb.get("time_to_target_s")
+    ]
+    saving = [
+        1 - rh["updates_sent_total"] / rs["updates_sent_total"]
+        for rh, rs in zip(h, s, strict=False)
+        if rh.get("updates_sent_total") and rs.get("updates_sent_total")
+    ]
     (sp, sp_sd, n_sp), (sv, sv_sd, n_sv) = _stats(speed), _stats(saving)  # type: ignore[arg-type]
     return {"speedup_vs_bsp": sp, "speedup_sd": sp_sd, "speedup_n": n_sp,
-            "comm_saving_vs_ssp": sv, "saving_sd": sv_sd, "saving_n": n_sv}  # fmt: skip
+            "comm_saving_vs_ssp": sv, "saving_sd": sv_sd, "saving_n": n_sv,
+            "speedups": speed, "savings": saving}  # fmt: skip
 
 
 def _f(v: Any, sd: Any = None, fmt: str = "{:.1f}") -> str:
@@ -149,20 +205,25 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
         note,
         "",
         "| method | reached | time to target (s) | updates sent | bytes sent (MB) | "
-        "worker rounds | minor rounds | final test acc |",
-        "|---|---|---|---|---|---|---|---|",
+        "worker rounds | rounds per worker (fewest) | minor rounds | final test acc | "
+        "time to 0.9 (s) | merges raising the test loss after 0.9 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mb = None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6
         mb_sd = None if r["bytes_sent_sd"] is None else r["bytes_sent_sd"] / 1e6
         share = None if r["minor_share"] is None else 100 * r["minor_share"]
+        raised = None if r["raised_after_0.9"] is None else 100 * r["raised_after_0.9"]
         lines.append(
             f"| {r['method']} | {r['reached']}/{r['seeds']} | "
             f"{_f(r['time_to_target_s'], r['time_to_target_s_sd'])} | "
             f"{_f(r['updates_sent_total'], r['updates_sent_total_sd'], '{:.0f}')} | "
             f"{_f(mb, mb_sd, '{:.2f}')} | {_f(r['worker_rounds'], r['worker_rounds_sd'], '{:.0f}')}"
+            f" | {_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
+            f" ({_f(r['min_rounds_per_worker'])})"
             f" | {_f(share, None, '{:.1f}%')} | "
-            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} |"
+            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} | "
+            f"{_f(r['time_to_0.9_s'], r['time_to_0.9_s_sd'])} | {_f(raised, None, '{:.0f}%')} |"
             + (f" error: {r['error'][:160]}" if r["error"] else "")
         )
     sv = cmp["comm_saving_vs_ssp"]
@@ -176,6 +237,12 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
         f"({cmp['speedup_n']} seeds) | up to {PAPER['speedup_vs_bsp']}x less |",
         f"| Hermes communication vs SSP | {_f(None if sv is None else 100 * sv, sv_sd)}% less "
         f"({cmp['saving_n']} seeds) | {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
+        "",
+        "Per seed: speed-up vs BSP "
+        + (", ".join(f"{x:.2f}x" for x in cmp["speedups"]) or "-")
+        + "; fewer updates than SSP "
+        + (", ".join(f"{100 * x:.1f}%" for x in cmp["savings"]) or "-")
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -217,9 +284,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
     ap.add_argument("--fleet", default="slowlinks8", help="slowlinks8|straggler8|slowlinks16|...")
     ap.add_argument("--hidden", type=int, default=None, help="MLP width (default 256; quick 64)")
+    ap.add_argument(
+        "--lr", type=float, default=None, help=f"SGD step (default {FULL_LR}; quick: conf's 0.3)"
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--lock", default=None, help="run each job under `flock LOCK`")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--from-dir",
+        action="store_true",
+        help="run nothing: tables and plot from the whole seeds already in --out",
+    )
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
     return ap.parse_args(argv)
 
@@ -228,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 1 if a job failed."""
     args = _args(argv)
     target = args.target if args.target is not None else (0.9 if args.quick else 0.95)
-    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 240.0)
+    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 180.0)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     hidden = args.hidden if args.hidden is not None else (64 if args.quick else 256)
+    lr = args.lr if args.lr is not None else (None if args.quick else FULL_LR)
+    if args.from_dir and args.out is None:
+        raise SystemExit("--from-dir reads the jobs in --out: give --out DIR")
     out = args.out or Path("outputs") / time.strftime("bench_hermes_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
@@ -238,16 +316,24 @@ def main(argv: list[str] | None = None) -> int:
         f"strategy.target_accuracy={target}",
         f"strategy.max_time_s={cap}",
         f"strategy.hidden_width={hidden}",
+        *([f"strategy.lr={lr}"] if lr is not None else []),
         *args.overrides,
     ]
     t0 = time.monotonic()
-    runs = {
-        m: [run_method(m, out, overrides, seed, args.lock) for seed in seeds] for m in args.methods
-    }
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
+    if args.from_dir:  # no jobs: the table of the whole seeds already in --out
+        seeds = complete_seeds(out, args.methods, seeds)
+        runs = {m: [load_result(out, m, seed) for seed in seeds] for m in args.methods}
+    for seed in [] if args.from_dir else seeds:  # seed by seed: a cut bench keeps whole seeds
+        for m in args.methods:
+            runs[m].append(run_method(m, out, overrides, seed, args.lock))
+    if not seeds:
+        raise SystemExit(f"no seed with a results.json for every method in {out}")
     rows = summarise(runs)
     note = (
         f"{'QUICK MODE: ' if args.quick else ''}fleet {args.fleet}, MLP 64-{hidden}-10, "
-        f"digits, target test accuracy {target:g}, cap {cap:g} s per job, seeds "
+        f"lr {lr if lr is not None else 'conf'}, digits, target test accuracy {target:g}, "
+        f"cap {cap:g} s per job, seeds "
         f"{' '.join(map(str, seeds))}; mean ± sample sd over the seeds that reached the "
         "target (time) or over all seeds (the rest); wall time on the server's clock from "
         "the end of the readiness barrier (Hermes' sizing happens inside training). Updates "
