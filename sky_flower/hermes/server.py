@@ -234,14 +234,26 @@ class HermesSizing:
     def observe(self, worker: int, batches: Sequence[float], seconds: Sequence[float]) -> None:
         """Take one training round's step timings of ``worker`` (per step size, the median
         seconds per step); once planned, refit its step-time model from its latest
-        ``OBSERVED_WINDOW`` observations (the straggler rule then rescales the refit)."""
+        ``OBSERVED_WINDOW`` observations (the straggler rule then rescales the refit). A
+        refit whose intercept comes out negative (noisy timings: the fit falls back to no
+        per-step overhead, every batch then predicts the same round and the search picks
+        the smallest batch) keeps the current model's shape at the observed level."""
         obs = self.observed[worker]
         obs.extend((float(b), float(s)) for b, s in zip(batches, seconds, strict=True) if s > 0)
         del obs[: -self.OBSERVED_WINDOW]
         if not (self.planned and obs):
             return
+        old = self.step_models[worker]
         if len({b for b, _ in obs}) >= 2:
-            self.step_models[worker] = StepTimeModel.fit(*_medians(obs))
+            fit = StepTimeModel.fit(*_medians(obs))
+            if fit.overhead_s > 0 or old.overhead_s <= 0:
+                self.step_models[worker] = fit
+            else:  # noise pushed the free intercept below 0: keep the shape, match the level
+                sizes, secs = _medians(obs)
+                level = float(
+                    np.median([t / old.step_s(b) for b, t in zip(sizes, secs, strict=True)])
+                )
+                self.step_models[worker] = old.scaled(level)
         else:  # one step size in the window: keep the model's shape, match its level
             b = obs[-1][0]
             measured = float(np.median([t for _, t in obs]))
