@@ -21,8 +21,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture
 def no_leftover_processes():
-    """Fail if the test leaves a Ray process behind (processes that were already
-    running before the test, e.g. another user's, are ignored)."""
+    """Fail if the test leaves a Ray process behind. Only processes this test session
+    started count (``simhelpers.SESSION_MARK`` in their environment): another job's Ray
+    on the same machine is ignored, whenever it starts."""
     before = {p.pid for p in ray_processes()}
     yield
     left = wait_no_ray(ignore=before)

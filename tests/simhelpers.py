@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 
 import psutil
 from hydra import compose, initialize_config_dir
@@ -26,7 +28,23 @@ def make_cfg(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
+# Every process this test session starts (Ray's GCS, raylet and workers included) inherits
+# this marker through its environment, even after it is re-parented: a Ray process
+# without it belongs to another job on the machine and is never counted.
+SESSION_MARK = "SKY_FLOWER_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def _ours(proc: psutil.Process) -> bool:
+    """Whether ``proc`` was started by this test session (its environment has our mark)."""
+    try:
+        return proc.environ().get(SESSION_MARK) == os.environ[SESSION_MARK]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
 def ray_processes() -> list[psutil.Process]:
+    """Ray processes (GCS, raylet, workers) started by this test session."""
     found = []
     for proc in psutil.process_iter(["name", "cmdline", "status"]):
         try:
@@ -35,7 +53,7 @@ def ray_processes() -> list[psutil.Process]:
             continue
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue  # exited; only waits to be reaped (this container's init may never)
-        if "raylet" in text or "gcs_server" in text or "ray::" in text:
+        if ("raylet" in text or "gcs_server" in text or "ray::" in text) and _ours(proc):
             found.append(proc)
     return found
 

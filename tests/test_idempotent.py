@@ -243,14 +243,14 @@ def _msg(nid: int, mtype: str, content: dict) -> Message:
     return msg
 
 
-def _setup(grid: RedeliveringGrid, full: dict, session: int) -> None:
+def _setup(grid: RedeliveringGrid, full: dict, session: int, optimizer: str = "adam") -> None:
     from flwr.app import ArrayRecord
 
     from sky_flower.pipeline.stage import slice_state
 
     for k, (first, last) in enumerate([(0, 1), (2, 3)]):
         st = P.StageConfig(
-            k, first, last, k == 0, k == 1, M, B, "adam", 0.01, 1, 0, session=session
+            k, first, last, k == 0, k == 1, M, B, optimizer, 0.01, 1, 0, session=session
         )
         content = {
             P.ARRAYS: ArrayRecord(slice_state(full, first, last)),
@@ -295,19 +295,25 @@ def _collect(grid: RedeliveringGrid, session: int) -> dict:
 def test_a_steps_micro_batches_in_any_order_and_repeated_equal_in_order(seed, server_identity):
     """Each step's micro-batch messages reach each stage in a random order (``seed``;
     None: in order), every one of them twice: the weights after two steps equal unsplit
-    training's (``reference_rounds``), as in order. Only the order of the gradient sum
-    changes, hence its rounding: Adam's normalisation magnifies that for an entry whose
-    gradient is near zero (up to 5e-6 here, one entry in 65536), so ``atol`` 1e-5 out
-    of order."""
+    training's (``reference_rounds``), as in order.
+
+    Out of order only the order of the gradient sum over the ``M`` micro-batches
+    changes, hence its rounding. With SGD that reaches a weight as ``lr`` times it: at
+    most ``lr * STEPS * M * eps32 * sum_m |g_m|`` (``eps32`` = 1.19e-7), below 1e-7 for
+    this model's gradients (each ``|g_m|`` is far below 10), so the in-order tolerance
+    holds out of order too. (Adam divides by ``sqrt(v)``, which for a near-zero gradient
+    entry magnifies the same rounding without bound: not a property of the protocol.)"""
     import numpy.random
 
     grid, full, data = _two_stage_grid()
-    _setup(grid, full, session=7)
+    _setup(grid, full, session=7, optimizer="sgd")
     rng = None if seed is None else numpy.random.default_rng(seed)
     for step in range(STEPS):
         _one_step(grid, step, 7, rng, repeat=True)
-    weights, _ = reference_rounds(_task().Net, data, 1, STEPS, 0.01, B, M, weights=full)[0]
-    _assert_weights(_collect(grid, 7), weights, atol=1e-6 if seed is None else 1e-5)
+    weights, _ = reference_rounds(
+        _task().Net, data, 1, STEPS, 0.01, B, M, optimizer="sgd", weights=full
+    )[0]
+    _assert_weights(_collect(grid, 7), weights, atol=1e-6)
 
 
 def test_missed_set_up_and_missing_stash_are_the_nodes_failure(server_identity):
