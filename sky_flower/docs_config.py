@@ -30,7 +30,7 @@ from typing import Any
 from sky_flower.emulation.devices import Emulation
 from sky_flower.sky.settings import GROUPS, SkySettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout (a repository tool)
 CONF = ROOT / "conf"
 APP_PYPROJECT = ROOT / "examples" / "sky-app" / "pyproject.toml"
 
@@ -283,7 +283,20 @@ def yaml_section(
 
 
 def render() -> str:
-    """The whole page, as ``docs/configuration.md`` holds it."""
+    """The whole page, as ``docs/configuration.md`` holds it.
+
+    Raises
+    ------
+    FileNotFoundError
+        Outside a checkout of the repository (``conf/`` and ``examples/`` are read from
+        it), naming what is missing.
+    """
+    for need in (CONF / "config.yaml", APP_PYPROJECT):
+        if not need.is_file():
+            raise FileNotFoundError(
+                f"{need} not found: run python -m sky_flower.docs_config from a checkout "
+                "of the repository (make docs), not from an installed wheel"
+            )
     parts = [HEADER, *settings_section(), *groups_section(), *fleet_section()]
     parts += yaml_section(
         "Simulation (`simulation.*`, Hydra only)",
