@@ -36,16 +36,33 @@ def test_readme_is_at_most_200_lines():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: move detail into docs/"
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown page (lower case, punctuation dropped,
+    spaces as hyphens), headings inside code fences skipped."""
+    out, fence = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"^#{1,6} ", line):
+            text = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return out
+
+
 def test_relative_links_resolve():
-    """Every ``[text](path)`` that is not a URL or an anchor names an existing file."""
+    """Every ``[text](path#anchor)`` that is not a URL names an existing file and, on a
+    Markdown page, an existing heading."""
     missing = []
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"^[a-z]+:", target):
                 continue
-            path = (page.parent / target.split("#", 1)[0]).resolve()
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
             if not path.exists():
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
     assert not missing, missing
 
 
