@@ -14,7 +14,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
 
-.PHONY: install run test test-fast lint format clean
+.PHONY: install run test test-fast lint format docs clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,11 @@ lint: install
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# docs/configuration.md is generated from the settings' own metadata (sky_flower/docs_config.py);
+# tests/test_docs.py fails when it is stale: run `make docs` after changing a setting.
+docs: install
+	$(PY) -m sky_flower.docs_config > docs/configuration.md
 
 # Both pytest calls run; the target fails if either fails (pytest's exit 5, "no tests
 # collected", is a failure too: each call must select tests).

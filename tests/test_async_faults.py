@@ -154,7 +154,7 @@ def test_a_silent_worker_is_removed_by_name_and_the_barrier_stops_waiting(name, 
 @pytest.mark.parametrize(("name", "max_time_s"), [("asp", 20.0), ("bsp", 0.8)])
 def test_a_silent_worker_fails_the_run_by_default_naming_it(name, max_time_s):
     """Default min_live_workers (all): the first removal fails the run, naming the worker
-    (the README's promise for message_timeout_s). BSP with max_time_s below the deadline
+    (docs/hermes.md's promise for message_timeout_s). BSP with max_time_s below the deadline
     once waited at its barrier until max_time_s and returned normally: now the rounds still
     running at the end get their deadline too."""
     strategy, grid, model = _run(

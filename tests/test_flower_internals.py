@@ -10,7 +10,7 @@ from sky_flower.jobs.hermes import concurrent_messages, flower_pool_unpatchable
 def test_installed_flower_still_has_the_worker_pool_the_hermes_job_widens() -> None:
     # If this fails after a Flower upgrade: read vce_api.run_api, then either extend
     # PATCHED_FLOWER (the bare ThreadPoolExecutor() is still there) or use Flower's new
-    # setting for concurrent message workers, and update the README (Hermes section).
+    # setting for concurrent message workers, and update docs/hermes.md.
     assert flower_pool_unpatchable() is None
 
 

@@ -22,7 +22,7 @@ from sky_flower.sky.settings import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SKY_APP = ROOT / "examples" / "sky-app" / "pyproject.toml"
-# the example app's own choices (its README figures are measured with them)
+# the example app's own choices (its documented figures are measured with them)
 APP_CHOICES = {"num-server-rounds": 2, "lr": 0.001}
 
 

@@ -18,7 +18,7 @@ memory come from :func:`sky_flower.sky.planning.profile_model`; a device takes
 (:func:`sky_flower.core.fleets.synthetic_node_profiles`), with its memory cap and a
 10 ms / 100 MB/s link; round times are the
 joint planner's predictions (:func:`sky_flower.core.federated.plan_federation`; the
-cost model's measured-vs-predicted agreement is in the README). Accuracy per round is
+cost model's measured-vs-predicted agreement is in docs/benchmarks/). Accuracy per round is
 computed by the reference loop (each owner trains the whole model alone on its stage
 0's batches, FedAvg weighted by samples trained): Sky's split execution equals it to
 1e-5 (``tests/test_federation.py``), so no pipeline needs to run here. Rounds to

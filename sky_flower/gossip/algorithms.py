@@ -201,7 +201,7 @@ class DeTAG(DecentralizedAlgorithm):
         x_{k+1} = AG_R(x_k) - alpha AG_R(y_k)        (y_0 = 0, g_{-1} = 0)
         y_{k+1} = AG_R(y_k) + g_k - g_{k-1}
 
-    ``variant="atc"`` (not in the paper; kept because the README's earlier tables used
+    ``variant="atc"`` (not in the paper; kept because earlier benchmark tables used
     it): the tracker takes the phase's gradient *before* gossip::
 
         y_{k+1/2} = y_k + g_k - g_{k-1}

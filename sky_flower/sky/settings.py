@@ -159,7 +159,7 @@ FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 class ReplanSettings:
     """Online re-planning (:mod:`sky_flower.sky.replan`) and optimizer state across
     rounds (:mod:`sky_flower.sky.migration`). ``mode`` off by default: the plan stays
-    fixed (as before) unless a run asks for it; see the README's "Online re-planning"."""
+    fixed (as before) unless a run asks for it; see docs/replanning.md."""
 
     mode: str = _setting("off", "replan", "replan.mode", choices=("off", "on", "force"))
     threshold: float = _setting(0.10, "replan-threshold", "replan.threshold", FRACTION)

@@ -1,0 +1,81 @@
+"""The documentation stays true to the code (fast, no engine, no subprocess):
+docs/configuration.md is what ``python -m sky_flower.docs_config`` prints now, every
+setting appears in it, the README stays short, and every relative link in README.md,
+CHANGELOG.md and docs/ points at a file that exists."""
+
+import re
+from pathlib import Path
+
+from sky_flower.docs_config import render
+from sky_flower.plan_picture import picture
+from sky_flower.sky.settings import run_config_keys, settings_fields
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_configuration_page_is_generated_from_the_settings():
+    """A setting added, renamed or given another default without ``make docs`` fails here."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == render(), "docs/configuration.md is stale: run `make docs` and commit it"
+
+
+def test_every_setting_is_on_the_configuration_page():
+    """Every run-config key and Hydra path is named on the committed page."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for key in run_config_keys():
+        assert f"`{key}`" in page, key
+    for f, _ in settings_fields():
+        hydra = f.metadata["hydra"]
+        if hydra:
+            assert f"`{hydra}`" in page, hydra
+
+
+def test_readme_is_at_most_200_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move detail into docs/"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown page (lower case, punctuation dropped,
+    spaces as hyphens), headings inside code fences skipped."""
+    out, fence = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"^#{1,6} ", line):
+            text = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return out
+
+
+def test_relative_links_resolve():
+    """Every ``[text](path#anchor)`` that is not a URL names an existing file and, on a
+    Markdown page, an existing heading."""
+    missing = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
+            if not path.exists():
+                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
+    assert not missing, missing
+
+
+def test_plan_picture_draws_each_pipeline_to_scale():
+    """Each stage is as wide as its layers (6 characters a layer, one a separator)."""
+    plan = {
+        "pipelines": [
+            {"owner": "a", "stages": [["a", 0, 0], ["b", 1, 2]], "predicted_step_time_s": 1.5},
+            {"owner": "c", "stages": [["c", 0, 2]]},
+        ],
+        "idle_nodes": ["d"],
+    }
+    lines = picture(plan).splitlines()
+    assert lines[1].endswith("|a 0--|b 1-2------|  step 1.500 s")
+    assert lines[2].endswith("|c 0-2------------|")
+    assert lines[3] == "idle: d"
