@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sky_flower.emulation.devices import expand_fleet
+from sky_flower.emulation.devices import check_fleet_devices, expand_fleet
 from sky_flower.jobs.common import (
     SkyRecorder,
     model_and_data,
@@ -114,11 +114,13 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
     ------
     ValueError
         On a planning-only or bad model, data set or objective
-        (:func:`sky_flower.jobs.common.model_and_data`), a fleet the simulation cannot run, a direct
+        (:func:`sky_flower.jobs.common.model_and_data`), a fleet the simulation cannot run
+        (a node whose ``device`` asks for CUDA this machine lacks among them), a direct
         transport whose stages cannot all run at once, or a batch larger than the data
         owner's examples.
     """
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
+    check_fleet_devices(fleet)  # a CUDA node on a machine without CUDA: refused here
     built = model_and_data(cfg, settings, settings.schedule.transport)
     schedule = settings.schedule_object()
     cpus, per_node = simulation_cpus(cfg)
