@@ -51,6 +51,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from sky_flower.emulation.devices import Emulation, compose_fleet, expand_fleet
+from sky_flower.pipeline.device import check_device
 from sky_flower.sky.settings import SkySettings, in_run_config_words, run_config_keys
 
 if TYPE_CHECKING:
@@ -312,7 +313,9 @@ def emulation_from_node_config(node_config: Mapping[str, Any]) -> Emulation:
         value = node_config[key]
         if field == "holds_data":
             spec[field] = _parse_bool(key, value)
-        elif field in ("fail_on", "fail_mode", "device"):
+        elif field == "device":
+            spec[field] = check_device(value, f"node config {key}")
+        elif field in ("fail_on", "fail_mode"):
             spec[field] = str(value)
         elif field in ("fail_round", "fail_step"):
             spec[field] = int(value)  # type: ignore[arg-type]
