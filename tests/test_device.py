@@ -186,3 +186,13 @@ def test_benchmark_json_carries_each_nodes_device(tmp_path, caplog) -> None:
     del reply["device"], reply["device_name"]
     old = P.ProfileReply.from_config_record(reply)
     assert (old.device, old.device_name) == ("cpu", P.NO_HOST)
+
+
+def test_simulated_nodes_ask_ray_for_a_gpu_share_only_with_a_cuda_node() -> None:
+    from sky_flower.jobs.common import backend_config, simulation_gpus
+
+    assert simulation_gpus({"a": "cpu", "b": "cpu"}, gpus=1) == 0.0
+    assert simulation_gpus({"a": "cpu", "b": "cuda:0"}, gpus=0) == 0.0
+    assert simulation_gpus({"a": "cpu", "b": "cuda:0", "c": "cpu"}, gpus=1) == pytest.approx(1 / 3)
+    assert simulation_gpus({"a": "cuda:0", "b": "cuda:1"}, gpus=4) == 1.0
+    assert backend_config(2, 0.5)["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.0}

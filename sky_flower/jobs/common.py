@@ -67,10 +67,22 @@ def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
     return cpus, per_node
 
 
-def backend_config(cpus: int, per_node: float) -> dict[str, Any]:
-    """``run_simulation``'s backend config: ``per_node`` CPUs per node of ``cpus``."""
+def simulation_gpus(devices: Mapping[str, str], gpus: int) -> float:
+    """Ray GPUs per simulated node for a fleet whose nodes resolved to ``devices`` (name
+    -> ``"cpu"`` / ``"cuda:N"``) on a machine with ``gpus`` GPUs: 0 when no node is on
+    a GPU, else the GPUs shared evenly among all nodes (at most 1 each). Ray hides the
+    GPUs (``CUDA_VISIBLE_DEVICES=""``) from a node that asks for none, and every node of
+    Flower's simulation asks for the same resources."""
+    if gpus < 1 or not any(d.startswith("cuda") for d in devices.values()):
+        return 0.0
+    return min(1.0, gpus / max(len(devices), 1))
+
+
+def backend_config(cpus: int, per_node: float, gpus_per_node: float = 0.0) -> dict[str, Any]:
+    """``run_simulation``'s backend config: ``per_node`` CPUs per node of ``cpus``, and
+    ``gpus_per_node`` GPUs (:func:`simulation_gpus`)."""
     return {
-        "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": per_node, "num_gpus": gpus_per_node},
         "init_args": {"num_cpus": cpus, "logging_level": "error"},
     }
 
@@ -84,6 +96,7 @@ def simulate(
     check: Callable[[], None] = lambda: None,
     on_error: Callable[[], None] = lambda: None,
     engine: Callable[[], AbstractContextManager] = nullcontext,
+    gpus_per_node: float = 0.0,
 ) -> dict[str, Any]:
     """Run ``start(grid)`` as the ServerApp and ``client_app`` on ``num_supernodes``
     nodes in Flower's simulation engine; return ``record(error)``, which also runs when
@@ -111,6 +124,8 @@ def simulate(
         Called first on a failure (e.g. to stop a ServerApp still waiting on nodes).
     engine : callable
         A context manager around the engine (e.g. a wider message thread pool).
+    gpus_per_node : float
+        Ray GPUs per node (:func:`simulation_gpus`; 0: the nodes see no GPU).
 
     Raises
     ------
@@ -140,7 +155,7 @@ def simulate(
                 server_app=server_app,
                 client_app=client_app,
                 num_supernodes=num_supernodes,
-                backend_config=backend_config(*cpus_per_node),
+                backend_config=backend_config(*cpus_per_node, gpus_per_node),
             )
         check()
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised

@@ -26,6 +26,7 @@ from sky_flower.jobs.common import (
     save_model,
     simulate,
     simulation_cpus,
+    simulation_gpus,
     sky_results,
     write_json,
 )
@@ -120,7 +121,7 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
         owner's examples.
     """
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
-    check_fleet_devices(fleet)  # a CUDA node on a machine without CUDA: refused here
+    devices = check_fleet_devices(fleet)  # a CUDA node on a machine without CUDA: refused here
     built = model_and_data(cfg, settings, settings.schedule.transport)
     schedule = settings.schedule_object()
     cpus, per_node = simulation_cpus(cfg)
@@ -148,6 +149,7 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
         "fleet": fleet,
         "cpus": cpus,
         "per_node": per_node,
+        "gpus_per_node": simulation_gpus(devices, torch.cuda.device_count()),
     }
 
 
@@ -221,6 +223,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         (inputs["cpus"], inputs["per_node"]),
         lambda error: write_outputs(out_dir, strategy, recorder, error),
         on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
+        gpus_per_node=inputs["gpus_per_node"],
     )
 
 
