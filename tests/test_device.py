@@ -90,6 +90,8 @@ def test_a_job_with_a_cuda_node_is_refused_before_flower_starts(tmp_path) -> Non
     with pytest.raises(ValueError, match=r"node 'node0': device is 'cuda'.*not available"):
         run_job(cfg, tmp_path)
     assert not (tmp_path / "benchmark.json").exists()
+    with pytest.raises(ValueError, match=r"node 'cloud-gpu': device is 'cuda'"):
+        run_job(make_cfg(["fleet=gpu3"]), tmp_path)  # the packaged GPU fleet
     with pytest.raises(ValueError, match="node 'b': device"):
         check_fleet_devices([Emulation("a", holds_data=True), Emulation("b", device="cuda")])
 
