@@ -191,7 +191,8 @@ def test_benchmark_json_carries_each_nodes_device(tmp_path, caplog) -> None:
 
 
 def test_simulated_nodes_ask_ray_for_a_gpu_share_only_with_a_cuda_node() -> None:
-    from sky_flower.jobs.common import backend_config, simulation_gpus
+    from sky_flower.jobs.common import backend_config
+    from sky_flower.jobs.sky import simulation_gpus
 
     assert simulation_gpus({"a": "cpu", "b": "cpu"}, gpus=1) == 0.0
     assert simulation_gpus({"a": "cpu", "b": "cuda:0"}, gpus=0) == 0.0

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from sky_flower.core.ties import refuse_ties_across_entries
+from sky_flower.pipeline.device import clock
 from sky_flower.pipeline.example import example_input
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -379,12 +380,9 @@ class NodeProfile:
         (emulated slowdown included), also spread over the step's micro-batches in
         ``layer_bwd_s``; ``direct`` charges it where it runs, once at the end of the
         step. ``()`` = not given (the spread stays).
-    device : str
-        Where the node's stages compute (``"cpu"``, ``"cuda:N"``), which its layer and
-        optimizer times were measured on and ``memory_bytes`` is of (the GPU's free
-        memory for a CUDA node, capped by the fleet's ``memory_mb``).
-    device_name : str
-        The device's name (the GPU's, or the CPU's model); ``""`` = not reported.
+    device, device_name : str
+        Where the node's stages compute (``"cpu"``, ``"cuda:N"``: what the times and
+        ``memory_bytes`` are of) and its name (``""`` = not reported).
     """
 
     name: str
@@ -429,9 +427,8 @@ def time_layers(
 
     Runs every layer on a micro-batch of the configured shape, ``warmup`` untimed
     passes then ``repeats`` timed ones, and returns the medians. ``dtype`` is the input's
-    (as :func:`profile_layers`). ``device``: where the layers run (the model's layers
-    are moved there, the input created there); a CUDA device is synchronized before
-    and after each timed pass (its kernels run asynchronously).
+    (as :func:`profile_layers`). ``device``: where the layers run (moved there; a CUDA
+    device is synchronized around each timed pass).
 
     Returns
     -------
@@ -439,9 +436,6 @@ def time_layers(
         Seconds per micro-batch, one entry per layer.
     """
     import statistics
-    import time
-
-    from sky_flower.pipeline.device import synchronize
 
     layers = as_layers(model)
     x = example_input(microbatch_size, input_shape, dtype).to(device)
@@ -454,15 +448,12 @@ def time_layers(
         y = None
         for rep in range(warmup + repeats):
             x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
-            synchronize(device)
-            t0 = time.perf_counter()
+            t0 = clock(device)
             y = layer(x_in)
-            synchronize(device)
-            t1 = time.perf_counter()
+            t1 = clock(device)
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
-            synchronize(device)
-            t2 = time.perf_counter()
+            t2 = clock(device)
             if rep >= warmup:
                 f_times.append(t1 - t0)
                 b_times.append(t2 - t1)
@@ -486,9 +477,6 @@ def time_optimizer_steps(
     each step). A stage steps once per training step, so the training job spreads this
     over the step's micro-batches (``layer_bwd_s += step / M``)."""
     import statistics
-    import time
-
-    from sky_flower.pipeline.device import synchronize
 
     out = []
     for layer in as_layers(model):
@@ -502,11 +490,9 @@ def time_optimizer_steps(
             p.grad = torch.ones_like(p)
         times = []
         for rep in range(warmup + repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
+            t0 = clock(device)
             opt.step()
-            synchronize(device)
             if rep >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(clock(device) - t0)
         out.append(statistics.median(times))
     return out

@@ -67,20 +67,9 @@ def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
     return cpus, per_node
 
 
-def simulation_gpus(devices: Mapping[str, str], gpus: int) -> float:
-    """Ray GPUs per simulated node for a fleet whose nodes resolved to ``devices`` (name
-    -> ``"cpu"`` / ``"cuda:N"``) on a machine with ``gpus`` GPUs: 0 when no node is on
-    a GPU, else the GPUs shared evenly among all nodes (at most 1 each). Ray hides the
-    GPUs (``CUDA_VISIBLE_DEVICES=""``) from a node that asks for none, and every node of
-    Flower's simulation asks for the same resources."""
-    if gpus < 1 or not any(d.startswith("cuda") for d in devices.values()):
-        return 0.0
-    return min(1.0, gpus / max(len(devices), 1))
-
-
 def backend_config(cpus: int, per_node: float, gpus_per_node: float = 0.0) -> dict[str, Any]:
-    """``run_simulation``'s backend config: ``per_node`` CPUs per node of ``cpus``, and
-    ``gpus_per_node`` GPUs (:func:`simulation_gpus`)."""
+    """``run_simulation``'s backend config: ``per_node`` CPUs (of ``cpus``) and
+    ``gpus_per_node`` GPUs (:func:`simulation_gpus`) per node."""
     return {
         "client_resources": {"num_cpus": per_node, "num_gpus": gpus_per_node},
         "init_args": {"num_cpus": cpus, "logging_level": "error"},
@@ -125,7 +114,7 @@ def simulate(
     engine : callable
         A context manager around the engine (e.g. a wider message thread pool).
     gpus_per_node : float
-        Ray GPUs per node (:func:`simulation_gpus`; 0: the nodes see no GPU).
+        Ray GPUs per node (:func:`simulation_gpus`).
 
     Raises
     ------

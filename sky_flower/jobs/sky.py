@@ -10,7 +10,7 @@ are :class:`sky_flower.sky.settings.SkySettings` (``SkySettings.from_hydra``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from sky_flower.jobs.common import (
     save_model,
     simulate,
     simulation_cpus,
-    simulation_gpus,
     sky_results,
     write_json,
 )
@@ -34,6 +33,15 @@ from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.lm import lm_cross_entropy, perplexity
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.sky.settings import SkySettings
+
+
+def simulation_gpus(devices: Mapping[str, str], gpus: int) -> float:
+    """Ray GPUs per simulated node (Flower's nodes all ask for the same; Ray hides the
+    GPUs from a node that asks for none): 0 unless a node's device (``devices``: name ->
+    ``"cpu"`` / ``"cuda:N"``) is a GPU, else this machine's ``gpus`` shared evenly."""
+    if gpus < 1 or not any(d.startswith("cuda") for d in devices.values()):
+        return 0.0
+    return min(1.0, gpus / max(len(devices), 1))
 
 
 def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None:

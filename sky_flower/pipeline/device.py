@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import platform
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,6 +140,13 @@ def synchronize(device: torch.device | str) -> None:
     kernel launch must synchronize); nothing on the CPU."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device | str) -> float:
+    """``time.perf_counter()`` once ``device``'s queued work is done (:func:`synchronize`):
+    what a timer around GPU work must read."""
+    synchronize(device)
+    return time.perf_counter()
 
 
 def direct_backend(devices: Sequence[str], hosts: Sequence[str] = ()) -> str:

@@ -45,6 +45,7 @@ from torch import nn
 from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
+from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.objective import correct_count
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -344,6 +345,7 @@ class StageExecutor:
         if self.optimizer is not None:
             self.optimizer.step()
         self.module.zero_grad(set_to_none=True)
+        synchronize(self.device)  # a GPU's step has run when the handler's timer stops
         self.steps += 1
 
     def _chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
