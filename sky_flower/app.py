@@ -27,13 +27,14 @@ Your own model, data and objective in a Flower app: pass them to both calls (``m
 on every node as ``python -m sky_flower.run``); the run config's ``loss`` and ``metric``
 name the objective by reference.
 
-Node config (``flower-supernode --node-config``): ``sky-node=<name>`` names the node; its
-emulated device is ``sky-holds-data``, ``sky-slowdown``, ``sky-memory-mb``,
+Node config (``flower-supernode --node-config``): ``sky-node=<name>`` names the node;
+its emulated device is ``sky-holds-data``, ``sky-slowdown``, ``sky-memory-mb``,
 ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (the fleet file's keys, see
-:class:`sky_flower.emulation.devices.Emulation`); its data is ``partition-id`` of
-``num-partitions``. A node with no ``sky-node`` (Flower's simulation engine, which sets
-only ``partition-id`` / ``num-partitions``) is fleet node ``partition-id`` of the run
-config's ``fleet``.
+:class:`sky_flower.emulation.devices.Emulation`); ``sky-device`` (``auto`` by default,
+``cpu``, ``cuda``, ``cuda:N``) is the real device its stages compute on; its data is
+``partition-id`` of ``num-partitions``. A node with no ``sky-node`` (Flower's simulation
+engine, which sets only ``partition-id`` / ``num-partitions``) is fleet node
+``partition-id`` of the run config's ``fleet``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from sky_flower.emulation.devices import Emulation, compose_fleet, expand_fleet
+from sky_flower.pipeline.device import check_device
 from sky_flower.sky.settings import SkySettings, in_run_config_words, run_config_keys
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ NODE_CONFIG_KEYS = {
     "sky-memory-mb": "memory_mb",
     "sky-latency-ms": "latency_ms",
     "sky-bandwidth-mb-s": "bandwidth_mb_s",
+    "sky-device": "device",
     "sky-fail-on": "fail_on",
     "sky-fail-mode": "fail_mode",
     "sky-fail-round": "fail_round",
@@ -285,8 +288,8 @@ def emulation_from_node_config(node_config: Mapping[str, Any]) -> Emulation:
     ----------
     node_config : mapping
         ``sky-node`` (the name) and any of ``sky-holds-data``, ``sky-slowdown``,
-        ``sky-memory-mb``, ``sky-latency-ms``, ``sky-bandwidth-mb-s`` (``sky-fail-*``
-        for tests: :mod:`sky_flower.emulation.faults`).
+        ``sky-memory-mb``, ``sky-latency-ms``, ``sky-bandwidth-mb-s``, ``sky-device``
+        (``sky-fail-*`` for tests: :mod:`sky_flower.emulation.faults`).
 
     Raises
     ------
@@ -310,6 +313,8 @@ def emulation_from_node_config(node_config: Mapping[str, Any]) -> Emulation:
         value = node_config[key]
         if field == "holds_data":
             spec[field] = _parse_bool(key, value)
+        elif field == "device":
+            spec[field] = check_device(value, f"node config {key}")
         elif field in ("fail_on", "fail_mode"):
             spec[field] = str(value)
         elif field in ("fail_round", "fail_step"):

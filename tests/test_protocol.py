@@ -141,11 +141,12 @@ def test_lists_nested_records_and_defaults():
         )
     direct = EXAMPLES[8]
     rec = dict(direct.to_config_record())
-    assert len(rec) == 35  # the 27 keys of the direct round + is_first, is_last, loss, metric,
-    # input_dtype, session, chunk_layers, chunk_shapes
-    del rec["join_timeout_s"]  # the Rendezvous default holds (defined once, there)
-    default = dataclasses.fields(Rendezvous)[-1].default
-    assert P.DirectConfig.from_config_record(rec).rendezvous.join_timeout_s == default
+    assert len(rec) == 36  # the 27 keys of the direct round + is_first, is_last, loss, metric,
+    # input_dtype, session, chunk_layers, chunk_shapes, backend (issue 31)
+    del rec["join_timeout_s"], rec["backend"]  # the Rendezvous defaults hold (defined there)
+    defaults = {f.name: f.default for f in dataclasses.fields(Rendezvous)}
+    got = P.DirectConfig.from_config_record(rec).rendezvous
+    assert (got.join_timeout_s, got.backend) == (defaults["join_timeout_s"], "gloo")
     del rec["ticket"]
     with pytest.raises(
         P.ProtocolError, match="DirectConfig.rendezvous: the record lacks key 'ticket'"

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from sky_flower.core.ties import refuse_ties_across_entries
+from sky_flower.pipeline.device import clock
 from sky_flower.pipeline.example import example_input
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -379,6 +380,9 @@ class NodeProfile:
         (emulated slowdown included), also spread over the step's micro-batches in
         ``layer_bwd_s``; ``direct`` charges it where it runs, once at the end of the
         step. ``()`` = not given (the spread stays).
+    device, device_name : str
+        Where the node's stages compute (``"cpu"``, ``"cuda:N"``: what the times and
+        ``memory_bytes`` are of) and its name (``""`` = not reported).
     """
 
     name: str
@@ -396,6 +400,8 @@ class NodeProfile:
     host: str = ""
     host_parallelism: float = 0.0
     layer_step_s: tuple[float, ...] = ()
+    device: str = "cpu"
+    device_name: str = ""
 
     def to_dict(self) -> dict:
         """Plain-dict form for JSON (infinite bandwidth as ``None``)."""
@@ -415,12 +421,14 @@ def time_layers(
     warmup: int = 2,
     repeats: int = 5,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> tuple[list[float], list[float]]:
     """Time each layer's forward and backward pass on this machine.
 
     Runs every layer on a micro-batch of the configured shape, ``warmup`` untimed
     passes then ``repeats`` timed ones, and returns the medians. ``dtype`` is the input's
-    (as :func:`profile_layers`).
+    (as :func:`profile_layers`). ``device``: where the layers run (moved there; a CUDA
+    device is synchronized around each timed pass).
 
     Returns
     -------
@@ -428,24 +436,24 @@ def time_layers(
         Seconds per micro-batch, one entry per layer.
     """
     import statistics
-    import time
 
     layers = as_layers(model)
-    x = example_input(microbatch_size, input_shape, dtype)
+    x = example_input(microbatch_size, input_shape, dtype).to(device)
     fwd_s: list[float] = []
     bwd_s: list[float] = []
     for index, layer in enumerate(layers):
+        layer.to(device)
         f_times: list[float] = []
         b_times: list[float] = []
         y = None
         for rep in range(warmup + repeats):
             x_in = x.detach().requires_grad_(index > 0 and x.is_floating_point())
-            t0 = time.perf_counter()
+            t0 = clock(device)
             y = layer(x_in)
-            t1 = time.perf_counter()
+            t1 = clock(device)
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
-            t2 = time.perf_counter()
+            t2 = clock(device)
             if rep >= warmup:
                 f_times.append(t1 - t0)
                 b_times.append(t2 - t1)
@@ -462,15 +470,17 @@ def time_optimizer_steps(
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     warmup: int = 1,
     repeats: int = 3,
+    device: torch.device | str = "cpu",
 ) -> list[float]:
     """Seconds of one optimizer step over each layer's parameters (median; 0 for a layer
-    without parameters). A stage steps once per training step, so the training job
-    spreads this over the step's micro-batches (``layer_bwd_s += step / M``)."""
+    without parameters), the layer on ``device`` (a CUDA device synchronized around
+    each step). A stage steps once per training step, so the training job spreads this
+    over the step's micro-batches (``layer_bwd_s += step / M``)."""
     import statistics
-    import time
 
     out = []
     for layer in as_layers(model):
+        layer.to(device)
         params = [p for p in layer.parameters() if p.requires_grad]
         if not params:
             out.append(0.0)
@@ -480,9 +490,9 @@ def time_optimizer_steps(
             p.grad = torch.ones_like(p)
         times = []
         for rep in range(warmup + repeats):
-            t0 = time.perf_counter()
+            t0 = clock(device)
             opt.step()
             if rep >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(clock(device) - t0)
         out.append(statistics.median(times))
     return out

@@ -209,6 +209,7 @@ def _checked(app: Path, fleet_name: str, run_config: str, timeout_s: float) -> t
     """The fleet's nodes and the run config with ``fleet`` set (a Sky app), checked
     before anything starts (see :func:`run_local`)."""
     from sky_flower.app import load_fleet
+    from sky_flower.emulation.devices import check_fleet_devices
 
     fleet = load_fleet(fleet_name)
     if len(fleet) > MAX_NODES:
@@ -223,6 +224,10 @@ def _checked(app: Path, fleet_name: str, run_config: str, timeout_s: float) -> t
         )
     if not timeout_s > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {timeout_s:g}")
+    try:  # every SuperNode runs on this host: a CUDA node here needs CUDA here
+        check_fleet_devices(fleet)
+    except ValueError as err:
+        raise DeployError(f"fleet {fleet_name!r}: {err}") from err
     if "fleet" in app_run_config(app):  # a Sky app: the server plans for this fleet
         run_config = " ".join(x for x in (f"fleet='{fleet_name}'", run_config) if x)
     check_run_config(app, run_config)

@@ -70,6 +70,8 @@ def node_config(node: Emulation, partition_id: int, num_partitions: int) -> str:
         items["sky-memory-mb"] = f"{node.memory_mb:g}"
     if node.bandwidth_mb_s is not None:
         items["sky-bandwidth-mb-s"] = f"{node.bandwidth_mb_s:g}"
+    if node.device != "auto":
+        items["sky-device"] = f'"{node.device}"'
     if node.fail_on:
         items["sky-fail-on"] = f'"{node.fail_on}"'
         items["sky-fail-mode"] = f'"{node.fail_mode}"'

@@ -19,9 +19,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import psutil
+import torch
 
 from sky_flower.core.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 from sky_flower.emulation.faults import FAIL_MODES, FaultInjected
+from sky_flower.pipeline.device import check_device, resolve_device
 
 MIB = 1024 * 1024
 EMULATED_S = "emulated_s"  # a stage reply's metric: seconds its emulated slowdown slept
@@ -29,6 +31,7 @@ EMULATED_S = "emulated_s"  # a stage reply's metric: seconds its emulated slowdo
 __all__ = [
     "GENERATED_FLEET_KEYS",
     "MIB",
+    "check_fleet_devices",
     "compose_fleet",
     "Emulation",
     "FaultInjected",
@@ -96,6 +99,11 @@ class Emulation:
     join_round : int
         Drift: the node is absent before this round (the benchmark round included, so
         the first plan leaves it out); 0 = present from the start.
+    device : str
+        Where the node's stages compute (real, not emulated): ``auto`` (CUDA when
+        available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``
+        (:mod:`sky_flower.pipeline.device`). Checked for syntax here; a CUDA device
+        this machine lacks is refused when it is resolved (:meth:`torch_device`).
     """
 
     name: str
@@ -112,11 +120,13 @@ class Emulation:
     slowdown_schedule: Mapping[int, float] = field(default_factory=dict)
     leave_round: int = 0
     join_round: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         where = f"node {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"fleet node name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "device", check_device(self.device, f"{where}: device"))
         if not isinstance(self.holds_data, bool):
             raise ValueError(f"{where}: holds_data must be true or false, got {self.holds_data!r}")
         if self.fail_mode not in FAIL_MODES:
@@ -232,9 +242,21 @@ class Emulation:
             delay += nbytes / (self.bandwidth_mb_s * 1e6)
         return delay
 
-    def memory_bytes(self) -> int:
-        """Memory available for training: psutil's available memory, capped."""
-        available = int(psutil.virtual_memory().available)
+    def torch_device(self) -> torch.device:
+        """The node's device on this machine (:func:`sky_flower.pipeline.device.
+        resolve_device`).
+
+        Raises
+        ------
+        ValueError
+            Naming the node, if it asks for CUDA (or a GPU index) this machine lacks.
+        """
+        return resolve_device(self.device, f"node {self.name!r}: device")
+
+    def memory_bytes(self, available: int | None = None) -> int:
+        """Memory available for training: ``available`` bytes (the device's free memory;
+        default psutil's available memory), capped by ``memory_mb``."""
+        available = int(psutil.virtual_memory().available) if available is None else available
         if self.memory_mb is None:
             return available
         return min(available, int(self.memory_mb * MIB))
@@ -309,6 +331,18 @@ def parse_fleet(nodes: list[Mapping]) -> list[Emulation]:
     return fleet
 
 
+def check_fleet_devices(fleet: Sequence[Emulation]) -> dict[str, str]:
+    """Resolve every node's ``device`` on this machine (the nodes of an emulated fleet
+    run here), before Flower starts. Returns node name -> ``"cpu"`` / ``"cuda:N"``.
+
+    Raises
+    ------
+    ValueError
+        Naming the node, if one asks for CUDA (or a GPU index) this machine lacks.
+    """
+    return {n.name: str(n.torch_device()) for n in fleet}
+
+
 GENERATED_FLEET_KEYS = (
     "name",
     "nodes",
@@ -317,6 +351,7 @@ GENERATED_FLEET_KEYS = (
     "memory_mb",
     "latency_ms",
     "bandwidth_mb_s",
+    "device",
 )
 
 
@@ -327,9 +362,9 @@ def expand_fleet(fleet_cfg: Mapping) -> list[Emulation]:
     integer ``N``: SkyComputing's emulated fleet (``conf/fleet/skycomputing.yaml``),
     ``node0 .. node{N-1}`` with the slowdowns of
     :func:`sky_flower.core.fleets.skycomputing_slowdowns` (``seed``, default 35), ``node0``
-    the data owner, and the fleet's ``memory_mb``, ``latency_ms`` and ``bandwidth_mb_s``
-    on every node. ``flops_per_s`` is for the planner only (the training job measures
-    real compute) and is ignored here. An integer ``nodes`` makes ``fleet.nodes=4,8,16``
+    the data owner, and the fleet's ``memory_mb``, ``latency_ms``, ``bandwidth_mb_s`` and
+    ``device`` on every node. ``flops_per_s`` is for the planner only (the training job
+    measures real compute) and is ignored here. An integer ``nodes`` makes ``fleet.nodes=4,8,16``
     a Hydra sweep.
 
     Parameters
@@ -378,6 +413,7 @@ def expand_fleet(fleet_cfg: Mapping) -> list[Emulation]:
                 "memory_mb": fleet_cfg.get("memory_mb"),
                 "latency_ms": float(fleet_cfg.get("latency_ms") or 0.0),
                 "bandwidth_mb_s": fleet_cfg.get("bandwidth_mb_s"),
+                "device": fleet_cfg.get("device", "auto"),
             }
             for i, s in enumerate(slowdowns)
         ]

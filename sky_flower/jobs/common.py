@@ -67,10 +67,11 @@ def simulation_cpus(cfg: DictConfig) -> tuple[int, float]:
     return cpus, per_node
 
 
-def backend_config(cpus: int, per_node: float) -> dict[str, Any]:
-    """``run_simulation``'s backend config: ``per_node`` CPUs per node of ``cpus``."""
+def backend_config(cpus: int, per_node: float, gpus_per_node: float = 0.0) -> dict[str, Any]:
+    """``run_simulation``'s backend config: ``per_node`` CPUs (of ``cpus``) and
+    ``gpus_per_node`` GPUs (:func:`simulation_gpus`) per node."""
     return {
-        "client_resources": {"num_cpus": per_node, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": per_node, "num_gpus": gpus_per_node},
         "init_args": {"num_cpus": cpus, "logging_level": "error"},
     }
 
@@ -84,6 +85,7 @@ def simulate(
     check: Callable[[], None] = lambda: None,
     on_error: Callable[[], None] = lambda: None,
     engine: Callable[[], AbstractContextManager] = nullcontext,
+    gpus_per_node: float = 0.0,
 ) -> dict[str, Any]:
     """Run ``start(grid)`` as the ServerApp and ``client_app`` on ``num_supernodes``
     nodes in Flower's simulation engine; return ``record(error)``, which also runs when
@@ -111,6 +113,8 @@ def simulate(
         Called first on a failure (e.g. to stop a ServerApp still waiting on nodes).
     engine : callable
         A context manager around the engine (e.g. a wider message thread pool).
+    gpus_per_node : float
+        Ray GPUs per node (:func:`simulation_gpus`).
 
     Raises
     ------
@@ -140,7 +144,7 @@ def simulate(
                 server_app=server_app,
                 client_app=client_app,
                 num_supernodes=num_supernodes,
-                backend_config=backend_config(*cpus_per_node),
+                backend_config=backend_config(*cpus_per_node, gpus_per_node),
             )
         check()
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised

@@ -10,14 +10,14 @@ are :class:`sky_flower.sky.settings.SkySettings` (``SkySettings.from_hydra``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sky_flower.emulation.devices import expand_fleet
+from sky_flower.emulation.devices import check_fleet_devices, expand_fleet
 from sky_flower.jobs.common import (
     SkyRecorder,
     model_and_data,
@@ -33,6 +33,15 @@ from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.lm import lm_cross_entropy, perplexity
 from sky_flower.pipeline.objective import correct_count
 from sky_flower.sky.settings import SkySettings
+
+
+def simulation_gpus(devices: Mapping[str, str], gpus: int) -> float:
+    """Ray GPUs per simulated node (Flower's nodes all ask for the same; Ray hides the
+    GPUs from a node that asks for none): 0 unless a node's device (``devices``: name ->
+    ``"cpu"`` / ``"cuda:N"``) is a GPU, else this machine's ``gpus`` shared evenly."""
+    if gpus < 1 or not any(d.startswith("cuda") for d in devices.values()):
+        return 0.0
+    return min(1.0, gpus / max(len(devices), 1))
 
 
 def direct_concurrency_check(num_nodes: int, cpus: int, per_node: float) -> None:
@@ -114,11 +123,13 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
     ------
     ValueError
         On a planning-only or bad model, data set or objective
-        (:func:`sky_flower.jobs.common.model_and_data`), a fleet the simulation cannot run, a direct
+        (:func:`sky_flower.jobs.common.model_and_data`), a fleet the simulation cannot run
+        (a node whose ``device`` asks for CUDA this machine lacks among them), a direct
         transport whose stages cannot all run at once, or a batch larger than the data
         owner's examples.
     """
     fleet = expand_fleet(OmegaConf.to_container(cfg.fleet, resolve=True))  # type: ignore[arg-type]
+    devices = check_fleet_devices(fleet)  # a CUDA node on a machine without CUDA: refused here
     built = model_and_data(cfg, settings, settings.schedule.transport)
     schedule = settings.schedule_object()
     cpus, per_node = simulation_cpus(cfg)
@@ -146,6 +157,7 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
         "fleet": fleet,
         "cpus": cpus,
         "per_node": per_node,
+        "gpus_per_node": simulation_gpus(devices, torch.cuda.device_count()),
     }
 
 
@@ -219,6 +231,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         (inputs["cpus"], inputs["per_node"]),
         lambda error: write_outputs(out_dir, strategy, recorder, error),
         on_error=strategy.request_stop,  # the ServerApp thread may still be waiting on nodes
+        gpus_per_node=inputs["gpus_per_node"],
     )
 
 

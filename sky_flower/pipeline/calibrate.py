@@ -39,13 +39,30 @@ class NodeCalibration:
     host_parallelism: float = 0.0
 
 
-def _gpipe_step_s(microbatches: int, microbatch_size: int, steps: int) -> float:
-    """Median seconds of one step of a one-stage GPipe schedule over a tiny layer
-    (needs an initialised default process group of one rank)."""
+class _Crossing(nn.Module):
+    """``inner`` on ``device``, its input moved there and its output back to the CPU: a
+    ``direct`` stage on a GPU whose peers talk over gloo
+    (:class:`sky_flower.pipeline.emulated.EmulatedStage`)."""
+
+    def __init__(self, inner: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.inner, self.device = inner.to(device), device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.inner(x.to(self.device)).cpu()
+
+
+def _gpipe_step_s(
+    microbatches: int, microbatch_size: int, steps: int, device: torch.device | str = "cpu"
+) -> float:
+    """Median seconds of one step of a one-stage GPipe schedule over a tiny layer on
+    ``device`` (needs an initialised default process group of one rank)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     width = 8
-    module = nn.Linear(width, width)
+    module: nn.Module = nn.Linear(width, width)
+    if torch.device(device).type != "cpu":
+        module = _Crossing(module, torch.device(device))
     example = torch.zeros(microbatch_size, width)
     stage = PipelineStage(
         module,
@@ -67,17 +84,20 @@ def _gpipe_step_s(microbatches: int, microbatch_size: int, steps: int) -> float:
     return statistics.median(times[1:])
 
 
-def time_microbatch_overhead(microbatch_size: int = 8, steps: int = 5) -> float:
+def time_microbatch_overhead(
+    microbatch_size: int = 8, steps: int = 5, device: torch.device | str = "cpu"
+) -> float:
     """Fixed seconds per micro-batch of ``torch.distributed.pipelining``'s schedule on
     this node: ``(t(8) - t(1)) / 7`` for a one-stage GPipe step of a tiny layer with
-    8 and 1 micro-batches (its compute is negligible). 0 if a process group is already
-    initialised in this process (a stage is running: not measured)."""
+    8 and 1 micro-batches (its compute is negligible), the layer on ``device`` (on a
+    GPU: its kernel launches and the copies to and from it included). 0 if a process
+    group is already initialised in this process (a stage is running: not measured)."""
     if dist.is_initialized():
         return 0.0
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        one = _gpipe_step_s(1, microbatch_size, steps)
-        eight = _gpipe_step_s(8, microbatch_size, steps)
+        one = _gpipe_step_s(1, microbatch_size, steps, device)
+        eight = _gpipe_step_s(8, microbatch_size, steps, device)
     finally:
         dist.destroy_process_group()
     return max(eight - one, 0.0) / 7.0
@@ -148,10 +168,11 @@ def time_host_parallelism(workers: tuple[int, ...] = (2, 4), work: int = 24) -> 
     return best
 
 
-def calibrate_node(microbatch_size: int = 8) -> NodeCalibration:
-    """All three measurements and the host name (:func:`socket.gethostname`)."""
+def calibrate_node(microbatch_size: int = 8, device: torch.device | str = "cpu") -> NodeCalibration:
+    """All three measurements (the micro-batch overhead on the stage's ``device``) and
+    the host name (:func:`socket.gethostname`)."""
     return NodeCalibration(
-        microbatch_overhead_s=time_microbatch_overhead(microbatch_size),
+        microbatch_overhead_s=time_microbatch_overhead(microbatch_size, device=device),
         peer_latency_s=time_peer_echo(),
         host=socket.gethostname(),
         host_parallelism=time_host_parallelism(),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.stage import RngKey, forward_layers
 
 
@@ -93,15 +94,31 @@ class EmulatedStage(nn.Module):
         What to emulate; ``emulated.compute_s`` accumulates the measured compute (s).
     is_first, is_last : bool
         Position of the stage in the pipeline.
+    device : torch.device, optional
+        Where ``inner`` computes (default the CPU): the input is moved there.
+    comm_device : torch.device, optional
+        Where the schedule's tensors live (default the CPU: gloo peers): the output is
+        moved there. Autograd carries each gradient back across both moves; a CUDA
+        device is synchronized before the forward's timer stops.
 
     The ``i``-th forward since :meth:`start_step` is micro-batch ``i`` of that step
     (GPipe and 1F1B run a step's forwards in micro-batch order); its layers' randomness
     is keyed accordingly.
     """
 
-    def __init__(self, inner: nn.Module, emulated: Emulated, is_first: bool, is_last: bool):
+    def __init__(  # noqa: PLR0913
+        self,
+        inner: nn.Module,
+        emulated: Emulated,
+        is_first: bool,
+        is_last: bool,
+        device: torch.device | None = None,
+        comm_device: torch.device | None = None,
+    ):
         super().__init__()
         self.inner = inner
+        self.device = device or torch.device("cpu")
+        self.comm_device = comm_device or torch.device("cpu")
         self.emulated = emulated
         self.is_first, self.is_last = is_first, is_last
         self._t_backward = 0.0
@@ -144,9 +161,11 @@ class EmulatedStage(nn.Module):
         if x.requires_grad:
             x = _BackwardEnd.apply(x, self._box)
         t0 = time.perf_counter()
-        y = forward_layers(self.inner, x, self._key, self._microbatch)
+        y = forward_layers(self.inner, x.to(self.device), self._key, self._microbatch)
+        synchronize(self.device)
         self._microbatch += 1
         elapsed = time.perf_counter() - t0
+        y = y.to(self.comm_device)
         self.emulated.compute_s += elapsed
         if self.emulated.slowdown > 0:
             time.sleep(self.emulated.slowdown * elapsed)

@@ -135,6 +135,7 @@ def run_stage(  # noqa: PLR0913
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     rng: RngKey | None = None,
     input_dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -182,6 +183,12 @@ def run_stage(  # noqa: PLR0913
     input_dtype : torch.dtype or str, optional
         Dtype of this stage's input (default float32; int64 for the token ids entering
         a language model's first stage).
+    device : torch.device or str
+        Where the stage computes (its modules must be there already). With
+        ``rdv.backend == "gloo"`` the peers exchange CPU tensors: a GPU stage's
+        activations and gradients cross to and from the GPU at its edges
+        (:class:`~sky_flower.pipeline.emulated.EmulatedStage`); with ``nccl`` they stay
+        on the GPUs (labels included).
 
     Returns
     -------
@@ -201,18 +208,27 @@ def run_stage(  # noqa: PLR0913
     S = rdv.world_size
     C = len(chunks) * S
     emulated = emulated or Emulated()
+    device = torch.device(device)
+    comm = device if rdv.backend == "nccl" else torch.device("cpu")  # where peers' tensors live
     wrapped = [
-        EmulatedStage(ch.module, emulated, is_first=ch.index == 0, is_last=ch.index == C - 1)
+        EmulatedStage(
+            ch.module,
+            emulated,
+            is_first=ch.index == 0,
+            is_last=ch.index == C - 1,
+            device=device,
+            comm_device=comm,
+        )
         for ch in chunks
     ]
     rng = rng or RngKey()
     result = StageResult()
     t0 = time.perf_counter()
-    join(rdv)
+    join(rdv, device)
     try:
         result.setup_s = time.perf_counter() - t0
         stages = [
-            _pipeline_stage(ch, w, C, batch_size // microbatches)
+            _pipeline_stage(ch, w, C, batch_size // microbatches, device, comm)
             for ch, w in zip(chunks, wrapped, strict=True)
         ]
         for st, w in zip(stages, wrapped, strict=True) if kind == "zero_bubble" else ():
@@ -231,7 +247,7 @@ def run_stage(  # noqa: PLR0913
             for w in wrapped:
                 w.start_step(RngKey(rng.seed, rng.round, step))
             opt = None if optimizer is None else EmulatedOptimizer(optimizer, emulated)
-            _step(rdv, schedule, opt, batch_size, batch_fn, step, result, metric_fn)
+            _step(rdv, schedule, opt, batch_fn, step, result, metric_fn, comm)
             result.step_times_s.append(time.perf_counter() - t_step)
     except DirectStageError:
         raise
@@ -256,18 +272,28 @@ def _chunks(
     return list(module)
 
 
-def _pipeline_stage(chunk: Chunk, wrapped: nn.Module, C: int, mb_size: int) -> PipelineStage:
-    """``torch.distributed.pipelining`` stage ``chunk.index`` of ``C``, static shapes
-    from a side-effect-free probe of the chunk (in the group: a failure ends it for all)."""
+def _pipeline_stage(  # noqa: PLR0913
+    chunk: Chunk,
+    wrapped: nn.Module,
+    C: int,
+    mb_size: int,
+    device: torch.device | None = None,
+    comm: torch.device | None = None,
+) -> PipelineStage:
+    """``torch.distributed.pipelining`` stage ``chunk.index`` of ``C`` whose peer
+    tensors live on ``comm`` (default the CPU), static shapes from a side-effect-free
+    probe of the chunk on ``device`` (in the group: a failure ends it for all)."""
+    device, comm = device or torch.device("cpu"), comm or torch.device("cpu")
     example = example_input(mb_size, chunk.input_shape, chunk.input_dtype)
+    example_out = probe_forward(chunk.module, example.to(device)).to(comm)
+    example = example.to(comm)
     # static shapes: requires_grad decides what is sent back
     example.requires_grad_(chunk.index > 0 and example.is_floating_point())
-    example_out = probe_forward(chunk.module, example)
     return PipelineStage(
         wrapped,
         chunk.index,
         C,
-        torch.device("cpu"),
+        comm,
         input_args=example,
         output_args=example_out.requires_grad_(True),
     )
@@ -313,24 +339,28 @@ def _step(  # noqa: PLR0913
     rdv: Rendezvous,
     schedule: Any,
     optimizer: torch.optim.Optimizer | EmulatedOptimizer | None,
-    batch_size: int,
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,
     result: StageResult,
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    comm: torch.device | None = None,
 ) -> None:
     """One step of the schedule on this stage: labels to the last stage, the pipelined
-    forward and backward, the optimizer; the last stage records loss and accuracy."""
+    forward and backward, the optimizer; the last stage records loss and accuracy.
+    The batch and labels enter on ``comm`` (the device peer tensors live on; default
+    the CPU)."""
     rank, S = rdv.rank, rdv.world_size
+    comm = comm or torch.device("cpu")
     is_last = rank == S - 1
     label_work = None
     x = labels = None
     if rank == 0:
         x, labels = batch_fn(step)  # type: ignore[misc]
+        x, labels = x.to(comm), labels.to(comm)
         if S > 1:
             label_work = send_labels(labels, S - 1)
     if is_last and S > 1:
-        labels = recv_labels(0)
+        labels = recv_labels(0, comm)
     losses: list[torch.Tensor] = []
     if rank == 0:
         out = schedule.step(x, target=labels if is_last else None, losses=losses)
@@ -369,17 +399,21 @@ def send_labels(labels: torch.Tensor, dst: int) -> list:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = LABEL_DTYPES.index(labels.dtype), labels.dim()
     header[2 : 2 + labels.dim()] = torch.tensor(labels.shape, dtype=torch.int64)
+    header = header.to(labels.device)  # NCCL sends from the GPU
     return [
         dist.isend(header, dst=dst, tag=LABEL_TAG + 1),
         dist.isend(labels.contiguous(), dst=dst, tag=LABEL_TAG),
     ]
 
 
-def recv_labels(src: int) -> torch.Tensor:
-    """Receive labels sent by :func:`send_labels` from rank ``src``."""
-    header = torch.empty(_HEADER, dtype=torch.int64)
+def recv_labels(src: int, device: torch.device | None = None) -> torch.Tensor:
+    """Receive labels sent by :func:`send_labels` from rank ``src``, on ``device``
+    (where the group's tensors live: the CPU for gloo, this rank's GPU for NCCL)."""
+    device = device or torch.device("cpu")
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src=src, tag=LABEL_TAG + 1)
     ndim = int(header[1])
-    labels = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=LABEL_DTYPES[int(header[0])])
+    shape = [int(d) for d in header[2 : 2 + ndim]]
+    labels = torch.empty(shape, dtype=LABEL_DTYPES[int(header[0])], device=device)
     dist.recv(labels, src=src, tag=LABEL_TAG)
     return labels

@@ -5,7 +5,8 @@ and writes one random ticket per rank under the round's fresh prefix key; each s
 message carries only its own :class:`Rendezvous`. A stage that presents another ticket
 is refused (:class:`RankRefusedError`) before it joins the group; :func:`join` waits,
 bounded by the join timeout, until every planned stage has checked in, then builds the
-gloo group whose timeout bounds every later peer operation.
+gloo group (NCCL when every stage is on its own GPU) whose timeout bounds every later
+peer operation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import datetime
 import secrets
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 TICKETS = "sky.tickets"
@@ -55,6 +57,10 @@ class Rendezvous:
         Bound (seconds) on joining: reaching the store and waiting for every stage to
         join. At least ``timeout_s``; larger, since the stages' messages may start some
         seconds apart (a busy Flower simulation engine, a SuperNode's polling tick).
+    backend : {"gloo", "nccl"} (default: "gloo")
+        The group's backend: ``nccl`` only when every stage computes on its own GPU
+        (:func:`sky_flower.pipeline.device.direct_backend`); with ``gloo`` a GPU stage's
+        tensors cross to the CPU at its edges.
     """
 
     host: str
@@ -65,8 +71,11 @@ class Rendezvous:
     ticket: str
     timeout_s: float
     join_timeout_s: float = 60.0
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size} stages")
         if not self.timeout_s > 0:
@@ -86,6 +95,8 @@ class RoundHost:
         Bound on every peer operation of the round, seconds.
     join_timeout_s : float (default: 60.0)
         Bound on joining the round, seconds (see :class:`Rendezvous`).
+    backend : {"gloo", "nccl"} (default: "gloo")
+        The round's process-group backend (see :class:`Rendezvous`).
 
     Use as a context manager; the store stops when it exits.
     """
@@ -96,7 +107,9 @@ class RoundHost:
         timeout_s: float,
         host: str = "127.0.0.1",
         join_timeout_s: float = 60.0,
+        backend: str = "gloo",
     ) -> None:
+        self.backend = backend
         self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
         self.join_timeout_s = max(join_timeout_s, timeout_s)
         self.key = f"sky-{secrets.token_hex(8)}"
@@ -124,6 +137,7 @@ class RoundHost:
             self.tickets[rank],
             self.timeout_s,
             self.join_timeout_s,
+            self.backend,
         )
 
     def close(self) -> None:
@@ -143,9 +157,10 @@ def _device(host: str):  # noqa: ANN202 - a ProcessGroupGloo.Device
     return dist.ProcessGroupGloo.create_default_device()
 
 
-def join(rdv: Rendezvous) -> None:
-    """Join the round's gloo process group as ``rdv.rank`` (bounded by
-    ``rdv.join_timeout_s``; afterwards its operations by ``rdv.timeout_s``).
+def join(rdv: Rendezvous, device: torch.device | None = None) -> None:
+    """Join the round's process group (``rdv.backend``: gloo, or NCCL bound to this
+    stage's GPU ``device``) as ``rdv.rank`` (bounded by ``rdv.join_timeout_s``;
+    afterwards its operations by ``rdv.timeout_s``).
 
     Raises
     ------
@@ -178,20 +193,30 @@ def join(rdv: Rendezvous) -> None:
     # build the group, whose timeout (gloo fixes it when it connects) is the shorter
     # round timeout that bounds every operation.
     op_timeout = datetime.timedelta(seconds=rdv.timeout_s)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = op_timeout
-    opts._devices = [_device(rdv.host)]
+    extra: dict = {}
+    if rdv.backend == "nccl":  # every stage on its own GPU (direct_backend)
+        if device is None or device.type != "cuda":
+            raise DirectStageError(
+                f"stage {rdv.rank}: the round uses NCCL (every stage planned on a GPU), "
+                f"but this stage computes on {device or 'the CPU'}"
+            )
+        extra["device_id"] = device
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = op_timeout
+        opts._devices = [_device(rdv.host)]
+        extra["pg_options"] = opts
     try:
         arrived = dist.PrefixStore("arrived", store)
         arrived.set(str(rdv.rank), "1")
         arrived.wait([str(r) for r in range(rdv.world_size)], timeout)
         dist.init_process_group(
-            "gloo",
+            rdv.backend,
             store=dist.PrefixStore("pg", store),
             rank=rdv.rank,
             world_size=rdv.world_size,
             timeout=op_timeout,
-            pg_options=opts,
+            **extra,
         )
     except (RuntimeError, OSError) as err:
         raise DirectStageError(

@@ -16,15 +16,17 @@ Stateful layers are exact on every path (in-process, relay, direct):
   forward leaves them untouched (:func:`buffers_kept`); the recomputation, run once per
   micro-batch in micro-batch order, is the one that updates them, as the whole model
   run on the same micro-batches in the same order does.
-* **Randomness** (dropout): layer ``j``'s forward of micro-batch ``m`` of step ``s`` of
-  round ``r`` draws from the CPU generator seeded by ``(seed, r, s, m, j)``
+* **Randomness** (dropout): layer ``j``'s forward of micro-batch ``m`` of step ``s``
+  of round ``r`` draws from the CPU generator seeded by ``(seed, r, s, m, j)``
   (:func:`forward_layers`, :func:`layer_seed`), the global generator being restored
-  after it. The recomputation thus replays the forward's masks exactly (what
-  ``torch.utils.checkpoint`` does with ``preserve_rng_state``), on any node and in any
-  process. Stages on different nodes cannot share one generator stream, so this keyed
-  stream *defines* the reference: the whole model run with :func:`forward_layers` on
-  the same micro-batches (``tests/reference.py``'s ``reference_rounds``); it does not
-  depend on where the model is cut.
+  after it; on a GPU, from that GPU's generator seeded the same way (CUDA's Philox
+  stream differs from the CPU's: a layer's masks depend on the kind of device it runs
+  on, never on where the model is cut). The recomputation thus replays the forward's
+  masks exactly (what ``torch.utils.checkpoint`` does with ``preserve_rng_state``), on
+  any node and in any process. Stages on different nodes cannot share one generator
+  stream, so this keyed stream *defines* the reference: the whole model run with
+  :func:`forward_layers` on the same micro-batches (``tests/reference.py``'s
+  ``reference_rounds``); it does not depend on where the model is cut.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import nn
 from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
+from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.objective import correct_count
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,14 +53,20 @@ MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 def build_stage(
-    model_fn: Callable[[], nn.Module], first: int, last: int, weights: Mapping | None = None
+    model_fn: Callable[[], nn.Module],
+    first: int,
+    last: int,
+    weights: Mapping | None = None,
+    device: torch.device | str = "cpu",
 ) -> nn.Sequential:
-    """Layers ``first..last`` (inclusive) of ``model_fn()`` as an ``nn.Sequential``.
+    """Layers ``first..last`` (inclusive) of ``model_fn()`` as an ``nn.Sequential`` on
+    ``device``.
 
     The model is built on the meta device (no weight memory, no init cost), the stage's
-    layers are then materialised and loaded from ``weights`` (a state dict keyed like
-    the full model's, e.g. ``"3.0.weight"``). Without ``weights`` the stage keeps a
-    fresh initialisation of its own layers.
+    layers are then materialised on ``device`` and loaded from ``weights`` (a state dict
+    keyed like the full model's, e.g. ``"3.0.weight"``, on any device). Without
+    ``weights`` the stage keeps a fresh initialisation of its own layers (drawn on the
+    CPU, then moved).
 
     Raises
     ------
@@ -74,13 +83,15 @@ def build_stage(
     stage = nn.Sequential(OrderedDict((str(j), layers[j]) for j in range(first, last + 1)))
     if weights is not None:
         ties = tied_parameters(stage)  # to_empty gives every module its own copy: re-tie
-        stage = stage.to_empty(device="cpu")
+        stage = stage.to_empty(device=device)
         for names in ties:
             shared = stage.get_parameter(names[0])
             for name in names[1:]:
                 parent, _, attr = name.rpartition(".")
                 setattr(stage.get_submodule(parent), attr, shared)
         stage.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=True)
+    elif torch.device(device).type != "cpu":
+        stage = stage.to(device)
     return stage
 
 
@@ -103,6 +114,13 @@ def make_stage_optimizer(
     """``make_opt`` over the trainable parameters of ``module``, or None if it has none."""
     params = [p for p in module.parameters() if p.requires_grad]
     return make_opt(params) if params else None
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (else buffer); the CPU if it has none."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -129,8 +147,9 @@ def forward_layers(
     """``module(x)`` with each layer's randomness keyed (see the module docstring).
 
     In training mode, each child ``j`` of an ``nn.Sequential`` runs with the CPU
-    generator seeded by :func:`layer_seed` ``(key, microbatch, j)``; the global
-    generator's state is restored afterwards. ``j`` is the child's name when it is an
+    generator (and, when ``x`` is on a GPU, that GPU's generator) seeded by
+    :func:`layer_seed` ``(key, microbatch, j)``; the generators' states are restored
+    afterwards. ``j`` is the child's name when it is an
     integer (:func:`build_stage` names a stage's layers by their index in the whole
     model; an ``nn.Sequential``'s default names are positions), else its position.
     Another module is one layer, ``j = 0``. In eval mode this is ``module(x)``.
@@ -151,13 +170,28 @@ def forward_layers(
     children = list(module.named_children()) if isinstance(module, nn.Sequential) else []
     layers = [(int(n) if n.isdigit() else i, m) for i, (n, m) in enumerate(children)]
     outer = torch.get_rng_state()  # once per call: cheaper than fork_rng per layer
+    gpu = _cuda_generator(x.device)
+    gpu_outer = gpu.get_state() if gpu is not None else None
     try:
         for j, layer in layers or [(0, module)]:
-            torch.default_generator.manual_seed(layer_seed(key, microbatch, j))
+            seed = layer_seed(key, microbatch, j)
+            torch.default_generator.manual_seed(seed)
+            if gpu is not None:
+                gpu.manual_seed(seed)
             x = layer(x)
     finally:
         torch.set_rng_state(outer)
+        if gpu is not None:
+            gpu.set_state(gpu_outer)
     return x
+
+
+def _cuda_generator(device: torch.device) -> torch.Generator | None:
+    """The default generator of CUDA device ``device``; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
 
 
 @contextmanager
@@ -214,19 +248,20 @@ def slice_state(full: Mapping, first: int, last: int) -> dict:
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Flatten an optimizer's per-parameter state into ``{"<param>.<name>": tensor}``.
+    """Flatten an optimizer's per-parameter state into ``{"<param>.<name>": tensor}``, on
+    the CPU (what travels and what the server keeps).
 
     Hyperparameters are not included: they come from the stage config each time."""
     flat = {}
     for pid, st in opt.state_dict()["state"].items():
         for name, value in st.items():
-            flat[f"{pid}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+            flat[f"{pid}.{name}"] = value.cpu() if torch.is_tensor(value) else torch.tensor(value)
     return flat
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, flat: Mapping) -> None:
     """Load state flattened by :func:`optimizer_to_tensors` into ``opt`` (which keeps its
-    own hyperparameters)."""
+    own hyperparameters; ``load_state_dict`` moves each tensor to its parameter's device)."""
     state: dict[int, dict] = {}
     for key, value in flat.items():
         pid, name = key.split(".", 1)
@@ -258,6 +293,12 @@ class StageExecutor:
     first_microbatch : int
         Index within the step of the first micro-batch of the inputs given (the relay
         hands a stage one group of micro-batches per message).
+    device : torch.device or str, optional
+        Where the stage computes (its module must be there already,
+        :func:`build_stage`); default: the device of the module's first parameter or
+        buffer, else the CPU. Tensors cross at the stage's edges: every input (of any
+        device) is moved there, every returned activation, gradient and state tensor
+        comes back on the CPU.
     """
 
     def __init__(  # noqa: PLR0913
@@ -268,6 +309,7 @@ class StageExecutor:
         loss_divisor: int | None = None,
         rng: RngKey | None = None,
         first_microbatch: int = 0,
+        device: torch.device | str | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -276,23 +318,26 @@ class StageExecutor:
         self.rng = rng
         self.first_microbatch = first_microbatch
         self.steps = 0
+        self.device = torch.device(device) if device is not None else module_device(module)
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """The accumulated parameter gradients, keyed by parameter name (those that have one)."""
-        return {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+        """The accumulated parameter gradients, keyed by parameter name (those that
+        have one), on the CPU."""
+        return {n: p.grad.cpu() for n, p in self.module.named_parameters() if p.grad is not None}
 
     def load_grads(self, grads: Mapping) -> None:
         """Set the parameters' ``.grad`` to ``grads`` (from :meth:`grads`), so the next
         backward adds to them."""
         for n, p in self.module.named_parameters():
             if n in grads:
-                p.grad = torch.as_tensor(grads[n]).clone()
+                p.grad = torch.as_tensor(grads[n]).to(p.device, copy=True)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The stage's state-dict entries that are not parameters (BatchNorm running
-        statistics and ``num_batches_tracked``), detached."""
+        statistics and ``num_batches_tracked``), detached, on the CPU."""
         params = {n for n, _ in self.module.named_parameters()}
-        return {k: v.detach() for k, v in self.module.state_dict().items() if k not in params}
+        state = self.module.state_dict()
+        return {k: v.detach().cpu() for k, v in state.items() if k not in params}
 
     def apply_step(self) -> None:
         """Step the optimizer on the accumulated gradients and clear them (a stage
@@ -300,6 +345,7 @@ class StageExecutor:
         if self.optimizer is not None:
             self.optimizer.step()
         self.module.zero_grad(set_to_none=True)
+        synchronize(self.device)  # a GPU's step has run when the handler's timer stops
         self.steps += 1
 
     def _chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -315,10 +361,12 @@ class StageExecutor:
         return forward_layers(self.module, xm, key, self.first_microbatch + i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)``. Leaves
-        the buffers as they were: the recomputation in :meth:`backward` updates them."""
+        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)`` (on the
+        CPU). Leaves the buffers as they were: the recomputation in :meth:`backward`
+        updates them."""
+        x = x.to(self.device)
         with torch.no_grad(), buffers_kept(self.module):
-            return torch.cat([self._run(xm, i) for i, xm in enumerate(self._chunks(x))])
+            return torch.cat([self._run(xm, i) for i, xm in enumerate(self._chunks(x))]).cpu()
 
     def backward(
         self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool, step: bool = True
@@ -327,8 +375,9 @@ class StageExecutor:
         random masks as :meth:`forward`; buffers updated once per micro-batch),
         back-propagate ``grad_out``, step the optimizer (unless ``step=False``: gradients
         stay accumulated). Returns the input gradient ``(B, ...)`` if ``input_grad``
-        else None."""
+        else None (on the CPU)."""
         grads = []
+        x, grad_out = x.to(self.device), grad_out.to(self.device)
         chunks = zip(self._chunks(x), self._chunks(grad_out), strict=True)
         for i, (xm, gm) in enumerate(chunks):
             # an integer input (token ids, indices) takes no gradient: zeros are sent back
@@ -340,7 +389,7 @@ class StageExecutor:
                 grads.append(xm.grad if xm.grad is not None else torch.zeros_like(xm))
         if step:
             self.apply_step()
-        return torch.cat(grads) if input_grad else None
+        return torch.cat(grads).cpu() if input_grad else None
 
     def forward_backward_loss(
         self,
@@ -374,11 +423,12 @@ class StageExecutor:
         Returns
         -------
         tuple
-            ``(input gradient (B, ...) or None, batch loss, metric total)``.
+            ``(input gradient (B, ...) on the CPU or None, batch loss, metric total)``.
         """
         loss_fn = loss_fn or nn.functional.cross_entropy
         metric_fn = metric_fn or correct_count
         grads, total, correct = [], 0.0, 0
+        x, labels = x.to(self.device), labels.to(self.device)
         chunks = zip(self._chunks(x), self._chunks(labels), strict=True)
         for i, (xm, ym) in enumerate(chunks):
             xm = xm.detach().requires_grad_(input_grad and xm.is_floating_point())
@@ -392,7 +442,7 @@ class StageExecutor:
                 grads.append(xm.grad if xm.grad is not None else torch.zeros_like(xm))
         if step:
             self.apply_step()
-        return (torch.cat(grads) if input_grad else None), total, correct
+        return (torch.cat(grads).cpu() if input_grad else None), total, correct
 
 
 def run_split_step(

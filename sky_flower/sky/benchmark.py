@@ -275,6 +275,8 @@ class BenchmarkRound:
             holds_data=prof.holds_data,
             slowdown=prof.slowdown,
             node_id=nid,
+            device=prof.device,
+            device_name="" if prof.device_name == P.NO_HOST else prof.device_name,
             **calibration(prof),
         )
         return node, prof
@@ -357,20 +359,26 @@ def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | No
     """The benchmark round's results as a text table."""
     emulation = emulation or {}
     head = (
-        f"{'node':<12} {'data':>4} {'fwd+bwd ms':>10} {'memory MiB':>10} "
+        f"{'node':<12} {'data':>4} {'device':>7} {'fwd+bwd ms':>10} {'memory MiB':>10} "
         f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MiB':>12}  emulation"
     )
     rows = [head, "-" * (len(head) + 20)]
     for n in nodes:
         bw = "inf" if n.bandwidth_bps == float("inf") else f"{n.bandwidth_bps / 1e6:.1f}"
         rows.append(
-            f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} "
+            f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} {n.device:>7} "
             f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:10.2f} "
             f"{n.memory_bytes / 2**20:10.1f} {n.latency_s * 1e3:10.1f} {bw:>9} "
             f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
             f"{emulation.get(n.name, '')}"
         )
-    return "\n".join(rows + calibration_lines(nodes))
+    return "\n".join(rows + device_lines(nodes) + calibration_lines(nodes))
+
+
+def device_lines(nodes: Sequence[NodeProfile]) -> list[str]:
+    """Each device the nodes compute on, by name (issue 31), if any node reported one."""
+    lines = [f"  {n.name:<12} {n.device}: {n.device_name}" for n in nodes if n.device_name]
+    return ["Devices:", *lines] if lines else []
 
 
 def calibration_lines(nodes: Sequence[NodeProfile]) -> list[str]:

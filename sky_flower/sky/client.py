@@ -9,7 +9,8 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
 
 =====================  ===============================================================
 ``query.sky_profile``  time this node's own layers (fwd + bwd per micro-batch, median
-                       after warm-up), report memory available and emulation
+                       after warm-up) on its device, report the device, its name and
+                       memory available, and the emulation
 ``query.sky_echo``     send the payload back (the server times two sizes for latency
                        and bandwidth)
 ``train.sky_setup``    receive this round's stage: layer range, weights, optimizer
@@ -62,6 +63,7 @@ from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
+from sky_flower.pipeline.device import device_info
 from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
@@ -212,22 +214,26 @@ class SkyClient:
         return P.StageConfig.from_config_record(context.state.config_records[STAGE])
 
     def _executor(
-        self, context: Context, st: P.StageConfig, grp: P.MicroBatchGroup
+        self, context: Context, st: P.StageConfig, grp: P.MicroBatchGroup, emu: Emulation
     ) -> StageExecutor:
         """The stage from ``context.state`` (weights and buffers, optimizer state, the
-        gradients accumulated so far), for the ``grp.count`` micro-batches of the group;
+        gradients accumulated so far) on the node's device (``emu.device``: the records
+        stay on the CPU, the executor moves tensors at its edges), for the ``grp.count``
+        micro-batches of the group;
         the loss is always divided by the step's ``M``; the randomness keyed by the
         run's seed, the round, the step and the micro-batches' indices."""
         records = context.state.array_records
+        device = emu.torch_device()
         module, opt = load_stage(
             self.model_fn,
             st.first,
             st.last,
             (records[WEIGHTS], records.get(OPTIM)),
             default_optimizer_factory(st.optimizer, st.lr),
+            device,
         )
         key = RngKey(st.seed, st.round, grp.step)
-        ex = StageExecutor(module, opt, grp.count, st.microbatches, key, grp.first)
+        ex = StageExecutor(module, opt, grp.count, st.microbatches, key, grp.first, device)
         if GRADS in context.state:
             ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
         return ex
@@ -291,6 +297,7 @@ class SkyClient:
     def profile(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Benchmark this node on the model's own layers."""
         req = P.ProfileRequest.from_config_record(msg.content.config_records.get(P.CONFIG))
+        device = emu.torch_device()  # a CUDA node without CUDA: refused, naming the node
         fwd, bwd = time_layers(
             self.model_fn(),
             list(req.input_shape),
@@ -298,22 +305,26 @@ class SkyClient:
             warmup=req.warmup,
             repeats=req.repeats,
             dtype=as_dtype(req.input_dtype),
+            device=device,
         )
         factor = 1.0 + emu.slowdown
         step_s: list[float] = [0.0] * len(fwd)
         rebuild_rate = save_rate = 0.0
         if req.optimizer is not None:  # optimizer step per layer; the state round trip
             make_opt = default_optimizer_factory(req.optimizer, req.lr)
-            step_s = time_optimizer_steps(self.model_fn(), make_opt)
-            rebuild_rate, save_rate = time_state_roundtrip(self.model_fn, make_opt)
-        cal = calibrate_node(req.microbatch_size) if req.calibrate else NodeCalibration()
+            step_s = time_optimizer_steps(self.model_fn(), make_opt, device=device)
+            rebuild_rate, save_rate = time_state_roundtrip(self.model_fn, make_opt, device=device)
+        cal = NodeCalibration()
+        if req.calibrate:
+            cal = calibrate_node(req.microbatch_size, device=device)
+        info = device_info(device)
         data = self.load_data(context)  # a data owner is a node whose loader has data
         holds_data = data is not None and len(data) > 0
         reply = P.ProfileReply(
             name=emu.name,
             holds_data=holds_data,
             num_examples=len(data) if data is not None and holds_data else 0,
-            memory_bytes=emu.memory_bytes(),
+            memory_bytes=emu.memory_bytes(info.available_bytes),
             slowdown=float(emu.slowdown),
             emulation=emu.describe(),
             link_latency_s=emu.latency_ms / 1000.0,
@@ -323,6 +334,8 @@ class SkyClient:
             layer_step_s=tuple(t * factor for t in step_s),
             state_rebuild_s_per_byte=rebuild_rate,
             state_save_s_per_byte=save_rate,
+            device=info.device,
+            device_name=info.name or P.NO_HOST,
             **{k: v for k, v in asdict(cal).items() if v != ""},
         )
         return RecordDict({P.PROFILE_KEY: reply.to_config_record()})
@@ -359,7 +372,7 @@ class SkyClient:
         """Forward of one group of micro-batches (the last stage: loss and backward too,
         gradients accumulated; the optimizer steps after the step's last micro-batch)."""
         st, grp = self._group(msg, context)
-        ex = self._executor(context, st, grp)
+        ex = self._executor(context, st, grp, emu)
         out: dict[str, ArrayRecord | MetricRecord] = {}
         if st.is_first:  # drawn before the timer: a worker's first draw loads the data
             x, labels = self._batch(context, st, grp.step)
@@ -408,7 +421,7 @@ class SkyClient:
         key = f"{STASH_MB}{grp.first}"
         if key not in context.state:
             raise NodeStateError(f"no stashed input for micro-batch {grp.first}: forward first")
-        ex = self._executor(context, st, grp)
+        ex = self._executor(context, st, grp, emu)
         x = context.state.array_records[key].to_torch_state_dict()["x"]
         done = self._accumulated(context, st, grp)
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange, short_reason
+from sky_flower.pipeline.device import direct_backend
 from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shapes
 from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
@@ -126,7 +127,10 @@ class DirectRunner(Runner):
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget)
         t0 = time.perf_counter()
-        with RoundHost(S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s) as host:
+        backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
+        with RoundHost(
+            S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s, backend
+        ) as host:
             ids = ex.push(self.configure(plan, arrays, steps, server_round, host))
             got = self.collect(ex, ids)
         wall = time.perf_counter() - t0

@@ -66,13 +66,18 @@ def own_error(err: Exception) -> BaseException | None:
     return None if isinstance(cause, (faults.FaultInjected, DirectStageError)) else cause
 
 
-def node_chunks(cfg: P.DirectConfig, model_fn: Callable[[], nn.Module], state: dict) -> list[Chunk]:
+def node_chunks(
+    cfg: P.DirectConfig,
+    model_fn: Callable[[], nn.Module],
+    state: dict,
+    device: torch.device | str = "cpu",
+) -> list[Chunk]:
     """The rank's chunks from ``cfg.chunk_layers`` / ``cfg.chunk_shapes`` (interleaved,
-    zero bubble), or its one stage ``cfg.stage.first..last`` as chunk ``rank``; their
-    weights from ``state`` (keys of the full model)."""
+    zero bubble), or its one stage ``cfg.stage.first..last`` as chunk ``rank``, on
+    ``device``; their weights from ``state`` (keys of the full model)."""
     st, rank = cfg.stage, cfg.rendezvous.rank
     if cfg.chunk_layers == "-":
-        module = build_stage(model_fn, st.first, st.last, state)
+        module = build_stage(model_fn, st.first, st.last, state, device)
         return [Chunk(rank, module, tuple(cfg.input_shape), cfg.input_dtype)]
     chunks, dims = [], [int(v) for v in cfg.chunk_shapes.split()]
     triples = [int(v) for v in cfg.chunk_layers.split()]
@@ -80,7 +85,7 @@ def node_chunks(cfg: P.DirectConfig, model_fn: Callable[[], nn.Module], state: d
         c, first, last = triples[i : i + 3]
         ndim, dims = dims[0], dims[1:]
         shape, dims = tuple(dims[:ndim]), dims[ndim:]
-        module = build_stage(model_fn, first, last, slice_state(state, first, last))
+        module = build_stage(model_fn, first, last, slice_state(state, first, last), device)
         chunks.append(Chunk(c, module, shape, cfg.input_dtype if c == 0 else None))
     return chunks
 
@@ -105,7 +110,9 @@ def run_direct_stage(  # noqa: PLR0913
     returns its weights (:data:`~sky_flower.sky.protocol.ARRAYS`) and timings
     (:class:`~sky_flower.sky.protocol.DirectMetrics`). Emulation: the fleet's slowdown
     after each forward and backward of the stage module; link delay per peer message,
-    slept by the sender (:class:`sky_flower.pipeline.direct.Emulated`).
+    slept by the sender (:class:`sky_flower.pipeline.direct.Emulated`). The stage
+    computes on the node's device (``emu.device``); its weights and optimizer state
+    come back on the CPU.
 
     Parameters
     ----------
@@ -145,7 +152,8 @@ def run_direct_stage(  # noqa: PLR0913
             f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
             f"not for this node ({node_id})"
         )
-    chunks = node_chunks(cfg, model_fn, weights.to_torch_state_dict())
+    device = emu.torch_device()  # the node's device; gloo peers exchange CPU tensors
+    chunks = node_chunks(cfg, model_fn, weights.to_torch_state_dict(), device)
     module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
     opt = stage_optimizer(module, st.optimizer, st.lr)
     if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
@@ -170,6 +178,7 @@ def run_direct_stage(  # noqa: PLR0913
             loss_fn=loss_fn,
             metric_fn=metric_fn,
             rng=RngKey(st.seed, st.round),
+            device=device,
         )
     except Exception as err:
         own = own_error(err)
@@ -188,8 +197,8 @@ def run_direct_stage(  # noqa: PLR0913
     record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
     out = RecordDict(
         {
-            P.ARRAYS: ArrayRecord(
-                {k: v.detach() for ch in chunks for k, v in ch.module.state_dict().items()}
+            P.ARRAYS: ArrayRecord(  # back on the CPU for the server
+                {k: v.detach().cpu() for ch in chunks for k, v in ch.module.state_dict().items()}
             ),
             P.METRICS: record,
         }

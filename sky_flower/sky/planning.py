@@ -262,6 +262,7 @@ def pipeline(
             (n.latency_s, 0.0 if n.bandwidth_bps == float("inf") else n.bandwidth_bps)
             for n in stages
         ),
+        devices=tuple((n.host, n.device) for n in stages),
     )
 
 

@@ -241,6 +241,10 @@ class ProfileReply(Record):
     peer_latency_s: float = 0.0
     host: str = NO_HOST
     host_parallelism: float = 0.0
+    # where the node's stages compute (issue 31, sky_flower.pipeline.device): the times
+    # and memory above are this device's; an older node's reply lacks them (the CPU)
+    device: str = "cpu"
+    device_name: str = NO_HOST
 
 
 @dataclass(frozen=True)

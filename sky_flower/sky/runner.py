@@ -61,6 +61,10 @@ class Pipeline:
         Per stage, the node's emulated slowdown (measured compute times ``1 + slowdown``).
     links : tuple[tuple[float, float], ...]
         Per stage, the node's link ``(latency s, bandwidth bytes/s; 0 = unlimited)``.
+    devices : tuple[tuple[str, str], ...]
+        Per stage, the node's ``(host, device)`` as its benchmark reported them
+        (``host`` ``""`` when not measured); ``()``: not known (every stage on the CPU).
+        ``direct`` picks NCCL from them (:func:`sky_flower.pipeline.device.direct_backend`).
     """
 
     plan: Plan
@@ -69,6 +73,7 @@ class Pipeline:
     predictions: tuple[dict[str, Any], ...]
     slowdowns: tuple[float, ...]
     links: tuple[tuple[float, float], ...]
+    devices: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_stages(self) -> int:

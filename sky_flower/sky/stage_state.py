@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from sky_flower.core.profile import as_layers
+from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.stage import (
     build_stage,
     make_stage_optimizer,
@@ -58,8 +59,8 @@ def save_stage(
     module: nn.Module, opt: torch.optim.Optimizer | None
 ) -> tuple[ArrayRecord, ArrayRecord]:
     """A stage as records: its weights and its optimizer's state tensors (none for a
-    stage without parameters)."""
-    weights = ArrayRecord({k: v.detach() for k, v in module.state_dict().items()})
+    stage without parameters), copied to the CPU from the stage's device."""
+    weights = ArrayRecord({k: v.detach().cpu() for k, v in module.state_dict().items()})
     return weights, ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
 
 
@@ -69,12 +70,13 @@ def load_stage(
     last: int,
     records: tuple[ArrayRecord, ArrayRecord | None],
     make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    device: torch.device | str = "cpu",
 ) -> tuple[nn.Sequential, torch.optim.Optimizer | None]:
-    """Layers ``first..last`` rebuilt from ``records`` (weights, optimizer state or None
-    for a fresh optimizer) as :func:`save_stage` wrote them; no optimizer for layers
-    without trainable parameters."""
+    """Layers ``first..last`` rebuilt on ``device`` from ``records`` (weights, optimizer
+    state or None for a fresh optimizer) as :func:`save_stage` wrote them; no optimizer
+    for layers without trainable parameters."""
     weights, optim = records
-    module = build_stage(model_fn, first, last, weights.to_torch_state_dict())
+    module = build_stage(model_fn, first, last, weights.to_torch_state_dict(), device)
     opt = make_stage_optimizer(module, make_opt)
     if optim is not None and opt is not None:
         optimizer_from_tensors(opt, optim.to_torch_state_dict())
@@ -85,16 +87,18 @@ def time_state_roundtrip(
     model_fn: Callable[[], nn.Module],
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int = 3,
+    device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
     """What a stage message spends on its own state, per byte of weights + optimizer
     state: ``(rebuild, save)`` seconds per byte. Every stage message rebuilds its stage
     from the ``context.state`` records (weights, optimizer tensors); messages that
     step the optimizer save them back as records. Timed on the
-    whole model, median of ``repeats``."""
+    whole model, median of ``repeats``, the stage rebuilt on ``device`` (the copies to
+    and from it included)."""
     import statistics
 
     last = len(as_layers(model_fn())) - 1
-    stage = build_stage(model_fn, 0, last)
+    stage = build_stage(model_fn, 0, last, device=device)
     opt = optimizer_factory([p for p in stage.parameters() if p.requires_grad])
     for p in stage.parameters():
         p.grad = torch.zeros_like(p)
@@ -104,7 +108,8 @@ def time_state_roundtrip(
     rebuild, save = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        module, opt2 = load_stage(model_fn, 0, last, (weights, state), optimizer_factory)
+        module, opt2 = load_stage(model_fn, 0, last, (weights, state), optimizer_factory, device)
+        synchronize(device)
         t1 = time.perf_counter()
         weights, state = save_stage(module, opt2)
         save.append(time.perf_counter() - t1)
