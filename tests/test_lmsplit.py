@@ -97,6 +97,51 @@ def test_units_are_cut_between_every_block():
         torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=1e-6, msg=k)
 
 
+class MaskBlock(nn.Module):
+    """Attention over a mask and a scale the root hands in, besides the activation."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, mask, scale):
+        att = (x @ x.transpose(1, 2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        return x + self.proj(att @ x) * scale
+
+
+class RootStateLM(nn.Module):
+    """What else a root feeds every block: a causal mask it builds, a constant it makes
+    in the forward (``torch.tensor``: a lifted constant), a persistent buffer."""
+
+    def __init__(self, d: int = 8, n_layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(20, d)
+        self.blocks = nn.ModuleList(MaskBlock(d) for _ in range(n_layers))
+        self.head = nn.Linear(d, 20)
+        self.register_buffer("pos", torch.randn(T, d))
+
+    def forward(self, ids):
+        T_ = ids.shape[1]
+        mask = torch.ones(T_, T_, dtype=torch.bool, device=ids.device).tril()
+        scale = torch.tensor(0.5)
+        x = self.embed(ids) + self.pos[:T_]
+        for block in self.blocks:
+            x = block(x, mask, scale)
+        return self.head(x)
+
+
+def test_masks_constants_and_persistent_buffers_cross_no_cut():
+    torch.manual_seed(0)
+    model, ids = RootStateLM(), torch.randint(0, 20, (4, T))
+    seq = as_sequential(model, ids)
+    held = [sorted({_top(k) for k, _ in u.named_parameters()}) for u in seq]
+    assert held == [["embed"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["head"]]
+    assert torch.equal(seq(ids), model(ids))
+    back = original_state_dict(seq.state_dict(), like=model)
+    assert list(back) == list(model.state_dict())  # "pos" kept: it is persistent
+    model.load_state_dict(back, strict=True)
+
+
 def test_chosen_split_points_between_blocks_are_kept():
     seq = as_sequential(user_lm(), torch.zeros(2, T, dtype=torch.long), ["blocks.1", "norm"])
     held = [sorted({_top(k) for k, _ in u.named_parameters()}) for u in seq]

@@ -183,6 +183,8 @@ def _pure(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:  # operator.mul on SymInts, getitem, ...
         return getattr(node.target, "__module__", "") in {"_operator", "operator"}
+    if node.target is torch.ops.aten.detach_.default:  # changes no value (a lifted
+        return True  # constant, torch.tensor(...) in a forward, is traced as copy + detach_)
     tags = getattr(node.target, "tags", ())
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in tags
 
