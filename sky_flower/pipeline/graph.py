@@ -231,14 +231,13 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     clones: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def crossing_inputs(q: int, before: fx.Node) -> list[fx.Node]:
-        """Tensors defined before stage ``q`` and read in it before ``before``."""
+        """Values defined before stage ``q`` and read in it up to ``before`` (included)."""
         seen: list[fx.Node] = []
         for n in graph.nodes:
+            if part[n] == q:
+                seen += [i for i in n.all_input_nodes if part[i] < q and i not in free]
             if n is before:
                 break
-            if part[n] != q:
-                continue
-            seen += [i for i in n.all_input_nodes if part[i] < q and i not in free]
         return list(dict.fromkeys(seen))
 
     def clone(node: fx.Node, q: int, before: fx.Node) -> fx.Node | None:
