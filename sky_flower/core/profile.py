@@ -113,7 +113,10 @@ def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     else:
         raise TypeError(
             "model must be an nn.Sequential or a list of nn.Module layers in execution "
-            f"order, got {type(model).__name__}"
+            f"order, got {type(model).__name__}: convert another nn.Module with "
+            "sky_flower.pipeline.graph.sequential_of(module, input_shape, input_dtype) "
+            "(in a model config: _target_: sky_flower.pipeline.graph.sequential_of, "
+            "module: {_target_: <your class>, ...}; see conf/model/llama_lm.yaml)"
         )
     if not layers:
         raise ValueError("model has no layers: pass at least one module")

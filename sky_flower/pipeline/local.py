@@ -38,6 +38,8 @@ def _local_worker(  # noqa: PLR0913
     queue: object,
     input_dtype: torch.dtype | None = None,
     rng: RngKey | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> None:
     """Stage process of :func:`run_local`: its chunks ``(index, (first, last), input
     shape)`` (one for GPipe / 1F1B), one round, its weights and results to ``queue``."""
@@ -69,6 +71,8 @@ def _local_worker(  # noqa: PLR0913
             emulated=Emulated(slowdown=slowdown),
             input_dtype=chunks[0].input_dtype,
             rng=rng,
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
         )
         state = {}
         for ch in chunks:
@@ -91,6 +95,8 @@ def run_local(  # noqa: PLR0913
     timeout_s: float = 60.0,
     ranks: int | None = None,
     rng: RngKey | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> tuple[dict, list[StageResult]]:
     """``torch.distributed.pipelining`` alone: one local process per stage, no Flower.
 
@@ -117,6 +123,13 @@ def run_local(  # noqa: PLR0913
     rng : RngKey, optional
         Seed and round of the layers' keyed randomness (default seed 0, round 0;
         ``tests/reference.py``'s rounds count from 1).
+    loss_fn : callable, optional
+        ``(output, labels) -> scalar`` mean loss of a micro-batch (default
+        cross-entropy; :func:`sky_flower.pipeline.lm.lm_cross_entropy` for a language
+        model); a module-level function (the stage processes are spawned).
+    metric_fn : callable, optional
+        ``(output, labels) -> count`` of a step (default correct predictions;
+        :func:`sky_flower.pipeline.lm.token_correct` for a language model); module level.
 
     Returns
     -------
@@ -162,6 +175,8 @@ def run_local(  # noqa: PLR0913
                     queue,
                     dtype,
                     rng,
+                    loss_fn,
+                    metric_fn,
                 ),
                 daemon=True,
             )

@@ -205,7 +205,9 @@ class FirstOutput(nn.Module):
 
 def build_model(cfg: Mapping) -> nn.Module:
     """Build the model of config ``cfg``: ``cfg["_target_"]`` called with the config's
-    other keys (:data:`MODEL_META_KEYS` excepted), as Hydra's ``instantiate`` does.
+    other keys (:data:`MODEL_META_KEYS` excepted, but for those the builder takes by
+    name: :func:`sky_flower.pipeline.graph.sequential_of` takes ``input_shape`` and
+    ``input_dtype``), as Hydra's ``instantiate`` does.
 
     The old spelling ``{"name": "mlp", ...}`` (no ``_target_``) still builds the MLP.
 
@@ -216,7 +218,8 @@ def build_model(cfg: Mapping) -> nn.Module:
         on a ``name`` that contradicts a shipped ``_target_`` (``model.name=cnn_bn`` on
         the MLP's config: choose a model with ``model=<name>``), on a ``_target_`` that
         cannot be imported or called with the given arguments, or one that returns no
-        ``nn.Module``.
+        ``nn.Module`` or an ``nn.Module`` that is no ``nn.Sequential`` (naming
+        :func:`sky_flower.pipeline.graph.sequential_of`, which converts it).
     """
     cfg = dict(cfg)
     name, target = cfg.get("name"), cfg.pop("_target_", None)
@@ -235,13 +238,49 @@ def build_model(cfg: Mapping) -> nn.Module:
             f"name is a label): write model={choice}, or model._target_=<module.function> "
             "for your own"
         )
-    kwargs = {k: v for k, v in cfg.items() if k not in MODEL_META_KEYS}
+    wants = _meta_keys_taken(target)
+    kwargs = {k: v for k, v in cfg.items() if k not in MODEL_META_KEYS or k in wants}
     model = call_target("model", target, kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"model._target_={target} returned {type(model).__name__}, not an nn.Module"
         )
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(not_sequential_message(f"model._target_={target}", model))
     return without_inplace_entries(model)
+
+
+def not_sequential_message(what: str, model: nn.Module) -> str:
+    """Why a model that is no ``nn.Sequential`` is refused, and how to convert it with
+    :func:`sky_flower.pipeline.graph.sequential_of` (in a config and in Python)."""
+    name = type(model).__name__
+    where = f"{type(model).__module__}.{name}"
+    return (
+        f"{what} gave a {name}, an nn.Module that is not an nn.Sequential: split training "
+        "cuts a model only between the entries of an nn.Sequential. Convert it with "
+        "sky_flower.pipeline.graph.sequential_of, which traces it (torch.export) into "
+        "units cut at its submodules: in a model config, "
+        "`_target_: sky_flower.pipeline.graph.sequential_of`, "
+        f"`module: {{_target_: {where}, <its arguments>}}`, `input_shape: [<one sample's "
+        "shape>]`, `input_dtype: int64` for token ids (optional `split_points: [<submodule "
+        "names>]`); in Python, model_fn=lambda: sequential_of(" + name + "(...), "
+        "input_shape, input_dtype); conf/model/llama_lm.yaml is an example"
+    )
+
+
+def _meta_keys_taken(target: Any) -> set[str]:  # noqa: ANN401 - a target name
+    """The keys of :data:`MODEL_META_KEYS` that the builder ``target`` takes as
+    arguments (:func:`sky_flower.pipeline.graph.sequential_of` takes ``input_shape``
+    and ``input_dtype``); none if it cannot be imported (:func:`call_target` says so)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(str(target))).parameters
+    except Exception:  # noqa: BLE001 - call_target reports an unimportable target
+        return set()
+    return {k for k in MODEL_META_KEYS if k in params}
 
 
 def without_inplace_entries(model: nn.Module) -> nn.Module:
