@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -173,7 +174,14 @@ def run_pipelines(
 def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
     """FedAvg of the pipelines' reassembled models, weighted by the samples each
     trained this round (``RoundOutcome.seen``): ``sum_k n_k / n * w_k`` (McMahan et al.
-    2017, Alg. 1), by Flower's ``aggregate_arrayrecords``; every array keeps its dtype.
+    2017, Alg. 1). Every array keeps the dtype and shape of the model's state dict:
+
+    * floating arrays: Flower's ``aggregate_arrayrecords`` (float arithmetic), cast
+      back to their dtype;
+    * integer and boolean arrays (BatchNorm's ``num_batches_tracked``, counters,
+      masks): the exact weighted mean ``sum_k n_k w_k / n`` in integer arithmetic,
+      rounded to the nearest integer, halves to even (:func:`integer_mean`); never
+      truncated (a float mean of three 7s is 6.999..., which a cast makes 6).
 
     Raises
     ------
@@ -188,9 +196,50 @@ def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
     ]
     avg = aggregate_arrayrecords(records, WEIGHT_KEY)
     first = outcomes[0].arrays
-    return ArrayRecord(
-        {k: type(v)(np.asarray(avg[k].numpy(), dtype=v.numpy().dtype)) for k, v in first.items()}
-    )
+    out = {}
+    for key, value in first.items():
+        ref = value.numpy()
+        if ref.dtype.kind in "biu":  # bool, signed, unsigned: exact, rounded
+            parts = [o.arrays[key].numpy() for o in outcomes]
+            mean = integer_mean(parts, [int(o.seen) for o in outcomes])
+        else:
+            mean = avg[key].numpy()
+        out[key] = type(value)(np.asarray(mean, dtype=ref.dtype).reshape(ref.shape))
+    return ArrayRecord(out)
+
+
+def integer_mean(arrays: Sequence[np.ndarray], weights: Sequence[int]) -> np.ndarray:
+    """The weighted mean ``sum_k n_k a_k / sum_k n_k`` of integer (or boolean) arrays
+    of one shape, computed exactly (Python integers: no overflow, no float rounding)
+    and rounded to the nearest integer, halves to even (as ``round`` and ``np.rint``).
+
+    Parameters
+    ----------
+    arrays : sequence of np.ndarray
+        Integer or boolean arrays, all of one shape.
+    weights : sequence of int
+        ``n_k >= 0``, not all zero (samples each model trained).
+
+    Returns
+    -------
+    np.ndarray
+        Of the shape of ``arrays[0]``, dtype object (Python ints): cast it to the
+        model's dtype (a boolean mean is then the weighted majority, a tie False).
+
+    Raises
+    ------
+    ValueError
+        If the weights are negative or sum to zero, or the shapes differ.
+    """
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be >= 0 and not all zero, got {list(weights)}")
+    shapes = {np.shape(a) for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"arrays of different shapes {sorted(shapes)} cannot be averaged")
+    total = sum(int(w) for w in weights)
+    num = sum(np.asarray(a).astype(object) * int(w) for a, w in zip(arrays, weights, strict=True))
+    flat = [round(Fraction(int(v), total)) for v in np.asarray(num, dtype=object).reshape(-1)]
+    return np.asarray(flat, dtype=object).reshape(np.shape(arrays[0]))
 
 
 def pipeline_row(res: PipelineResult) -> dict[str, Any]:
