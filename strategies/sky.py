@@ -46,7 +46,7 @@ from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange, NodeLedger
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.example import dtype_name
-from sky_flower.pipeline.objective import correct_count, ref
+from sky_flower.pipeline.objective import LossReduction, correct_count, ref
 from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (
     Link,
@@ -137,7 +137,17 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     node_wait_s : float (default: 300.0)
         Wait this long for ``min_nodes``, then plan with the nodes connected.
     loss_fn : Callable (default: torch.nn.functional.cross_entropy)
-        ``loss(output, labels) -> scalar tensor``, the mean over a micro-batch.
+        ``loss(output, labels) -> scalar tensor`` of a micro-batch, reduced as
+        ``loss_reduction`` declares.
+    loss_reduction : {"mean", "sum", "weighted"} (default: "mean")
+        How ``loss_fn`` reduces over a micro-batch's samples (a mean, a sum, or a mean
+        over ``loss_weight_fn(labels)``, e.g. the tokens not ignored): each
+        micro-batch's loss is scaled by it once, before its backward, so that split
+        training equals the unsplit model trained on ``loss_fn`` of the whole batch
+        (:class:`sky_flower.pipeline.objective.LossReduction`).
+    loss_weight_fn : Callable, optional
+        ``loss_reduction="weighted"`` only: ``weight(labels) -> number``, what the loss
+        averages over (e.g. :func:`sky_flower.pipeline.lm.token_count`).
     metric_fn : Callable (default: sky_flower.pipeline.objective.correct_count)
         ``metric(output, labels) -> int``, summed over the round as ``correct``
         (``train_accuracy`` = correct / samples). Both travel to the nodes by reference
@@ -182,6 +192,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         node_wait_s: float = 300.0,
         loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy,
         metric_fn: Callable[..., int] = correct_count,
+        loss_reduction: str = "mean",
+        loss_weight_fn: Callable[..., Any] | None = None,
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
         divergence_factor: float = 0.0,
@@ -193,6 +205,10 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
         )
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
+        LossReduction(loss_reduction, loss_weight_fn)  # refuses a bad pair
+        if loss_weight_fn is not None:
+            ref(loss_weight_fn)
+        self.loss_reduction, self.loss_weight_fn = loss_reduction, loss_weight_fn
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
         if len(echo_bytes) != 2 or not 0 < echo_bytes[0] < echo_bytes[1]:
@@ -263,6 +279,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             input_dtype=self.input_dtype,
             loss_fn=self.loss_fn,
             metric_fn=self.metric_fn,
+            loss_reduction=self.loss_reduction,
+            loss_weight_fn=self.loss_weight_fn,
             stop=self._stop,
             describe=self._names.get,
             deadlines=self.deadlines,

@@ -23,6 +23,7 @@ from sky_flower.pipeline.direct import (
     run_stage,
 )
 from sky_flower.pipeline.engine import Chunk
+from sky_flower.pipeline.objective import LossReduction
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
@@ -95,6 +96,7 @@ def run_direct_stage(  # noqa: PLR0913
     loss_fn: LossFn,
     metric_fn: MetricFn,
     optim: ArrayRecord | None = None,
+    reduction: LossReduction | None = None,
 ) -> RecordDict:
     """Run this node's stage for one whole round on the ``direct`` transport.
 
@@ -127,6 +129,8 @@ def run_direct_stage(  # noqa: PLR0913
         ``train.optimizer_state=keep``: the stage's layers' optimizer state by parameter
         name (:mod:`sky_flower.sky.migration`), loaded before the round and returned
         after it (:data:`~sky_flower.sky.migration.OPTIM_KEY`); None: a fresh optimizer.
+    reduction : LossReduction, optional
+        How ``loss_fn`` reduces (default ``mean``), for the last stage's scaling.
 
     A stage whose own computation raises (its model, loss or data) replies with
     :data:`~sky_flower.sky.protocol.STAGE_ERROR` instead (:func:`own_error`).
@@ -170,6 +174,7 @@ def run_direct_stage(  # noqa: PLR0913
             loss_fn=loss_fn,
             metric_fn=metric_fn,
             rng=RngKey(st.seed, st.round),
+            reduction=reduction,
         )
     except Exception as err:
         own = own_error(err)
