@@ -241,7 +241,7 @@ class SkyClient:
     @staticmethod
     def _reduction(st: P.StageConfig) -> LossReduction:
         """How the objective's loss reduces (the stage config's ``reduction``, ``weight``)."""
-        return loss_reduction(st.reduction, st.weight)
+        return loss_reduction(st.reduction, "" if st.weight == "-" else st.weight)
 
     def _batch(self, context: Context, st: P.StageConfig, step: int) -> tuple[torch.Tensor, ...]:
         data = self.load_data(context)

@@ -145,7 +145,8 @@ class StageConfig(Record):
         How the loss reduces over a micro-batch: ``mean``, ``sum`` or ``weighted``
         (:class:`sky_flower.pipeline.objective.LossReduction`).
     weight : str
-        ``weighted``: ``"module:qualname"`` of ``weight(labels) -> number``; else ``""``.
+        ``weighted``: ``"module:qualname"`` of ``weight(labels) -> number``; else
+        ``"-"`` (Flower cannot count the bytes of an empty string in a ConfigRecord).
     session : int
         The set-up's session (:func:`new_session`; 0: none given): with ``round``, the
         identity every message of this set-up carries.
@@ -166,7 +167,7 @@ class StageConfig(Record):
     metric: str = DEFAULT_METRIC
     session: int = 0
     reduction: str = "mean"
-    weight: str = ""
+    weight: str = "-"
 
     def __post_init__(self) -> None:
         if not 0 <= self.first <= self.last:

@@ -146,7 +146,7 @@ class RunSettings:
             "loss": ref(self.loss_fn),
             "metric": ref(self.metric_fn or correct_count),
             "reduction": self.loss_reduction,
-            "weight": ref(self.loss_weight_fn) if self.loss_weight_fn is not None else "",
+            "weight": ref(self.loss_weight_fn) if self.loss_weight_fn is not None else "-",
         }
 
 
