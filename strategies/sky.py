@@ -145,6 +145,10 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         micro-batch's loss is scaled by it once, before its backward, so that split
         training equals the unsplit model trained on ``loss_fn`` of the whole batch
         (:class:`sky_flower.pipeline.objective.LossReduction`).
+    bn_policy : {"average", "local"} (default: "average")
+        BatchNorm across data owners: averaged like every entry, or ``local`` (FedBN,
+        arXiv 2102.07623): each owner's BatchNorm parameters and statistics kept as its
+        own between rounds (:class:`sky_flower.sky.federation.LocalBatchNorm`).
     loss_weight_fn : Callable, optional
         ``loss_reduction="weighted"`` only: ``weight(labels) -> number``, what the loss
         averages over (e.g. :func:`sky_flower.pipeline.lm.token_count`).
@@ -194,6 +198,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         metric_fn: Callable[..., int] = correct_count,
         loss_reduction: str = "mean",
         loss_weight_fn: Callable[..., Any] | None = None,
+        bn_policy: str = "average",
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
         divergence_factor: float = 0.0,
@@ -209,6 +214,12 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         if loss_weight_fn is not None:
             ref(loss_weight_fn)
         self.loss_reduction, self.loss_weight_fn = loss_reduction, loss_weight_fn
+        if bn_policy not in federation.BN_POLICIES:
+            raise ValueError(
+                f"bn_policy (train.bn_policy) must be one of {', '.join(federation.BN_POLICIES)}"
+                f", got {bn_policy!r}"
+            )
+        self.bn_policy = bn_policy
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
         if len(echo_bytes) != 2 or not 0 < echo_bytes[0] < echo_bytes[1]:
@@ -433,6 +444,9 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         """
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         self.summary()
+        local_bn = None  # train.bn_policy=local: refused up front for a model without BN
+        if self.bn_policy == "local":
+            local_bn = federation.LocalBatchNorm(federation.batchnorm_keys(self.model_fn()))
         t_start = time.time()
         self.benchmark(grid, self.wait_for_nodes(grid, timeout=min(timeout, self.node_wait_s)))
         self.make_plan()
@@ -445,7 +459,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
             row, new = federation.federated_round(
-                grid, self.runs, self.runner, self.global_arrays, rnd, self.guard
+                grid, self.runs, self.runner, self.global_arrays, rnd, self.guard, local_bn
             )
             if new is None:
                 failures += 1

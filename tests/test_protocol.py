@@ -141,8 +141,8 @@ def test_lists_nested_records_and_defaults():
         )
     direct = EXAMPLES[8]
     rec = dict(direct.to_config_record())
-    assert len(rec) == 35  # the 27 keys of the direct round + is_first, is_last, loss, metric,
-    # input_dtype, session, chunk_layers, chunk_shapes
+    assert len(rec) == 37  # the 27 keys of the direct round + is_first, is_last, loss, metric,
+    # input_dtype, session, chunk_layers, chunk_shapes, reduction, weight
     del rec["join_timeout_s"]  # the Rendezvous default holds (defined once, there)
     default = dataclasses.fields(Rendezvous)[-1].default
     assert P.DirectConfig.from_config_record(rec).rendezvous.join_timeout_s == default

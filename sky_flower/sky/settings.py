@@ -24,6 +24,7 @@ from sky_flower.core.schedule import SCHEDULE_KINDS, TRANSPORTS
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+BN_POLICIES = ("average", "local")  # as sky_flower.sky.federation.BN_POLICIES
 
 # the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
 # SuperLink; 2 ms polls would take the CPU from the nodes themselves (a SuperLink ran at
@@ -63,6 +64,8 @@ class TrainSettings:
     steps_per_round: int = _setting(
         0, "steps-per-round", "train.steps_per_round", (">= 0 (0: use local-epochs)", AT_LEAST_0[1])
     )
+    # issue 30: BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
+    bn_policy: str = _setting("average", "bn-policy", "train.bn_policy", choices=BN_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -417,6 +420,7 @@ class SkySettings:
             "lr": t.lr,
             "local_epochs": t.local_epochs,
             "steps_per_round": t.steps_per_round,
+            "bn_policy": t.bn_policy,
             "milp_time_limit_s": self.milp_time_limit_s,
             "benchmark_warmup": b.warmup,
             "benchmark_repeats": b.repeats,
