@@ -383,3 +383,28 @@ def test_reduction_settings_are_checked():
     assert lm.objective.reduction_object() == LossReduction("weighted", token_count)
     with pytest.raises(ValueError, match="weight 0"):
         LossReduction("weighted", token_count).total(torch.full((4,), IGNORE_INDEX))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_server_side_evaluation_reports_the_users_loss_on_the_whole_test_set(case):
+    """The Hydra job's test loss, computed in chunks of 7, is the user's loss on the
+    whole test set for every reduction (float32 sums in another order: rel 1e-5)."""
+    from sky_flower.jobs.sky import evaluate_fn_for
+
+    loss_fn, kind, weight_fn, padded = CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(50, 6, generator=gen), _labels(gen, 50, padded, 0.6)
+    evaluate = evaluate_fn_for(
+        net,
+        Split(x.numpy(), y.numpy()),
+        loss_fn,
+        correct_count,
+        chunk=7,
+        reduction=LossReduction(kind, weight_fn),
+    )
+    found = evaluate(1, ArrayRecord(_weights()))
+    model = net()
+    model.load_state_dict(_weights())
+    with torch.no_grad():
+        expected = float(loss_fn(model.eval()(x), y))
+    assert math.isclose(found["loss"], expected, rel_tol=1e-5)
