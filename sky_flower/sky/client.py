@@ -138,8 +138,8 @@ class SkyClient:
         link). Default: none (native speed), the node named by
         ``node_config["sky-node"]``, else ``node<partition-id>``.
     loss_fn : callable, optional
-        ``(output, labels) -> scalar`` mean loss of a micro-batch, on the last stage
-        (relay and direct). Default: the stage config's ``loss`` (the server's, by
+        ``(output, labels) -> scalar`` loss of a micro-batch, on the last stage
+        (relay and direct), reduced as the stage config's ``reduction`` declares. Default: the stage config's ``loss`` (the server's, by
         reference; cross-entropy unless set).
     metric_fn : callable, optional
         ``(output, labels) -> int`` (reported as ``correct``), on the last stage.
@@ -216,7 +216,8 @@ class SkyClient:
     ) -> StageExecutor:
         """The stage from ``context.state`` (weights and buffers, optimizer state, the
         gradients accumulated so far), for the ``grp.count`` micro-batches of the group;
-        the loss is always divided by the step's ``M``; the randomness keyed by the
+        each micro-batch's loss scaled by the reduction for the step's ``M`` (and, for
+        ``weighted``, the step's label weight); the randomness keyed by the
         run's seed, the round, the step and the micro-batches' indices."""
         records = context.state.array_records
         module, opt = load_stage(
