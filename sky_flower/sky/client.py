@@ -139,8 +139,9 @@ class SkyClient:
         ``node_config["sky-node"]``, else ``node<partition-id>``.
     loss_fn : callable, optional
         ``(output, labels) -> scalar`` loss of a micro-batch, on the last stage
-        (relay and direct), reduced as the stage config's ``reduction`` declares. Default: the stage config's ``loss`` (the server's, by
-        reference; cross-entropy unless set).
+        (relay and direct), reduced as the stage config's ``reduction`` declares.
+        Default: the stage config's ``loss`` (the server's, by reference;
+        cross-entropy unless set).
     metric_fn : callable, optional
         ``(output, labels) -> int`` (reported as ``correct``), on the last stage.
         Default: the stage config's ``metric`` (correct predictions unless set).
