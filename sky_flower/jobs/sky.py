@@ -66,7 +66,8 @@ def evaluate_fn_for(
 ) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``, the
     objective's loss on the whole test set and its metric per label element
-    (classification: the share of correct predictions), in eval mode, ``chunk`` samples at a time; ``with_perplexity``
+    (classification: the share of correct predictions), in eval mode, ``chunk`` samples
+    at a time; ``with_perplexity``
     (default: when ``loss_fn`` is the language model's
     :func:`sky_flower.pipeline.lm.lm_cross_entropy`) also ``"perplexity"`` = exp(mean
     loss) (:func:`sky_flower.pipeline.lm.perplexity`). ``reduction`` (a
