@@ -46,7 +46,7 @@ from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange, NodeLedger
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.example import dtype_name
-from sky_flower.pipeline.objective import correct_count, ref
+from sky_flower.pipeline.objective import LossReduction, correct_count, ref
 from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (
     Link,
@@ -137,7 +137,21 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     node_wait_s : float (default: 300.0)
         Wait this long for ``min_nodes``, then plan with the nodes connected.
     loss_fn : Callable (default: torch.nn.functional.cross_entropy)
-        ``loss(output, labels) -> scalar tensor``, the mean over a micro-batch.
+        ``loss(output, labels) -> scalar tensor`` of a micro-batch, reduced as
+        ``loss_reduction`` declares.
+    loss_reduction : {"mean", "sum", "weighted"} (default: "mean")
+        How ``loss_fn`` reduces over a micro-batch's samples (a mean, a sum, or a mean
+        over ``loss_weight_fn(labels)``, e.g. the tokens not ignored): each
+        micro-batch's loss is scaled by it once, before its backward, so that split
+        training equals the unsplit model trained on ``loss_fn`` of the whole batch
+        (:class:`sky_flower.pipeline.objective.LossReduction`).
+    bn_policy : {"average", "local"} (default: "average")
+        BatchNorm across data owners: averaged like every entry, or ``local`` (FedBN,
+        arXiv 2102.07623): each owner's BatchNorm parameters and statistics kept as its
+        own between rounds (:class:`sky_flower.sky.federation.LocalBatchNorm`).
+    loss_weight_fn : Callable, optional
+        ``loss_reduction="weighted"`` only: ``weight(labels) -> number``, what the loss
+        averages over (e.g. :func:`sky_flower.pipeline.lm.token_count`).
     metric_fn : Callable (default: sky_flower.pipeline.objective.correct_count)
         ``metric(output, labels) -> int``, summed over the round as ``correct``
         (``train_accuracy`` = correct / samples). Both travel to the nodes by reference
@@ -182,6 +196,9 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         node_wait_s: float = 300.0,
         loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy,
         metric_fn: Callable[..., int] = correct_count,
+        loss_reduction: str = "mean",
+        loss_weight_fn: Callable[..., Any] | None = None,
+        bn_policy: str = "average",
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
         divergence_factor: float = 0.0,
@@ -193,6 +210,16 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             allocation, optimizer, lr, local_epochs, steps_per_round, max_failed_rounds
         )
         ref(loss_fn), ref(metric_fn)  # must travel to the nodes by name
+        LossReduction(loss_reduction, loss_weight_fn)  # refuses a bad pair
+        if loss_weight_fn is not None:
+            ref(loss_weight_fn)
+        self.loss_reduction, self.loss_weight_fn = loss_reduction, loss_weight_fn
+        if bn_policy not in federation.BN_POLICIES:
+            raise ValueError(
+                f"bn_policy (train.bn_policy) must be one of {', '.join(federation.BN_POLICIES)}"
+                f", got {bn_policy!r}"
+            )
+        self.bn_policy = bn_policy
         if not direct_timeout_s > 0:
             raise ValueError(f"direct_timeout_s must be > 0 (got {direct_timeout_s})")
         if len(echo_bytes) != 2 or not 0 < echo_bytes[0] < echo_bytes[1]:
@@ -263,6 +290,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             input_dtype=self.input_dtype,
             loss_fn=self.loss_fn,
             metric_fn=self.metric_fn,
+            loss_reduction=self.loss_reduction,
+            loss_weight_fn=self.loss_weight_fn,
             stop=self._stop,
             describe=self._names.get,
             deadlines=self.deadlines,
@@ -415,6 +444,9 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         """
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         self.summary()
+        local_bn = None  # train.bn_policy=local: refused up front for a model without BN
+        if self.bn_policy == "local":
+            local_bn = federation.LocalBatchNorm(federation.batchnorm_keys(self.model_fn()))
         t_start = time.time()
         self.benchmark(grid, self.wait_for_nodes(grid, timeout=min(timeout, self.node_wait_s)))
         self.make_plan()
@@ -427,7 +459,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
             row, new = federation.federated_round(
-                grid, self.runs, self.runner, self.global_arrays, rnd, self.guard
+                grid, self.runs, self.runner, self.global_arrays, rnd, self.guard, local_bn
             )
             if new is None:
                 failures += 1

@@ -135,11 +135,16 @@ def reference_rounds(  # noqa: PLR0913
     keep_optimizer: bool = False,
 ) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
     """Unsplit training as Sky defines it: each round a fresh optimizer; each step one
-    batch (see below), its mean cross-entropy accumulated over ``microbatches`` equal
-    micro-batches (each micro-batch's mean loss divided by ``microbatches``), one
-    optimizer step. Each layer's randomness (dropout) is keyed by ``(seed, round,
-    step, micro-batch, layer)`` (:func:`sky_flower.pipeline.stage.forward_layers`), as
-    split stages key it; buffers (BatchNorm) update once per micro-batch, in order.
+    batch (see below), the user's loss called ONCE on the whole batch's output and
+    labels, one backward, one optimizer step. Nothing here knows how the loss reduces
+    (mean, sum, token-weighted): split training must equal this for any loss.
+
+    The model's forward runs per micro-batch (``microbatches`` equal ones, in order,
+    outputs concatenated), because that is what the model computes under Sky: each
+    layer's randomness (dropout) is keyed by ``(seed, round, step, micro-batch,
+    layer)`` (:func:`sky_flower.pipeline.stage.forward_layers`), as split stages key
+    it, and buffers (BatchNorm) update once per micro-batch, in order. For a model
+    without such state this is the whole batch's forward.
 
     Parameters
     ----------
@@ -162,7 +167,8 @@ def reference_rounds(  # noqa: PLR0913
     weights : dict of str to Tensor, optional
         Initial state dict (default: ``model_fn()``'s own).
     loss_fn : callable, optional
-        ``(output, labels) -> mean loss`` of a micro-batch (default cross-entropy).
+        ``(output, labels) -> scalar``, the user's loss, called on the whole batch
+        (default cross-entropy).
     keep_optimizer : bool
         One optimizer for the whole run instead of a fresh one each round (Sky's
         ``train.optimizer_state=keep``).
@@ -170,12 +176,13 @@ def reference_rounds(  # noqa: PLR0913
     Returns
     -------
     list of (dict of str to Tensor, list of float)
-        Per round, the weights after it and its per-step losses.
+        Per round, the weights after it and its per-step losses (the loss of each
+        step's whole batch).
 
     Raises
     ------
     ValueError
-        If ``microbatches`` does not divide a batch (from ``zip(strict=True)``).
+        If ``microbatches`` does not divide a batch.
     """
     torch.set_num_threads(1)
     model = model_fn()
@@ -190,15 +197,16 @@ def reference_rounds(  # noqa: PLR0913
         for step in range(steps):
             x, y = _step_batch(data, step, rnd, batch_size, seed)
             opt.zero_grad()
-            total = 0.0
-            chunks = zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
-            for m, (xm, ym) in enumerate(chunks):  # randomness keyed as split stages key it
-                logits = forward_layers(model, xm, RngKey(seed, rnd, step), m)
-                loss = (loss_fn or torch.nn.functional.cross_entropy)(logits, ym) / microbatches
-                loss.backward()
-                total += loss.item()
+            if x.shape[0] % microbatches:
+                raise ValueError(f"{microbatches} micro-batches do not divide {x.shape[0]}")
+            outputs = [  # randomness keyed as split stages key it, buffers per micro-batch
+                forward_layers(model, xm, RngKey(seed, rnd, step), m)
+                for m, xm in enumerate(x.chunk(microbatches))
+            ]
+            loss = (loss_fn or torch.nn.functional.cross_entropy)(torch.cat(outputs), y)
+            loss.backward()
             opt.step()
-            losses.append(total)
+            losses.append(loss.item())
         out.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, losses))
     return out
 

@@ -71,9 +71,9 @@ def wait_no_ray(timeout: float = 30.0, ignore: set[int] = frozenset()) -> list[p
 def reference_weights(cfg, steps: int, microbatches: int) -> dict:
     """``reference_rounds`` for a one-round simulation job ``cfg``: the unsplit model
     (seeded with ``cfg.seed``) trained in this process on the data owner's first
-    ``steps`` batches of round 1, each batch's mean loss accumulated over
-    ``microbatches`` equal micro-batches, one optimizer step per batch (what every split
-    schedule must compute)."""
+    ``steps`` batches of round 1, the loss called once on each batch (forwards per
+    micro-batch, ``microbatches`` equal ones), one optimizer step per batch (what every
+    split schedule must compute)."""
     import torch
     from reference import reference_rounds
 

@@ -141,8 +141,8 @@ def test_lists_nested_records_and_defaults():
         )
     direct = EXAMPLES[8]
     rec = dict(direct.to_config_record())
-    assert len(rec) == 36  # the 27 keys of the direct round + is_first, is_last, loss, metric,
-    # input_dtype, session, chunk_layers, chunk_shapes, backend (issue 31)
+    assert len(rec) == 38  # the 27 keys of the direct round + is_first, is_last, loss, metric,
+    # input_dtype, session, chunk_layers, chunk_shapes, backend (issue 31), reduction, weight
     del rec["join_timeout_s"], rec["backend"]  # the Rendezvous defaults hold (defined there)
     defaults = {f.name: f.default for f in dataclasses.fields(Rendezvous)}
     got = P.DirectConfig.from_config_record(rec).rendezvous

@@ -439,7 +439,12 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     mb = settings.schedule.batch_size // max(1, settings.schedule.microbatches)
     check_layers(copy.deepcopy(model), torch.as_tensor(train.x[:2]), mb)  # names the layer
     check_objective(
-        model, torch.as_tensor(train.x[:2]), torch.as_tensor(train.y[:2]), loss_fn, metric_fn
+        model,
+        torch.as_tensor(train.x[:2]),
+        torch.as_tensor(train.y[:2]),
+        loss_fn,
+        metric_fn,
+        reduction=settings.objective.reduction_object(),
     )
     from sky_flower.pipeline.engine import LABEL_DTYPES
 

@@ -71,13 +71,19 @@ def evaluate_fn_for(
     metric_fn: Callable[..., int] = correct_count,
     chunk: int = 512,
     with_perplexity: bool | None = None,
+    reduction: Any = None,  # noqa: ANN401 - a LossReduction (torch-free signature)
 ) -> Callable:
     """Server-side evaluation on the held-out test split: ``{"accuracy", "loss"}``, the
-    objective's mean loss and its metric per label element (classification: the share of
-    correct predictions), in eval mode, ``chunk`` samples at a time; ``with_perplexity``
+    objective's loss on the whole test set and its metric per label element
+    (classification: the share of correct predictions), in eval mode, ``chunk`` samples
+    at a time; ``with_perplexity``
     (default: when ``loss_fn`` is the language model's
     :func:`sky_flower.pipeline.lm.lm_cross_entropy`) also ``"perplexity"`` = exp(mean
-    loss) (:func:`sky_flower.pipeline.lm.perplexity`)."""
+    loss) (:func:`sky_flower.pipeline.lm.perplexity`). ``reduction`` (a
+    :class:`sky_flower.pipeline.objective.LossReduction`, default ``mean``) says how
+    the chunks' losses make the test set's: ``mean`` weighted by samples, ``sum``
+    summed, ``weighted`` weighted by ``objective.weight`` of each chunk's labels; the
+    loss reported is then the user's loss on the whole test set."""
     from flwr.app import ArrayRecord, MetricRecord
 
     x, y = torch.as_tensor(test.x), torch.as_tensor(test.y)
@@ -88,13 +94,22 @@ def evaluate_fn_for(
         model = model_fn()
         model.load_state_dict(arrays.to_torch_state_dict())
         model.eval()
-        loss, hits = 0.0, 0.0
+        loss, hits, total = 0.0, 0.0, 0.0
+        kind = "mean" if reduction is None else reduction.kind
         with torch.no_grad():
             for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
                 out = model(xs)
-                loss += float(loss_fn(out, ys)) * len(ys)
+                if kind == "mean":
+                    w = float(len(ys))
+                elif kind == "sum":
+                    w = 1.0
+                else:
+                    w = reduction.weight(ys)
+                if w > 0:  # a chunk of padding only adds nothing (its mean is 0 / 0)
+                    loss += float(loss_fn(out, ys)) * w
+                total += w
                 hits += float(metric_fn(out, ys))
-        mean = loss / len(y)
+        mean = loss if kind == "sum" else loss / total
         found = {"accuracy": hits / y.numel(), "loss": mean}
         if with_perplexity:
             found["perplexity"] = perplexity(mean)
@@ -207,7 +222,13 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
         owners=sum(n.holds_data for n in fleet),
     )
-    evaluate = evaluate_fn_for(model_fn, inputs["test"], inputs["loss_fn"], inputs["metric_fn"])
+    evaluate = evaluate_fn_for(
+        model_fn,
+        inputs["test"],
+        inputs["loss_fn"],
+        inputs["metric_fn"],
+        reduction=settings.objective.reduction_object(),
+    )
     torch.manual_seed(settings.seed)
     initial = ArrayRecord(model_fn().state_dict())
     client_app = SkyClient(

@@ -6,9 +6,10 @@ through a TCPStore the server hosts, and run a ``torch.distributed.pipelining`` 
 2021, arXiv 2006.09503) over ``M`` micro-batches per step. Rank ``k`` runs stage ``k``;
 rank 0 is the data owner: it feeds stage 0 with its own batches and sends each batch's
 labels to the last stage (``dist.isend``, tag :data:`LABEL_TAG`), where the schedule's
-loss function uses them. The loss is the mean cross-entropy per micro-batch and the
-schedule divides the accumulated gradients by ``M`` (``scale_grads=True``), so a step
-computes exactly the gradient of the whole batch's mean loss, as the unsplit model does.
+loss function uses them. Each micro-batch's loss is scaled once, before its backward,
+as the objective's reduction declares (:class:`sky_flower.pipeline.objective.
+LossReduction`; the schedule's ``scale_grads`` is off), so a step computes the gradient
+of the user's loss on the whole batch, as the unsplit model does.
 Every stage steps its own optimizer once per step.
 
 Only planned ranks can join: the server writes one random ticket per rank into the

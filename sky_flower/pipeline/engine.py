@@ -10,9 +10,12 @@ into input and weight gradients). Each chunk runs its forwards in micro-batch or
 every schedule, so the keyed randomness and BatchNorm buffers are as on one stage. Rank
 0 is the data owner: it feeds stage 0 with its own batches and sends each batch's labels
 to the last stage (``dist.isend``, tag :data:`LABEL_TAG`), where the schedule's loss
-function uses them. The loss is the mean cross-entropy per micro-batch and the schedule
-divides the accumulated gradients by ``M`` (``scale_grads=True``), so a step computes
-exactly the gradient of the whole batch's mean loss, as the unsplit model does. Every
+function uses them. The schedule's loss function is the user's loss scaled as the
+objective's reduction declares (:class:`sky_flower.pipeline.objective.LossReduction`:
+``1 / M`` for a mean, 1 for a sum, ``w_m / W`` for a weighted mean, ``W`` from the whole
+step's labels), once, before its backward; the schedule does not scale the gradients
+again (``scale_grads=False``), so a step computes the gradient of the user's loss on the
+whole batch, as the unsplit model does, whatever its reduction. Every
 stage steps its own optimizer once per step (a stage without parameters has none). The
 schedule runs each micro-batch's forward once, with its graph, in micro-batch order, so
 buffers (BatchNorm) update as the whole model's do; each layer's randomness is keyed by
@@ -47,7 +50,7 @@ from sky_flower.pipeline.emulated import (
     emulate_weight_pass,
 )
 from sky_flower.pipeline.example import example_input
-from sky_flower.pipeline.objective import correct_count
+from sky_flower.pipeline.objective import LossReduction, correct_count
 from sky_flower.pipeline.rendezvous import (
     _PEER_SIGNS,
     PEER_FAILURE,
@@ -104,7 +107,8 @@ class StageResult:
         Measured forward + backward compute of the stage module (emulation sleeps
         excluded), seconds.
     losses : list of float
-        Last stage only: each step's batch loss (mean over the batch).
+        Last stage only: each step's batch loss (the user's loss of the whole batch:
+        the sum of the micro-batches' scaled losses).
     correct : int
         Last stage only: correct predictions over the round.
     samples : int
@@ -136,6 +140,7 @@ def run_stage(  # noqa: PLR0913
     rng: RngKey | None = None,
     input_dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
+    reduction: LossReduction | None = None,
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -172,8 +177,8 @@ def run_stage(  # noqa: PLR0913
     fault : callable, optional
         Called with the step index before each step (fault injection for tests).
     loss_fn : callable, optional
-        ``(output, labels) -> scalar`` mean loss of a micro-batch (last stage; default
-        cross-entropy).
+        ``(output, labels) -> scalar`` loss of a micro-batch, reduced as ``reduction``
+        declares (last stage; default cross-entropy, a mean).
     metric_fn : callable, optional
         ``(output (B, ...), labels (B,)) -> int`` of a step (last stage; default correct
         predictions, :func:`sky_flower.pipeline.objective.correct_count`).
@@ -189,6 +194,9 @@ def run_stage(  # noqa: PLR0913
         activations and gradients cross to and from the GPU at its edges
         (:class:`~sky_flower.pipeline.emulated.EmulatedStage`); with ``nccl`` they stay
         on the GPUs (labels included).
+    reduction : LossReduction, optional
+        How ``loss_fn`` reduces (default ``mean``): how the last stage scales each
+        micro-batch's loss.
 
     Returns
     -------
@@ -234,11 +242,12 @@ def run_stage(  # noqa: PLR0913
         for st, w in zip(stages, wrapped, strict=True) if kind == "zero_bubble" else ():
             emulate_weight_pass(st, emulated)
             w.plain_output = True
+        step_loss = StepLoss(loss_fn or nn.functional.cross_entropy, reduction, microbatches)
         schedule = SCHEDULES[kind](
             stages if kind in MULTI_CHUNK else stages[0],
             n_microbatches=microbatches,
-            loss_fn=loss_fn or nn.functional.cross_entropy,  # every rank: sets has_backward
-            scale_grads=True,
+            loss_fn=step_loss,  # every rank: sets has_backward
+            scale_grads=False,  # normalised once, in the loss, before its backward
         )
         for step in range(steps):
             if fault is not None:
@@ -247,7 +256,7 @@ def run_stage(  # noqa: PLR0913
             for w in wrapped:
                 w.start_step(RngKey(rng.seed, rng.round, step))
             opt = None if optimizer is None else EmulatedOptimizer(optimizer, emulated)
-            _step(rdv, schedule, opt, batch_fn, step, result, metric_fn, comm)
+            _step(rdv, schedule, opt, batch_fn, step, result, metric_fn, comm, step_loss)
             result.step_times_s.append(time.perf_counter() - t_step)
     except DirectStageError:
         raise
@@ -258,6 +267,37 @@ def run_stage(  # noqa: PLR0913
         if dist.is_initialized():  # a crashed stage may already have left
             dist.destroy_process_group()
     return result
+
+
+class StepLoss:
+    """The schedule's loss function: ``(output, target) ->`` the micro-batch's share of
+    the batch's loss (:meth:`LossReduction.micro_loss`). Set :attr:`total` to the
+    whole step's label weight (``weighted``) before each step.
+
+    Parameters
+    ----------
+    loss_fn : callable
+        The user's ``(output, labels) -> scalar``.
+    reduction : LossReduction or None
+        How it reduces (None: ``mean``).
+    microbatches : int
+        ``M``.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        reduction: LossReduction | None,
+        microbatches: int,
+    ) -> None:
+        self.loss_fn, self.microbatches = loss_fn, microbatches
+        self.reduction = reduction or LossReduction()
+        self.total: float | None = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.reduction.micro_loss(
+            self.loss_fn, output, target, self.microbatches, self.total
+        )
 
 
 def _chunks(
@@ -344,6 +384,7 @@ def _step(  # noqa: PLR0913
     result: StageResult,
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     comm: torch.device | None = None,
+    step_loss: StepLoss | None = None,
 ) -> None:
     """One step of the schedule on this stage: labels to the last stage, the pipelined
     forward and backward, the optimizer; the last stage records loss and accuracy.
@@ -361,6 +402,8 @@ def _step(  # noqa: PLR0913
             label_work = send_labels(labels, S - 1)
     if is_last and S > 1:
         labels = recv_labels(0, comm)
+    if is_last and step_loss is not None:
+        step_loss.total = step_loss.reduction.total(labels)
     losses: list[torch.Tensor] = []
     if rank == 0:
         out = schedule.step(x, target=labels if is_last else None, losses=losses)
@@ -372,7 +415,7 @@ def _step(  # noqa: PLR0913
     for work in label_work or []:
         work.wait()
     if is_last:
-        result.losses.append(float(sum(float(v.detach()) for v in losses) / len(losses)))
+        result.losses.append(float(sum(float(v.detach()) for v in losses)))
         result.correct += int((metric_fn or correct_count)(out.detach(), labels))
         result.samples += int(labels.numel())  # labels counted: tokens for an LM
 

@@ -141,8 +141,15 @@ def build_transformer_lm(
     )
 
 
+IGNORE_INDEX = -100  # a label position that is padding: no loss, no token counted
+
+
 def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats per token).
+    """Mean next-token cross-entropy (nats per token) over the positions whose label is
+    not :data:`IGNORE_INDEX` (padding). A token-weighted mean: under Sky its reduction
+    is ``weighted`` by :func:`token_count` (``conf/task/lm.yaml``), so that a split
+    batch whose micro-batches hold different numbers of real tokens trains exactly as
+    the whole batch does.
 
     Parameters
     ----------
@@ -154,7 +161,24 @@ def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     torch.Tensor
         Scalar; ``exp`` of it is the perplexity.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def token_count(labels: torch.Tensor) -> int:
+    """Positions :func:`lm_cross_entropy` averages over: labels not :data:`IGNORE_INDEX`
+    (``objective.weight`` of the ``lm`` task).
+
+    Parameters
+    ----------
+    labels : torch.Tensor, shape (B, T), int64
+
+    Returns
+    -------
+    int
+    """
+    return int((labels != IGNORE_INDEX).sum())
 
 
 def token_correct(logits: torch.Tensor, labels: torch.Tensor) -> int:

@@ -6,9 +6,12 @@ when the output gradient comes back (activation recomputation, Chen et al. 2016,
 arXiv 1604.06174); results equal those of keeping the graph for deterministic layers.
 
 A batch of ``B`` samples is cut into ``M`` equal micro-batches; the last stage scales
-each micro-batch's mean loss by ``1 / M`` so that accumulated gradients equal those of
-the whole batch's mean loss. Every stage steps its own optimizer once per batch (a stage
-without trainable parameters has none and skips the step).
+each micro-batch's loss as the objective's reduction declares (``1 / M`` for a mean,
+1 for a sum, ``w_m / W`` for a weighted mean:
+:class:`sky_flower.pipeline.objective.LossReduction`), once, before its backward, so
+that accumulated gradients equal those of the user's loss on the whole batch. Every
+stage steps its own optimizer once per batch (a stage without trainable parameters has
+none and skips the step).
 
 Stateful layers are exact on every path (in-process, relay, direct):
 
@@ -46,7 +49,7 @@ from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
 from sky_flower.pipeline.device import synchronize
-from sky_flower.pipeline.objective import correct_count
+from sky_flower.pipeline.objective import LossReduction, correct_count
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -283,10 +286,10 @@ class StageExecutor:
         Micro-batches in each input this executor is given; the batch dimension of every
         input must be divisible by it.
     loss_divisor : int, optional
-        The last stage divides each micro-batch's mean loss by this (default
-        ``microbatches``). The pipelined relay hands a stage ``c`` of a step's ``M``
-        micro-batches per message and sets it to ``M``, so gradients accumulated over
-        the step equal those of the whole batch's mean loss.
+        The step's ``M`` for the last stage's loss scaling (default ``microbatches``).
+        The pipelined relay hands a stage ``c`` of a step's ``M`` micro-batches per
+        message and sets it to ``M``, so gradients accumulated over the step equal those
+        of the whole batch's loss.
     rng : RngKey, optional
         The step's key of the layers' random stream (:func:`forward_layers`). Default:
         seed 0, round 0, and the number of steps this executor has taken.
@@ -299,6 +302,9 @@ class StageExecutor:
         buffer, else the CPU. Tensors cross at the stage's edges: every input (of any
         device) is moved there, every returned activation, gradient and state tensor
         comes back on the CPU.
+    reduction : LossReduction, optional
+        How the loss reduces (default ``mean``): how the last stage scales each
+        micro-batch's loss (:meth:`LossReduction.micro_loss`).
     """
 
     def __init__(  # noqa: PLR0913
@@ -310,8 +316,10 @@ class StageExecutor:
         rng: RngKey | None = None,
         first_microbatch: int = 0,
         device: torch.device | str | None = None,
+        reduction: LossReduction | None = None,
     ):
         self.module = module
+        self.reduction = reduction or LossReduction()
         self.optimizer = optimizer
         self.microbatches = microbatches
         self.loss_divisor = loss_divisor or microbatches
@@ -399,9 +407,11 @@ class StageExecutor:
         loss_fn: LossFn | None = None,
         step: bool = True,
         metric_fn: MetricFn | None = None,
+        total: float | None = None,
     ) -> tuple[torch.Tensor | None, float, int]:
-        """Last stage: forward, loss (mean per micro-batch / ``loss_divisor``), backward,
-        optimizer step (unless ``step=False``).
+        """Last stage: forward, loss (each micro-batch's scaled by the reduction,
+        :meth:`LossReduction.micro_loss`), backward, optimizer step (unless
+        ``step=False``).
 
         Parameters
         ----------
@@ -412,37 +422,48 @@ class StageExecutor:
         input_grad : bool
             Return the input's gradient (every stage but the first).
         loss_fn : callable, optional
-            ``(output, labels) -> scalar`` mean loss of a micro-batch (default
-            cross-entropy).
+            ``(output, labels) -> scalar`` loss of a micro-batch, reduced as
+            ``reduction`` declares (default cross-entropy, a mean).
         step : bool
             Step the optimizer (else the gradients stay accumulated).
         metric_fn : callable, optional
             ``(output, labels) -> int`` summed over the micro-batches (default correct
             predictions, :func:`sky_flower.pipeline.objective.correct_count`).
+        total : float, optional
+            ``weighted`` reduction: the weight ``W`` of the whole step's labels
+            (default: of ``labels``, right when they are the whole step's).
 
         Returns
         -------
         tuple
-            ``(input gradient (B, ...) on the CPU or None, batch loss, metric total)``.
+            ``(input gradient (B, ...) on the CPU or None, this input's share of the
+            batch loss (the batch loss when given the whole step), metric total)``.
+
+        Raises
+        ------
+        ValueError
+            If the loss is not one number, or a ``weighted`` step's labels weigh 0.
         """
         loss_fn = loss_fn or nn.functional.cross_entropy
         metric_fn = metric_fn or correct_count
-        grads, total, correct = [], 0.0, 0
         x, labels = x.to(self.device), labels.to(self.device)
+        if total is None:
+            total = self.reduction.total(labels)
+        grads, batch_loss, correct = [], 0.0, 0
         chunks = zip(self._chunks(x), self._chunks(labels), strict=True)
         for i, (xm, ym) in enumerate(chunks):
             xm = xm.detach().requires_grad_(input_grad and xm.is_floating_point())
             out = self._run(xm, i)
-            loss = loss_fn(out, ym) / self.loss_divisor
+            loss = self.reduction.micro_loss(loss_fn, out, ym, self.loss_divisor, total)
             if loss.requires_grad:  # not when no stage before or here has parameters
                 loss.backward()
-            total += loss.detach().item()
+            batch_loss += loss.detach().item()
             correct += int(metric_fn(out.detach(), ym))
             if input_grad:
                 grads.append(xm.grad if xm.grad is not None else torch.zeros_like(xm))
         if step:
             self.apply_step()
-        return (torch.cat(grads).cpu() if input_grad else None), total, correct
+        return (torch.cat(grads).cpu() if input_grad else None), batch_loss, correct
 
 
 def run_split_step(
@@ -452,10 +473,12 @@ def run_split_step(
     key: RngKey | None = None,
     loss_fn: LossFn | None = None,
     metric_fn: MetricFn | None = None,
+    reduction: LossReduction | None = None,
 ) -> float:
     """One training step through a chain of stages in one process (the relay protocol's
     logic without the transport): forward through all, loss at the last (``loss_fn``,
-    ``metric_fn`` as :meth:`StageExecutor.forward_backward_loss`), backward.
+    ``metric_fn`` as :meth:`StageExecutor.forward_backward_loss`; ``reduction``, if
+    given, set on the last stage), backward.
     Returns the batch loss. Used by tests and as the reference for the transports.
 
     ``key`` (default: each stage's own, :class:`StageExecutor`) keys the step's random
@@ -465,6 +488,8 @@ def run_split_step(
     if key is not None:
         for st in stages:
             st.rng, st.first_microbatch = key, 0
+    if reduction is not None:
+        stages[-1].reduction = reduction
     inputs = []
     h = x
     for st in stages[:-1]:

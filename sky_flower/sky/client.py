@@ -65,7 +65,7 @@ from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
 from sky_flower.pipeline.example import as_dtype
-from sky_flower.pipeline.objective import resolve
+from sky_flower.pipeline.objective import LossReduction, loss_reduction, resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
@@ -140,9 +140,10 @@ class SkyClient:
         link). Default: none (native speed), the node named by
         ``node_config["sky-node"]``, else ``node<partition-id>``.
     loss_fn : callable, optional
-        ``(output, labels) -> scalar`` mean loss of a micro-batch, on the last stage
-        (relay and direct). Default: the stage config's ``loss`` (the server's, by
-        reference; cross-entropy unless set).
+        ``(output, labels) -> scalar`` loss of a micro-batch, on the last stage
+        (relay and direct), reduced as the stage config's ``reduction`` declares.
+        Default: the stage config's ``loss`` (the server's, by reference;
+        cross-entropy unless set).
     metric_fn : callable, optional
         ``(output, labels) -> int`` (reported as ``correct``), on the last stage.
         Default: the stage config's ``metric`` (correct predictions unless set).
@@ -219,8 +220,9 @@ class SkyClient:
         """The stage from ``context.state`` (weights and buffers, optimizer state, the
         gradients accumulated so far) on the node's device (``emu.device``: the records
         stay on the CPU, the executor moves tensors at its edges), for the ``grp.count``
-        micro-batches of the group;
-        the loss is always divided by the step's ``M``; the randomness keyed by the
+        micro-batches of the group; each micro-batch's loss scaled by the reduction for
+        the step's ``M`` (and, for ``weighted``, the step's label weight); the
+        randomness keyed by the
         run's seed, the round, the step and the micro-batches' indices."""
         records = context.state.array_records
         device = emu.torch_device()
@@ -233,7 +235,16 @@ class SkyClient:
             device,
         )
         key = RngKey(st.seed, st.round, grp.step)
-        ex = StageExecutor(module, opt, grp.count, st.microbatches, key, grp.first, device)
+        ex = StageExecutor(
+            module,
+            opt,
+            grp.count,
+            st.microbatches,
+            key,
+            grp.first,
+            device,
+            self._reduction(st),
+        )
         if GRADS in context.state:
             ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
         return ex
@@ -241,6 +252,11 @@ class SkyClient:
     def _objective(self, st: P.StageConfig) -> tuple[LossFn, MetricFn]:
         """The last stage's loss and metric: the node's own, else the stage config's."""
         return self.loss_fn or resolve(st.loss), self.metric_fn or resolve(st.metric)
+
+    @staticmethod
+    def _reduction(st: P.StageConfig) -> LossReduction:
+        """How the objective's loss reduces (the stage config's ``reduction``, ``weight``)."""
+        return loss_reduction(st.reduction, "" if st.weight == "-" else st.weight)
 
     def _batch(self, context: Context, st: P.StageConfig, step: int) -> tuple[torch.Tensor, ...]:
         data = self.load_data(context)
@@ -374,8 +390,10 @@ class SkyClient:
         st, grp = self._group(msg, context)
         ex = self._executor(context, st, grp, emu)
         out: dict[str, ArrayRecord | MetricRecord] = {}
+        total = None  # reduction "weighted": the whole step's label weight
         if st.is_first:  # drawn before the timer: a worker's first draw loads the data
             x, labels = self._batch(context, st, grp.step)
+            total = ex.reduction.total(labels)
             rows = slice(
                 grp.first * st.batch_size // st.microbatches,
                 (grp.first + grp.count) * st.batch_size // st.microbatches,
@@ -384,6 +402,8 @@ class SkyClient:
         else:
             x = _tensor(msg, P.ACT)
             labels = _tensor(msg, P.LABELS) if st.is_last else None
+            if st.is_last and ex.reduction.kind == "weighted":
+                total = float(_tensor(msg, P.LABEL_TOTAL))
         t0 = time.perf_counter()
         if st.is_last:
             done = self._accumulated(context, st, grp)
@@ -395,6 +415,7 @@ class SkyClient:
                 loss_fn=loss_fn,
                 step=done >= st.microbatches,
                 metric_fn=metric_fn,
+                total=total,
             )
             compute = time.perf_counter() - t0
             self._keep(context, ex, grp.step, done, st.microbatches)
@@ -408,6 +429,10 @@ class SkyClient:
             out[P.ACT] = ArrayRecord({P.ACT: y})
             if st.is_first:
                 out[P.LABELS] = ArrayRecord({P.LABELS: labels})
+                if total is not None:
+                    out[P.LABEL_TOTAL] = ArrayRecord(
+                        {P.LABEL_TOTAL: torch.tensor(total, dtype=torch.float64)}
+                    )
             out[P.METRICS] = MetricRecord({P.COMPUTE_S: compute})
         if grad is not None:
             out[P.GRAD] = ArrayRecord({P.GRAD: grad})
@@ -480,4 +505,5 @@ class SkyClient:
             loss_fn=loss_fn,
             metric_fn=metric_fn,
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
+            reduction=self._reduction(cfg.stage),
         )

@@ -14,6 +14,17 @@ Learning of Deep Networks from Decentralized Data", arXiv 1602.05629, Alg. 1:
 pipeline ``k`` trained this round), computed by Flower's own
 ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords``.
 
+BatchNorm (``train.bn_policy``, :class:`LocalBatchNorm`): ``average`` (default) averages
+BatchNorm layers like every other entry; ``local`` is FedBN (Li et al., "FedBN:
+Federated Learning on Non-IID Features via Local Batch Normalization", ICLR 2021, arXiv
+2102.07623): each data owner's BatchNorm parameters and running statistics stay its own
+between rounds (its pipeline starts every round from the global model with the owner's
+own BatchNorm entries, kept by the server from the owner's last finished round, since
+the layers may sit on helpers); only the other entries are averaged into the model the
+owners train from. The global model's BatchNorm entries are still the FedAvg of the
+owners' (what server-side evaluation and an owner without its own state use); they
+never overwrite an owner's own.
+
 A pipeline that fails drops out of its round's average (its owner's update is lost,
 the others kept) and is recorded in the round row; the round fails only when every
 pipeline failed, or when its aggregate or training loss is non-finite or diverged
@@ -27,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -38,6 +50,65 @@ from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
+BN_POLICIES = ("average", "local")  # train.bn_policy
+
+
+def batchnorm_keys(model: Any) -> frozenset[str]:  # noqa: ANN401 - an nn.Module
+    """State-dict keys of ``model``'s BatchNorm layers (``torch.nn.modules.batchnorm.
+    _BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm): their ``weight``, ``bias``,
+    ``running_mean``, ``running_var`` and ``num_batches_tracked``."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    keys = set(model.state_dict())
+    out = set()
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            prefix = f"{name}." if name else ""
+            out |= {k for k in keys if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    return frozenset(out)
+
+
+class LocalBatchNorm:
+    """FedBN's local BatchNorm (``train.bn_policy=local``; Li et al. ICLR 2021, arXiv
+    2102.07623, Alg. 1: BatchNorm parameters and statistics are excluded from the
+    average and kept per client).
+
+    The server keeps, per data owner, the BatchNorm entries its pipeline returned in
+    the last round it finished (the layers may be on helpers, so the owner's node
+    cannot keep them itself); :meth:`start` gives that owner's starting model.
+
+    Parameters
+    ----------
+    keys : collection of str
+        The BatchNorm entries of the model's state dict (:func:`batchnorm_keys`).
+
+    Raises
+    ------
+    ValueError
+        If ``keys`` is empty (a model without BatchNorm: ``local`` would be
+        ``average``; say ``train.bn_policy=average``).
+    """
+
+    def __init__(self, keys: frozenset[str] | set[str]) -> None:
+        if not keys:
+            raise ValueError(
+                "train.bn_policy=local keeps BatchNorm layers local, but the model has "
+                "none: use train.bn_policy=average"
+            )
+        self.keys = frozenset(keys)
+        self.by_owner: dict[str, dict[str, Any]] = {}
+
+    def start(self, owner: str, arrays: ArrayRecord) -> ArrayRecord:
+        """The model ``owner``'s pipeline starts from: ``arrays`` with the owner's own
+        BatchNorm entries, if it has finished a round (else ``arrays`` as is)."""
+        own = self.by_owner.get(owner)
+        if own is None:
+            return arrays
+        return ArrayRecord({k: own.get(k, v) for k, v in arrays.items()})
+
+    def keep(self, owner: str, arrays: ArrayRecord) -> None:
+        """Remember ``owner``'s BatchNorm entries from the model its pipeline returned."""
+        self.by_owner[owner] = {k: v for k, v in arrays.items() if k in self.keys}
 
 
 @dataclass(frozen=True)
@@ -106,8 +177,10 @@ def run_pipelines(
     make_runner: Callable[[], Runner],
     arrays: ArrayRecord,
     server_round: int,
+    start: Callable[[PipelineRun, ArrayRecord], ArrayRecord] | None = None,
 ) -> list[PipelineResult]:
-    """Run every pipeline of round ``server_round`` from the global model ``arrays``,
+    """Run every pipeline of round ``server_round`` from the global model ``arrays``
+    (or from ``start(run, arrays)``, e.g. :meth:`LocalBatchNorm.start` of its owner),
     each on its own thread and runner, each starting once its ``after`` pipelines have
     finished (failed or not).
 
@@ -145,7 +218,7 @@ def run_pipelines(
                 res.outcome = make_runner().run_round(
                     shared,  # type: ignore[arg-type]
                     runs[i].pipeline,
-                    arrays,
+                    arrays if start is None else start(runs[i], arrays),
                     runs[i].steps,
                     server_round,
                 )
@@ -173,7 +246,14 @@ def run_pipelines(
 def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
     """FedAvg of the pipelines' reassembled models, weighted by the samples each
     trained this round (``RoundOutcome.seen``): ``sum_k n_k / n * w_k`` (McMahan et al.
-    2017, Alg. 1), by Flower's ``aggregate_arrayrecords``; every array keeps its dtype.
+    2017, Alg. 1). Every array keeps the dtype and shape of the model's state dict:
+
+    * floating arrays: Flower's ``aggregate_arrayrecords`` (float arithmetic), cast
+      back to their dtype;
+    * integer and boolean arrays (BatchNorm's ``num_batches_tracked``, counters,
+      masks): the exact weighted mean ``sum_k n_k w_k / n`` in integer arithmetic,
+      rounded to the nearest integer, halves to even (:func:`integer_mean`); never
+      truncated (a float mean of three 7s is 6.999..., which a cast makes 6).
 
     Raises
     ------
@@ -188,9 +268,50 @@ def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
     ]
     avg = aggregate_arrayrecords(records, WEIGHT_KEY)
     first = outcomes[0].arrays
-    return ArrayRecord(
-        {k: type(v)(np.asarray(avg[k].numpy(), dtype=v.numpy().dtype)) for k, v in first.items()}
-    )
+    out = {}
+    for key, value in first.items():
+        ref = value.numpy()
+        if ref.dtype.kind in "biu":  # bool, signed, unsigned: exact, rounded
+            parts = [o.arrays[key].numpy() for o in outcomes]
+            mean = integer_mean(parts, [int(o.seen) for o in outcomes])
+        else:
+            mean = avg[key].numpy()
+        out[key] = type(value)(np.asarray(mean, dtype=ref.dtype).reshape(ref.shape))
+    return ArrayRecord(out)
+
+
+def integer_mean(arrays: Sequence[np.ndarray], weights: Sequence[int]) -> np.ndarray:
+    """The weighted mean ``sum_k n_k a_k / sum_k n_k`` of integer (or boolean) arrays
+    of one shape, computed exactly (Python integers: no overflow, no float rounding)
+    and rounded to the nearest integer, halves to even (as ``round`` and ``np.rint``).
+
+    Parameters
+    ----------
+    arrays : sequence of np.ndarray
+        Integer or boolean arrays, all of one shape.
+    weights : sequence of int
+        ``n_k >= 0``, not all zero (samples each model trained).
+
+    Returns
+    -------
+    np.ndarray
+        Of the shape of ``arrays[0]``, dtype object (Python ints): cast it to the
+        model's dtype (a boolean mean is then the weighted majority, a tie False).
+
+    Raises
+    ------
+    ValueError
+        If the weights are negative or sum to zero, or the shapes differ.
+    """
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be >= 0 and not all zero, got {list(weights)}")
+    shapes = {np.shape(a) for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"arrays of different shapes {sorted(shapes)} cannot be averaged")
+    total = sum(int(w) for w in weights)
+    num = sum(np.asarray(a).astype(object) * int(w) for a, w in zip(arrays, weights, strict=True))
+    flat = [round(Fraction(int(v), total)) for v in np.asarray(num, dtype=object).reshape(-1)]
+    return np.asarray(flat, dtype=object).reshape(np.shape(arrays[0]))
 
 
 def pipeline_row(res: PipelineResult) -> dict[str, Any]:
@@ -282,11 +403,14 @@ def federated_round(
     arrays: ArrayRecord,
     server_round: int,
     guard: RoundGuard | None = None,
+    local_bn: LocalBatchNorm | None = None,
 ) -> tuple[dict[str, Any], ArrayRecord | None]:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
     FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
     (:class:`sky_flower.sky.guard.RoundGuard`; default: finite only, no divergence
-    guard).
+    guard). With ``local_bn`` (``train.bn_policy=local``), each pipeline starts from
+    its owner's own BatchNorm entries and, once the round is accepted, each owner that
+    finished keeps those it returned (a failed round or pipeline changes none).
 
     Returns
     -------
@@ -297,7 +421,8 @@ def federated_round(
         or the guard's reason, "round_time_s"}`` and None.
     """
     t0 = time.perf_counter()
-    results = run_pipelines(grid, runs, make_runner, arrays, server_round)
+    start = None if local_bn is None else (lambda run, a: local_bn.start(run.owner, a))
+    results = run_pipelines(grid, runs, make_runner, arrays, server_round, start)
     seconds = time.perf_counter() - t0
     ok = [r.outcome for r in results if r.outcome is not None]
     if not ok:
@@ -314,4 +439,7 @@ def federated_round(
     err = (guard or RoundGuard()).check(server_round, row, new)
     if err is not None:  # the global model stays the last finite one
         return {"round": server_round, "error": err, "round_time_s": seconds}, None
+    for res in results if local_bn is not None else ():
+        if res.outcome is not None:
+            local_bn.keep(res.run.owner, res.outcome.arrays)  # type: ignore[union-attr]
     return row, new

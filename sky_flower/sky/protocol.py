@@ -68,6 +68,9 @@ PAYLOAD = "payload"  # ArrayRecord: echo payload (one array "p")
 ACT = "act"  # ArrayRecord {"act": activations}, forward: stage k -> k + 1
 GRAD = "grad"  # ArrayRecord {"grad": input gradient}, backward: stage k -> k - 1
 LABELS = "labels"  # ArrayRecord {"labels": int64 labels}, stage 0 -> last stage
+# ArrayRecord {"label_total": float64 0-d}: objective.reduction=weighted, the weight of the
+# whole step's labels (sky_flower.pipeline.objective.LossReduction), stage 0 -> last stage
+LABEL_TOTAL = "label_total"
 MB = "mb"  # ConfigRecord: the micro-batch group of a forward / backward (MicroBatchGroup)
 # ConfigRecord {"error": "<type>: <text>"}: a forward / backward reply whose stage raised
 # (its model, loss or data): the stage's error, not the node's failure
@@ -138,6 +141,12 @@ class StageConfig(Record):
         ``"module:qualname"`` of the last stage's ``metric(output, labels) -> int``;
         default correct predictions. A node built with its own ``loss_fn`` /
         ``metric_fn`` uses those instead.
+    reduction : str
+        How the loss reduces over a micro-batch: ``mean``, ``sum`` or ``weighted``
+        (:class:`sky_flower.pipeline.objective.LossReduction`).
+    weight : str
+        ``weighted``: ``"module:qualname"`` of ``weight(labels) -> number``; else
+        ``"-"`` (Flower cannot count the bytes of an empty string in a ConfigRecord).
     session : int
         The set-up's session (:func:`new_session`; 0: none given): with ``round``, the
         identity every message of this set-up carries.
@@ -157,6 +166,8 @@ class StageConfig(Record):
     loss: str = DEFAULT_LOSS
     metric: str = DEFAULT_METRIC
     session: int = 0
+    reduction: str = "mean"
+    weight: str = "-"
 
     def __post_init__(self) -> None:
         if not 0 <= self.first <= self.last:
@@ -346,6 +357,7 @@ __all__ = [
     "FORWARD",
     "GRAD",
     "LABELS",
+    "LABEL_TOTAL",
     "LOSS",
     "MB",
     "MESSAGE_TYPES",

@@ -53,6 +53,7 @@ class _Step:
     acts: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)  # (stage, group)
     grads: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)
     labels: dict[int, ArrayRecord] = field(default_factory=dict)
+    total: ArrayRecord | None = None  # reduction "weighted": the step's label weight
     in_shape: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     inflight: dict[str, tuple[int, str, int]] = field(default_factory=dict)  # id -> k, op, g
     loss: float = 0.0
@@ -171,6 +172,8 @@ class RelayRunner(Runner):
                 content[P.ACT] = st.acts.pop((k, g))
                 if k == S - 1:
                     content[P.LABELS] = st.labels.pop(g)
+                    if st.total is not None:  # stage 0 sent it with its first group
+                        content[P.LABEL_TOTAL] = st.total
             elif op == "B":
                 if (k, g) not in st.grads:
                     continue
@@ -209,6 +212,8 @@ class RelayRunner(Runner):
             st.acts[(k + 1, g)], st.in_shape[(k + 1, g)] = act, shape
             if k == 0:
                 st.labels[g] = take(ex, reply, P.LABELS, (rows,), leading=True)
+                if P.LABEL_TOTAL in reply.content.array_records:
+                    st.total = take(ex, reply, P.LABEL_TOTAL, ())
         elif op == "F":  # last stage: loss and backward done
             m = metrics(ex, reply)
             st.loss, st.correct, st.seen = st.loss + m.loss, st.correct + m.correct, st.seen + m.n

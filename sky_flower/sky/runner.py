@@ -110,6 +110,9 @@ class RunSettings:
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
+    # how loss_fn reduces over a micro-batch (sky_flower.pipeline.objective.LossReduction)
+    loss_reduction: str = "mean"
+    loss_weight_fn: Callable[..., Any] | None = None  # reduction "weighted" only
     stop: threading.Event = field(default_factory=threading.Event)
     describe: Callable[[int], str | None] = lambda nid: None
     deadlines: Deadlines = field(default_factory=Deadlines)
@@ -140,10 +143,16 @@ class RunSettings:
         )
 
     def objective(self) -> dict[str, str]:
-        """The stage-config entries naming the loss and metric functions."""
+        """The stage-config entries naming the loss and metric functions and the loss's
+        reduction (and weight function)."""
         from sky_flower.pipeline.objective import correct_count
 
-        return {"loss": ref(self.loss_fn), "metric": ref(self.metric_fn or correct_count)}
+        return {
+            "loss": ref(self.loss_fn),
+            "metric": ref(self.metric_fn or correct_count),
+            "reduction": self.loss_reduction,
+            "weight": ref(self.loss_weight_fn) if self.loss_weight_fn is not None else "-",
+        }
 
 
 def message(node_id: int, mtype: str, content: dict[str, Any], group: str) -> Message:

@@ -24,6 +24,7 @@ from sky_flower.core.schedule import SCHEDULE_KINDS, TRANSPORTS
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+BN_POLICIES = ("average", "local")  # as sky_flower.sky.federation.BN_POLICIES
 
 # the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
 # SuperLink; 2 ms polls would take the CPU from the nodes themselves (a SuperLink ran at
@@ -63,6 +64,8 @@ class TrainSettings:
     steps_per_round: int = _setting(
         0, "steps-per-round", "train.steps_per_round", (">= 0 (0: use local-epochs)", AT_LEAST_0[1])
     )
+    # issue 30: BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
+    bn_policy: str = _setting("average", "bn-policy", "train.bn_policy", choices=BN_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -170,37 +173,73 @@ class ReplanSettings:
 
 
 REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
+REFERENCE_OR_BLANK: Rule = ('"module:qualname" or ""', lambda v: v == "" or REFERENCE[1](v))
+REDUCTIONS = ("mean", "sum", "weighted")  # as sky_flower.pipeline.objective.REDUCTIONS
 
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """The last stage's loss and metric, by reference (``"module:qualname"``, imported on
-    every node; :mod:`sky_flower.pipeline.objective`). Hydra: the ``task`` group."""
+    every node; :mod:`sky_flower.pipeline.objective`), and how the loss reduces over a
+    micro-batch (``reduction``: ``mean``, ``sum``, or ``weighted`` by ``weight(labels)``,
+    e.g. tokens not ignored; :class:`sky_flower.pipeline.objective.LossReduction`): split
+    training scales each micro-batch's loss by it so that it equals unsplit training.
+    Hydra: the ``task`` group."""
 
     loss: str = _setting("torch.nn.functional:cross_entropy", "loss", "objective.loss", REFERENCE)
     metric: str = _setting(
         "sky_flower.pipeline.objective:correct_count", "metric", "objective.metric", REFERENCE
     )
+    # issue 30: exact for any loss (docs/drafts/exact.md)
+    reduction: str = _setting("mean", "loss-reduction", "objective.reduction", choices=REDUCTIONS)
+    weight: str = _setting("", "loss-weight", "objective.weight", REFERENCE_OR_BLANK)
 
     def functions(self, run_config: bool = False) -> tuple[Callable, Callable]:
-        """``(loss_fn, metric_fn)`` imported.
+        """``(loss_fn, metric_fn)`` imported (the reduction checked too,
+        :meth:`reduction_object`).
 
         Raises
         ------
         ValueError
             Naming the key (``objective.loss`` or run config ``loss``, ...) if a
-            reference cannot be imported or is not callable.
+            reference cannot be imported or is not callable, or the reduction and the
+            weight do not go together.
         """
         from sky_flower.pipeline.objective import resolve
 
         out = []
-        for f in dataclasses.fields(self):
-            key = f.metadata["key"] if run_config else f.metadata["hydra"]
-            try:
-                out.append(resolve(getattr(self, f.name)))
-            except ValueError as err:
-                raise ValueError(f"{'run config ' if run_config else ''}{key}: {err}") from err
+        for name in ("loss", "metric"):
+            out.append(self._imported(name, resolve, run_config))
+        self.reduction_object(run_config)
         return out[0], out[1]
+
+    def reduction_object(self, run_config: bool = False) -> Any:  # noqa: ANN401
+        """The :class:`sky_flower.pipeline.objective.LossReduction` of ``reduction`` and
+        ``weight``.
+
+        Raises
+        ------
+        ValueError
+            Naming the keys if the weight cannot be imported, or ``weighted`` lacks it
+            (another reduction has one).
+        """
+        from sky_flower.pipeline.objective import LossReduction, resolve
+
+        fn = self._imported("weight", resolve, run_config) if self.weight else None
+        try:
+            return LossReduction(self.reduction, fn)
+        except ValueError as err:
+            keys = ("loss-reduction", "loss-weight") if run_config else None
+            named = f" (run config keys {', '.join(keys)})" if keys else ""
+            raise ValueError(f"{err}{named}") from err
+
+    def _imported(self, name: str, resolve: Callable, run_config: bool) -> Callable:
+        f = next(f for f in dataclasses.fields(self) if f.name == name)
+        key = f.metadata["key"] if run_config else f.metadata["hydra"]
+        try:
+            return resolve(getattr(self, name))
+        except ValueError as err:
+            raise ValueError(f"{'run config ' if run_config else ''}{key}: {err}") from err
 
 
 GROUPS = {
@@ -381,6 +420,7 @@ class SkySettings:
             "lr": t.lr,
             "local_epochs": t.local_epochs,
             "steps_per_round": t.steps_per_round,
+            "bn_policy": t.bn_policy,
             "milp_time_limit_s": self.milp_time_limit_s,
             "benchmark_warmup": b.warmup,
             "benchmark_repeats": b.repeats,
@@ -400,6 +440,8 @@ class SkySettings:
             "node_wait_s": self.messaging.node_wait_s,
             "loss_fn": loss_fn,
             "metric_fn": metric_fn,
+            "loss_reduction": self.objective.reduction,
+            "loss_weight_fn": self.objective.reduction_object().weight_fn,
             **self.replan_kwargs(),
         }
 
