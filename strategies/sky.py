@@ -16,9 +16,12 @@ flight for ``gpipe`` / ``1f1b``) or peer to peer in a ``torch.distributed.pipeli
 schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.direct`); the
 server reassembles each owner's model from its stages. A failed pipeline drops out of
 its round's average; a round in which every pipeline failed is recorded; either way the
-nodes that caused it (``SkyNodeError.nodes``; never a data owner) are dropped and the
-model is re-planned (:mod:`sky_flower.sky.recovery`), and a failed round's next round
-starts from the last good global model.
+nodes whose own fault it was (silence, an error or malformed reply; never a data owner)
+are dropped and the model is re-planned, while non-finite values computed from finite
+inputs are the training's: the run says it diverged (naming the learning rate and the
+round) and drops nobody, or sets one suspect helper aside for a round
+(:mod:`sky_flower.sky.blame`, :mod:`sky_flower.sky.recovery`); a failed round's next
+round starts from the last good global model.
 
 This module holds only the Flower ``Strategy``: wait -> benchmark -> plan -> rounds ->
 evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
@@ -238,6 +241,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         self._stop = threading.Event()
         self.deadlines, self._ledger = deadlines, NodeLedger()
         self.init_replan(replan, optimizer_state)
+        self.init_recovery()
 
     # -- settings shared with the benchmark and the runners -----------------------------
     def request_stop(self) -> None:
@@ -434,6 +438,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
                 self._failed(rnd, row, failures)
                 continue
             failures = 0
+            self.round_trained(rnd)  # helpers set aside before it: their own fault
             result.arrays = self.global_arrays = new
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
@@ -445,9 +450,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             report.log_pipelines(row)
             self.on_event("round", row)
             if row["failed_pipelines"]:
-                self._recover(
-                    rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
-                )
+                self.partial_failure(rnd, row)  # sky_flower.sky.recovery
             self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan_hook
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
