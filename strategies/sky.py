@@ -430,6 +430,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
+            self.note_returns(rnd, self.replan_cfg.mode)  # replan.mode=off: reported only
             row, new = federation.federated_round(
                 grid, self.runs, self.runner, self.global_arrays, rnd, self.guard
             )

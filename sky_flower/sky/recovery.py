@@ -179,6 +179,9 @@ class RoundRecovery:
             if nid is not None:
                 self.dropped[name] = nid
                 self._dropped_in[name] = rnd
+                # re-admitted only after it leaves the node list and comes back (a
+                # restart), not on the next profile: a profile does not show NaN output
+                getattr(self, "_rejoin_asked", set()).add(nid)
         self._set_aside.clear()
         if names:
             log(
