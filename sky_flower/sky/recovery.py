@@ -141,7 +141,7 @@ class RoundRecovery:
                 f"max_failed_rounds={self.max_failed_rounds} reached)",
                 nodes=[],
                 node_ids=[],
-            ) from err
+            ) from None  # shown as it is (jobs.common.shown_error shows a __cause__)
 
     def _put_back(self) -> list[str]:
         """Return the helpers set aside to the fleet and re-plan; their names."""
