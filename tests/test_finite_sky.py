@@ -87,8 +87,14 @@ def test_divergence_guard_fails_a_round_whose_loss_grows_past_the_factor(tmp_pat
     result = strategy.start(**start)  # one failed round: the run goes on
     first, second = strategy.rounds
     assert "round 2 diverged: training loss" in second["error"] and "exceeds" in second["error"]
+    assert "train.lr, run config 'lr'; now 10000" in second["error"]  # issue 30: lr named
     assert strategy.failed_rounds == [
-        {"round": 2, "error": second["error"].removeprefix("round 2 failed: "), "dropped_nodes": []}
+        {
+            "round": 2,
+            "error": second["error"].removeprefix("round 2 failed: "),
+            "dropped_nodes": [],
+            "diverged": True,
+        }
     ]
     assert strategy.guard.best_loss == first["train_loss"] < 3.0
     assert result.arrays is strategy.global_arrays  # round 1's model

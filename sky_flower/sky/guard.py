@@ -143,12 +143,15 @@ class RoundGuard:
         """The error failing round ``server_round`` (its row's ``train_loss`` and the
         new global model ``new``), else None, and the round counts as accepted (its
         loss may become the best). No node is blamed (``nodes`` empty): the round's
-        aggregate or its loss is at fault, not one reply.
+        aggregate or its loss is at fault, not one reply; the error's ``diverged``
+        (its text) makes the strategy report a divergence (:mod:`sky_flower.sky.recovery`).
         """
         loss = float(row.get("train_loss", 0.0))
         text = self.reason(server_round, loss, new)
-        if text:
-            return SkyNodeError(text, nodes=[], node_ids=[])
+        if text:  # every reply was finite: the round's training diverged, not a node
+            err = SkyNodeError(text, nodes=[], node_ids=[])
+            err.diverged = text  # type: ignore[attr-defined] - read by sky.recovery
+            return err
         self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
         return None
 

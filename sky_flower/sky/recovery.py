@@ -78,6 +78,8 @@ class RoundRecovery:
         verdict = judge(
             self._failures_of(err), len(self.runs), self._diverging, list(self._set_aside)
         )
+        if getattr(err, "diverged", ""):  # RoundGuard: a non-finite aggregate or loss
+            verdict = Verdict(diverged=err.diverged)  # type: ignore[attr-defined]
         if verdict.diverged:
             self._diverged(rnd, row, failures, verdict)
             return
@@ -118,7 +120,8 @@ class RoundRecovery:
             If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
         """
         err: SkyNodeError = row["error"]
-        text = diverged_text(rnd, verdict.diverged, self.lr, str(err))
+        cause = "" if str(err) == verdict.diverged else str(err)
+        text = diverged_text(rnd, verdict.diverged, self.lr, cause)
         self._diverging = True
         restored = self._put_back()
         log(WARNING, "Round %d failed: %s. The last good global model is kept.", rnd, text)
