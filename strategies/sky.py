@@ -116,11 +116,14 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         ``message_timeout_s``; a node past its deadline fails the round, by name.
     max_failed_rounds : int (default: 2)
         A round that fails (a node errs, stalls or replies malformed) is recorded with
-        its error (``rounds`` and ``failed_rounds``); the nodes it names are dropped
-        (the data owner cannot be) and the model is re-planned on the others from the
-        benchmark round's profiles, and the next round starts from the last good global
-        model. This many consecutive failed rounds end the run with
-        :class:`SkyNodeError` (1: the first failed round does).
+        its error (``rounds`` and ``failed_rounds``); the nodes whose own fault it was
+        are dropped (the data owner cannot be) and the model is re-planned on the others
+        from the benchmark round's profiles, and the next round starts from the last
+        good global model. Non-finite replies are judged by
+        :func:`sky_flower.sky.blame.judge`: the training diverged (nobody is dropped) or
+        one helper is set aside for a round. This many consecutive failed rounds end
+        the run with :class:`SkyNodeError` (:class:`~sky_flower.sky.recovery.
+        TrainingDiverged` when the last one diverged; 1: the first failed round does).
     divergence_factor : float (default: 0.0, off)
         ``>= 1``: fail a round whose training loss exceeds this x the best so far.
     direct_timeout_s, direct_host, direct_join_timeout_s : (default: 30.0, \
