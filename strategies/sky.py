@@ -122,8 +122,9 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         good global model. Non-finite replies are judged by
         :func:`sky_flower.sky.blame.judge`: the training diverged (nobody is dropped) or
         one helper is set aside for a round. This many consecutive failed rounds end
-        the run with :class:`SkyNodeError` (:class:`~sky_flower.sky.recovery.
-        TrainingDiverged` when the last one diverged; 1: the first failed round does).
+        the run with :class:`SkyNodeError` (``TrainingDiverged`` of
+        :mod:`sky_flower.sky.recovery` when the last one diverged; 1: the first failed
+        round does).
     divergence_factor : float (default: 0.0, off)
         ``>= 1``: fail a round whose training loss exceeds this x the best so far.
     direct_timeout_s, direct_host, direct_join_timeout_s : (default: 30.0, \
