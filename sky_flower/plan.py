@@ -41,4 +41,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from sky_flower.jobs.config_files import exit_on_bad_files
+
+    exit_on_bad_files(conf_dir())  # an invalid fleet file: one line, not a traceback
     main()

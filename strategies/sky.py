@@ -16,9 +16,12 @@ flight for ``gpipe`` / ``1f1b``) or peer to peer in a ``torch.distributed.pipeli
 schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.direct`); the
 server reassembles each owner's model from its stages. A failed pipeline drops out of
 its round's average; a round in which every pipeline failed is recorded; either way the
-nodes that caused it (``SkyNodeError.nodes``; never a data owner) are dropped and the
-model is re-planned (:mod:`sky_flower.sky.recovery`), and a failed round's next round
-starts from the last good global model.
+nodes whose own fault it was (silence, an error or malformed reply; never a data owner)
+are dropped and the model is re-planned, while non-finite values computed from finite
+inputs are the training's: the run says it diverged (naming the learning rate and the
+round) and drops nobody, or sets one suspect helper aside for a round
+(:mod:`sky_flower.sky.blame`, :mod:`sky_flower.sky.recovery`); a failed round's next
+round starts from the last good global model.
 
 This module holds only the Flower ``Strategy``: wait -> benchmark -> plan -> rounds ->
 evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
@@ -113,11 +116,15 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         ``message_timeout_s``; a node past its deadline fails the round, by name.
     max_failed_rounds : int (default: 2)
         A round that fails (a node errs, stalls or replies malformed) is recorded with
-        its error (``rounds`` and ``failed_rounds``); the nodes it names are dropped
-        (the data owner cannot be) and the model is re-planned on the others from the
-        benchmark round's profiles, and the next round starts from the last good global
-        model. This many consecutive failed rounds end the run with
-        :class:`SkyNodeError` (1: the first failed round does).
+        its error (``rounds`` and ``failed_rounds``); the nodes whose own fault it was
+        are dropped (the data owner cannot be) and the model is re-planned on the others
+        from the benchmark round's profiles, and the next round starts from the last
+        good global model. Non-finite replies are judged by
+        :func:`sky_flower.sky.blame.judge`: the training diverged (nobody is dropped) or
+        one helper is set aside for a round. This many consecutive failed rounds end
+        the run with :class:`SkyNodeError` (``TrainingDiverged`` of
+        :mod:`sky_flower.sky.recovery` when the last one diverged; 1: the first failed
+        round does).
     divergence_factor : float (default: 0.0, off)
         ``>= 1``: fail a round whose training loss exceeds this x the best so far.
     direct_timeout_s, direct_host, direct_join_timeout_s : (default: 30.0, \
@@ -265,6 +272,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         self._stop = threading.Event()
         self.deadlines, self._ledger = deadlines, NodeLedger()
         self.init_replan(replan, optimizer_state)
+        self.init_recovery()
 
     # -- settings shared with the benchmark and the runners -----------------------------
     def request_stop(self) -> None:
@@ -458,6 +466,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         for rnd in range(1, num_rounds + 1):
+            self.note_returns(rnd, self.replan_cfg.mode)  # replan.mode=off: reported only
             row, new = federation.federated_round(
                 grid, self.runs, self.runner, self.global_arrays, rnd, self.guard, local_bn
             )
@@ -466,6 +475,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
                 self._failed(rnd, row, failures)
                 continue
             failures = 0
+            self.round_trained(rnd)  # helpers set aside before it: their own fault
             result.arrays = self.global_arrays = new
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row["train_loss"], "train_accuracy": row["train_accuracy"]}
@@ -477,9 +487,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             report.log_pipelines(row)
             self.on_event("round", row)
             if row["failed_pipelines"]:
-                self._recover(
-                    rnd, federation.pipelines_error(row["failed_pipelines"]), partial=True
-                )
+                self.partial_failure(rnd, row)  # sky_flower.sky.recovery
             self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan_hook
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)

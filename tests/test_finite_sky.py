@@ -19,6 +19,7 @@ from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.direct import DirectRunner
 from sky_flower.sky.guard import RoundGuard
+from sky_flower.sky.recovery import TrainingDiverged
 from sky_flower.sky.runner import message
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
@@ -48,14 +49,21 @@ def _start(run: dict, tmp_path) -> tuple:  # noqa: ANN001
 
 def test_huge_lr_fails_the_round_by_name_and_keeps_the_last_finite_model(tmp_path, server_identity):
     """Round 1 trains finite; in round 2 stage 0's activations overflow: the round fails
-    naming the stage, its node and the array, the global model stays round 1's,
-    results.json parses strictly and model.pt is round 1's finite model."""
+    saying the training diverged (the data owner's own stage, issue 30: no node is
+    blamed), naming the stage, its node, the array and the learning rate; the global
+    model stays round 1's, results.json parses strictly and model.pt is round 1's
+    finite model."""
     run = {**HUGE_LR, "num-server-rounds": 2, "max-failed-rounds": 1}
     strategy, start = _start(run, tmp_path)
     initial = start["initial_arrays"].to_torch_state_dict()
-    with pytest.raises(SkyNodeError, match=r"stage 0 on node0 .* non-finite .* in act") as err:
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"diverged in round 2: the data owner node0's own stage 0 .*stage 0 on node0 "
+        r".* non-finite .* in act\).*train\.lr.*now 1e\+08\), e\.g\. to 1e\+07",
+    ) as err:
         strategy.start(**start)
-    assert err.value.nodes == ["node0"]  # the stage whose output went non-finite first
+    assert err.value.nodes == [] and err.value.node_ids == []  # nobody is to blame
+    assert strategy.failed_rounds[-1]["diverged"] is True
     first, second = strategy.rounds
     assert math.isfinite(first["train_loss"]) and first["train_loss"] > 1e10
     assert "train.sky_forward holds non-finite values" in second["error"]
@@ -79,8 +87,14 @@ def test_divergence_guard_fails_a_round_whose_loss_grows_past_the_factor(tmp_pat
     result = strategy.start(**start)  # one failed round: the run goes on
     first, second = strategy.rounds
     assert "round 2 diverged: training loss" in second["error"] and "exceeds" in second["error"]
+    assert "train.lr, run config 'lr'; now 10000" in second["error"]  # issue 30: lr named
     assert strategy.failed_rounds == [
-        {"round": 2, "error": second["error"].removeprefix("round 2 failed: "), "dropped_nodes": []}
+        {
+            "round": 2,
+            "error": second["error"].removeprefix("round 2 failed: "),
+            "dropped_nodes": [],
+            "diverged": True,
+        }
     ]
     assert strategy.guard.best_loss == first["train_loss"] < 3.0
     assert result.arrays is strategy.global_arrays  # round 1's model

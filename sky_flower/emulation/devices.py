@@ -428,14 +428,23 @@ def compose_fleet(name: str, read: Callable[[str], str]) -> dict:
     Raises
     ------
     ValueError
-        On a ``defaults`` entry that is not a fleet name or ``_self_``, or a cycle.
+        On a ``defaults`` entry that is not a fleet name or ``_self_``, a cycle, or a
+        file that is not valid YAML (one line: the fleet, its file, line and column).
     """
+    import yaml
     from omegaconf import OmegaConf
 
     def load(n: str, seen: tuple[str, ...]) -> Any:
         if n in seen:
             raise ValueError(f"fleet {n!r}: defaults form a cycle {' -> '.join((*seen, n))}")
-        cfg = OmegaConf.create(read(n))
+        text = read(n)
+        try:
+            yaml.safe_load(text)  # OmegaConf's own error has no file, line or column
+        except yaml.YAMLError as err:
+            from sky_flower.jobs.config_files import describe_yaml_error
+
+            raise ValueError(describe_yaml_error(err, f"fleet {n!r} (fleet/{n}.yaml)")) from None
+        cfg = OmegaConf.create(text)
         defaults = cfg.pop("defaults", None) if "defaults" in cfg else None
         if defaults is None:
             return cfg

@@ -285,7 +285,8 @@ def sky_results(
     ``rounds`` are the strategy's round rows (only :data:`ROUND_KEYS` are kept);
     ``final_test_accuracy`` is the last good round's (a failed round keeps the previous
     global model); ``initial_test_accuracy`` the untrained model's (round 0);
-    ``completed`` whether every round ran; ``replans`` the online re-plans
+    ``completed`` whether every round ran and the run has no ``error`` (one whose
+    rounds all failed trained nothing: not completed); ``replans`` the online re-plans
     (:mod:`sky_flower.sky.replan`: after which round, why, gain, migration, plans);
     ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.joins`: ``round``,
     ``node``, ``node_id``).
@@ -306,6 +307,14 @@ def sky_results(
         "joins": joins or [],
         "completed": completed,
     }
+
+
+def untrained(rounds: list[dict[str, Any]]) -> str | None:
+    """The error of a run whose rounds all failed (None if one trained or none ran):
+    such a run trained nothing, whatever ``max_failed_rounds`` let it go on to."""
+    if not rounds or any("error" not in r for r in rounds):
+        return None
+    return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
 
 
 class SkyRecorder:
@@ -367,6 +376,8 @@ class SkyRecorder:
     def write(self, error: str | None = None) -> dict[str, Any]:
         """Write the results so far (with ``error`` if the run failed) and return them."""
         s = self.strategy
+        if error is None and self.completed and s is not None:
+            error = untrained(list(s.rounds))  # ran to its end but trained nothing
         results = sky_results(
             self.allocation,
             self.fleet,
@@ -374,7 +385,7 @@ class SkyRecorder:
             error,
             list(s.failed_rounds) if s is not None else [],
             self.initial_test_accuracy,
-            self.completed,
+            self.completed and not error,  # e.g. "no round trained": not completed
             list(getattr(s, "replans", [])),
             list(getattr(s, "joins", [])),
         )
@@ -385,8 +396,10 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     """The job's model, data and objective from ``cfg.model``, ``cfg.dataset`` and
     ``settings.objective`` (a :class:`sky_flower.sky.settings.SkySettings`), checked
     together before Flower starts: the model builds, the data loads, the samples have
-    the model's ``input_shape`` (taken from the data when the config has none) and the
-    loss and metric run on the model's output for two real samples.
+    the model's ``input_shape`` (taken from the data when the config has none), every
+    float feature and label of both splits is finite, and the loss and metric run on the
+    model's output for the first two samples and those holding the smallest and largest
+    label (or token id) of each whole split (:mod:`sky_flower.pipeline.inputs`).
 
     Returns
     -------
@@ -402,7 +415,9 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
         Naming the key: a planning-only model, a bad ``model._target_`` or
         ``dataset._target_``, samples of another shape than ``model.input_shape``, a
         layer split training cannot run (:func:`sky_flower.core.profile.check_layers`
-        names it), a loss or metric that fails on the model's output, or
+        names it), non-finite features or labels (naming the data set and split), labels
+        outside the model's output width (naming both), a loss or metric that fails on
+        the model's output, or
         (``transport=direct``) labels of a dtype the direct engine cannot send.
     """
     import copy
@@ -413,6 +428,7 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
 
     from sky_flower.core.profile import check_layers
     from sky_flower.pipeline.data import load_dataset
+    from sky_flower.pipeline.inputs import check_finite_data, label_range_error, probe_rows
     from sky_flower.pipeline.models import build_model
     from sky_flower.pipeline.objective import check_objective
 
@@ -438,14 +454,21 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     loss_fn, metric_fn = settings.objective.functions()
     mb = settings.schedule.batch_size // max(1, settings.schedule.microbatches)
     check_layers(copy.deepcopy(model), torch.as_tensor(train.x[:2]), mb)  # names the layer
-    check_objective(
-        model,
-        torch.as_tensor(train.x[:2]),
-        torch.as_tensor(train.y[:2]),
-        loss_fn,
-        metric_fn,
-        reduction=settings.objective.reduction_object(),
-    )
+    data_name = str(dataset.get("name") or dataset.get("_target_"))
+    reduction = settings.objective.reduction_object()
+    for split, which in ((train, "training"), (test, "test")):
+        check_finite_data(split, data_name, which)  # NaN / inf features: refused by name
+        rows = probe_rows(split)  # the first two and the extreme labels of the whole split
+        x, y = torch.as_tensor(split.x[rows]), torch.as_tensor(split.y[rows])
+        try:
+            check_objective(model, x, y, loss_fn, metric_fn, reduction=reduction)
+        except ValueError as err:
+            with torch.no_grad():
+                width = int(copy.deepcopy(model).train()(x).shape[-1])
+            what = label_range_error(split.y, width, data_name, str(name))
+            if what:  # say which labels and which width, not "Target 6 is out of bounds"
+                raise ValueError(f"{what} ({which} split; {err})") from err
+            raise
     from sky_flower.pipeline.engine import LABEL_DTYPES
 
     y = torch.as_tensor(train.y[:1])

@@ -27,6 +27,7 @@ from sky_flower.jobs.common import (
     simulate,
     simulation_cpus,
     sky_results,
+    untrained,
     write_json,
 )
 from sky_flower.pipeline.data import Split
@@ -269,14 +270,6 @@ def write_outputs(
     if strategy.global_arrays is not None:  # last good (finite) global model
         save_model(out_dir / "model.pt", strategy.global_arrays.to_torch_state_dict())
     return recorder.write(error or untrained(strategy.rounds))
-
-
-def untrained(rounds: list[dict[str, Any]]) -> str | None:
-    """The error of a run whose rounds all failed (None if one trained or none ran):
-    such a run trained nothing, whatever ``max_failed_rounds`` let it go on to."""
-    if not rounds or any("error" not in r for r in rounds):
-        return None
-    return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
 
 
 def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:

@@ -46,6 +46,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
+from sky_flower.sky.blame import Failure
 from sky_flower.sky.guard import RoundGuard
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, SkyNodeError
 
@@ -378,7 +379,12 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
         ],
         "pipelines": [pipeline_row(r) for r in results],
         "failed_pipelines": [
-            {"owner": r.run.owner, "nodes": list(r.error.nodes or []), "error": str(r.error)}
+            {
+                "owner": r.run.owner,
+                "nodes": list(r.error.nodes or []),
+                "error": str(r.error),
+                "nonfinite_stages": list(getattr(r.error, "stages", ())),
+            }
             for r in results
             if r.error is not None
         ],
@@ -389,11 +395,18 @@ def pipelines_error(
     failed: Sequence[dict[str, Any]], node_ids: Sequence[int] | None = None
 ) -> SkyNodeError:
     """One :class:`SkyNodeError` for the failed pipelines ``failed`` (each ``owner``,
-    ``error`` and ``nodes``: the nodes that caused it), naming every owner and node;
-    ``node_ids``: their Flower node ids where known."""
+    ``error`` and ``nodes``: the nodes that caused it, and ``nonfinite_stages`` where
+    its replies held ``NaN``/``inf``), naming every owner and node; ``node_ids``: their
+    Flower node ids where known. Its ``failures`` are what
+    :func:`sky_flower.sky.blame.judge` reads."""
     text = "; ".join(f"pipeline of {f['owner']} failed: {f['error']}" for f in failed)
     nodes = sorted({n for f in failed for n in (f.get("nodes") or ())})
-    return SkyNodeError(text, nodes=nodes or None, node_ids=list(node_ids) if node_ids else None)
+    err = SkyNodeError(text, nodes=nodes or None, node_ids=list(node_ids) if node_ids else None)
+    err.failures = [  # type: ignore[attr-defined]
+        Failure(f["owner"], tuple(f.get("nodes") or ()), tuple(f.get("nonfinite_stages") or ()))
+        for f in failed
+    ]
+    return err
 
 
 def federated_round(
@@ -430,7 +443,15 @@ def federated_round(
         if len(results) == 1:  # one data owner: its pipeline's error, as it was
             return {"round": server_round, "error": failed[0].error, "round_time_s": seconds}, None
         err = pipelines_error(
-            [{"owner": r.run.owner, "error": str(r.error), "nodes": r.error.nodes} for r in failed],  # type: ignore[union-attr]
+            [
+                {
+                    "owner": r.run.owner,
+                    "error": str(r.error),
+                    "nodes": r.error.nodes,  # type: ignore[union-attr]
+                    "nonfinite_stages": getattr(r.error, "stages", ()),
+                }
+                for r in failed
+            ],
             [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
         )
         return {"round": server_round, "error": err, "round_time_s": seconds}, None

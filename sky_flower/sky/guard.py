@@ -8,15 +8,17 @@ transport every stage's weights and metrics (:func:`check_stages`). A non-finite
 fails its pipeline by name through the failed-round path
 (:mod:`sky_flower.sky.federation`, :mod:`sky_flower.sky.recovery`).
 
-Who is blamed: the stage whose output first goes non-finite. On the relay every input a
+Who is named: the stage whose output first goes non-finite. On the relay every input a
 stage gets was checked finite when it arrived, so the first non-finite reply comes from
-the stage that produced it: its node is the cause (``SkyNodeError.nodes``, dropped and
-re-planned like a node that replied malformed, unless it is a data owner). Replies that
-arrive together (the relay's weights at the end of a round, every reply of a direct
-round, whose activations travel peer to peer and are never seen here) blame their stage
+the stage that computed it (``SkyNodeError.nodes``: its node). Replies that arrive
+together (the relay's weights at the end of a round, every reply of a direct round,
+whose activations travel peer to peer and are never seen here) name their stage's node
 only when it is the only non-finite one; when several are, every one is named and none
-is blamed (divergence spreads through the whole pipeline in one step: the server cannot
-tell where it began).
+is blamed (divergence spreads through the whole pipeline in one step). Either way the
+error is a :class:`NonFiniteReply` carrying the non-finite ``stages``: values computed
+from finite inputs are not by themselves a node's fault, and
+:func:`sky_flower.sky.blame.judge` decides whether the training diverged (no node is
+dropped) or one helper is suspect (set aside for one round).
 
 :class:`RoundGuard` checks the round as a whole: a FedAvg aggregate that is non-finite,
 or a training loss above ``divergence_factor`` times the best loss so far (optional, off
@@ -37,6 +39,32 @@ from sky_flower.flower.finite import NonFiniteError, nonfinite_names
 from sky_flower.sky.runner import Pipeline, SkyNodeError
 
 
+class NonFiniteReply(SkyNodeError):
+    """A well-formed reply holding ``NaN``/``inf`` (see the module docstring).
+
+    Attributes
+    ----------
+    stages : tuple[int, ...]
+        The pipeline's stages whose replies held non-finite values (stage 0: the data
+        owner's own stage).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        nodes: Sequence[str] | None = None,
+        node_ids: Sequence[int] | None = None,
+        stages: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message, nodes=nodes, node_ids=node_ids)
+        self.stages = tuple(stages)
+
+
+def _nonfinite(ex: Exchange, text: str, causes: list[int], stages: list[int]) -> NonFiniteReply:
+    base = ex.fail(text, causes)
+    return NonFiniteReply(str(base), base.nodes, base.node_ids, stages)
+
+
 def reply_nonfinite(reply: Message) -> list[str]:
     """Names of the non-finite arrays and metrics of ``reply`` (every array and metric
     record of its content; integer arrays are always finite)."""
@@ -55,14 +83,14 @@ def check_reply(ex: Exchange, plan: Pipeline, k: int, reply: Message) -> None:
 
     Raises
     ------
-    SkyNodeError
-        Naming the stage, its node (the cause: ``nodes``) and the non-finite arrays or
-        metrics, e.g. ``the reply of stage 1 on node1 (node 102) to train.sky_forward
-        holds non-finite values (NaN or inf) in act``.
+    NonFiniteReply
+        Naming the stage (``stages``: ``(k,)``), its node (``nodes``) and the non-finite
+        arrays or metrics, e.g. ``the reply of stage 1 on node1 (node 102) to
+        train.sky_forward holds non-finite values (NaN or inf) in act``.
     """
     bad = reply_nonfinite(reply)
     if bad:
-        raise ex.fail(_text(ex, plan, k, reply, bad), [reply.metadata.src_node_id])
+        raise _nonfinite(ex, _text(ex, plan, k, reply, bad), [reply.metadata.src_node_id], [k])
 
 
 def check_stages(ex: Exchange, plan: Pipeline, replies: Sequence[Message]) -> None:
@@ -71,10 +99,10 @@ def check_stages(ex: Exchange, plan: Pipeline, replies: Sequence[Message]) -> No
 
     Raises
     ------
-    SkyNodeError
-        Naming every stage whose reply holds ``NaN``/``inf`` and what holds it; its node
-        is the cause (``nodes``) only when it is the only such stage, else ``nodes`` is
-        empty (see the module docstring).
+    NonFiniteReply
+        Naming every stage whose reply holds ``NaN``/``inf`` (``stages``) and what holds
+        it; its node is named in ``nodes`` only when it is the only such stage, else
+        ``nodes`` is empty (see the module docstring).
     """
     found = [(k, r, reply_nonfinite(r)) for k, r in enumerate(replies)]
     found = [(k, r, bad) for k, r, bad in found if bad]
@@ -84,7 +112,7 @@ def check_stages(ex: Exchange, plan: Pipeline, replies: Sequence[Message]) -> No
     causes = [plan.node_ids[found[0][0]]] if len(found) == 1 else []
     if len(found) > 1:
         text += " (several stages at once: no single node is blamed)"
-    raise ex.fail(text, causes)
+    raise _nonfinite(ex, text, causes, [k for k, _, _ in found])
 
 
 @dataclass
@@ -115,12 +143,15 @@ class RoundGuard:
         """The error failing round ``server_round`` (its row's ``train_loss`` and the
         new global model ``new``), else None, and the round counts as accepted (its
         loss may become the best). No node is blamed (``nodes`` empty): the round's
-        aggregate or its loss is at fault, not one reply.
+        aggregate or its loss is at fault, not one reply; the error's ``diverged``
+        (its text) makes the strategy report a divergence (:mod:`sky_flower.sky.recovery`).
         """
         loss = float(row.get("train_loss", 0.0))
         text = self.reason(server_round, loss, new)
-        if text:
-            return SkyNodeError(text, nodes=[], node_ids=[])
+        if text:  # every reply was finite: the round's training diverged, not a node
+            err = SkyNodeError(text, nodes=[], node_ids=[])
+            err.diverged = text  # type: ignore[attr-defined] - read by sky.recovery
+            return err
         self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
         return None
 

@@ -14,6 +14,15 @@ A data owner that joins mid-run is not admitted (logged): its data would need a
 pipeline of its own, planned at the start. Under ``replan.mode=off`` the plan is fixed
 and nobody joins (as before).
 
+A node that was *dropped* (its own fault: silence, an error reply, a crash;
+:mod:`sky_flower.sky.recovery`) and is listed again, e.g. a SuperNode restarted with the
+same node id, is a joiner too: with ``replan.mode`` ``on`` / ``force`` it is profiled
+again once after it was dropped, and again each time it has been missing from the
+Grid's node list and comes back (a SuperLink lists only online nodes, so a restart shows
+as missing, then listed); when it answers it is admitted back (``joins`` records it with
+``rejoined: true``). Under ``replan.mode=off`` such a return is reported (logged and
+recorded in ``joins`` with ``admitted: false``), not admitted.
+
 A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`, as
 :class:`sky_flower.sky.replan_hook.RoundReplanning`.
 """
@@ -90,6 +99,51 @@ class NodeJoins:
         self._seen_ids = set(found.node_ids.values()) | set(found.left_out)
         self._waiting_ids = {nid for nid, why in found.left_out.items() if NOT_JOINED in why}
         self.joins: list[dict[str, Any]] = []
+        self._rejoin_asked: set[int] = set()  # dropped ids profiled since they were dropped
+        self._went_missing: set[int] = set()  # dropped ids seen missing from the node list
+
+    def _returned(self, listed: set[int]) -> dict[int, str]:
+        """Dropped nodes (``self.dropped``, name -> id) listed now that may have come
+        back: not yet asked since they were dropped, or missing from a listing since
+        they were last asked. Notes which dropped nodes are missing now."""
+        dropped: dict[str, int] = getattr(self, "dropped", {})
+        back = {}
+        for name, nid in dropped.items():
+            if nid not in listed:
+                self._went_missing.add(nid)
+            elif nid not in self._rejoin_asked or nid in self._went_missing:
+                back[nid] = name
+        return back
+
+    def note_returns(self, next_round: int, replan_mode: str) -> list[str]:
+        """Under ``replan.mode=off``: report the dropped nodes listed again after they
+        went missing (a restarted SuperNode), which a fixed plan does not admit back
+        (logged, recorded in ``joins`` with ``admitted: false``). Returns their names."""
+        grid = getattr(self, "_join_grid", None)
+        if replan_mode != "off" or grid is None or not getattr(self, "dropped", None):
+            return []
+        try:
+            listed = set(grid.get_node_ids())
+        except Exception:  # noqa: BLE001 - a Grid that cannot list: nothing to report
+            return []
+        back = {n: nm for n, nm in self._returned(listed).items() if n in self._went_missing}
+        for nid, name in back.items():
+            self._went_missing.discard(nid)
+            self._rejoin_asked.add(nid)
+            self.joins.append(
+                {"round": next_round, "node": name, "node_id": nid, "rejoined": True}
+                | {"admitted": False}
+            )
+            log(
+                WARNING,
+                "Node %s (node %d), dropped earlier, is listed again before round %d; "
+                "replan.mode=off keeps the plan fixed, so it is not admitted back (set "
+                "replan.mode=on to admit nodes that rejoin)",
+                name,
+                nid,
+                next_round,
+            )
+        return list(back.values())
 
     def admit_joiners(self, next_round: int) -> list[str]:
         """Profile the nodes that joined before ``next_round`` (new node ids, and nodes
@@ -104,7 +158,8 @@ class NodeJoins:
         except Exception as err:  # noqa: BLE001 - a Grid that cannot list: nobody joins
             log(WARNING, "Could not list the nodes before round %d: %s", next_round, err)
             return []
-        ask = sorted((listed - self._seen_ids) | (listed & self._waiting_ids))
+        returned = self._returned(listed)  # dropped nodes that may have come back
+        ask = sorted((listed - self._seen_ids) | (listed & self._waiting_ids) | set(returned))
         if not ask:
             return []
         bench = self.benchmark_round(grid, next_round)
@@ -114,6 +169,9 @@ class NodeJoins:
         joined: list[str] = []
         for nid in ask:
             self._seen_ids.add(nid)
+            if nid in returned:
+                self._rejoin_asked.add(nid)
+                self._went_missing.discard(nid)
             try:
                 node, prof = bench.profile(nid, taken)
             except (SkyNodeError, P.ProtocolError, KeyError, TypeError, ValueError) as err:
@@ -145,7 +203,18 @@ class NodeJoins:
             self.node_profiles.append(node)
             self._ids[node.name] = nid
             taken.node_ids[node.name] = nid
-            self.joins.append({"round": next_round, "node": node.name, "node_id": nid})
+            join: dict[str, Any] = {"round": next_round, "node": node.name, "node_id": nid}
+            if nid in returned:  # dropped earlier, back (e.g. a restarted SuperNode)
+                getattr(self, "dropped", {}).pop(returned[nid], None)
+                join |= {"rejoined": True, "admitted": True}
+            self.joins.append(join)
             joined.append(node.name)
-            log(INFO, "Node %s joined before round %d (%s)", node.name, next_round, prof.emulation)
+            log(
+                INFO,
+                "Node %s %s before round %d (%s)",
+                node.name,
+                "rejoined (dropped earlier)" if nid in returned else "joined",
+                next_round,
+                prof.emulation,
+            )
         return joined

@@ -1,45 +1,88 @@
 """What the Sky strategy does when a round's pipelines fail: record the round, end the
-run after ``max_failed_rounds`` failed rounds in a row, else drop the helpers that
-caused it and re-plan (a data owner is never dropped: stage 0 of its pipeline needs
-its data). A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`, split out of it
-to keep the strategy's module short."""
+run after ``max_failed_rounds`` failed rounds in a row, else act on the verdict of
+:func:`sky_flower.sky.blame.judge`: drop the nodes whose own fault it was (silence, an
+error or malformed reply, a crash) and re-plan; set aside for one round a helper whose
+output alone went non-finite (dropped if the next round trains without it, put back if
+it goes non-finite again); or, when the training diverged, drop nobody and say so,
+naming the learning rate and the round. A data owner is never dropped (stage 0 of its
+pipeline needs its data). A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`,
+split out of it to keep the strategy's module short."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from logging import WARNING
 from typing import Any
 
 from flwr.supercore import log
 
 from sky_flower.core.profile import NodeProfile
+from sky_flower.sky.blame import Failure, Verdict, diverged_text, judge
 from sky_flower.sky.runner import SkyNodeError
 
 
+class TrainingDiverged(SkyNodeError):
+    """The run ended because its training diverged (``max_failed_rounds`` diverged or
+    failed rounds in a row): no node is to blame (``nodes`` and ``node_ids`` empty)."""
+
+
 class RoundRecovery:
-    """Failed-round handling for a strategy with ``node_profiles``, ``_ids``,
-    ``make_plan``, ``rounds``, ``failed_rounds``, ``max_failed_rounds`` and
-    ``on_event`` (see :class:`sky_flower.strategies.sky.SkyStrategy`)."""
+    """Failed-round handling for a strategy with ``node_profiles``, ``_ids``, ``lr``,
+    ``runs``, ``make_plan``, ``rounds``, ``failed_rounds``, ``max_failed_rounds`` and
+    ``on_event`` (see :class:`sky_flower.strategies.sky.SkyStrategy`);
+    :meth:`init_recovery` in its constructor."""
 
     node_profiles: list[NodeProfile]
     _ids: dict[str, int]
+    lr: float
+    runs: list[Any]
     rounds: list[dict[str, Any]]
     failed_rounds: list[dict[str, Any]]
     max_failed_rounds: int
     on_event: Callable[[str, dict], None]
     make_plan: Callable[..., Any]
 
+    def init_recovery(self) -> None:
+        """No node set aside or dropped yet, no divergence seen."""
+        # name -> (profile, its index in node_profiles, the failed round's record)
+        self._set_aside: dict[str, tuple[NodeProfile, int, dict[str, Any]]] = {}
+        self._diverging = False  # a divergence was found and no round has trained since
+        self.dropped: dict[str, int] = {}  # name -> node id of every node dropped
+        self._dropped_in: dict[str, int] = {}  # name -> the round it was dropped after
+
+    def _failures_of(self, err: SkyNodeError) -> list[Failure]:
+        """The failed pipelines ``err`` reports (:class:`sky_flower.sky.blame.Failure`)."""
+        failures = getattr(err, "failures", None)
+        if failures is not None:
+            return list(failures)
+        owner = self.runs[0].owner if self.runs else ""
+        names = list(err.nodes or ())
+        if err.node_ids:  # by id where known (a name may be only "node <id>")
+            names = [n.name for n in self.node_profiles if n.node_id in err.node_ids] or names
+        return [Failure(owner, tuple(names), tuple(getattr(err, "stages", ())))]
+
     def _failed(self, rnd: int, row: dict[str, Any], failures: int) -> None:
         """Record failed round ``rnd`` (``row["error"]``: the :class:`SkyNodeError` of
-        every pipeline); end the run at ``max_failed_rounds``, else drop the nodes that
-        caused it and re-plan (:meth:`_recover`).
+        every pipeline); end the run at ``max_failed_rounds``, else act on the verdict
+        (:func:`sky_flower.sky.blame.judge`; :meth:`_recover`).
 
         Raises
         ------
+        TrainingDiverged
+            If the training diverged in this round and ``failures`` consecutive rounds
+            have failed (``max_failed_rounds``): names the learning rate and the round.
         SkyNodeError
             If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
         """
         err: SkyNodeError = row["error"]
+        verdict = judge(
+            self._failures_of(err), len(self.runs), self._diverging, list(self._set_aside)
+        )
+        if getattr(err, "diverged", ""):  # RoundGuard: a non-finite aggregate or loss
+            verdict = Verdict(diverged=err.diverged)  # type: ignore[attr-defined]
+        if verdict.diverged:
+            self._diverged(rnd, row, failures, verdict)
+            return
         log(
             WARNING,
             "Round %d failed: %s. The last good global model is kept (%d consecutive "
@@ -64,43 +107,188 @@ class RoundRecovery:
                 nodes=err.nodes,
                 node_ids=err.node_ids,
             ) from err
-        self._recover(rnd, err)
+        self._recover(rnd, err, verdict=verdict)
 
-    def _recover(self, rnd: int, err: SkyNodeError, partial: bool = False) -> list[str]:
-        """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
-        that caused it (``err.node_ids``, else ``err.nodes`` by name) and re-plan on the
-        others (the configured allocation only); return the names dropped. The data
-        owner is never dropped (stage 0 needs its data): a round it failed is simply
-        retried, as is one whose nodes cannot be dropped (the others cannot hold the
-        model). Records ``failed_rounds`` unless ``partial`` (some pipelines finished
-        the round: their FedAvg is kept and the round row names the failed ones)."""
-        if err.node_ids is not None:
-            failed = [n for n in self.node_profiles if n.node_id in err.node_ids]
-        else:
-            failed = [n for n in self.node_profiles if n.name in (err.nodes or ())]
-        failed = [n for n in failed if not n.holds_data]  # stage 0 of its own pipeline
-        names = [n.name for n in failed]
-        dropped: list[str] = []
-        if failed:
-            old = self.node_profiles
-            self.node_profiles = [n for n in old if n not in failed]
-            try:
-                self.make_plan(alternatives=False)
-                dropped = names
-            except ValueError as plan_err:  # e.g. the others cannot hold the model
-                self.node_profiles = old
-                self.make_plan(alternatives=False)
-                log(WARNING, "Cannot re-plan without %s: %s", ", ".join(names), plan_err)
-        for name in dropped:
-            self._ids.pop(name, None)
-        if not partial:  # a round some pipelines finished is recorded in its row
-            self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": dropped})
-        if dropped:
+    def _diverged(self, rnd: int, row: dict[str, Any], failures: int, verdict: Verdict) -> None:
+        """Round ``rnd`` failed because the training diverged: record it naming the
+        learning rate, put back the helpers set aside (they were not at fault), drop
+        nobody; end the run at ``max_failed_rounds``.
+
+        Raises
+        ------
+        TrainingDiverged
+            If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
+        """
+        err: SkyNodeError = row["error"]
+        cause = "" if str(err) == verdict.diverged else str(err)
+        text = diverged_text(rnd, verdict.diverged, self.lr, cause)
+        self._diverging = True
+        restored = self._put_back()
+        log(WARNING, "Round %d failed: %s. The last good global model is kept.", rnd, text)
+        failed = {
+            "round": rnd,
+            "error": f"round {rnd} failed: {text}",
+            "round_time_s": row["round_time_s"],
+            "diverged": True,
+        }
+        self.rounds.append(failed)
+        self.on_event("round", failed)
+        record: dict[str, Any] = {"round": rnd, "error": text, "dropped_nodes": []}
+        record["diverged"] = True
+        if restored:
+            record["restored_nodes"] = restored
+        self.failed_rounds.append(record)
+        if failures >= self.max_failed_rounds:
+            raise TrainingDiverged(
+                f"{text} ({failures} consecutive failed round(s): "
+                f"max_failed_rounds={self.max_failed_rounds} reached)",
+                nodes=[],
+                node_ids=[],
+            ) from None  # shown as it is (jobs.common.shown_error shows a __cause__)
+
+    def _put_back(self) -> list[str]:
+        """Return the helpers set aside to the fleet and re-plan; their names."""
+        if not self._set_aside:
+            return []
+        names = list(self._set_aside)
+        old = list(self.node_profiles)
+        for name, (prof, index, record) in sorted(self._set_aside.items(), key=lambda kv: kv[1][1]):
+            self.node_profiles.insert(min(index, len(self.node_profiles)), prof)
+            record["restored_nodes"] = [*record.get("restored_nodes", []), name]
+        self._set_aside.clear()
+        try:
+            self.make_plan(alternatives=False)
+        except ValueError as plan_err:  # cannot happen: they held the model before
+            self.node_profiles = old
+            log(WARNING, "Cannot re-plan with %s put back: %s", ", ".join(names), plan_err)
+            return []
+        log(
+            WARNING,
+            "Put %s back (set aside after a non-finite round, but the training itself "
+            "diverged) and re-planned on %d node(s)",
+            ", ".join(names),
+            len(self.node_profiles),
+        )
+        return names
+
+    def round_trained(self, rnd: int) -> list[str]:
+        """After round ``rnd`` trained: the helpers set aside before it are confirmed
+        at fault (the round trained finite without them) and dropped; returns them."""
+        self._diverging = False
+        names = list(self._set_aside)
+        for name, (_, _, record) in self._set_aside.items():
+            record["dropped_nodes"] = [*record["dropped_nodes"], name]
+            nid = self._ids.pop(name, None)
+            if nid is not None:
+                self.dropped[name] = nid
+                self._dropped_in[name] = rnd
+                # re-admitted only after it leaves the node list and comes back (a
+                # restart), not on the next profile: a profile does not show NaN output
+                getattr(self, "_rejoin_asked", set()).add(nid)
+        self._set_aside.clear()
+        if names:
             log(
                 WARNING,
-                "Round %d failed; dropped %s and re-planned on %d node(s)",
+                "Round %d trained finite without %s: its non-finite output was its own "
+                "fault; dropped",
                 rnd,
-                ", ".join(dropped),
+                ", ".join(names),
+            )
+        return names
+
+    def partial_failure(self, rnd: int, row: dict[str, Any]) -> list[str]:
+        """Round ``rnd`` trained but some pipelines failed (``row["failed_pipelines"]``):
+        their FedAvg is kept; act on the verdict for the failed ones (a pipeline that
+        diverged drops nobody; see :meth:`_recover`). Returns the names dropped."""
+        from sky_flower.sky import federation
+
+        err = federation.pipelines_error(row["failed_pipelines"])
+        verdict = judge(self._failures_of(err), len(self.runs))
+        if verdict.diverged:
+            log(WARNING, "Round %d: %s", rnd, diverged_text(rnd, verdict.diverged, self.lr))
+            row["diverged"] = verdict.diverged
+        return self._recover(rnd, err, partial=True, verdict=verdict)
+
+    def _recover(
+        self,
+        rnd: int,
+        err: SkyNodeError,
+        partial: bool = False,
+        verdict: Verdict | None = None,
+    ) -> list[str]:
+        """After round ``rnd`` failed with ``err`` (and the run goes on): drop the nodes
+        whose own fault it was (``verdict.drop``; default: ``err.node_ids``, else
+        ``err.nodes`` by name), set aside ``verdict.set_aside`` for the next round, and
+        re-plan on the others (the configured allocation only); return the names dropped
+        or set aside. The data owner is never dropped (stage 0 needs its data): a round
+        it failed is simply retried, as is one whose nodes cannot be left out (the
+        others cannot hold the model). Records ``failed_rounds`` unless ``partial`` (some
+        pipelines finished the round: their FedAvg is kept and the round row names the
+        failed ones)."""
+        if verdict is None:
+            if err.node_ids is not None:
+                drop = [n.name for n in self.node_profiles if n.node_id in err.node_ids]
+            else:
+                drop = [n.name for n in self.node_profiles if n.name in (err.nodes or ())]
+            verdict = Verdict(drop=tuple(drop))
+        out = self._leave_out(verdict.drop, verdict.set_aside)
+        dropped = [n for n in out if n in verdict.drop]
+        aside = [n for n in out if n in verdict.set_aside]
+        for name in dropped:
+            nid = self._ids.pop(name, None)
+            if nid is not None:
+                self.dropped[name] = nid
+                self._dropped_in[name] = rnd
+        record = {"round": rnd, "error": str(err), "dropped_nodes": dropped}
+        if aside:
+            record["set_aside"] = aside
+        for name in aside:
+            prof, index = self._left_out_profiles[name]
+            self._set_aside[name] = (prof, index, record)
+        if not partial:  # a round some pipelines finished is recorded in its row
+            self.failed_rounds.append(record)
+        if out:
+            log(
+                WARNING,
+                "Round %d failed; %s and re-planned on %d node(s)",
+                rnd,
+                "; ".join(
+                    part
+                    for part in (
+                        f"dropped {', '.join(dropped)}" if dropped else "",
+                        f"set aside {', '.join(aside)} for one round (non-finite output on "
+                        "finite input: dropped if the next round trains without it, put "
+                        "back if it goes non-finite again)"
+                        if aside
+                        else "",
+                    )
+                    if part
+                ),
                 len(self.node_profiles),
             )
-        return dropped
+        return out
+
+    def _leave_out(self, drop: Sequence[str], aside: Sequence[str]) -> list[str]:
+        """Remove the helpers named in ``drop`` and ``aside`` from ``node_profiles`` and
+        re-plan; keep them (and the plan) when the others cannot hold the model. Returns
+        the names left out; ``_left_out_profiles`` maps each to (profile, index)."""
+        names = set(drop) | set(aside)
+        failed = [n for n in self.node_profiles if n.name in names and not n.holds_data]
+        self._left_out_profiles = {n.name: (n, self.node_profiles.index(n)) for n in failed}
+        if not failed:
+            return []
+        old = self.node_profiles
+        self.node_profiles = [n for n in old if n not in failed]
+        try:
+            self.make_plan(alternatives=False)
+        except ValueError as plan_err:  # e.g. the others cannot hold the model
+            self.node_profiles = old
+            self.make_plan(alternatives=False)
+            log(
+                WARNING,
+                "Cannot re-plan without %s: %s",
+                ", ".join(n.name for n in failed),
+                plan_err,
+            )
+            return []
+        return [n.name for n in failed]
