@@ -25,7 +25,7 @@ from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.guard import check_stages
-from sky_flower.sky.relay import migrated_state, optimizer_records, stage_config
+from sky_flower.sky.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
