@@ -65,10 +65,12 @@ from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.replan import ReplanConfig
 from sky_flower.sky.replan_hook import RoundReplanning
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
+from sky_flower.sky.stream import StreamRunner
 
 RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
     "relay": RelayRunner,
     "direct": DirectRunner,
+    "stream": StreamRunner,
 }
 
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]

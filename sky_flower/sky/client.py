@@ -24,6 +24,9 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
 ``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
                        peer to peer (:mod:`sky_flower.sky.direct_node`), return its
                        weights and timings (one message per stage per round)
+``train.sky_stream``   ``transport=stream``: connect outbound to the server's endpoint
+                       and run this node's stage for a whole round over it
+                       (:mod:`sky_flower.sky.stream_node`), return its weights
 =====================  ===============================================================
 
 A forward or backward whose stage raises (its model, loss or data) replies with the
@@ -170,6 +173,7 @@ class SkyClient:
             P.BACKWARD: self.backward,
             P.COLLECT: self.collect,
             P.DIRECT: self.direct,
+            P.STREAM: self.stream,
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
@@ -458,6 +462,29 @@ class SkyClient:
         direct_ran(cfg.stage, context)
         loss_fn, metric_fn = self._objective(cfg.stage)
         return run_direct_stage(
+            cfg,
+            msg.content.array_records[P.ARRAYS],
+            self.model_fn,
+            int(context.node_id),
+            emu,
+            batch_fn=lambda step: self._batch(context, cfg.stage, step),
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
+            optim=msg.content.array_records.get(migration.OPTIM_KEY),
+        )
+
+    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Run this node's stage for one whole round on the ``stream`` transport, once
+        per set-up (:func:`sky_flower.sky.stream_node.run_stream_stage`, which raises)."""
+        from sky_flower.sky.stream_node import run_stream_stage
+
+        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
+        if refused is not None:
+            return refused
+        direct_ran(cfg.stage, context)
+        loss_fn, metric_fn = self._objective(cfg.stage)
+        return run_stream_stage(
             cfg,
             msg.content.array_records[P.ARRAYS],
             self.model_fn,

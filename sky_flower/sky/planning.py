@@ -334,6 +334,8 @@ def owner_planned(
     size = schedule.microbatches
     if schedule.kind != "sequential" and schedule.transport == "relay":
         size = cost.relay_group_size(cost.terms(plan_spec(plan)))
+    elif schedule.kind != "sequential" and schedule.transport == "stream":
+        size = schedule.microbatches_per_message or 1  # a frame costs no Flower message
     return Planned(plan, cost, size)
 
 

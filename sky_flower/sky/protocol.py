@@ -18,6 +18,8 @@ Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
 :data:`BACKWARD`      ``train.sky_backward``: backward of one group from its stash
 :data:`COLLECT`       ``train.sky_collect``: the stage's weights at the end of a round
 :data:`DIRECT`        ``train.sky_direct``: a whole round peer to peer (:class:`DirectConfig`)
+:data:`STREAM`        ``train.sky_stream``: a whole round over the server's stream endpoint
+                      (:class:`StreamConfig`; :mod:`sky_flower.sky.stream`)
 ====================  ==================================================================
 
 Identity (idempotent delivery): every stage message says which set-up, step and
@@ -57,7 +59,8 @@ FORWARD = "train.sky_forward"
 BACKWARD = "train.sky_backward"
 COLLECT = "train.sky_collect"
 DIRECT = "train.sky_direct"
-MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT)
+STREAM = "train.sky_stream"
+MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT, STREAM)
 
 # --- record keys -----------------------------------------------------------------------
 CONFIG = "config"  # ConfigRecord: the message's settings (the dataclasses below)
@@ -290,6 +293,31 @@ class DirectConfig(Record):
 
 
 @dataclass(frozen=True)
+class StreamConfig(Record):
+    """``train.sky_stream``'s :data:`CONFIG`: a stage's whole round on the server's
+    stream endpoint (:mod:`sky_flower.sky.channel`). Flattened into one record with the
+    keys of :class:`StageConfig`.
+
+    ``address``: the endpoint's ``host:port``; ``ticket``: this stage's, fresh per round;
+    ``fingerprint`` / ``cert_pem``: SHA-256 (hex) and PEM of the endpoint's certificate
+    (``"-"``: plaintext, an insecure run); ``max_frame_bytes``: the frame cap;
+    ``timeout_s``: bound on the whole round's call (s); ``steps``: steps of the round;
+    ``node_id``: the node it is planned for.
+    """
+
+    stage: StageConfig
+    address: str
+    ticket: str
+    fingerprint: str
+    cert_pem: str
+    max_frame_bytes: int
+    timeout_s: float
+    steps: int
+    node_id: int
+    input_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
 class StepMetrics(Record):
     """The last stage's figures for one forward message (:data:`METRICS`)."""
 
@@ -322,6 +350,7 @@ RECORDS = (
     EchoRequest,
     DirectLinks,
     DirectConfig,
+    StreamConfig,
     StepMetrics,
     DirectMetrics,
 )
@@ -354,6 +383,7 @@ __all__ = [
     "SAMPLES",
     "SETUP",
     "STAGE_ERROR",
+    "STREAM",
     "DirectConfig",
     "DirectLinks",
     "DirectMetrics",
@@ -366,6 +396,7 @@ __all__ = [
     "SessionId",
     "StageConfig",
     "StepMetrics",
+    "StreamConfig",
     "action",
     "new_session",
     "stage_error",

@@ -102,6 +102,13 @@ class RunSettings:
     direct_timeout_s: float = 30.0
     direct_host: str = "127.0.0.1"
     direct_join_timeout_s: float = 60.0
+    # transport=stream (sky_flower.sky.stream): the endpoint's address the stages dial,
+    # the interface it listens on ("": the same), TLS, frame cap, silence / join bound
+    stream_host: str = "127.0.0.1"
+    stream_bind: str = ""
+    stream_tls: bool = True
+    stream_max_frame_bytes: int = 256 << 20
+    stream_timeout_s: float = 30.0
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
