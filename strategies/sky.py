@@ -128,6 +128,13 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         stalls ends the round for all within about this time); the address of the
         round's TCPStore, hosted by the server (reachable from every stage node); bound
         (s) on the stages joining a round.
+    stream_host, stream_bind, stream_tls, stream_max_frame_mb, stream_timeout_s : \
+(default: "127.0.0.1", "127.0.0.1", True, 256.0, 30.0)
+        ``transport=stream`` (:mod:`sky_flower.sky.stream`): the address the stages dial
+        for the round's endpoint and the interface it listens on; TLS with a fresh
+        certificate pinned through the set-up message (off only for an insecure run);
+        frame cap (MiB); bound (s) on a stage's silence while it owes a reply, and on
+        the stages connecting.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -178,6 +185,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         direct_timeout_s: float = 30.0,
         direct_host: str = "127.0.0.1",
         direct_join_timeout_s: float = 60.0,
+        stream_host: str = "127.0.0.1",
+        stream_bind: str = "127.0.0.1",
+        stream_tls: bool = True,
+        stream_max_frame_mb: float = 256.0,
+        stream_timeout_s: float = 30.0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
         poll_interval_s: float = 0.002,
@@ -218,6 +230,13 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         self.guard = RoundGuard(divergence_factor)  # finite rounds; divergence if set
         self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
         self.direct_join_timeout_s = direct_join_timeout_s
+        self.stream = {
+            "stream_host": stream_host,
+            "stream_bind": stream_bind,
+            "stream_tls": stream_tls,
+            "stream_max_frame_bytes": int(stream_max_frame_mb * 2**20),
+            "stream_timeout_s": stream_timeout_s,
+        }
         self.poll_interval_s, self.node_wait_s = poll_interval_s, node_wait_s
         self.loss_fn, self.metric_fn, self.link_cache = loss_fn, metric_fn, link_cache
         self.on_event = on_event or (lambda kind, payload: None)
@@ -262,6 +281,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             direct_timeout_s=self.direct_timeout_s,
             direct_host=self.direct_host,
             direct_join_timeout_s=self.direct_join_timeout_s,
+            **self.stream,
             input_dtype=self.input_dtype,
             loss_fn=self.loss_fn,
             metric_fn=self.metric_fn,
