@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Message
@@ -288,3 +289,29 @@ def test_a_stranger_without_ticket_is_refused():
             StageLink(ep.address, 1, "not-the-ticket", ep.fingerprint, ep.cert_pem, 1 << 16, 10)
         assert ep.joined == set() and ep.refused == ["stage 1: wrong ticket"]
     assert encode({"op": "end"})  # frames are plain bytes
+
+
+# -- the whole strategy, each message in a fresh process ----------------------------------
+def test_sky_app_on_stream_equals_unsplit_training(server_identity):
+    """The sky-app through Sky's strategy (benchmark, plan, 2 rounds of 3 steps) on
+    ``transport=stream`` with TLS, every message handled in a fresh ClientApp process
+    (``ConcurrentGrid``, the deployment engine's semantics): the stages connect from
+    their processes to the ServerApp's endpoint; the global model and each round's mean
+    loss equal unsplit training's (tolerance as ``test_process_per_message``: the
+    same operations, float32 through the protobuf round trip, rtol 1e-4)."""
+    from reference import ConcurrentGrid, run_sky_app
+    from test_process_per_message import QUICK, _assert_weights
+    from test_process_per_message import _expected as expected_rounds
+
+    run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 2, "steps-per-round": 3}
+    run |= {"transport": "stream", "schedule-kind": "1f1b", "microbatches": 4}
+    run |= {"stream-timeout-s": 20.0}
+    strategy, result, _ = run_sky_app(ConcurrentGrid, run)
+    assert [r.get("error") for r in strategy.rounds] == [None, None]
+    assert len(strategy.plan.stages) == 3
+    expected = expected_rounds(run)
+    for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
+        assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
+        assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
+    _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
+    assert not _stream_threads()
