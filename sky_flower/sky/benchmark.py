@@ -48,8 +48,11 @@ class BenchmarkSettings:
         Probe array stored in a node's ``context.state`` to time the state's cost per
         message (0: not timed).
     peer_links : bool
-        ``direct`` transport: take each node's link as its emulation reports it (the
-        stages talk peer to peer) instead of timing relay echoes.
+        ``direct`` and ``stream`` transports: take each node's link as its emulation
+        reports it (direct: the stages talk peer to peer; stream: a frame, not a Flower
+        message) instead of timing relay echoes.
+    calibrate : bool
+        ``direct``: also time the gloo step's fixed costs (issue 16).
     """
 
     warmup: int = 2
@@ -59,6 +62,7 @@ class BenchmarkSettings:
     echo_jitter_s: float = 0.1
     state_probe_bytes: int = 64 * 1024 * 1024
     peer_links: bool = False
+    calibrate: bool = False
 
 
 @dataclass
@@ -234,7 +238,7 @@ class BenchmarkRound:
             optimizer=self.optimizer,
             lr=self.lr,
             input_dtype=self.input_dtype,
-            calibrate=self.settings.peer_links,
+            calibrate=self.settings.calibrate,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, self.groups[0])]

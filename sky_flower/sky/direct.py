@@ -79,6 +79,7 @@ class DirectRunner(Runner):
 
     label = "direct"
     peer_links = True  # stages talk peer to peer: the benchmark takes the emulated links
+    calibrate = True  # and times the gloo step's fixed costs (issue 16)
 
     @staticmethod
     def check_schedule(schedule: Schedule) -> None:

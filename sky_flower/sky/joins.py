@@ -63,6 +63,7 @@ class NodeJoins:
             echo_jitter_s=s.echo_jitter_s,
             state_probe_bytes=s.state_probe_bytes,
             peer_links=s.runner_cls.peer_links,
+            calibrate=s.runner_cls.calibrate,
         )
         run = self.run_settings()
         return BenchmarkRound(

@@ -332,10 +332,8 @@ def owner_planned(
     if schedule.kind != schedule.search_kind:  # chunked kinds, auto: played, picked
         plan, cost = chosen_schedule(plan, cost)
     size = schedule.microbatches
-    if schedule.kind != "sequential" and schedule.transport == "relay":
-        size = cost.relay_group_size(cost.terms(plan_spec(plan)))
-    elif schedule.kind != "sequential" and schedule.transport == "stream":
-        size = schedule.microbatches_per_message or 1  # a frame costs no Flower message
+    if schedule.kind != "sequential" and schedule.transport in ("relay", "stream"):
+        size = cost.relay_group_size(cost.terms(plan_spec(plan)))  # stream: per frame
     return Planned(plan, cost, size)
 
 

@@ -211,6 +211,7 @@ class Runner(ABC):
 
     label: ClassVar[str]  # how the report names the transport
     peer_links: ClassVar[bool] = False  # benchmark: emulated peer links, no relay echoes
+    calibrate: ClassVar[bool] = False  # benchmark: time the direct step's calibration
 
     def __init__(self, settings: RunSettings) -> None:
         self.s = settings

@@ -80,6 +80,9 @@ class StreamRunner(Runner):
     kind of the relay (``sequential``, ``gpipe``, ``1f1b``) and every plan runs on it."""
 
     label = "stream"
+    # the benchmark takes each node's link as its fleet emulation sets it (what the stage
+    # sleeps per frame), not Flower echoes (seconds per hop in deployment, not a frame's)
+    peer_links = True
 
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
