@@ -48,8 +48,9 @@ plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). W
 is charged as the relay with a frame for a message: every hop passes through the server,
 one op at a time per stage, each costing the node's link latency (no Flower message and
 no ``context.state``: no state term), the payload over each node's own bandwidth,
-recomputation in ``b_k``; Flower's set-up and weights messages once per round. The partitioners search with the
-closed forms above; the plan's predicted step time is this model.
+recomputation in ``b_k``; Flower's set-up and weights messages once per round. The
+partitioners search with the closed forms above; the plan's predicted step time is this
+model.
 
 The **steady-state period** (seconds per micro-batch once the pipeline is full, which
 sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.
