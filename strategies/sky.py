@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -67,6 +67,10 @@ from sky_flower.sky.replan_hook import RoundReplanning
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
 from sky_flower.sky.stream import StreamRunner
 
+PLAINTEXT = (  # logged when transport=direct
+    "activations, gradients and weights travel between the stage nodes in plaintext (gloo "
+    "has no encryption), whatever protects the SuperLink: use it on a trusted network only"
+)
 RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
     "relay": RelayRunner,
     "direct": DirectRunner,
@@ -130,11 +134,9 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         (s) on the stages joining a round.
     stream_host, stream_bind, stream_tls, stream_max_frame_mb, stream_timeout_s : \
 (default: "127.0.0.1", "127.0.0.1", True, 256.0, 30.0)
-        ``transport=stream`` (:mod:`sky_flower.sky.stream`): the address the stages dial
-        for the round's endpoint and the interface it listens on; TLS with a fresh
-        certificate pinned through the set-up message (off only for an insecure run);
-        frame cap (MiB); bound (s) on a stage's silence while it owes a reply, and on
-        the stages connecting.
+        ``transport=stream`` (:mod:`sky_flower.sky.stream`): the endpoint's address as
+        the stages dial it, its interface; TLS (a fresh, pinned certificate); frame cap
+        (MiB); bound (s) on a stage owing a reply or connecting.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -230,7 +232,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         self.guard = RoundGuard(divergence_factor)  # finite rounds; divergence if set
         self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
         self.direct_join_timeout_s = direct_join_timeout_s
-        self.stream = {
+        self.stream = {  # RunSettings' stream_* fields
             "stream_host": stream_host,
             "stream_bind": stream_bind,
             "stream_tls": stream_tls,
@@ -416,6 +418,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             s.transport,
         )
         log(INFO, "\t└── Optimizer: %s (lr %g) on every stage", self.optimizer, self.lr)
+        if s.transport == "direct":  # the stages' own links: no TLS there
+            log(WARNING, "transport=direct: %s", PLAINTEXT)
 
     # -- the whole run -----------------------------------------------------------------
     def start(  # noqa: PLR0913

@@ -315,3 +315,20 @@ def test_sky_app_on_stream_equals_unsplit_training(server_identity):
         assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
     assert not _stream_threads()
+
+
+# -- the launcher ---------------------------------------------------------------------------
+def test_launcher_defaults_to_stream_and_refuses_plaintext_direct_under_tls(tmp_path):
+    """On SuperNodes a Sky app runs the stream unless its run config picks a transport;
+    ``--tls`` with ``transport='direct'`` is refused before anything starts, naming the
+    plaintext risk and the fixes."""
+    from reference import SKY_APP
+
+    from sky_flower.deploy import DeployError, run_local, with_deployment_transport
+
+    assert with_deployment_transport(SKY_APP, "lr=0.01") == "transport='stream' lr=0.01"
+    assert with_deployment_transport(SKY_APP, "transport='relay'") == "transport='relay'"
+    config = "transport='direct' schedule-kind='gpipe' microbatches=4"
+    with pytest.raises(DeployError, match=r"plaintext .*Use transport='stream'.*drop --tls"):
+        run_local(SKY_APP, "edge3", tls=True, run_config=config, workdir=tmp_path, echo=False)
+    assert not (tmp_path / "superlink.log").exists()  # nothing was started

@@ -168,6 +168,8 @@ def run_local(
     fleet, run_config = _checked(app, fleet_name, run_config, timeout_s)
     if not simulation:
         run_config = with_deployment_transport(app, run_config)
+    if tls:
+        refuse_plaintext_direct(run_config)
     if workdir is not None:
         workdir = Path(workdir).resolve()  # the processes run in other directories
         if workdir.exists() and not workdir.is_dir():
@@ -241,6 +243,30 @@ def with_deployment_transport(app: Path, run_config: str) -> str:
     if "transport" not in app_run_config(app) or re.search(r"(^|\s)transport\s*=", run_config):
         return run_config
     return " ".join(x for x in ("transport='stream'", run_config) if x)
+
+
+PLAINTEXT_DIRECT = (
+    "transport='direct' sends activations, gradients and stage weights between the stage "
+    "nodes in plaintext (gloo's TCP sockets have no encryption), and every stage node must "
+    "reach every other one and the server's TCPStore"
+)
+
+
+def refuse_plaintext_direct(run_config: str) -> None:
+    """Refuse ``transport='direct'`` in a TLS-secured run (:data:`PLAINTEXT_DIRECT`).
+
+    Raises
+    ------
+    DeployError
+        Naming the risk and the fixes: ``transport='stream'`` (TLS, outbound only) or a
+        run without ``--tls`` on a trusted network.
+    """
+    if re.search(r"(^|\s)transport\s*=\s*['\"]direct['\"]", run_config):
+        raise DeployError(
+            f"--tls asks for an encrypted run, but {PLAINTEXT_DIRECT}. Use "
+            "transport='stream' (TLS, stage nodes connect out to the server only), or drop "
+            "--tls on a trusted network"
+        )
 
 
 def _with_results_path(app: Path, run_config: str, workdir: Path) -> tuple[str, Path | None]:
