@@ -129,7 +129,7 @@ def _round(
         seed=SEED,
         num_layers=9,
         poll_interval_s=0.0,
-        message_timeout_s=5.0,
+        message_timeout_s=30.0,  # the round's deadline (a loaded 2-core machine)
         stream_timeout_s=3.0,
         stream_tls=tls,
         describe=grid.names.get,
@@ -332,3 +332,33 @@ def test_launcher_defaults_to_stream_and_refuses_plaintext_direct_under_tls(tmp_
     with pytest.raises(DeployError, match=r"plaintext .*Use transport='stream'.*drop --tls"):
         run_local(SKY_APP, "edge3", tls=True, run_config=config, workdir=tmp_path, echo=False)
     assert not (tmp_path / "superlink.log").exists()  # nothing was started
+
+
+# -- the link over the data plane ---------------------------------------------------------
+def test_stream_link_probe_times_the_emulated_link_both_ways(server_identity):
+    """``query.sky_stream_echo``: a node whose fleet entry emulates 20 ms and 50 MB/s
+    sleeps that per echo frame (latency + bytes both ways / bandwidth), so the probe's
+    round trip is at least 20 ms and its bandwidths at most 50 MB/s (and not far
+    below: loopback adds little), down and up alike."""
+    from sky_flower.emulation.devices import Emulation
+    from sky_flower.flower.exchange import Exchange
+    from sky_flower.sky.stream_probe import probe_link
+
+    class Slow(SkyClient):
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            emu = Emulation(name="n0", latency_ms=20.0, bandwidth_mb_s=50.0)
+            super().__init__(emulation_fn=lambda c: emu, **kwargs)
+
+    grid = ThreadedGrid({"n0": _app(Slow)}, {"n0": {"sky-node": "n0", "partition-id": 0}})
+    ex = Exchange(grid, 10.0, poll_interval_s=0.005)
+    fig = probe_link(ex, 101, lambda n: Endpoint(n), (1024, 1 << 20), repeats=3, timeout_s=10)
+    grid.join()
+    assert 0.02 <= fig.latency_s < 0.2
+    for bw in (fig.down_bps, fig.up_bps):
+        assert 0 < bw <= 50e6 * 1.05, fig  # (a loaded machine serialises slower)
+    assert {k: len(v) for k, v in fig.rtts.items()} == {
+        (1024, 1024): 3,
+        (1 << 20, 1024): 3,
+        (1024, 1 << 20): 3,
+    }
+    assert not _stream_threads()

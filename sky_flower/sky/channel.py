@@ -17,15 +17,13 @@ JSON header (``op``, ``step``, ``first``, ``count``; the hello's ``stage`` and
 ``max_frame_bytes`` is refused by name (:class:`FrameError`); one far above it (over the
 cap plus :data:`SLACK_BYTES`) is cut by gRPC itself (``RESOURCE_EXHAUSTED``).
 
-Pure transport: no torch, no Sky protocol (:mod:`sky_flower.sky.stream` and
+Pure transport: no torch (:mod:`sky_flower.sky.stream` and
 :mod:`sky_flower.sky.stream_node` drive it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import hashlib
 import hmac
 import json
 import queue
@@ -34,7 +32,6 @@ import struct
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,101 +39,22 @@ from flwr.app import RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
+from sky_flower.sky.stream_tls import (  # noqa: F401 - re-exported
+    SERVER_NAME,
+    Certificate,
+    StreamError,
+    StreamRefusedError,
+    make_certificate,
+    pinned,
+)
+
 METHOD = "/skyflower.Stream/Round"
-SERVER_NAME = "sky-flower-stream"  # the certificate's name; the client checks it
 SLACK_BYTES = 1 << 20  # gRPC's own cap: the frame cap plus this (headers, proto framing)
 _HEADER = struct.Struct("<I")
 
 
-class StreamError(RuntimeError):
-    """The data plane failed: a link closed, stalled, or sent a malformed frame."""
-
-
-class StreamRefusedError(StreamError):
-    """A connection refused before any tensor moved: a wrong ticket, a certificate
-    that is not the pinned one, or an endpoint that cannot be reached."""
-
-
 class FrameError(StreamError):
     """A frame above the size cap, or one that does not decode."""
-
-
-# --- certificate -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Certificate:
-    """A self-signed endpoint certificate: ``cert_pem``, ``key_pem`` and the SHA-256
-    ``fingerprint`` (hex) of its DER encoding."""
-
-    cert_pem: bytes
-    key_pem: bytes
-    fingerprint: str
-
-
-def fingerprint(cert_pem: bytes) -> str:
-    """SHA-256 (hex) of the DER encoding of the PEM certificate ``cert_pem``.
-
-    Raises
-    ------
-    StreamRefusedError
-        If ``cert_pem`` is no PEM certificate.
-    """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-
-    try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
-    except ValueError as err:
-        raise StreamRefusedError(f"the endpoint's certificate does not parse: {err}") from err
-    return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
-
-
-def make_certificate(hours: float = 24.0) -> Certificate:
-    """A fresh self-signed ECDSA P-256 certificate for :data:`SERVER_NAME` (as
-    :mod:`sky_flower.deploy.tls` makes the deployment's, with ``cryptography``), valid
-    ``hours``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(hours=hours))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return Certificate(pem, key_pem, fingerprint(pem))
-
-
-def pinned(cert_pem: bytes, expected: str) -> bytes:
-    """``cert_pem`` if its fingerprint is ``expected`` (the only root the client then
-    trusts).
-
-    Raises
-    ------
-    StreamRefusedError
-        Naming both fingerprints, before any connection is made.
-    """
-    got = fingerprint(cert_pem)
-    if not hmac.compare_digest(got, expected.lower()):
-        raise StreamRefusedError(
-            f"the endpoint's certificate has fingerprint {got[:16]}..., not the pinned "
-            f"{expected[:16]}... of the set-up message: refused before connecting"
-        )
-    return cert_pem
 
 
 # --- frames ------------------------------------------------------------------------------
@@ -295,6 +213,19 @@ class Endpoint:
         """The certificate, PEM (``""`` without TLS)."""
         return self.cert.cert_pem.decode() if self.cert is not None else ""
 
+    def link(self, k: int, timeout_s: float) -> Any:  # noqa: ANN401 - a P.StreamLink
+        """Stage ``k``'s :class:`~sky_flower.sky.protocol.StreamLink` (``"-"``: no TLS)."""
+        from sky_flower.sky.protocol import StreamLink
+
+        return StreamLink(
+            address=self.address,
+            ticket=self.ticket(k),
+            fingerprint=self.fingerprint or "-",
+            cert_pem=self.cert_pem or "-",
+            max_frame_bytes=self.max_frame_bytes,
+            timeout_s=timeout_s,
+        )
+
     def ticket(self, k: int) -> str:
         """Stage ``k``'s ticket (fresh per endpoint, i.e. per round)."""
         return self.tickets[k]
@@ -371,8 +302,9 @@ class Endpoint:
         except FrameError as err:
             reason = str(err)
         except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else None
-            reason = "its stream broke" + (f" ({code.name})" if code is not None else "")
+            code = err.code() if callable(getattr(err, "code", None)) else None
+            why = code.name if code is not None else f"{type(err).__name__}: {err}"[:120]
+            reason = f"its stream broke ({why})"
         except Exception as err:  # noqa: BLE001 - gRPC ends a cut stream in several ways
             reason = f"its stream broke ({type(err).__name__}: {err})"
         if not self._closing.is_set():
@@ -472,6 +404,20 @@ class StageLink:
         with contextlib.suppress(Exception):
             self._call.cancel()
         self.channel.close()
+
+
+def connect(link: Any, stage: int) -> StageLink:  # noqa: ANN401 - a P.StreamLink
+    """A :class:`StageLink` for stage ``stage`` from the set-up's ``link``."""
+    plain = link.fingerprint == "-"
+    return StageLink(
+        link.address,
+        stage,
+        link.ticket,
+        "" if plain else link.fingerprint,
+        "" if plain else link.cert_pem,
+        link.max_frame_bytes,
+        link.timeout_s,
+    )
 
 
 def _refusal(err: grpc.RpcError, address: str) -> str:

@@ -24,9 +24,10 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
 ``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
                        peer to peer (:mod:`sky_flower.sky.direct_node`), return its
                        weights and timings (one message per stage per round)
-``train.sky_stream``   ``transport=stream``: connect outbound to the server's endpoint
-                       and run this node's stage for a whole round over it
-                       (:mod:`sky_flower.sky.stream_node`), return its weights
+``train.sky_stream``   ``transport=stream``: run the stage for a whole round over the
+                       server's endpoint (:mod:`sky_flower.sky.stream_node`);
+                       ``query.sky_stream_echo``: echo frames on it
+                       (:mod:`sky_flower.sky.stream_probe`)
 =====================  ===============================================================
 
 A forward or backward whose stage raises (its model, loss or data) replies with the
@@ -174,6 +175,7 @@ class SkyClient:
             P.COLLECT: self.collect,
             P.DIRECT: self.direct,
             P.STREAM: self.stream,
+            P.STREAM_ECHO: self.stream_echo,
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
@@ -473,25 +475,15 @@ class SkyClient:
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
         )
 
-    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """Run this node's stage for one whole round on the ``stream`` transport, once
-        per set-up (:func:`sky_flower.sky.stream_node.run_stream_stage`, which raises)."""
-        from sky_flower.sky.stream_node import run_stream_stage
+    def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Answer echo frames on the stream endpoint (the link over the data plane)."""
+        from sky_flower.sky.stream_probe import echo_frames
 
-        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
-        if refused is not None:
-            return refused
-        direct_ran(cfg.stage, context)
-        loss_fn, metric_fn = self._objective(cfg.stage)
-        return run_stream_stage(
-            cfg,
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            emu,
-            batch_fn=lambda step: self._batch(context, cfg.stage, step),
-            loss_fn=loss_fn,
-            metric_fn=metric_fn,
-            optim=msg.content.array_records.get(migration.OPTIM_KEY),
-        )
+        return echo_frames(P.StreamLink.from_config_record(msg.content[P.CONFIG]), emu)
+
+    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """This node's stage for a whole ``stream`` round, once per set-up
+        (:func:`sky_flower.sky.stream_node.handle`)."""
+        from sky_flower.sky.stream_node import handle
+
+        return handle(self, msg, context, emu)

@@ -20,6 +20,8 @@ Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
 :data:`DIRECT`        ``train.sky_direct``: a whole round peer to peer (:class:`DirectConfig`)
 :data:`STREAM`        ``train.sky_stream``: a whole round over the server's stream endpoint
                       (:class:`StreamConfig`; :mod:`sky_flower.sky.stream`)
+:data:`STREAM_ECHO`   ``query.sky_stream_echo``: echo frames on the stream endpoint
+                      (:class:`StreamLink`): the link over the data plane itself
 ====================  ==================================================================
 
 Identity (idempotent delivery): every stage message says which set-up, step and
@@ -60,7 +62,8 @@ BACKWARD = "train.sky_backward"
 COLLECT = "train.sky_collect"
 DIRECT = "train.sky_direct"
 STREAM = "train.sky_stream"
-MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT, STREAM)
+STREAM_ECHO = "query.sky_stream_echo"
+MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT, STREAM, STREAM_ECHO)
 
 # --- record keys -----------------------------------------------------------------------
 CONFIG = "config"  # ConfigRecord: the message's settings (the dataclasses below)
@@ -293,25 +296,30 @@ class DirectConfig(Record):
 
 
 @dataclass(frozen=True)
-class StreamConfig(Record):
-    """``train.sky_stream``'s :data:`CONFIG`: a stage's whole round on the server's
-    stream endpoint (:mod:`sky_flower.sky.channel`). Flattened into one record with the
-    keys of :class:`StageConfig`.
-
-    ``address``: the endpoint's ``host:port``; ``ticket``: this stage's, fresh per round;
-    ``fingerprint`` / ``cert_pem``: SHA-256 (hex) and PEM of the endpoint's certificate
-    (``"-"``: plaintext, an insecure run); ``max_frame_bytes``: the frame cap;
-    ``timeout_s``: bound on the whole round's call (s); ``steps``: steps of the round;
-    ``node_id``: the node it is planned for.
+class StreamLink(Record):
+    """How a node reaches the round's stream endpoint (:mod:`sky_flower.sky.channel`):
+    ``address`` (``host:port``), its ``ticket`` (fresh per endpoint), the SHA-256
+    ``fingerprint`` (hex) and PEM ``cert_pem`` of the endpoint's certificate (both
+    ``"-"``: plaintext, an insecure run), the frame cap ``max_frame_bytes`` and
+    ``timeout_s``, the bound on the whole call (s). :data:`STREAM_ECHO`'s :data:`CONFIG`.
     """
 
-    stage: StageConfig
     address: str
     ticket: str
     fingerprint: str
     cert_pem: str
     max_frame_bytes: int
     timeout_s: float
+
+
+@dataclass(frozen=True)
+class StreamConfig(Record):
+    """``train.sky_stream``'s :data:`CONFIG`: a stage's whole round on the server's
+    stream endpoint, flattened into one record with the keys of :class:`StageConfig`
+    and :class:`StreamLink`; ``steps`` of the round, ``node_id`` it is planned for."""
+
+    stage: StageConfig
+    link: StreamLink
     steps: int
     node_id: int
     input_dtype: str = "float32"
@@ -350,6 +358,7 @@ RECORDS = (
     EchoRequest,
     DirectLinks,
     DirectConfig,
+    StreamLink,
     StreamConfig,
     StepMetrics,
     DirectMetrics,
@@ -384,6 +393,7 @@ __all__ = [
     "SETUP",
     "STAGE_ERROR",
     "STREAM",
+    "STREAM_ECHO",
     "DirectConfig",
     "DirectLinks",
     "DirectMetrics",
@@ -397,6 +407,7 @@ __all__ = [
     "StageConfig",
     "StepMetrics",
     "StreamConfig",
+    "StreamLink",
     "action",
     "new_session",
     "stage_error",

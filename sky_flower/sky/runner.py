@@ -141,6 +141,15 @@ class RunSettings:
             busy_wait_s=self.deadlines.busy_wait_s,
         )
 
+    def stream_endpoint(self) -> dict[str, Any]:
+        """:class:`sky_flower.sky.channel.Endpoint`'s keywords for ``transport=stream``."""
+        return {
+            "bind": self.stream_bind or self.stream_host,
+            "advertise": self.stream_host,
+            "tls": self.stream_tls,
+            "max_frame_bytes": self.stream_max_frame_bytes,
+        }
+
     def objective(self) -> dict[str, str]:
         """The stage-config entries naming the loss and metric functions."""
         from sky_flower.pipeline.objective import correct_count

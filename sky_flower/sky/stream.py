@@ -79,10 +79,7 @@ class StreamRunner(Runner):
     """Runs a round on the stream transport (see the module docstring); every schedule
     kind of the relay (``sequential``, ``gpipe``, ``1f1b``) and every plan runs on it."""
 
-    label = "stream"
-    # the benchmark takes each node's link as its fleet emulation sets it (what the stage
-    # sleeps per frame), not Flower echoes (seconds per hop in deployment, not a frame's)
-    peer_links = True
+    label = "stream"  # the benchmark times each node's link over the data plane
 
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
@@ -96,13 +93,7 @@ class StreamRunner(Runner):
         losses, step_times, correct, seen = [], [], 0, 0
         t_start = time.perf_counter()
         try:
-            with Endpoint(
-                S,
-                bind=s.stream_bind or s.stream_host,
-                advertise=s.stream_host,
-                tls=s.stream_tls,
-                max_frame_bytes=s.stream_max_frame_bytes,
-            ) as ep:
+            with Endpoint(S, **s.stream_endpoint()) as ep:
                 ids = ex.push(self.configure(plan, arrays, steps, server_round, ep, budget))
                 self.got: dict[str, Message] = {}
                 self._next_poll = 0.0
@@ -153,12 +144,7 @@ class StreamRunner(Runner):
         for k, st in enumerate(plan.plan.stages):
             cfg = P.StreamConfig(
                 stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round, session),
-                address=ep.address,
-                ticket=ep.ticket(k),
-                fingerprint=ep.fingerprint or "-",  # "-": plaintext (an insecure run)
-                cert_pem=ep.cert_pem or "-",
-                max_frame_bytes=ep.max_frame_bytes,
-                timeout_s=budget + self.s.stream_timeout_s,
+                link=ep.link(k, budget + self.s.stream_timeout_s),
                 steps=steps,
                 node_id=plan.node_ids[k],
                 input_dtype=self.s.input_dtype if k == 0 else "float32",

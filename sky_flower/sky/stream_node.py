@@ -17,12 +17,13 @@ micro-batch): weights, buffers and dropout masks equal the unsplit reference.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 from sky_flower.core.profile import default_optimizer_factory
@@ -31,11 +32,15 @@ from sky_flower.emulation.devices import EMULATED_S, Emulation
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import StageLink, StreamError
-from sky_flower.sky.stage_state import load_stage, save_stage
+from sky_flower.sky.channel import StreamError, connect
+from sky_flower.sky.stage_state import direct_ran, direct_repeat, load_stage, save_stage
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
 BYTES = "bytes"
+# stages that share one process (threads: an in-process grid, a test) run their ops one
+# at a time: forward_layers seeds the process-wide CPU generator for each layer, so two
+# at once would draw each other's dropout masks
+_RNG_LOCK = threading.Lock()
 
 
 class StageRefusedError(RuntimeError):
@@ -207,16 +212,7 @@ def run_stream_stage(  # noqa: PLR0913
         local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
         optimizer_from_tensors(opt, local.to_torch_state_dict())
     live = LiveStage(st, module, opt, batch_fn, loss_fn, metric_fn)
-    plain = cfg.fingerprint == "-"
-    link = StageLink(
-        cfg.address,
-        st.stage,
-        cfg.ticket,
-        "" if plain else cfg.fingerprint,
-        "" if plain else cfg.cert_pem,
-        cfg.max_frame_bytes,
-        cfg.timeout_s,
-    )
+    link = connect(cfg.link, st.stage)
     hook, frames, nbytes, slept, at_step = faults.step_hook(), 0, 0, 0.0, -1
     ended = False
     try:
@@ -229,7 +225,8 @@ def run_stream_stage(  # noqa: PLR0913
                 at_step = step
                 hook(step)
             try:
-                out = live.op(header, records)
+                with _RNG_LOCK:
+                    out = live.op(header, records)
             except (P.ProtocolError, KeyError) as err:  # a malformed frame: the server's
                 raise StreamError(f"a malformed op frame: {err}") from err
             except Exception as err:  # noqa: BLE001 - the stage's own error, reported
@@ -263,3 +260,26 @@ def run_stream_stage(  # noqa: PLR0913
             model_fn, st.first, st.last, local
         )
     return result
+
+
+def handle(client: Any, msg: Message, context: Context, emu: Emulation) -> RecordDict:  # noqa: ANN401
+    """``train.sky_stream`` on ``client`` (a :class:`sky_flower.sky.client.SkyClient`):
+    :func:`run_stream_stage` with its model, data and objective, once per set-up (a
+    repeat is refused, as a ``train.sky_direct`` one is)."""
+    cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+    refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
+    if refused is not None:
+        return refused
+    direct_ran(cfg.stage, context)
+    loss_fn, metric_fn = client._objective(cfg.stage)
+    return run_stream_stage(
+        cfg,
+        msg.content.array_records[P.ARRAYS],
+        client.model_fn,
+        int(context.node_id),
+        emu,
+        batch_fn=lambda step: client._batch(context, cfg.stage, step),
+        loss_fn=loss_fn,
+        metric_fn=metric_fn,
+        optim=msg.content.array_records.get(migration.OPTIM_KEY),
+    )
