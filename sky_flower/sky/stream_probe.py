@@ -96,12 +96,14 @@ def probe_link(  # noqa: PLR0913
     repeats: int = 7,
     group: str = "echo",
     timeout_s: float = 60.0,
+    extra: tuple[tuple[int, int], ...] = (),
 ) -> StreamLinkFigures:
     """Time node ``node_id``'s stream link (see the module docstring).
 
     ``endpoint(n)``: a fresh, not yet entered endpoint for ``n`` stages (the run's
-    stream settings). Bounded: the node must connect and answer each frame within
-    ``timeout_s``.
+    stream settings). ``extra``: more ``(down, up)`` byte pairs to time (in ``rtts``
+    only, e.g. ``(big, big)`` to set against a Flower echo). Bounded: the node must
+    connect and answer each frame within ``timeout_s``.
 
     Raises
     ------
@@ -123,7 +125,7 @@ def probe_link(  # noqa: PLR0913
             time.sleep(0.01)
         rtts: dict[tuple[int, int], list[float]] = {}
         seq = 0
-        for down, up in ((small, small), (big, small), (small, big)):
+        for down, up in ((small, small), (big, small), (small, big), *extra):
             times = []
             for i in range(repeats + 1):
                 seq += 1
