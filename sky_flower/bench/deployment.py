@@ -129,7 +129,9 @@ def hops(workdir: Path, fleet: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def transports(workdir: Path, fleet: str, steps: int) -> dict[str, Any]:
+def transports(
+    workdir: Path, fleet: str, steps: int, which: tuple[str, ...] = ("relay", "stream", "direct")
+) -> dict[str, Any]:
     """Table 2's figures: per transport, the round's row of ``results.json``."""
     out: dict[str, Any] = {}
     base = (
@@ -137,7 +139,7 @@ def transports(workdir: Path, fleet: str, steps: int) -> dict[str, Any]:
         f"message-timeout-s=120.0 allocation='even' schedule-kind='gpipe' microbatches=4 "
         f"steps-per-round={steps}"
     )
-    for transport in ("relay", "stream", "direct"):
+    for transport in which:
         t0 = time.perf_counter()
         try:
             _, _, res = run_local(
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="Flower echoes per size")
     parser.add_argument("--steps", type=int, default=2, help="steps of table 2's round")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_deployment"))
+    parser.add_argument("--transports", default="relay,stream,direct", help="table 2's rows")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "hops"):
         res["hops"] = hops(args.out.resolve(), args.fleet, args.repeats)
     if args.only in (None, "transports"):
-        res["transports"] = transports(args.out.resolve(), args.fleet, args.steps)
+        which = tuple(args.transports.split(","))
+        res["transports"] = transports(args.out.resolve(), args.fleet, args.steps, which)
     text = tables(res)
     (args.out / "results.json").write_text(json.dumps(res, indent=1))
     (args.out / "table.md").write_text(text + "\n")

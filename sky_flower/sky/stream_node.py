@@ -212,6 +212,8 @@ def run_stream_stage(  # noqa: PLR0913
         local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
         optimizer_from_tensors(opt, local.to_torch_state_dict())
     live = LiveStage(st, module, opt, batch_fn, loss_fn, metric_fn)
+    if st.is_first:  # the data owner's first draw loads its data: in the set-up, not step 0
+        batch_fn(0)
     link = connect(cfg.link, st.stage)
     hook, frames, nbytes, slept, at_step = faults.step_hook(), 0, 0, 0.0, -1
     ended = False
