@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -68,10 +68,16 @@ from sky_flower.sky.relay import RelayRunner
 from sky_flower.sky.replan import ReplanConfig
 from sky_flower.sky.replan_hook import RoundReplanning
 from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
+from sky_flower.sky.stream import StreamRunner
 
+PLAINTEXT = (  # logged when transport=direct
+    "activations, gradients and weights travel between the stage nodes in plaintext (gloo "
+    "has no encryption), whatever protects the SuperLink: use it on a trusted network only"
+)
 RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
     "relay": RelayRunner,
     "direct": DirectRunner,
+    "stream": StreamRunner,
 }
 
 __all__ = ["RUNNERS", "SkyNodeError", "SkyStrategy"]
@@ -133,6 +139,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         stalls ends the round for all within about this time); the address of the
         round's TCPStore, hosted by the server (reachable from every stage node); bound
         (s) on the stages joining a round.
+    stream_host, stream_bind, stream_tls, stream_max_frame_mb, stream_timeout_s : \
+(default: "127.0.0.1", "127.0.0.1", True, 256.0, 30.0)
+        ``transport=stream`` (:mod:`sky_flower.sky.stream`): the endpoint's address as
+        the stages dial it, its interface; TLS (a fresh, pinned certificate); frame cap
+        (MiB); bound (s) on a stage owing a reply or connecting.
     seed : int (default: 0)
         Seeds the data owner's batch order.
     on_event : Callable[[str, dict], None], optional
@@ -197,6 +208,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         direct_timeout_s: float = 30.0,
         direct_host: str = "127.0.0.1",
         direct_join_timeout_s: float = 60.0,
+        stream_host: str = "127.0.0.1",
+        stream_bind: str = "127.0.0.1",
+        stream_tls: bool = True,
+        stream_max_frame_mb: float = 256.0,
+        stream_timeout_s: float = 30.0,
         seed: int = 0,
         on_event: Callable[[str, dict], None] | None = None,
         poll_interval_s: float = 0.002,
@@ -250,6 +266,13 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         self.guard = RoundGuard(divergence_factor)  # finite rounds; divergence if set
         self.direct_timeout_s, self.direct_host = direct_timeout_s, direct_host
         self.direct_join_timeout_s = direct_join_timeout_s
+        self.stream = {  # RunSettings' stream_* fields
+            "stream_host": stream_host,
+            "stream_bind": stream_bind,
+            "stream_tls": stream_tls,
+            "stream_max_frame_bytes": int(stream_max_frame_mb * 2**20),
+            "stream_timeout_s": stream_timeout_s,
+        }
         self.poll_interval_s, self.node_wait_s = poll_interval_s, node_wait_s
         self.loss_fn, self.metric_fn, self.link_cache = loss_fn, metric_fn, link_cache
         self.on_event = on_event or (lambda kind, payload: None)
@@ -295,6 +318,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             direct_timeout_s=self.direct_timeout_s,
             direct_host=self.direct_host,
             direct_join_timeout_s=self.direct_join_timeout_s,
+            **self.stream,
             input_dtype=self.input_dtype,
             loss_fn=self.loss_fn,
             metric_fn=self.metric_fn,
@@ -431,6 +455,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             s.transport,
         )
         log(INFO, "\t└── Optimizer: %s (lr %g) on every stage", self.optimizer, self.lr)
+        if s.transport == "direct":  # the stages' own links: no TLS there
+            log(WARNING, "transport=direct: %s", PLAINTEXT)
 
     # -- the whole run -----------------------------------------------------------------
     def start(  # noqa: PLR0913

@@ -215,3 +215,23 @@ def test_all_terms_finite():
     t = cost.terms(SPLIT_B)
     for arr in (t.fwd, t.bwd, t.link, t.overhead, cost.memory_static, cost.stash):
         assert all(math.isfinite(float(v)) for v in arr.ravel())
+
+
+@pytest.mark.parametrize("kind", ["sequential", "gpipe", "1f1b"])
+def test_stream_is_the_relay_without_context_state(kind):
+    """transport=stream: every hop through the server as on the relay (recomputation,
+    payload over each node's own bandwidth, one op at a time per stage), but a frame is
+    no Flower message: each op costs the node's latency and nothing for context.state.
+    So its terms and step time are the relay's on nodes whose state rate is 0."""
+    stream = _cost(kind=kind, transport="stream")
+    no_state = [dataclasses.replace(n, state_s_per_byte=0.0) for n in NODES]
+    relay = _cost(kind=kind, transport="relay", nodes=no_state)
+    for split in (SPLIT_A, SPLIT_B):
+        t, r = stream.terms(split), relay.terms(split)
+        for name in ("fwd", "bwd", "link", "overhead", "message", "node_link", "grad_state"):
+            assert getattr(t, name).tolist() == getattr(r, name).tolist(), name
+        assert stream.step_time(split) == relay.step_time(split)
+    t = stream.terms(SPLIT_A)
+    assert t.message.tolist() == [0.5, 0.25]  # the latency alone: no state shipping
+    assert t.bwd.tolist() == [4.0 + 1.0, 110.0]  # stage 0 recomputes its forward
+    assert stream.step_time(SPLIT_A) < _cost(kind=kind, transport="relay").step_time(SPLIT_A)

@@ -1,5 +1,5 @@
 """The Sky example app on Flower's deployment engine: a real SuperLink and 3 real
-SuperNodes on 127.0.0.1 (``sky_flower.deploy``): relay with TLS + SuperNode
+SuperNodes on 127.0.0.1 (``sky_flower.deploy``): relay and stream with TLS + SuperNode
 authentication, direct on a plain connection; and a SuperNode whose key is not
 registered is refused.
 
@@ -35,9 +35,17 @@ QUICK = (
 )
 
 
-def _run(tls: bool, workdir: Path) -> tuple[str, list[int], dict]:
+def _run(
+    tls: bool, workdir: Path, extra: str = "transport='relay'", config: str = QUICK
+) -> tuple[str, list[int], dict]:
     return run_local(
-        SKY_APP, "edge3", tls=tls, run_config=QUICK, workdir=workdir, timeout_s=540, echo=False
+        SKY_APP,
+        "edge3",
+        tls=tls,
+        run_config=f"{config} {extra}",
+        workdir=workdir,
+        timeout_s=540,
+        echo=False,
     )
 
 
@@ -120,6 +128,34 @@ def test_sky_app_trains_on_superlink_with_3_supernodes_tls(tmp_path):
     for i in range(3):
         assert "--auth-supernode-private-key" in " ".join(_cmdline(dirs[True], i))
         assert "SuperNode ID" in (dirs[True] / f"supernode{i}.log").read_text()
+
+
+def test_sky_app_trains_on_stream_transport_with_tls(tmp_path):
+    """transport=stream (the launcher's default for a Sky app) over TLS + SuperNode
+    authentication: each round's stages connect from their ClientApp processes to the
+    ServerApp's endpoint (its certificate pinned through the set-up message) and run 3
+    steps of 4 micro-batches (1f1b) over it; equal to unsplit training, nothing left
+    behind (no process, and the endpoint's port closed with the run)."""
+    config = QUICK.replace("steps-per-round=2", "steps-per-round=3")
+    text, pids, saved = _run(True, tmp_path, "schedule-kind='1f1b' microbatches=4", config)
+    assert "Final results:" in text and "transport stream" in text, text[-3000:]
+    assert saved["completed"] and not saved["error"] and not saved["failed_rounds"], saved
+    assert [r["round"] for r in saved["rounds"]] == [1, 2]
+    for r in saved["rounds"]:
+        assert r["setup_s"] > 0 and all(s["measured_compute_s"] > 0 for s in r["stages"]), r
+    task, lr = sky_app_task(), float(app_run_config(SKY_APP)["lr"])
+    model = task.Net()
+    want = reference_rounds(
+        task.Net, task.load_data(0, 3), 2, 3, lr, microbatches=4, weights=task.initial_weights()
+    )
+    test = task.load_test()
+    for row, (weights, losses) in zip(saved["rounds"], want, strict=True):
+        model.load_state_dict(weights)
+        assert abs(row["train_loss"] - sum(losses) / len(losses)) < 1.5e-4, (row, losses)
+        assert abs(row["test_accuracy"] - task.test(model, test)[1]) < 1.5e-4, row
+    assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+    assert not flower_processes(tmp_path)
+    assert "--auth-supernode-private-key" in " ".join(_cmdline(tmp_path, 0))
 
 
 def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):

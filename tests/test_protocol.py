@@ -36,6 +36,14 @@ STAGE = P.StageConfig(
     round=3,
     seed=7,
 )
+LINK = P.StreamLink(
+    address="127.0.0.1:40123",
+    ticket="ab" * 16,
+    fingerprint="cd" * 32,
+    cert_pem="-----BEGIN CERTIFICATE-----\n...\n-----END CERTIFICATE-----\n",
+    max_frame_bytes=1 << 20,
+    timeout_s=90.0,
+)
 EXAMPLES = [
     STAGE,
     dataclasses.replace(STAGE, loss="mymod:my_loss", metric="mymod:my_metric"),
@@ -70,6 +78,8 @@ EXAMPLES = [
         input_shape=(32,),
         node_id=12345678901,
     ),
+    P.StreamConfig(stage=STAGE, link=LINK, steps=4, node_id=12345678901),
+    LINK,
     P.StepMetrics(loss=0.5, correct=3, n=8, compute_s=0.01),
     P.DirectMetrics(
         losses=(1.0, 0.5), correct=4, n=8, step_times_s=(0.1, 0.2), setup_s=0.3, compute_s=0.2

@@ -157,7 +157,7 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
 
 
 def test_runner_picked_once_from_the_transport():
-    assert set(RUNNERS) == {"relay", "direct"}
+    assert set(RUNNERS) == {"relay", "direct", "stream"}
     task = sky_app_task()
     from sky_flower.core.cost import Schedule
 

@@ -44,8 +44,13 @@ micro-batches travel in ``G = M / c`` Flower messages per hop (``c`` micro-batch
 ``schedule.microbatches_per_message`` or the best divisor), at most one message in flight
 per stage, every message paying the stage's latency and state shipping; the simulator
 plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). With
-``c = M`` it is exactly the ``sequential`` relay. The partitioners search with the
-closed forms above; the plan's predicted step time is this model.
+``c = M`` it is exactly the ``sequential`` relay. ``stream`` (:mod:`sky_flower.sky.stream`)
+is charged as the relay with a frame for a message: every hop passes through the server,
+one op at a time per stage, each costing the node's link latency (no Flower message and
+no ``context.state``: no state term), the payload over each node's own bandwidth,
+recomputation in ``b_k``; Flower's set-up and weights messages once per round. The
+partitioners search with the closed forms above; the plan's predicted step time is this
+model.
 
 The **steady-state period** (seconds per micro-batch once the pipeline is full, which
 sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.
@@ -201,6 +206,10 @@ class CostModel(LowerBounds, Calibration):
         self.num_layers, self.num_nodes = L, N
         self.owner = next((i for i, n in enumerate(nodes) if n.holds_data), 0)
         self.relay = schedule.transport == "relay"
+        # relay and stream: every hop passes through the server, one stage op at a time
+        # (stream: a frame costs the node's link, no Flower message nor context.state)
+        self.stream = schedule.transport == "stream"
+        self.via_server = self.relay or self.stream
         self.fwd = np.array([n.layer_fwd_s for n in nodes], dtype=float)
         self.bwd = np.array([n.layer_bwd_s for n in nodes], dtype=float)
         self.inv_bw = np.array(
@@ -239,7 +248,7 @@ class CostModel(LowerBounds, Calibration):
     def stage_bwd(self, node: int, first: int, last: int, is_last: bool) -> float:
         """Backward seconds per micro-batch (relay recomputation included if not last)."""
         t = float(self.bwd_prefix[node, last + 1] - self.bwd_prefix[node, first])
-        if self.relay and not is_last:
+        if self.via_server and not is_last:
             t += self.stage_fwd(node, first, last)
         return t
 
@@ -247,7 +256,7 @@ class CostModel(LowerBounds, Calibration):
         """One-way seconds per micro-batch to move layer ``last_layer``'s output (or its
         gradient) between two stages' nodes."""
         nbytes = self.schedule.microbatch_size * self.act_out[last_layer]
-        if self.relay:
+        if self.via_server:
             return float(nbytes * (self.inv_bw[sender] + self.inv_bw[receiver]))
         lat = 0.5 * (self.latency[sender] + self.latency[receiver])
         lat += 0.5 * (self.peer_latency[sender] + self.peer_latency[receiver])
@@ -256,10 +265,12 @@ class CostModel(LowerBounds, Calibration):
     def stage_overhead(self, node: int, first: int, last: int, k: int, num_stages: int) -> float:
         """Per-step relay overhead of stage ``k``: message latency, ``context.state``
         shipping and label bytes (0 on ``direct``)."""
-        if not self.relay:
+        if not self.via_server:
             return 0.0
         messages = 1 if k == num_stages - 1 else 2
-        state = float(self.state_prefix[last + 1] - self.state_prefix[first])
+        state = (
+            0.0 if self.stream else float(self.state_prefix[last + 1] - self.state_prefix[first])
+        )
         t = messages * (float(self.latency[node]) + float(self.state_rate[node]) * state)
         if num_stages > 1 and (k == 0 or k == num_stages - 1):
             t += LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size * float(self.inv_bw[node])
@@ -338,12 +349,12 @@ class CostModel(LowerBounds, Calibration):
         S = len(i)
         fwd = self.fwd_prefix[i, b + 1] - self.fwd_prefix[i, a]
         bwd = self.bwd_prefix[i, b + 1] - self.bwd_prefix[i, a]
-        if self.relay and S > 1:
+        if self.via_server and S > 1:
             bwd = bwd.copy()
             bwd[:-1] += fwd[:-1]  # recomputation on every stage but the last
         snd, rcv, cut = i[:-1], i[1:], b[:-1]
         link = self.link_arrays(snd, rcv, cut)
-        if not self.relay:
+        if not self.via_server:
             fwd, bwd, opt = self.calibrated_compute(i, a, b, fwd, bwd)
             over = np.zeros(S)
             over[0] = self.optimizer_tail(i, opt, bwd, link)
@@ -351,7 +362,8 @@ class CostModel(LowerBounds, Calibration):
         messages = np.full(S, 2.0)
         messages[-1] = 1.0
         state = self.state_prefix[b + 1] - self.state_prefix[a]
-        message = self.latency[i] + self.state_rate[i] * state
+        rate = np.zeros(S) if self.stream else self.state_rate[i]  # stream: no context.state
+        message = self.latency[i] + rate * state
         over = messages * message
         if S > 1:
             label = LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size
@@ -362,13 +374,13 @@ class CostModel(LowerBounds, Calibration):
         nbytes[:-1] += mb * self.act_out[cut]
         nbytes[1:] += mb * self.act_out[cut]
         node_link = nbytes * self.inv_bw[i]
-        grad_state = self.state_rate[i] * (self.param_prefix[b + 1] - self.param_prefix[a])
+        grad_state = rate * (self.param_prefix[b + 1] - self.param_prefix[a])
         return StageTerms(fwd, bwd, link, over, message, node_link, grad_state)
 
     def link_arrays(self, snd: np.ndarray, rcv: np.ndarray, cut: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`link_time` (arrays of sender, receiver, cut layer)."""
         nbytes = self.schedule.microbatch_size * self.act_out[cut]
-        if self.relay:
+        if self.via_server:
             return nbytes * (self.inv_bw[snd] + self.inv_bw[rcv])
         lat = 0.5 * (self.latency[snd] + self.latency[rcv])
         lat = lat + 0.5 * (self.peer_latency[snd] + self.peer_latency[rcv])
@@ -440,7 +452,7 @@ class CostModel(LowerBounds, Calibration):
         plays them)."""
         M = self.schedule.microbatches
         kind = self.schedule.search_kind
-        if self.relay and kind != "sequential" and t.message is not None:
+        if self.via_server and kind != "sequential" and t.message is not None:
             return self.relay_pipeline_time(t, self.relay_group_size(t))
         if kind == "sequential":
             core = M * float(t.fwd.sum() + t.bwd.sum() + 2.0 * t.link.sum())

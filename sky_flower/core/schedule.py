@@ -31,10 +31,10 @@ from sky_flower.core.virtual import (
 LABEL_BYTES_PER_SAMPLE = 8  # int64 class index
 
 ScheduleKind = Literal["sequential", "gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
-Transport = Literal["relay", "direct"]
+Transport = Literal["relay", "direct", "stream"]
 SCHEDULE_KINDS = ("sequential", "gpipe", "1f1b", *VIRTUAL_KINDS, "auto")
 DIRECT_KINDS = ("gpipe", "1f1b", *VIRTUAL_KINDS)  # what ``auto`` chooses from
-TRANSPORTS = ("relay", "direct")
+TRANSPORTS = ("relay", "direct", "stream")
 
 Stage = tuple[int, int, int]  # (node index, first layer, last layer)
 
@@ -89,7 +89,9 @@ class Schedule:
                 f"unknown schedule kind {self.kind!r}: use one of {', '.join(SCHEDULE_KINDS)}"
             )
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {self.transport!r}: use relay or direct")
+            raise ValueError(
+                f"unknown transport {self.transport!r}: use one of {', '.join(TRANSPORTS)}"
+            )
         if self.kind in (*VIRTUAL_KINDS, "auto") and self.transport != "direct":
             raise ValueError(
                 f"schedule.kind={self.kind} runs on transport=direct only "

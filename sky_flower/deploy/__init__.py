@@ -147,7 +147,9 @@ def run_local(
 
     An app with a ``results-path`` run-config key writes its results there: unless
     ``run_config`` sets it, ``<workdir>/results.json`` (read back before a temporary
-    work directory is removed).
+    work directory is removed). On SuperNodes (not ``simulation``) a Sky app whose
+    ``run_config`` picks no transport runs ``transport='stream'``
+    (:func:`with_deployment_transport`).
 
     Returns
     -------
@@ -164,6 +166,10 @@ def run_local(
         On an unknown fleet (lists the packaged ones), or a ``workdir`` that is a file.
     """
     fleet, run_config = _checked(app, fleet_name, run_config, timeout_s)
+    if not simulation:
+        run_config = with_deployment_transport(app, run_config)
+    if tls:
+        refuse_plaintext_direct(run_config)
     if workdir is not None:
         workdir = Path(workdir).resolve()  # the processes run in other directories
         if workdir.exists() and not workdir.is_dir():
@@ -232,6 +238,40 @@ def _checked(app: Path, fleet_name: str, run_config: str, timeout_s: float) -> t
         run_config = " ".join(x for x in (f"fleet='{fleet_name}'", run_config) if x)
     check_run_config(app, run_config)
     return fleet, run_config
+
+
+def with_deployment_transport(app: Path, run_config: str) -> str:
+    """``run_config`` with ``transport='stream'`` first, for a Sky app (one with a
+    ``transport`` key) whose run config does not choose a transport: in deployment a
+    relay hop is a Flower message (seconds each), a stream hop a frame on the round's
+    data plane (:mod:`sky_flower.sky.stream`), so the plans assume the stream."""
+    if "transport" not in app_run_config(app) or re.search(r"(^|\s)transport\s*=", run_config):
+        return run_config
+    return " ".join(x for x in ("transport='stream'", run_config) if x)
+
+
+PLAINTEXT_DIRECT = (
+    "transport='direct' sends activations, gradients and stage weights between the stage "
+    "nodes in plaintext (gloo's TCP sockets have no encryption), and every stage node must "
+    "reach every other one and the server's TCPStore"
+)
+
+
+def refuse_plaintext_direct(run_config: str) -> None:
+    """Refuse ``transport='direct'`` in a TLS-secured run (:data:`PLAINTEXT_DIRECT`).
+
+    Raises
+    ------
+    DeployError
+        Naming the risk and the fixes: ``transport='stream'`` (TLS, outbound only) or a
+        run without ``--tls`` on a trusted network.
+    """
+    if re.search(r"(^|\s)transport\s*=\s*['\"]direct['\"]", run_config):
+        raise DeployError(
+            f"--tls asks for an encrypted run, but {PLAINTEXT_DIRECT}. Use "
+            "transport='stream' (TLS, stage nodes connect out to the server only), or drop "
+            "--tls on a trusted network"
+        )
 
 
 def _with_results_path(app: Path, run_config: str, workdir: Path) -> tuple[str, Path | None]:

@@ -21,7 +21,8 @@ a ``step``: the relay's forward / backward), that step is ``fail_step``. Modes:
     handle it, then sleep ``fail_delay_s`` before replying (past the server's deadline
     when longer than it: the reply arrives late);
 ``crash`` / ``stall``
-    mid-round, ``direct`` transport: the handler's per-step hook (:func:`step_hook`)
+    mid-round, ``direct`` and ``stream`` transports: the handler's per-step hook
+    (:func:`step_hook`)
     strikes before step ``fail_step``: ``crash`` leaves the round's process group at
     once (its sockets close, as when the process is killed) and raises; ``stall`` stops
     communicating for 1.5 x the round's ``timeout_s`` (or ``fail_delay_s`` if set), then
@@ -95,7 +96,8 @@ def _mid_round(emu: Emulation, timeout_s: float, called: list[int]) -> StepHook:
         if emu.fail_mode == "crash":
             import torch.distributed as dist
 
-            dist.destroy_process_group()  # drop out at once: the peers' sockets close
+            if dist.is_initialized():  # direct: drop out at once, the peers' sockets close
+                dist.destroy_process_group()  # (stream: raising closes the stage's stream)
             raise FaultInjected(f"node {emu.name!r}: crashed before step {step} (fault injected)")
         time.sleep(1.5 * timeout_s)
         raise FaultInjected(

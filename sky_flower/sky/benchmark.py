@@ -48,8 +48,15 @@ class BenchmarkSettings:
         Probe array stored in a node's ``context.state`` to time the state's cost per
         message (0: not timed).
     peer_links : bool
-        ``direct`` transport: take each node's link as its emulation reports it (the
-        stages talk peer to peer) instead of timing relay echoes.
+        ``direct`` and ``stream`` transports: take each node's link as its emulation
+        reports it (direct: the stages talk peer to peer; stream: a frame, not a Flower
+        message) instead of timing relay echoes.
+    calibrate : bool
+        ``direct``: also time the gloo step's fixed costs (issue 16).
+    stream : dict, optional
+        ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.channel.
+        Endpoint` keywords): each node's link is timed over the data plane itself
+        (:func:`sky_flower.sky.stream_probe.probe_link`), not by Flower echoes.
     """
 
     warmup: int = 2
@@ -59,6 +66,8 @@ class BenchmarkSettings:
     echo_jitter_s: float = 0.1
     state_probe_bytes: int = 64 * 1024 * 1024
     peer_links: bool = False
+    calibrate: bool = False
+    stream: dict[str, Any] | None = None
 
 
 @dataclass
@@ -234,7 +243,7 @@ class BenchmarkRound:
             optimizer=self.optimizer,
             lr=self.lr,
             input_dtype=self.input_dtype,
-            calibrate=self.settings.peer_links,
+            calibrate=self.settings.calibrate,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, self.groups[0])]
@@ -257,6 +266,8 @@ class BenchmarkRound:
         bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
         if self.settings.peer_links:
             lat, bw, state_rate = peer_link(prof)
+        elif self.settings.stream is not None:
+            lat, bw, state_rate = self.stream_link(nid)
         else:
             lat, bw, state_rate = self.link(nid)
             # every stage message rebuilds its stage from the state; about half of
@@ -294,6 +305,36 @@ class BenchmarkRound:
         t0 = time.perf_counter()
         self.ex.request([message(nid, P.ECHO, content, self.groups[1])])
         return time.perf_counter() - t0
+
+    def stream_link(self, nid: int) -> Link:
+        """``transport=stream``: latency (s per op frame and reply), bandwidth (bytes/s,
+        the harmonic mean of down and up) timed over the data plane, no state cost."""
+        if self.link_cache is not None and nid in self.link_cache:
+            return self.link_cache[nid]
+        from sky_flower.sky.channel import Endpoint
+        from sky_flower.sky.stream_probe import probe_link
+
+        kw = self.settings.stream or {}
+        fig = probe_link(
+            self.ex,
+            nid,
+            lambda n: Endpoint(n, **kw),
+            tuple(self.settings.echo_bytes),  # type: ignore[arg-type]
+            self.settings.echo_repeats,
+            self.groups[1],
+        )
+        log(
+            INFO,
+            "Stream link of %s: %.2f ms round trip, %.1f MB/s down, %.1f MB/s up",
+            self.ex.name(nid),
+            fig.latency_s * 1e3,
+            fig.down_bps / 1e6,
+            fig.up_bps / 1e6,
+        )
+        link = (fig.latency_s, fig.bandwidth_bps, 0.0)
+        if self.link_cache is not None:
+            self.link_cache[nid] = link
+        return link
 
     def link(self, nid: int) -> Link:
         """Latency (s per round trip), bandwidth (bytes/s) and context-state cost (s per

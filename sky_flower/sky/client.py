@@ -25,6 +25,10 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
 ``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
                        peer to peer (:mod:`sky_flower.sky.direct_node`), return its
                        weights and timings (one message per stage per round)
+``train.sky_stream``   ``transport=stream``: run the stage for a whole round over the
+                       server's endpoint (:mod:`sky_flower.sky.stream_node`);
+                       ``query.sky_stream_echo``: echo frames on it
+                       (:mod:`sky_flower.sky.stream_probe`)
 =====================  ===============================================================
 
 A forward or backward whose stage raises (its model, loss or data) replies with the
@@ -173,6 +177,8 @@ class SkyClient:
             P.BACKWARD: self.backward,
             P.COLLECT: self.collect,
             P.DIRECT: self.direct,
+            P.STREAM: self.stream,
+            P.STREAM_ECHO: self.stream_echo,
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
@@ -507,3 +513,16 @@ class SkyClient:
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
             reduction=self._reduction(cfg.stage),
         )
+
+    def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Answer echo frames on the stream endpoint (the link over the data plane)."""
+        from sky_flower.sky.stream_probe import echo_frames
+
+        return echo_frames(P.StreamLink.from_config_record(msg.content[P.CONFIG]), emu)
+
+    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """This node's stage for a whole ``stream`` round, once per set-up
+        (:func:`sky_flower.sky.stream_node.handle`)."""
+        from sky_flower.sky.stream_node import handle
+
+        return handle(self, msg, context, emu)

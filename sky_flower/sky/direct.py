@@ -26,7 +26,7 @@ from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.guard import check_stages
-from sky_flower.sky.relay import migrated_state, optimizer_records, stage_config
+from sky_flower.sky.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
@@ -80,6 +80,7 @@ class DirectRunner(Runner):
 
     label = "direct"
     peer_links = True  # stages talk peer to peer: the benchmark takes the emulated links
+    calibrate = True  # and times the gloo step's fixed costs (issue 16)
 
     @staticmethod
     def check_schedule(schedule: Schedule) -> None:

@@ -64,6 +64,7 @@ class NodeJoins:
         """The benchmark round of this strategy's settings over ``grid``; its messages
         belong to ``server_round`` (0: the benchmark round; a round: a join's profile)."""
         s: Any = self
+        run = self.run_settings()
         settings = BenchmarkSettings(
             warmup=s.benchmark_warmup,
             repeats=s.benchmark_repeats,
@@ -72,6 +73,10 @@ class NodeJoins:
             echo_jitter_s=s.echo_jitter_s,
             state_probe_bytes=s.state_probe_bytes,
             peer_links=s.runner_cls.peer_links,
+            calibrate=s.runner_cls.calibrate,
+            stream=self.run_settings().stream_endpoint()
+            if s.runner_cls.label == "stream"
+            else None,
         )
         run = self.run_settings()
         return BenchmarkRound(

@@ -333,8 +333,8 @@ def owner_planned(
     if schedule.kind != schedule.search_kind:  # chunked kinds, auto: played, picked
         plan, cost = chosen_schedule(plan, cost)
     size = schedule.microbatches
-    if schedule.kind != "sequential" and schedule.transport == "relay":
-        size = cost.relay_group_size(cost.terms(plan_spec(plan)))
+    if schedule.kind != "sequential" and schedule.transport in ("relay", "stream"):
+        size = cost.relay_group_size(cost.terms(plan_spec(plan)))  # stream: per frame
     return Planned(plan, cost, size)
 
 

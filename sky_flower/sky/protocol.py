@@ -18,6 +18,10 @@ Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
 :data:`BACKWARD`      ``train.sky_backward``: backward of one group from its stash
 :data:`COLLECT`       ``train.sky_collect``: the stage's weights at the end of a round
 :data:`DIRECT`        ``train.sky_direct``: a whole round peer to peer (:class:`DirectConfig`)
+:data:`STREAM`        ``train.sky_stream``: a whole round over the server's stream endpoint
+                      (:class:`StreamConfig`; :mod:`sky_flower.sky.stream`)
+:data:`STREAM_ECHO`   ``query.sky_stream_echo``: echo frames on the stream endpoint
+                      (:class:`StreamLink`): the link over the data plane itself
 ====================  ==================================================================
 
 Identity (idempotent delivery): every stage message says which set-up, step and
@@ -57,7 +61,9 @@ FORWARD = "train.sky_forward"
 BACKWARD = "train.sky_backward"
 COLLECT = "train.sky_collect"
 DIRECT = "train.sky_direct"
-MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT)
+STREAM = "train.sky_stream"
+STREAM_ECHO = "query.sky_stream_echo"
+MESSAGE_TYPES = (PROFILE, ECHO, SETUP, FORWARD, BACKWARD, COLLECT, DIRECT, STREAM, STREAM_ECHO)
 
 # --- record keys -----------------------------------------------------------------------
 CONFIG = "config"  # ConfigRecord: the message's settings (the dataclasses below)
@@ -305,6 +311,36 @@ class DirectConfig(Record):
 
 
 @dataclass(frozen=True)
+class StreamLink(Record):
+    """How a node reaches the round's stream endpoint (:mod:`sky_flower.sky.channel`):
+    ``address`` (``host:port``), its ``ticket`` (fresh per endpoint), the SHA-256
+    ``fingerprint`` (hex) and PEM ``cert_pem`` of the endpoint's certificate (both
+    ``"-"``: plaintext, an insecure run), the frame cap ``max_frame_bytes`` and
+    ``timeout_s``, the bound on the whole call (s). :data:`STREAM_ECHO`'s :data:`CONFIG`.
+    """
+
+    address: str
+    ticket: str
+    fingerprint: str
+    cert_pem: str
+    max_frame_bytes: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class StreamConfig(Record):
+    """``train.sky_stream``'s :data:`CONFIG`: a stage's whole round on the server's
+    stream endpoint, flattened into one record with the keys of :class:`StageConfig`
+    and :class:`StreamLink`; ``steps`` of the round, ``node_id`` it is planned for."""
+
+    stage: StageConfig
+    link: StreamLink
+    steps: int
+    node_id: int
+    input_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
 class StepMetrics(Record):
     """The last stage's figures for one forward message (:data:`METRICS`)."""
 
@@ -337,6 +373,8 @@ RECORDS = (
     EchoRequest,
     DirectLinks,
     DirectConfig,
+    StreamLink,
+    StreamConfig,
     StepMetrics,
     DirectMetrics,
 )
@@ -370,6 +408,8 @@ __all__ = [
     "SAMPLES",
     "SETUP",
     "STAGE_ERROR",
+    "STREAM",
+    "STREAM_ECHO",
     "DirectConfig",
     "DirectLinks",
     "DirectMetrics",
@@ -382,6 +422,8 @@ __all__ = [
     "SessionId",
     "StageConfig",
     "StepMetrics",
+    "StreamConfig",
+    "StreamLink",
     "action",
     "new_session",
     "stage_error",

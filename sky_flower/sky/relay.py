@@ -18,52 +18,38 @@ A round: ``train.sky_setup`` to every stage, the steps, ``train.sky_collect``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from sky_flower.core.simulate import stage_order
-from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.deadlines import stage_message_s
-from sky_flower.sky.guard import check_reply, check_stages
+from sky_flower.sky.guard import check_stages
+from sky_flower.sky.hops import (  # noqa: F401 - re-exported (the relay's names before)
+    StepState,
+    file_reply,
+    median_per_step,
+    metrics,
+    migrated_state,
+    note,
+    optimizer_records,
+    ready_ops,
+    stage_config,
+    stage_rows,
+    step_orders,
+    take,
+)
 from sky_flower.sky.runner import (
     Pipeline,
     RoundOutcome,
     Runner,
-    RunSettings,
     merge_weights,
     message,
 )
-
-
-@dataclass
-class _Step:
-    """One step's state on the server: the ops still to push and the payloads waiting
-    for them."""
-
-    orders: list[list[tuple[str, int]]]
-    ptr: list[int]
-    acts: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)  # (stage, group)
-    grads: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)
-    labels: dict[int, ArrayRecord] = field(default_factory=dict)
-    total: ArrayRecord | None = None  # reduction "weighted": the step's label weight
-    in_shape: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
-    inflight: dict[str, tuple[int, str, int]] = field(default_factory=dict)  # id -> k, op, g
-    loss: float = 0.0
-    correct: int = 0
-    seen: int = 0
-
-    def done(self) -> bool:
-        return not self.inflight and all(
-            p >= len(o) for p, o in zip(self.ptr, self.orders, strict=True)
-        )
 
 
 class RelayRunner(Runner):
@@ -134,16 +120,12 @@ class RelayRunner(Runner):
     # -- one step ----------------------------------------------------------------------
     def step(
         self, ex: Exchange, plan: Pipeline, step: int, group: str, stats: list[dict[str, Any]]
-    ) -> _Step:
+    ) -> StepState:
         """Run one step through the pipeline; its loss, correct and seen are summed over
         its groups in the returned state."""
         S, kind = plan.num_stages, self.s.schedule.kind
         G = self.s.schedule.microbatches // plan.group_size
-        orders = [  # the last stage's backward runs inside its forward message
-            [op for op in order if k < S - 1 or op[0] == "F"]
-            for k, order in enumerate(stage_order(kind, S, G, interleave_last=True))
-        ]
-        st = _Step(orders=orders, ptr=[0] * S)
+        st = StepState(orders=step_orders(kind, S, G), ptr=[0] * S)
         while not st.done():
             self.push_ready(ex, plan, st, step, group)
             if not st.inflight:  # cannot happen for GPipe / 1F1B orders
@@ -155,34 +137,20 @@ class RelayRunner(Runner):
                 time.sleep(ex.poll_interval_s)
         return st
 
-    def push_ready(self, ex: Exchange, plan: Pipeline, st: _Step, step: int, group: str) -> None:
+    def push_ready(
+        self, ex: Exchange, plan: Pipeline, st: StepState, step: int, group: str
+    ) -> None:
         """Push every stage's next op whose input has arrived (one in flight per stage)."""
-        c, S = plan.group_size, plan.num_stages
+        c = plan.group_size
         busy = {k for k, _, _ in st.inflight.values()}
         push, meta = [], []
-        for k in range(S):
-            if k in busy or st.ptr[k] >= len(st.orders[k]):
-                continue
-            op, g = st.orders[k][st.ptr[k]]
+        for k, op, g, payload in ready_ops(st, c, busy):
             mb = P.MicroBatchGroup(step, g * c, c, self.ident.round, self.ident.session)
-            content: dict[str, Any] = {P.MB: mb.to_config_record()}
-            if op == "F" and k > 0:
-                if (k, g) not in st.acts or (k == S - 1 and g not in st.labels):
-                    continue
-                content[P.ACT] = st.acts.pop((k, g))
-                if k == S - 1:
-                    content[P.LABELS] = st.labels.pop(g)
-                    if st.total is not None:  # stage 0 sent it with its first group
-                        content[P.LABEL_TOTAL] = st.total
-            elif op == "B":
-                if (k, g) not in st.grads:
-                    continue
-                content[P.GRAD] = st.grads.pop((k, g))
+            content: dict[str, Any] = {P.MB: mb.to_config_record(), **payload}
             push.append(
                 message(plan.node_ids[k], P.FORWARD if op == "F" else P.BACKWARD, content, group)
             )
             meta.append((k, op, g))
-            st.ptr[k] += 1
         if push:
             budgets = [
                 self.s.deadline("stage", stage_message_s(plan.predictions[k], plan.links[k][0]))
@@ -192,163 +160,15 @@ class RelayRunner(Runner):
                 st.inflight[mid] = m
 
     def take_reply(
-        self, ex: Exchange, plan: Pipeline, st: _Step, reply: Message, stats: list[dict[str, Any]]
+        self,
+        ex: Exchange,
+        plan: Pipeline,
+        st: StepState,
+        reply: Message,
+        stats: list[dict[str, Any]],
     ) -> None:
         """File one stage's reply: its payload for the next op, its figures."""
         k, op, g = st.inflight.pop(reply.metadata.reply_to_message_id)
         ex.raise_errors([reply])
-        if P.STAGE_ERROR in reply.content.config_records:  # the stage's, not the node's
-            error = reply.content.config_records[P.STAGE_ERROR].get("error")
-            raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])} raised {error}", [])
-        check_reply(ex, plan, k, reply)  # finite or rejected (sky_flower.sky.guard)
-        note(stats[k], reply, plan.slowdowns[k])
-        S, rows = plan.num_stages, plan.group_size * self.s.schedule.microbatch_size
-        if op == "F" and k < S - 1:
-            act = take(ex, reply, P.ACT)
-            shape = tuple(act[P.ACT].shape)
-            if shape[0] != rows:
-                src = reply.metadata.src_node_id
-                raise ex.fail(f"{ex.name(src)} sent {shape[0]} activations, not {rows}", [src])
-            st.acts[(k + 1, g)], st.in_shape[(k + 1, g)] = act, shape
-            if k == 0:
-                st.labels[g] = take(ex, reply, P.LABELS, (rows,), leading=True)
-                if P.LABEL_TOTAL in reply.content.array_records:
-                    st.total = take(ex, reply, P.LABEL_TOTAL, ())
-        elif op == "F":  # last stage: loss and backward done
-            m = metrics(ex, reply)
-            st.loss, st.correct, st.seen = st.loss + m.loss, st.correct + m.correct, st.seen + m.n
-            if S > 1:
-                st.grads[(k - 1, g)] = take(ex, reply, P.GRAD, st.in_shape[(k, g)])
-        elif k > 0:
-            st.grads[(k - 1, g)] = take(ex, reply, P.GRAD, st.in_shape[(k, g)])
-
-
-def migrated_state(s: RunSettings, plan: Pipeline, k: int) -> dict[str, ArrayRecord]:
-    """Stage ``k``'s set-up entry with its layers' optimizer state from the server's
-    store (``train.optimizer_state=keep``; :mod:`sky_flower.sky.migration`), else none."""
-    if s.optimizer_store is None:
-        return {}
-    st = plan.plan.stages[k]
-    rec = s.optimizer_store.stage_record(plan.plan.stages[0].node, st.first_layer, st.last_layer)
-    return {migration.OPTIM_KEY: rec}
-
-
-def optimizer_records(ex: Exchange, replies: list[Message]) -> list[ArrayRecord]:
-    """Every stage's optimizer state (by parameter name) from its reply.
-
-    Raises
-    ------
-    SkyNodeError
-        Naming the node whose reply lacks it.
-    """
-    out = []
-    for reply in replies:
-        rec = reply.content.array_records.get(migration.OPTIM_KEY)
-        if rec is None:
-            src = reply.metadata.src_node_id
-            raise ex.fail(f"{ex.name(src)}: reply lacks its optimizer state", [src])
-        out.append(rec)
-    return out
-
-
-def stage_config(  # noqa: PLR0913
-    s: RunSettings, k: int, first: int, last: int, server_round: int, session: int = 0
-) -> P.StageConfig:
-    """Stage ``k``'s :class:`StageConfig` for a round (layers ``first..last``; the
-    objective's ``loss`` / ``metric`` by reference) and set-up ``session``."""
-    return P.StageConfig(
-        stage=k,
-        first=first,
-        last=last,
-        is_first=k == 0,
-        is_last=last == s.num_layers - 1,
-        microbatches=s.schedule.microbatches,
-        batch_size=s.schedule.batch_size,
-        optimizer=s.optimizer,
-        lr=s.lr,
-        round=server_round,
-        seed=s.seed,
-        session=session,
-        **s.objective(),
-    )
-
-
-def take(
-    ex: Exchange,
-    reply: Message,
-    key: str,
-    shape: tuple[int, ...] | None = None,
-    leading: bool = False,
-) -> ArrayRecord:
-    """Array record ``key`` of a stage's reply, checked: present, holding array ``key``,
-    of ``shape`` when given (with ``leading``: of a shape that starts with ``shape``,
-    e.g. ``(B, T)`` labels of a language model against ``(B,)``; a malformed reply
-    fails the round by name).
-
-    Raises
-    ------
-    SkyNodeError
-        Naming the node, if the record is missing or of another shape.
-    """
-    src = reply.metadata.src_node_id
-    rec = reply.content.array_records.get(key)
-    if rec is None or key not in rec:
-        raise ex.fail(
-            f"{ex.name(src)}: reply to {reply.metadata.message_type} lacks {key!r}", [src]
-        )
-    got = tuple(rec[key].shape)
-    if shape is not None and (got[: len(shape)] if leading else got) != tuple(shape):
-        raise ex.fail(
-            f"{ex.name(src)}: {key!r} has shape {tuple(rec[key].shape)}, expected {tuple(shape)}",
-            [src],
-        )
-    return rec
-
-
-def metrics(ex: Exchange, reply: Message) -> P.StepMetrics:
-    """The last stage's :class:`StepMetrics`, checked (naming the node if missing)."""
-    src = reply.metadata.src_node_id
-    try:
-        return P.StepMetrics.from_record(reply.content.metric_records.get(P.METRICS))
-    except P.ProtocolError as err:
-        raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
-
-
-def note(stat: dict[str, Any], reply: Message, slowdown: float) -> None:
-    """Add a stage's reply to its round figures: one message, its reported compute
-    (times ``1 + slowdown``: the emulated device's compute) and busy seconds."""
-    stat["messages"] += 1
-    m = reply.content.metric_records.get(P.METRICS)
-    if m is not None:
-        own = float(m.get(P.COMPUTE_S, 0.0))  # + what the node's emulation slept, if told
-        slept = m.get(EMULATED_S)
-        compute = own + float(slept) if slept is not None else own * (1.0 + slowdown)
-        stat["compute_s"] += compute
-        stat.setdefault("per_message", []).append(compute)
-        stat["busy_s"] += float(m.get(P.BUSY_S, 0.0))
-
-
-def median_per_step(stat: dict[str, Any], steps: int) -> float:
-    """A stage's compute per step, robust to a stray slow message: the median message's
-    compute times the messages per step (seconds; 0 without messages)."""
-    per = stat.get("per_message") or [0.0]
-    return float(np.median(per)) * stat["messages"] / max(steps, 1)
-
-
-def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
-    """Measured against predicted, per stage and step (seconds): ``compute_s``,
-    ``busy_s`` and ``messages``."""
-    return [
-        {
-            "stage": k,
-            "node": pred["node"],
-            "messages": got["messages"] / steps,
-            "predicted_messages": pred["messages"],
-            "measured_compute_s": got["compute_s"] / steps,
-            "median_compute_s": median_per_step(got, steps),
-            "predicted_compute_s": pred["compute_s"],
-            "measured_busy_s": got["busy_s"] / steps,
-            "predicted_busy_s": pred["busy_s"],
-        }
-        for k, (pred, got) in enumerate(zip(plan.predictions, stats, strict=True))
-    ]
+        rows = plan.group_size * self.s.schedule.microbatch_size
+        file_reply(ex, plan, st, (k, op, g), reply, stats[k], rows)

@@ -107,6 +107,13 @@ class RunSettings:
     direct_timeout_s: float = 30.0
     direct_host: str = "127.0.0.1"
     direct_join_timeout_s: float = 60.0
+    # transport=stream (sky_flower.sky.stream): the endpoint's address the stages dial,
+    # the interface it listens on ("": the same), TLS, frame cap, silence / join bound
+    stream_host: str = "127.0.0.1"
+    stream_bind: str = ""
+    stream_tls: bool = True
+    stream_max_frame_bytes: int = 256 << 20
+    stream_timeout_s: float = 30.0
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
@@ -141,6 +148,15 @@ class RunSettings:
             first_contact_s=self.deadlines.first_contact_s,
             busy_wait_s=self.deadlines.busy_wait_s,
         )
+
+    def stream_endpoint(self) -> dict[str, Any]:
+        """:class:`sky_flower.sky.channel.Endpoint`'s keywords for ``transport=stream``."""
+        return {
+            "bind": self.stream_bind or self.stream_host,
+            "advertise": self.stream_host,
+            "tls": self.stream_tls,
+            "max_frame_bytes": self.stream_max_frame_bytes,
+        }
 
     def objective(self) -> dict[str, str]:
         """The stage-config entries naming the loss and metric functions and the loss's
@@ -218,6 +234,7 @@ class Runner(ABC):
 
     label: ClassVar[str]  # how the report names the transport
     peer_links: ClassVar[bool] = False  # benchmark: emulated peer links, no relay echoes
+    calibrate: ClassVar[bool] = False  # benchmark: time the direct step's calibration
 
     def __init__(self, settings: RunSettings) -> None:
         self.s = settings

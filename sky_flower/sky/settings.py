@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sky_flower.core.schedule import SCHEDULE_KINDS, TRANSPORTS
+from sky_flower.sky.setting_values import _checked, _hydra_error, _run_config_error
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
@@ -92,6 +93,20 @@ class DirectSettings:
         60.0, "direct-join-timeout-s", "schedule.direct_join_timeout_s", POSITIVE
     )
     host: str = _setting("127.0.0.1", "direct-host", "schedule.direct_host", NOT_BLANK)
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """``transport=stream``: the round's endpoint on the ServerApp
+    (:mod:`sky_flower.sky.stream`)."""
+
+    host: str = _setting("127.0.0.1", "stream-host", "schedule.stream_host", NOT_BLANK)
+    bind: str = _setting("127.0.0.1", "stream-bind", "schedule.stream_bind", NOT_BLANK)
+    tls: bool = _setting(True, "stream-tls", "schedule.stream_tls")
+    max_frame_mb: float = _setting(
+        256.0, "stream-max-frame-mb", "schedule.stream_max_frame_mb", POSITIVE
+    )
+    timeout_s: float = _setting(30.0, "stream-timeout-s", "schedule.stream_timeout_s", POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -246,6 +261,7 @@ GROUPS = {
     "train": TrainSettings,
     "schedule": ScheduleSettings,
     "direct": DirectSettings,
+    "stream": StreamSettings,
     "benchmark": BenchmarkSettings,
     "failure": FailurePolicy,
     "deadlines": DeadlineSettings,
@@ -275,6 +291,7 @@ class SkySettings:
     train: TrainSettings = field(default_factory=TrainSettings)
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     direct: DirectSettings = field(default_factory=DirectSettings)
+    stream: StreamSettings = field(default_factory=StreamSettings)
     benchmark: BenchmarkSettings = field(default_factory=BenchmarkSettings)
     failure: FailurePolicy = field(default_factory=FailurePolicy)
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
@@ -435,6 +452,11 @@ class SkySettings:
             "direct_timeout_s": d.timeout_s,
             "direct_host": d.host,
             "direct_join_timeout_s": d.join_timeout_s,
+            "stream_host": self.stream.host,
+            "stream_bind": self.stream.bind,
+            "stream_tls": self.stream.tls,
+            "stream_max_frame_mb": self.stream.max_frame_mb,
+            "stream_timeout_s": self.stream.timeout_s,
             "seed": self.seed,
             "poll_interval_s": self.messaging.poll_interval_s,
             "node_wait_s": self.messaging.node_wait_s,
@@ -465,7 +487,7 @@ def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Fiel
 
 def run_config_keys() -> dict[str, tuple[type, Any]]:
     """Run-config key -> ``(type, default)``, in field order."""
-    kinds = {"int": int, "float": float, "str": str}
+    kinds = {"int": int, "float": float, "str": str, "bool": bool}
     keys: dict[str, tuple[type, Any]] = {}
     for f, default in settings_fields():
         if f.metadata["key"] is not None:
@@ -488,51 +510,3 @@ def in_run_config_words(text: str) -> str:
     for hydra, key in sorted(pairs, key=lambda p: -len(p[0])):
         text = re.sub(rf"(?<![\w.-]){re.escape(hydra)}(?![\w.-])", key, text)
     return text
-
-
-def _run_config_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"run config {name} must be {rule}, got {value}")
-
-
-def _hydra_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"{name} must be {rule}, got {value}")
-
-
-_A = {int: "an integer", float: "a number", str: "a string"}
-
-
-def _checked(
-    name: str,
-    raw: Any,  # noqa: ANN401 - a config value
-    f: dataclasses.Field,
-    error: Callable[[str, Any, str], ValueError],
-) -> Any:  # noqa: ANN401 - the field's type
-    """``raw`` converted to ``f``'s type and checked against its rule and choices."""
-    run = error is _run_config_error
-    if str(f.type).startswith("tuple"):
-        try:
-            return tuple(int(v) for v in raw)
-        except (TypeError, ValueError) as err:
-            raise error(name, raw, "a list of integers") from err
-    kind = {"int": int, "float": float, "str": str}[str(f.type)]
-    prefix = "run config " if run else ""
-    if isinstance(raw, bool) or (run and kind is str and not isinstance(raw, str)):
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}") from err
-    if kind is int and value != raw:
-        raise ValueError(f"{prefix}{name}={raw!r} must be an integer")
-    choices = f.metadata["choices"]
-    if choices and value not in choices:
-        if run:
-            raise ValueError(
-                f"run config {name}={value!r} is not valid: choose one of {', '.join(choices)} "
-                f"(e.g. flwr run <app> --run-config \"{name}='{choices[0]}'\")"
-            )
-        raise ValueError(f"unknown {f.name} {value!r} ({name}): choose one of {', '.join(choices)}")
-    rule = f.metadata["rule"]
-    if rule is not None and not rule[1](value):
-        raise error(name, value, rule[0])
-    return value

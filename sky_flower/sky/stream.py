@@ -1,0 +1,318 @@
+"""The stream runner: Flower sets a round up and collects it, a data plane carries it.
+
+For each round the ServerApp hosts an endpoint (:class:`sky_flower.sky.channel.Endpoint`:
+gRPC, TLS with a fresh self-signed certificate) and pushes one ``train.sky_stream``
+message per stage (its layer slice, :class:`~sky_flower.sky.protocol.StreamConfig`:
+the endpoint's address, the stage's fresh ticket, the certificate and its fingerprint).
+Each stage's ClientApp connects outbound (:mod:`sky_flower.sky.stream_node`) and the
+server drives every step over the streams exactly as the relay drives it over Flower
+messages (:mod:`sky_flower.sky.hops`: the schedule's op order per stage, an op sent as
+soon as its input has arrived, every reply checked and filed), except that a stage may
+queue several ops: the stream keeps their order. Then an ``end`` frame to every stage
+and the weights come back as the Flower replies. Two Flower messages per stage per round
+(the set-up and its reply), every hop a frame.
+
+Faults, each failing the pipeline by name within a bound: a stage that does not join
+within ``stream_timeout_s`` (or whose Flower reply is an error first: a refused ticket
+or certificate, before any tensor moves), a stream that closes or breaks mid-step, a
+frame above the cap or malformed, a stage silent for ``stream_timeout_s`` while it owes
+a reply.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from sky_flower.flower.exchange import Exchange, short_reason
+from sky_flower.pipeline.stage import slice_state
+from sky_flower.sky import migration
+from sky_flower.sky import protocol as P
+from sky_flower.sky.channel import Endpoint, StreamError
+from sky_flower.sky.guard import check_stages
+from sky_flower.sky.hops import (
+    StepState,
+    file_reply,
+    migrated_state,
+    optimizer_records,
+    ready_ops,
+    stage_config,
+    stage_rows,
+    step_orders,
+)
+from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+
+FLOWER_POLL_S = 0.5  # how often the stream loop looks at the stages' Flower replies
+
+
+@dataclass
+class _Meta:
+    src_node_id: int
+    message_type: str
+    reply_to_message_id: str
+
+
+@dataclass
+class FrameReply:
+    """A stage's reply frame dressed as a Flower reply for the shared checks
+    (:mod:`sky_flower.sky.hops`, :mod:`sky_flower.sky.guard`): ``content`` and
+    ``metadata`` (``src_node_id``, ``message_type``, ``reply_to_message_id``)."""
+
+    content: RecordDict
+    metadata: _Meta = field(default_factory=lambda: _Meta(0, "", ""))
+
+    def has_error(self) -> bool:
+        """Never: a frame that fails is a stage error or a closed stream."""
+        return False
+
+
+def _op_id(k: int, op: str, g: int) -> str:
+    return f"{k}:{op}:{g}"
+
+
+class StreamRunner(Runner):
+    """Runs a round on the stream transport (see the module docstring); every schedule
+    kind of the relay (``sequential``, ``gpipe``, ``1f1b``) and every plan runs on it."""
+
+    label = "stream"  # the benchmark times each node's link over the data plane
+
+    def run_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """Host the endpoint, set the stages up over Flower, run ``steps`` steps over
+        the streams, end them, merge the stages' weights (see :meth:`Runner.run_round`)."""
+        s, S = self.s, plan.num_stages
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        ex = s.exchange(grid, timeout_s=budget + s.stream_timeout_s)
+        stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
+        losses, step_times, correct, seen = [], [], 0, 0
+        t_start = time.perf_counter()
+        try:
+            with Endpoint(S, **s.stream_endpoint()) as ep:
+                ids = ex.push(self.configure(plan, arrays, steps, server_round, ep, budget))
+                self.got: dict[str, Message] = {}
+                self._next_poll = 0.0
+                self.join(ex, ep, plan, ids)
+                setup_s = time.perf_counter() - t_start
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    st = self.step(ex, ep, plan, ids, step, stats)
+                    step_times.append(time.perf_counter() - t0)
+                    losses.append(st.loss)
+                    correct, seen = correct + st.correct, seen + st.seen
+                for k in range(S):
+                    ep.send(k, {"op": "end"})
+                replies = self.collect(ex, plan, ids)
+        except Exception:
+            ex.abandon()
+            raise
+        new = merge_weights(replies, ex, self.expected, P.ARRAYS)
+        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.guard)
+        if s.optimizer_store is not None:
+            s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+        return RoundOutcome(
+            arrays=new,
+            losses=losses,
+            correct=correct,
+            seen=seen,
+            step_times=step_times,
+            stages=stage_rows(plan, stats, steps),
+            extra={
+                "microbatches_per_message": plan.group_size,
+                "setup_s": setup_s,
+                "wall_s": time.perf_counter() - t_start,
+            },
+        )
+
+    def configure(  # noqa: PLR0913
+        self,
+        plan: Pipeline,
+        arrays: ArrayRecord,
+        steps: int,
+        server_round: int,
+        ep: Endpoint,
+        budget: float,
+    ) -> list[Message]:
+        """One ``train.sky_stream`` per stage: its layer slice and :class:`StreamConfig`."""
+        full, session = arrays.to_torch_state_dict(), P.new_session()
+        msgs = []
+        for k, st in enumerate(plan.plan.stages):
+            cfg = P.StreamConfig(
+                stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round, session),
+                link=ep.link(k, budget + self.s.stream_timeout_s),
+                steps=steps,
+                node_id=plan.node_ids[k],
+                input_dtype=self.s.input_dtype if k == 0 else "float32",
+            )
+            weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
+            content: dict[str, Any] = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
+            content.update(migrated_state(self.s, plan, k))  # train.optimizer_state=keep
+            if self.s.optimizer_store is not None:
+                content.update(migration.want_record())
+            msgs.append(message(plan.node_ids[k], P.STREAM, content, str(server_round)))
+        return msgs
+
+    # -- waiting ---------------------------------------------------------------------
+    def _flower(self, ex: Exchange, plan: Pipeline, ids: list[str], force: bool = False) -> None:
+        """Look at the stages' Flower replies (every :data:`FLOWER_POLL_S`): an error
+        reply (or a stage error) fails the round naming the stage."""
+        now = time.perf_counter()
+        if not force and now < self._next_poll:
+            return
+        self._next_poll = now + FLOWER_POLL_S
+        for reply in ex.poll(ids, raise_late=False):
+            self.got[reply.metadata.reply_to_message_id] = reply
+        for k, mid in enumerate(ids):
+            reply = self.got.get(mid)
+            if reply is None:
+                continue
+            who = f"stage {k} on {ex.name(plan.node_ids[k])}"
+            if reply.has_error():
+                reason = short_reason(reply.error.reason)
+                raise ex.fail(f"{who} failed: {reason}", [plan.node_ids[k]])
+            if P.STAGE_ERROR in reply.content.config_records:
+                error = reply.content.config_records[P.STAGE_ERROR].get("error")
+                raise ex.fail(f"{who} raised {error}", [])
+
+    def _inbound(
+        self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], waiting: str
+    ) -> tuple[int, dict[str, Any], RecordDict]:
+        """The next frame, within ``stream_timeout_s``.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stage whose stream closed, broke or sent a bad frame, whose Flower
+            reply is an error, or (``waiting``) the stages that stayed silent.
+        """
+        until = time.perf_counter() + self.s.stream_timeout_s
+        while True:
+            if self.s.stop.is_set():
+                raise ex.fail("the run was stopped")
+            try:
+                k, header, records, reason = ep.inbox.get(timeout=0.05)
+            except queue.Empty:
+                self._flower(ex, plan, ids)
+                if time.perf_counter() > until:
+                    raise ex.fail(
+                        f"{waiting} sent nothing for {self.s.stream_timeout_s:g} s "
+                        "(stream-timeout-s)"
+                    ) from None
+                continue
+            if header is None:  # the stream ended: its Flower reply may say why too
+                raise ex.fail(self._ended(ex, plan, ids, k, str(reason)), [plan.node_ids[k]])
+            return k, header, records  # type: ignore[return-value]
+
+    def _ended(self, ex: Exchange, plan: Pipeline, ids: list[str], k: int, reason: str) -> str:
+        """Why stage ``k``'s stream ended mid-round: the endpoint's reason, and its
+        node's own (its Flower error reply) if it comes within 0.5 s."""
+        text = f"stage {k} on {ex.name(plan.node_ids[k])}: {reason} mid-round"
+        until = time.perf_counter() + FLOWER_POLL_S
+        while ids[k] not in self.got and time.perf_counter() < until:
+            for reply in ex.poll(ids, raise_late=False):
+                self.got[reply.metadata.reply_to_message_id] = reply
+            time.sleep(0.02)
+        reply = self.got.get(ids[k])
+        if reply is not None and reply.has_error():
+            text += f" (the node: {short_reason(reply.error.reason)})"
+        return text
+
+    def join(self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str]) -> None:
+        """Wait until every stage has connected (``stream_timeout_s`` after the set-up
+        messages arrived; a stage's error reply fails the round at once)."""
+        until = time.perf_counter() + self.s.deadline("setup") + self.s.stream_timeout_s
+        while len(ep.joined) < plan.num_stages:
+            self._flower(ex, plan, ids)
+            if time.perf_counter() > until:
+                missing = [
+                    f"stage {k} on {ex.name(plan.node_ids[k])}"
+                    for k in range(plan.num_stages)
+                    if k not in ep.joined
+                ]
+                refused = f" (refused: {'; '.join(ep.refused)})" if ep.refused else ""
+                raise ex.fail(
+                    f"{', '.join(missing)} did not connect to the stream endpoint "
+                    f"{ep.address}{refused}",
+                    [plan.node_ids[k] for k in range(plan.num_stages) if k not in ep.joined],
+                )
+            time.sleep(0.01)
+
+    # -- one step --------------------------------------------------------------------
+    def step(  # noqa: PLR0913
+        self,
+        ex: Exchange,
+        ep: Endpoint,
+        plan: Pipeline,
+        ids: list[str],
+        step: int,
+        stats: list[dict[str, Any]],
+    ) -> StepState:
+        """Run one step over the streams (the relay's order and checks,
+        :mod:`sky_flower.sky.hops`)."""
+        S, kind, c = plan.num_stages, self.s.schedule.kind, plan.group_size
+        st = StepState(orders=step_orders(kind, S, self.s.schedule.microbatches // c), ptr=[0] * S)
+        rows = c * self.s.schedule.microbatch_size
+        while not st.done():
+            for k, op, g, payload in ready_ops(st, c):
+                header = {"op": op, "step": step, "first": g * c, "count": c}
+                try:
+                    ep.send(k, header, RecordDict(payload))
+                except StreamError as err:
+                    raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])}: {err}") from err
+                st.inflight[_op_id(k, op, g)] = (k, op, g)
+            if not st.inflight:  # cannot happen for GPipe / 1F1B orders
+                raise ex.fail(f"{kind} schedule stalled at ops {st.ptr}")
+            owing = sorted({k for k, _, _ in st.inflight.values()})
+            waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
+            k, header, records = self._inbound(ex, ep, plan, ids, waiting)
+            where = self._where(ex, plan, st, k, header, step)
+            reply = FrameReply(records, _Meta(plan.node_ids[k], f"stream frame {header['op']}", ""))
+            file_reply(ex, plan, st, where, reply, stats[k], rows)  # type: ignore[arg-type]
+        return st
+
+    @staticmethod
+    def _where(
+        ex: Exchange, plan: Pipeline, st: StepState, k: int, header: dict[str, Any], step: int
+    ) -> tuple[int, str, int]:
+        """The op a reply frame answers (removed from the in-flight ones).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stage, for a frame that answers no op in flight.
+        """
+        try:
+            op, first, c = str(header["op"]), int(header["first"]), plan.group_size
+            key = _op_id(k, op, first // c)
+            if int(header["step"]) != step or key not in st.inflight:
+                raise KeyError(key)
+        except (KeyError, TypeError, ValueError) as err:
+            nid = plan.node_ids[k]
+            raise ex.fail(
+                f"stage {k} on {ex.name(nid)} sent a frame that answers no op in flight ({header})",
+                [nid],
+            ) from err
+        return st.inflight.pop(key)
+
+    def collect(self, ex: Exchange, plan: Pipeline, ids: list[str]) -> list[Message]:
+        """Every stage's Flower reply (its weights), within ``stream_timeout_s`` plus the
+        collect deadline after the ``end`` frames."""
+        until = time.perf_counter() + self.s.deadline("collect") + self.s.stream_timeout_s
+        while len(self.got) < len(ids):
+            self._flower(ex, plan, ids, force=True)
+            if len(self.got) == len(ids):
+                break
+            if time.perf_counter() > until:
+                missing = [k for k, mid in enumerate(ids) if mid not in self.got]
+                names = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in missing)
+                raise ex.fail(
+                    f"{names} sent no weights after the round's end",
+                    [plan.node_ids[k] for k in missing],
+                )
+            time.sleep(max(ex.poll_interval_s, 0.01))
+        return [self.got[mid] for mid in ids]
