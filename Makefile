@@ -1,6 +1,8 @@
-# sky-flower: `make run` (main job on the embedded digits data), `make test` (everything,
-# what CI runs), `make test-fast` (lint, unit and in-process protocol tests: no Ray, no
-# SuperLink, no `slow` extra seeds).
+# sky-flower: `make run` (main job on the embedded digits data), `make test` (what CI runs:
+# lint, the in-process tests, then one simulation-engine / SuperLink run per transport),
+# `make test-fast` (lint and the in-process tests: no Ray, no SuperLink), `make test-all`
+# (`make test` plus the `slow` tier: more seeds and (transport, fault) pairs of the chaos
+# tests, and the plain FedAvg example under `flwr run`; CI need not run it).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -13,8 +15,9 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # fails if another test's Ray process appears (tests/conftest.py, no_leftover_processes).
 XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
+RAY    := simulation or deployment
 
-.PHONY: install run test test-fast lint format clean
+.PHONY: install run test test-fast test-all lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,12 +44,18 @@ format: install
 # collected", is a failure too: each call must select tests).
 test: lint
 	@rc=0; \
-	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
-	$(PYTEST) $(PYTEST_ARGS) tests -m "simulation or deployment" || rc=1; \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow" || rc=1; \
+	$(PYTEST) $(PYTEST_ARGS) tests -m "($(RAY)) and not slow" || rc=1; \
 	exit $$rc
 
 test-fast: lint
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow"
+
+test-all: lint
+	@rc=0; \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
+	$(PYTEST) $(PYTEST_ARGS) tests -m "$(RAY)" || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis
