@@ -17,7 +17,7 @@ XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
 RAY    := simulation or deployment
 
-.PHONY: install run test test-fast test-all lint format clean
+.PHONY: install run run-full test test-fast test-all lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,6 +31,12 @@ install: $(STAMP)
 
 run: install
 	$(PY) -m sky_flower.run $(ARGS)
+
+# the heavier demo: 3 rounds and the benchmark round of a flwr run (7 timed passes per
+# layer, 7 echoes per payload, a 64 MiB state probe): about twice make run's time
+FULL := num_rounds=3 benchmark.repeats=7 benchmark.echo_repeats=7 benchmark.state_probe_mb=64
+run-full: install
+	$(PY) -m sky_flower.run $(FULL) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
