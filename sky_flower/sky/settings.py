@@ -93,11 +93,9 @@ class DirectSettings:
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
-    """The benchmark round: layer timing, link echoes, the state probe."""
+    """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64)."""
 
     warmup: int = _setting(2, "benchmark-warmup", "benchmark.warmup", AT_LEAST_0)
-    # the simulation job (make run) times 3 passes, 3 echoes and a 16 MiB probe: medians
-    # of 3 on one host; a flwr run (real links, their noise) 7, 7 and 64 MiB
     repeats: int = _setting(3, "benchmark-repeats", "benchmark.repeats", AT_LEAST_1, run_default=7)
     echo_bytes: tuple[int, ...] = _setting((1024, 4194304), None, "benchmark.echo_bytes")
     echo_repeats: int = _setting(
