@@ -27,7 +27,7 @@ def test_direct_faults_are_named_and_the_rounds_between_equal_unsplit_training(
     micro-batches peer to peer, 4 rounds of 2 steps):
 
     - round 1: node1 (stage 1) stalls before step 1: the round ends for all stages within
-      the 5 s peer timeout (not the 120 s message one), its error naming node1 first and
+      the 10 s peer timeout (not the 120 s message one), its error naming node1 first and
       the stages that saw their peer fail or stall;
     - round 2 trains from the last good (initial) model: after it the global model equals
       the unsplit model trained on the data owner's batches of round 2;
