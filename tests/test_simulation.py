@@ -39,8 +39,10 @@ def test_default_fleet_trains_every_owner_above_90_percent(tmp_path, no_leftover
     (test_relay_fault_is_named_and_the_next_round_equals_unsplit_training)."""
     allocation, batch = "optimal", 128
     cfg = make_cfg(
-        [*FAST, f"allocation={allocation}", "num_rounds=1", "train.local_epochs=3"]
-        + ["train.lr=0.003"]  # 3 epochs of each owner's 719 examples, then FedAvg: ~0.93
+        [*FAST, f"allocation={allocation}", "num_rounds=1", "train.local_epochs=4"]
+        # 4 epochs of each owner's ~719 examples, then FedAvg: 0.95 in tests/reference.py's
+        # loop (3 epochs at lr 0.003 gave 0.92 there, 0.897 in the job: too close)
+        + ["train.lr=0.002"]
     )
     owners = [n.name for n in cfg.fleet.nodes if n.get("holds_data")]
     assert owners == ["phone", "edge-box"]
