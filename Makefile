@@ -1,6 +1,8 @@
-# sky-flower: `make run` (main job on the embedded digits data), `make test` (everything,
-# what CI runs), `make test-fast` (lint, unit and in-process protocol tests: no Ray, no
-# SuperLink, no `slow` extra seeds).
+# sky-flower: `make run` (main job on the embedded digits data), `make test` (what CI runs:
+# lint, the in-process tests, then one simulation-engine / SuperLink run per transport),
+# `make test-fast` (lint and the in-process tests: no Ray, no SuperLink), `make test-all`
+# (`make test` plus the `slow` tier: more seeds and (transport, fault) pairs of the chaos
+# tests, and the plain FedAvg example under `flwr run`; CI need not run it).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -13,8 +15,9 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # fails if another test's Ray process appears (tests/conftest.py, no_leftover_processes).
 XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
+RAY    := simulation or deployment
 
-.PHONY: install run test test-fast lint format docs clean
+.PHONY: install run run-full test test-fast test-all lint format docs clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +31,12 @@ install: $(STAMP)
 
 run: install
 	$(PY) -m sky_flower.run $(ARGS)
+
+# the heavier demo: 3 rounds and the benchmark round of a flwr run (7 timed passes per
+# layer, 7 echoes per payload, a 64 MiB state probe): about twice make run's time
+FULL := num_rounds=3 benchmark.repeats=7 benchmark.echo_repeats=7 benchmark.state_probe_mb=64
+run-full: install
+	$(PY) -m sky_flower.run $(FULL) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -46,12 +55,18 @@ docs: install
 # collected", is a failure too: each call must select tests).
 test: lint
 	@rc=0; \
-	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
-	$(PYTEST) $(PYTEST_ARGS) tests -m "simulation or deployment" || rc=1; \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow" || rc=1; \
+	$(PYTEST) $(PYTEST_ARGS) tests -m "($(RAY)) and not slow" || rc=1; \
 	exit $$rc
 
 test-fast: lint
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow"
+
+test-all: lint
+	@rc=0; \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
+	$(PYTEST) $(PYTEST_ARGS) tests -m "$(RAY)" || rc=1; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .hypothesis

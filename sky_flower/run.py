@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sky_flower.jobs.added_keys import check_added_keys
 from sky_flower.jobs.common import conf_dir, main_job
+from sky_flower.jobs.quiet import quiet_third_party
 
 _conf_dir = conf_dir  # the name tests and sky_flower.plan used before sky_flower.jobs
 
@@ -69,6 +70,7 @@ def _jobs(cfg: DictConfig, out_dir: Path) -> tuple[Callable, Callable, Callable]
 def main(cfg: DictConfig) -> None:
     """Hydra entry point. A failed job exits 1; in a multirun it is recorded (its
     ``results.json`` carries the error) and the sweep goes on."""
+    quiet_third_party()  # after Hydra set up logging: alembic's level must survive it
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     run, refused, summary = _jobs(cfg, out_dir)

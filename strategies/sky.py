@@ -114,9 +114,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     milp_time_limit_s : float (default: 30.0)
         Time limit of the ``optimal`` MILP.
     benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \
-    state_probe_bytes : (default: 2, 7, (1 KiB, 4 MiB), 7, 0.1, 64 MiB)
+    state_probe_bytes : (default: 2, 3, (1 KiB, 4 MiB), 3, 0.1, 16 MiB)
         The benchmark round's settings, as
-        :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them.
+        :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them (the
+        simulation job's defaults; a ``flwr run``'s run config defaults to 7 repeats,
+        7 echoes and a 64 MiB probe: ``sky_flower.sky.settings``).
     message_timeout_s, deadlines : float, Deadlines (default: 120.0, ``Deadlines()``)
         Per-phase message deadlines (:mod:`sky_flower.sky.deadlines`), none below
         ``message_timeout_s``; a node past its deadline fails the round, by name.
@@ -198,11 +200,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         min_nodes: int = 2,
         milp_time_limit_s: float = 30.0,
         benchmark_warmup: int = 2,
-        benchmark_repeats: int = 7,
+        benchmark_repeats: int = 3,
         echo_bytes: tuple[int, int] = (1024, 4 * 1024 * 1024),
-        echo_repeats: int = 7,
+        echo_repeats: int = 3,
         echo_jitter_s: float = 0.1,
-        state_probe_bytes: int = 64 * 1024 * 1024,
+        state_probe_bytes: int = 16 * 1024 * 1024,
         message_timeout_s: float = 120.0,
         max_failed_rounds: int = 2,
         direct_timeout_s: float = 30.0,

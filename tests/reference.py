@@ -212,9 +212,9 @@ def reference_rounds(  # noqa: PLR0913
 
 
 def assert_pipelined_relay_row(row: dict[str, Any], per_message: int, microbatches: int) -> None:
-    """A 3-stage pipelined relay round's row: ``per_message`` micro-batches per message,
-    every stage handled the planned number of messages (forward and backward groups;
-    the last stage one per group) and reported its measured and predicted compute.
+    """A pipelined relay round's row: ``per_message`` micro-batches per message, every
+    stage handled the planned number of messages (forward and backward groups; the last
+    stage one per group) and reported its measured and predicted compute.
 
     Raises
     ------
@@ -223,7 +223,8 @@ def assert_pipelined_relay_row(row: dict[str, Any], per_message: int, microbatch
     """
     assert row["microbatches_per_message"] == per_message
     groups = microbatches // per_message
-    assert [st["messages"] for st in row["stages"]] == [2 * groups, 2 * groups, groups]
+    stages = len(row["stages"])
+    assert [st["messages"] for st in row["stages"]] == [2 * groups] * (stages - 1) + [groups]
     assert all(st["predicted_messages"] == st["messages"] for st in row["stages"])
     assert all(
         st["measured_compute_s"] > 0 and st["predicted_compute_s"] > 0 for st in row["stages"]

@@ -68,29 +68,38 @@ def wait_no_ray(timeout: float = 30.0, ignore: set[int] = frozenset()) -> list[p
         time.sleep(0.5)
 
 
-def reference_weights(cfg, steps: int, microbatches: int) -> dict:
-    """``reference_rounds`` for a one-round simulation job ``cfg``: the unsplit model
-    (seeded with ``cfg.seed``) trained in this process on the data owner's first
-    ``steps`` batches of round 1, the loss called once on each batch (forwards per
-    micro-batch, ``microbatches`` equal ones), one optimizer step per batch (what every
-    split schedule must compute)."""
+def reference_weights(
+    cfg, steps: int, microbatches: int, *, rnd: int = 1, weights: dict | None = None
+) -> dict:
+    """``reference_rounds`` for round ``rnd`` of a simulation job ``cfg``: the unsplit
+    model trained in this process from ``weights`` (default: the initial model, seeded
+    with ``cfg.seed``) on the data owner's first ``steps`` batches of round ``rnd``, the
+    loss called once on each batch (forwards per micro-batch, ``microbatches`` equal
+    ones), one ``cfg.train.optimizer`` step per batch (what every split schedule must
+    compute). The batches are drawn as Sky's data owner draws them in round ``rnd``; a
+    layer's randomness (dropout) is keyed as in round 1, so ``rnd`` > 1 is for models
+    without dropout."""
     import torch
-    from reference import reference_rounds
+    from reference import _step_batch, reference_rounds
 
     from sky_flower.pipeline.data import load_split, owner_partition
     from sky_flower.pipeline.models import build_model
 
-    torch.manual_seed(int(cfg.seed))
-    weights = build_model(dict(cfg.model)).state_dict()
+    if weights is None:
+        torch.manual_seed(int(cfg.seed))
+        weights = build_model(dict(cfg.model)).state_dict()
     train, _ = load_split("digits", 0.2, int(cfg.seed))
+    data = owner_partition(train, 0, 1, int(cfg.seed))
+    batch = int(cfg.schedule.batch_size)
+    batches = [_step_batch(data, s, rnd, batch, int(cfg.seed)) for s in range(steps)]
     ((expected, _),) = reference_rounds(
         lambda: build_model(dict(cfg.model)),
-        owner_partition(train, 0, 1, int(cfg.seed)),
+        batches,
         rounds=1,
         steps=steps,
         lr=float(cfg.train.lr),
-        batch_size=int(cfg.schedule.batch_size),
         microbatches=microbatches,
+        seed=int(cfg.seed),
         optimizer=str(cfg.train.optimizer),
         weights=weights,
     )

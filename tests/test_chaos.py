@@ -23,10 +23,10 @@ After each run, as the Hydra job leaves it (``sky_flower.jobs.sky.write_outputs`
    (the unsplit reference, within float tolerance);
 4. no thread or process the run started is left.
 
-``make test-fast`` runs one case per fault kind (:data:`FAST`, about 30 s); ``make test``
-also every other (transport, kind) pair and :data:`MORE_SEEDS` of each (marker
-``slow``). The figures (faults injected, runs, invariants held) are printed per case
-(``pytest -s``).
+``make test-fast`` and ``make test`` run one case per fault kind and per transport
+(:data:`FAST`, about 40 s); ``make test-all`` also every other (transport, kind) pair
+and :data:`MORE_SEEDS` of each (marker ``slow``, about 4 CPU-minutes). The figures
+(faults injected, runs, invariants held) are printed per case (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ RUN = {
     "poll-interval-s": 0.002,
     "message-timeout-s": TIMEOUT_S,
     "max-failed-rounds": 2,
+    # SGD: a lossless fault may change the order in which a stage sums its micro-batches'
+    # gradients, hence their rounding; with SGD that reaches a weight as lr times it, at
+    # most lr x rounds x steps x microbatches x eps32 x max |g| (0.05 x 8 x 1.19e-7 x
+    # |g| < 1: 5e-8), far below atol 1e-6; Adam's 1 / sqrt(v) magnifies it without bound
+    # for a near-zero gradient entry (tests/test_idempotent.py had failed so on some CPUs)
+    "optimizer": "sgd",
+    "lr": 0.05,
 }
 SCENARIOS: dict[str, tuple[type[ProcessPerMessageGrid], dict[str, Any]]] = {
     "sequential": (ProcessPerMessageGrid, {"schedule-kind": "sequential"}),
@@ -239,9 +246,17 @@ def _reference_model() -> dict[str, torch.Tensor]:
     """The model a fault-free run ends with: unsplit training on the data owner's batches
     (computed once per session; callers only read it)."""
     task = sky_app_task()
-    lr = float(app_run_config(SKY_APP)["lr"])
+    run = {**app_run_config(SKY_APP), **RUN}
     return reference_rounds(
-        task.Net, task.load_data(0, 3), 2, 2, lr, 64, 2, weights=task.initial_weights()
+        task.Net,
+        task.load_data(0, 3),
+        int(run["num-server-rounds"]),
+        int(run["steps-per-round"]),
+        float(run["lr"]),
+        int(run["batch-size"]),
+        int(run["microbatches"]),
+        optimizer=str(run["optimizer"]),
+        weights=task.initial_weights(),
     )[-1][0]
 
 
@@ -350,6 +365,7 @@ FAST = {
     ("pipelined", "late"): 0,
     ("sequential", "malformed"): 0,
     ("pipelined", "reorder"): 0,
+    ("direct", "stall"): 0,  # every transport in the fast tier
 }
 
 
@@ -369,7 +385,7 @@ def _params(tier: str) -> list:
 
 @pytest.mark.parametrize(("scenario", "kind", "seeds"), _params("fast"))
 def test_chaos(scenario, kind, seeds, tmp_path, server_identity):
-    """One seed, one case per fault kind (``make test-fast``)."""
+    """One seed, one case per fault kind and per transport (``make test-fast``)."""
     fig = _chaos(scenario, kind, seeds, tmp_path)
     assert fig.injected == fig.runs, "the fault was never injected"
     assert not fig.errors, fig.errors
@@ -378,7 +394,7 @@ def test_chaos(scenario, kind, seeds, tmp_path, server_identity):
 @pytest.mark.slow
 @pytest.mark.parametrize(("scenario", "kind", "seeds"), _params("other"))
 def test_chaos_other_cases(scenario, kind, seeds, tmp_path, server_identity):
-    """Seed 0 of every other (transport, fault kind) pair (``make test``)."""
+    """Seed 0 of every other (transport, fault kind) pair (``make test-all``)."""
     fig = _chaos(scenario, kind, seeds, tmp_path)
     assert fig.injected == fig.runs, "the fault was never injected"
     assert not fig.errors, fig.errors
@@ -387,7 +403,7 @@ def test_chaos_other_cases(scenario, kind, seeds, tmp_path, server_identity):
 @pytest.mark.slow
 @pytest.mark.parametrize(("scenario", "kind", "seeds"), _params("more"))
 def test_chaos_more_seeds(scenario, kind, seeds, tmp_path, server_identity):
-    """:data:`MORE_SEEDS` of every case (``make test``)."""
+    """:data:`MORE_SEEDS` of every case (``make test-all``)."""
     fig = _chaos(scenario, kind, seeds, tmp_path)
     assert not fig.errors, fig.errors
 
@@ -465,34 +481,6 @@ def test_an_unavailable_node_is_named_not_the_superlink(server_identity):
     assert info.value.node_ids == [4527] and info.value.nodes == ["phone"]
 
 
-@pytest.mark.simulation
-def test_chaos_on_the_simulation_engine(tmp_path, no_leftover_processes):
-    """One seeded node fault (a crash at a drawn point of the sequential relay) in a
-    run of the Hydra job (``run_job``) on Flower's simulation engine (Ray): the same
-    invariants, and no Ray process left (``no_leftover_processes``)."""
-    from omegaconf import open_dict
-    from simhelpers import FAST, make_cfg
-
-    from sky_flower.run import run_job
-
-    fault = Fault.draw("sequential", "crash", 0)
-    cfg = make_cfg(
-        [*FAST, "fleet=edge3", "allocation=even", "num_rounds=2", "train.steps_per_round=2"]
-    )
-    with open_dict(cfg):
-        node = cfg.fleet.nodes[fault.node]
-        node.fail_on, node.fail_mode = fault.message_type, fault.kind
-        node.fail_round, node.fail_step = fault.round, fault.step
-    error = None
-    try:
-        run_job(cfg, tmp_path)
-    except Exception as err:  # noqa: BLE001 - an invariant checks it
-        error = err
-    fig = Figures(runs=1)
-    _check_outputs(tmp_path, error, FLEET[fault.node], fig)
-    saved = json.loads((tmp_path / "results.json").read_text())
-    fig.injected = sum("fault injected" in (r.get("error") or "") for r in saved["rounds"])
-    print(
-        f"chaos simulation/crash: 1 run, {fig.injected} faults injected, {fig.held}/{fig.checked}"
-    )
-    assert fig.injected == 1 and not fig.errors, (fig.errors, saved)
+# a node fault on Flower's simulation engine (Ray), with these invariants (results.json
+# valid, failed rounds named, model.pt finite, no Ray process left): tests/
+# test_simulation.py's test_relay_fault_is_named_and_the_next_round_equals_unsplit_training

@@ -16,7 +16,15 @@ RUN_CONFIG = {
 
 
 @pytest.mark.simulation
-@pytest.mark.parametrize("app", ["fedavg-app", "sky-app"])
+@pytest.mark.parametrize(
+    "app",
+    [
+        # the plain Flower app Sky's diff starts from: the same `flwr run` path as the
+        # sky-app's run (make test); its own run is in make test-all
+        pytest.param("fedavg-app", marks=pytest.mark.slow),
+        "sky-app",
+    ],
+)
 def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_processes):
     text, pids, results = run_local(
         EXAMPLES / app,

@@ -16,7 +16,12 @@ import pytest
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from reference import ProcessPerMessageGrid, error_reply
-from sky_flower.strategies.decentralized import DecentralizedNodeError, DeTAGStrategy, DPSGDStrategy
+from sky_flower.strategies.decentralized import (
+    D2Strategy,
+    DecentralizedNodeError,
+    DeTAGStrategy,
+    DPSGDStrategy,
+)
 from sky_flower.strategies.hermes import STRATEGIES, ASPStrategy, HermesNodeError
 
 from sky_flower.bench.decentralized import simulate
@@ -226,15 +231,26 @@ def _decentralized(num_nodes: int, rounds: int):  # noqa: ANN202
     return model, app
 
 
-def test_detag_through_the_exchange_equals_the_fast_path():
-    """The decentralized strategy in this process (4 nodes on a ring, sorted data,
-    phases of 2 rounds): its rows are the benchmark's one-process rows."""
+@pytest.mark.parametrize(
+    ("name", "options", "lazy"),
+    [
+        ("detag", {"phase_rounds": 2}, False),  # the paper's Algorithm 2
+        ("detag", {"phase_rounds": 2, "variant": "atc"}, False),
+        ("d2", {}, True),  # D2 on the lazy ring (I + W) / 2 (the plain 4-ring is refused)
+    ],
+    ids=["detag-paper", "detag-atc", "d2-lazy"],
+)
+def test_decentralized_through_the_exchange_equals_the_fast_path(name, options, lazy):
+    """The decentralized strategy in this process (4 nodes on a ring, sorted data; DeTAG
+    in phases of 2 rounds, both variants; D2 on the lazy ring): its rows are the
+    benchmark's one-process rows. (The Hydra job under Ray: tests/test_decentralized_sim.py,
+    D2 on the lazy ring.)"""
 
     model, app = _decentralized(4, 8)
     train, test = load_split("digits", 0.2, 0)
-    strategy = DeTAGStrategy(
-        gossip=gossip_matrix("ring", 4), lr=0.2, phase_rounds=2, poll_interval_s=0.0
-    )
+    gossip = gossip_matrix("ring", 4, lazy=lazy)
+    cls = DeTAGStrategy if name == "detag" else D2Strategy
+    strategy = cls(gossip=gossip, lr=0.2, poll_interval_s=0.0, **options)
 
     def evaluate(step, arrays):  # noqa: ANN001, ANN202
         res = model.evaluate(arrays["x"].numpy(), test)
@@ -247,9 +263,10 @@ def test_detag_through_the_exchange_equals_the_fast_path():
         evaluate_fn=evaluate,
     )
     rows = strategy.rounds
-    assert [r["round"] for r in rows] == [0, 2, 4, 6, 8]
+    step = 2 if name == "detag" else 1
+    assert [r["round"] for r in rows] == list(range(0, 9, step))
     splits = node_splits(train, 4, 0.0, 0)
-    fast = simulate("detag", strategy.gossip, model, splits, test, 8, 0.2, phase_rounds=2)
+    fast = simulate(name, strategy.gossip, model, splits, test, 8, 0.2, **options)
     keys = ("loss", "test_accuracy", "consensus_distance")
     got, want = ([[r[k] for k in keys] for r in rs] for rs in (rows, fast))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
@@ -363,7 +380,8 @@ def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
 @pytest.mark.parametrize("name", ["hermes", "bsp"])
 def test_the_asynchronous_driver_runs_through_the_exchange(name):
     """Hermes and BSP on 3 workers (slowdowns 0, 1, 2) for 2 s, replies taken as they
-    arrive: every round is counted, sent or minor; BSP runs in lockstep."""
+    arrive: every round is counted, sent or minor; BSP runs in lockstep and sends every
+    round (its Ray run was merged away: tests/test_hermes_sim.py)."""
 
     model, grid, common, val_loss = _hermes(3)
     extra = {"val_loss_fn": val_loss, "profile_repeats": 1} if name == "hermes" else {}
@@ -375,7 +393,8 @@ def test_the_asynchronous_driver_runs_through_the_exchange(name):
     rows = strategy.worker_rows()
     assert all(r["rounds"] == r["updates_sent"] + r["minor_rounds"] > 0 for r in rows)
     if name == "bsp":
-        assert max(strategy.clock) - min(strategy.clock) <= 1
+        assert max(strategy.clock) - min(strategy.clock) <= 1  # the barrier: nobody runs ahead
+        assert all(r["minor_rounds"] == 0 for r in rows)  # every round sends
     else:
         assert strategy.benchmark is not None and min(strategy.searches) >= 1
     assert not grid.futures  # the rounds still running at the end were drained

@@ -1,4 +1,4 @@
-"""Hermes and a baseline end to end in Flower's simulation engine (8 emulated workers,
+"""Hermes end to end in Flower's simulation engine (8 emulated workers,
 SkyComputing slowdowns 1-6, digits); bad settings refused before Flower starts."""
 
 from __future__ import annotations
@@ -43,15 +43,9 @@ def test_hermes_reaches_the_target_with_balanced_rounds(tmp_path, no_leftover_pr
     assert (tmp_path / "model.pt").exists() and (tmp_path / "benchmark.json").exists()
 
 
-@pytest.mark.simulation
-def test_bsp_reaches_the_target_in_lockstep(tmp_path, no_leftover_processes):
-    # 4 workers (SkyComputing's first 4; the barrier is the same for 8): half the actors
-    results = run_job(make_cfg(["strategy=bsp", "fleet.nodes=4", *FAST]), tmp_path)
-    assert results["error"] is None and results["time_to_target_s"] is not None
-    rounds = [w["rounds"] for w in results["workers"]]
-    assert len(rounds) == 4
-    assert max(rounds) - min(rounds) <= 1  # the barrier: nobody runs ahead
-    assert results["updates_sent"] == rounds  # every round sends
+# BSP (the baselines share the Hermes job and its engine path, run above): in lockstep and
+# sending every round through Flower's real ClientApps in process, tests/test_exchange.py's
+# test_the_asynchronous_driver_runs_through_the_exchange[bsp]
 
 
 @pytest.mark.parametrize(

@@ -165,7 +165,7 @@ def test_lm_trains_on_python_source():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     model.eval()
     with torch.no_grad():
         xt, yt = torch.from_numpy(test.x[:256]), torch.from_numpy(test.y[:256])

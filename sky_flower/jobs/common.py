@@ -125,6 +125,7 @@ def simulate(
     from flwr.simulation import run_simulation
 
     from sky_flower.flower.shutdown import AbandonableEngine
+    from sky_flower.jobs.quiet import quiet_third_party
 
     server_app = ServerApp()
     nodes = AbandonableEngine()
@@ -138,6 +139,7 @@ def simulate(
             raise
 
     error: str | None = None
+    quiet_third_party()  # sky_flower.jobs.quiet
     try:
         with engine(), nodes.tracking():
             run_simulation(

@@ -111,14 +111,18 @@ class StreamSettings:
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
-    """The benchmark round: layer timing, link echoes, the state probe."""
+    """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64)."""
 
     warmup: int = _setting(2, "benchmark-warmup", "benchmark.warmup", AT_LEAST_0)
-    repeats: int = _setting(7, "benchmark-repeats", "benchmark.repeats", AT_LEAST_1)
+    repeats: int = _setting(3, "benchmark-repeats", "benchmark.repeats", AT_LEAST_1, run_default=7)
     echo_bytes: tuple[int, ...] = _setting((1024, 4194304), None, "benchmark.echo_bytes")
-    echo_repeats: int = _setting(7, "echo-repeats", "benchmark.echo_repeats", AT_LEAST_1)
+    echo_repeats: int = _setting(
+        3, "echo-repeats", "benchmark.echo_repeats", AT_LEAST_1, run_default=7
+    )
     echo_jitter_s: float = _setting(0.1, "echo-jitter-s", "benchmark.echo_jitter_s", AT_LEAST_0)
-    state_probe_mb: float = _setting(64.0, "state-probe-mb", "benchmark.state_probe_mb", AT_LEAST_0)
+    state_probe_mb: float = _setting(
+        16.0, "state-probe-mb", "benchmark.state_probe_mb", AT_LEAST_0, run_default=64.0
+    )
 
 
 @dataclass(frozen=True)
@@ -280,7 +284,7 @@ class SkySettings:
     writes ``results.json`` to (``""``: none; the Hydra job writes its own).
     """
 
-    num_rounds: int = _setting(3, "num-server-rounds", "num_rounds", AT_LEAST_1)
+    num_rounds: int = _setting(2, "num-server-rounds", "num_rounds", AT_LEAST_1)
     allocation: str = _setting("heuristic", "allocation", "allocation.method", choices=ALLOCATIONS)
     milp_time_limit_s: float = _setting(
         30.0, "milp-time-limit-s", "allocation.time_limit_s", POSITIVE
