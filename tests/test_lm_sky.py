@@ -201,8 +201,9 @@ def test_sky_trains_a_converted_non_sequential_model(server_identity):
         task.load_data(0, len(fleet)),
         1,
         4,
-        3e-3,
+        float(RUN["lr"]),
         batch_size=16,
+        optimizer=str(RUN["optimizer"]),
         weights=original_state_dict(initial),
     )
     for key, value in expected.items():
