@@ -14,7 +14,7 @@ Run config (``[tool.flwr.app.config]`` in the app's ``pyproject.toml``, overrida
 its defaults (those of the Hydra configs ``conf/config.yaml``, ``conf/allocation/*.yaml``,
 ``conf/transport/relay.yaml``), e.g. ``allocation`` (``even`` | ``heuristic`` |
 ``optimal``), ``fleet`` (a packaged fleet, ``sky_flower.conf.fleet``: the nodes' pipeline
-order and, in simulation, node ``i``'s device), ``transport`` (``relay`` | ``direct``),
+order and, in simulation, node ``i``'s device), ``transport`` (``relay`` | ``direct`` | ``stream``),
 ``schedule-kind``, ``num-server-rounds``, ``lr``, ``max-failed-rounds``, ... and
 ``results-path`` (write the run's ``results.json`` there; ``""``: none).
 

@@ -209,7 +209,7 @@ class ObjectiveSettings:
     metric: str = _setting(
         "sky_flower.pipeline.objective:correct_count", "metric", "objective.metric", REFERENCE
     )
-    # issue 30: exact for any loss (docs/drafts/exact.md)
+    # issue 30: exact for any loss (docs/models.md)
     reduction: str = _setting("mean", "loss-reduction", "objective.reduction", choices=REDUCTIONS)
     weight: str = _setting("", "loss-weight", "objective.weight", REFERENCE_OR_BLANK)
 
