@@ -44,11 +44,11 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.example import dtype_name
 from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange, NodeLedger
 from sky_flower.flower.strategy import ServerSideEvaluation
-from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import LossReduction, correct_count, ref
 from sky_flower.sky import federation, planning, report
 from sky_flower.sky.benchmark import (

@@ -1,11 +1,14 @@
-"""Layout rules of issue 12, checked on the source tree (fast, no Flower started).
+"""Layout rules (issues 12 and 29), checked on the source tree (fast, no Flower started).
 
 (a) the pure core (``sky_flower.core``, ``sky_flower.pipeline``) imports no ``flwr`` and
 no ``hydra``; (b) no import cycles among ``sky_flower`` modules (function-level imports
-included); (c) only the entry points import ``sky_flower.strategies``; (d) no module over
-500 lines. Violations that other branches of the restructure remove are listed below as
-known and marked ``xfail(strict=False)``: when a branch lands, its entries XPASS and the
-lead deletes them.
+included); (c) only the entry points import ``sky_flower.strategies``; (d) boundaries:
+imports between packages go one way (``sky_flower.core`` imports nothing from
+``sky_flower.pipeline``). Every rule is checked on the import graph built here
+(``GRAPH``), and a failure names the offending ``importer -> imported`` edge.
+
+There is no line limit: a module is split when it holds two concepts, not when it
+crosses a number (a review habit, not a test).
 """
 
 from __future__ import annotations
@@ -15,18 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"sky_flower": ROOT / "sky_flower", "sky_flower.strategies": ROOT / "strategies"}
-MAX_LINES = 500
 PURE_PACKAGES = ("sky_flower.core", "sky_flower.pipeline")
 FORBIDDEN_IN_PURE = ("flwr", "hydra")
 # modules (or packages, by prefix) allowed to import sky_flower.strategies
 STRATEGY_IMPORTERS = ("sky_flower.app", "sky_flower.jobs", "sky_flower.bench", "sky_flower.run")
-
-# -- known violations, owned by other branches of issue 12 -------------------------------
-KNOWN_LONG: dict[str, str] = {}
 
 
 # -- the module graph -------------------------------------------------------------------
@@ -201,19 +198,31 @@ def test_only_entry_points_import_the_strategies():
     assert not bad, f"modules importing sky_flower.strategies: {bad}"
 
 
-# -- (d) module size --------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            _rel(p),
-            marks=[pytest.mark.xfail(strict=False, reason=KNOWN_LONG[_rel(p)])]
-            if _rel(p) in KNOWN_LONG
-            else [],
-        )
-        for p in sorted(MODULES.values())
-    ],
-)
-def test_module_is_at_most_500_lines(path):
-    n = len((ROOT / path).read_text().splitlines())
-    assert n <= MAX_LINES, f"{path} has {n} lines (limit {MAX_LINES}): split it"
+# -- (d) boundaries between packages -----------------------------------------------------
+def _edges(importers: str, imported: str) -> list[str]:
+    """Every ``a -> b`` import from a module under ``importers`` to one under ``imported``
+    (dotted prefixes), sorted: what a failing boundary names."""
+
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    return sorted(
+        f"{a} -> {b}"
+        for a, deps in GRAPH.items()
+        if under(a, importers)
+        for b in deps
+        if under(b, imported)
+    )
+
+
+def test_edges_name_the_offending_import():
+    assert "sky_flower.core.partition.plan -> sky_flower.core.cost" in _edges(
+        "sky_flower.core.partition", "sky_flower.core.cost"
+    )
+
+
+def test_core_imports_nothing_from_pipeline():
+    """The planning core is pure arithmetic on profiles; the torch pipeline builds on it,
+    never the other way round."""
+    bad = _edges("sky_flower.core", "sky_flower.pipeline")
+    assert not bad, "sky_flower.core imports sky_flower.pipeline: " + "; ".join(bad)

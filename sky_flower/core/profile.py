@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from sky_flower.core.clock import clock
+from sky_flower.core.example import example_input
 from sky_flower.core.ties import refuse_ties_across_entries
-from sky_flower.pipeline.device import clock
-from sky_flower.pipeline.example import example_input
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -275,7 +275,7 @@ def profile_layers(
         ``params -> torch.optim.Optimizer``; default Adam.
     dtype : torch.dtype
         Dtype of the probe input (float32; an integer dtype, e.g. token ids, gives zeros:
-        :func:`sky_flower.pipeline.example.example_input`).
+        :func:`sky_flower.core.example.example_input`).
 
     Returns
     -------

@@ -58,6 +58,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from sky_flower.core.example import as_dtype
 from sky_flower.core.profile import (
     default_optimizer_factory,
     time_layers,
@@ -68,7 +69,6 @@ from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
-from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import LossReduction, loss_reduction, resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import migration

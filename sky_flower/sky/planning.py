@@ -15,6 +15,7 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.example import as_dtype
 from sky_flower.core.federated import (
     FederatedPlan,
     OwnerPipeline,
@@ -25,7 +26,6 @@ from sky_flower.core.partition import METHODS, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.core.schedule import choose_schedule, predict
-from sky_flower.pipeline.example import as_dtype
 from sky_flower.sky.federation import PipelineRun
 from sky_flower.sky.runner import Pipeline
 

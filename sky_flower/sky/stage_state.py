@@ -30,8 +30,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
+from sky_flower.core.clock import synchronize
 from sky_flower.core.profile import as_layers
-from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.stage import (
     build_stage,
     make_stage_optimizer,
