@@ -3,9 +3,15 @@
 (a) the pure core (``sky_flower.core``, ``sky_flower.pipeline``) imports no ``flwr`` and
 no ``hydra``; (b) no import cycles among ``sky_flower`` modules (function-level imports
 included); (c) only the entry points import ``sky_flower.strategies``; (d) boundaries:
-imports between packages go one way (``sky_flower.core`` imports nothing from
-``sky_flower.pipeline``). Every rule is checked on the import graph built here
-(``GRAPH``), and a failure names the offending ``importer -> imported`` edge.
+imports between packages go one way. ``sky_flower.core`` imports nothing from
+``sky_flower.pipeline``; in ``sky_flower.sky`` no transport runner (``relay``,
+``direct``, ``stream``) imports another (they share ``transport.runner``, ``hops``,
+``guard``, ``deadlines``), node code (``sky.node``) and planning (``sky.planning``)
+import nothing from round control (``sky.rounds``), the transports nothing from planning
+or round control, and at most six modules sit at the top of ``sky_flower/sky/`` (what
+both halves share: the protocol, optimizer-state migration, the settings). Every rule
+is checked on the import graph built here (``GRAPH``, function-level imports included),
+and a failure names the offending ``importer -> imported`` edge.
 
 There is no line limit: a module is split when it holds two concepts, not when it
 crosses a number (a review habit, not a test).
@@ -24,6 +30,10 @@ PURE_PACKAGES = ("sky_flower.core", "sky_flower.pipeline")
 FORBIDDEN_IN_PURE = ("flwr", "hydra")
 # modules (or packages, by prefix) allowed to import sky_flower.strategies
 STRATEGY_IMPORTERS = ("sky_flower.app", "sky_flower.jobs", "sky_flower.bench", "sky_flower.run")
+SKY = "sky_flower.sky"
+# the runners of sky_flower.sky.transport; the package's other modules are what they share
+TRANSPORTS = ("relay", "direct", "stream")
+MAX_SKY_TOP_MODULES = 6
 
 
 # -- the module graph -------------------------------------------------------------------
@@ -226,3 +236,54 @@ def test_core_imports_nothing_from_pipeline():
     never the other way round."""
     bad = _edges("sky_flower.core", "sky_flower.pipeline")
     assert not bad, "sky_flower.core imports sky_flower.pipeline: " + "; ".join(bad)
+
+
+def test_the_sky_packages_exist():
+    """The rules below name these packages: a rename must update them, not void them."""
+    for pkg in ("node", "transport", "planning", "rounds"):
+        assert _is_package(f"{SKY}.{pkg}"), f"{SKY}.{pkg} is gone: update the rules"
+    for name in TRANSPORTS:
+        assert f"{SKY}.transport.{name}" in MODULES
+
+
+def test_no_transport_imports_another():
+    """Each runner imports only the shared modules of ``sky.transport`` (the runner
+    interface, ``hops``, ``guard``, ``deadlines``, the stream's data plane)."""
+    bad = [
+        edge
+        for a in TRANSPORTS
+        for b in TRANSPORTS
+        if a != b
+        for edge in _edges(f"{SKY}.transport.{a}", f"{SKY}.transport.{b}")
+    ]
+    assert not bad, "a transport imports a sibling transport: " + "; ".join(bad)
+
+
+def test_node_side_imports_nothing_from_round_control():
+    bad = _edges(f"{SKY}.node", f"{SKY}.rounds")
+    assert not bad, "node code imports round control: " + "; ".join(bad)
+
+
+def test_planning_imports_nothing_from_round_control():
+    bad = _edges(f"{SKY}.planning", f"{SKY}.rounds")
+    assert not bad, "planning imports round control: " + "; ".join(bad)
+
+
+def test_transports_import_nothing_from_planning_or_round_control():
+    bad = _edges(f"{SKY}.transport", f"{SKY}.planning") + _edges(
+        f"{SKY}.transport", f"{SKY}.rounds"
+    )
+    assert not bad, "a transport imports planning or round control: " + "; ".join(bad)
+
+
+def test_sky_has_at_most_six_top_level_modules():
+    """``sky_flower/sky/`` holds what both halves share at its top; the rest is in its
+    packages by concept."""
+    top = sorted(
+        n
+        for n in MODULES
+        if n.startswith(SKY + ".") and n.count(".") == SKY.count(".") + 1 and not _is_package(n)
+    )
+    assert len(top) <= MAX_SKY_TOP_MODULES, (
+        f"{len(top)} modules at the top of {SKY} (at most {MAX_SKY_TOP_MODULES}): {top}"
+    )

@@ -354,7 +354,8 @@ class NodeProfile:
         ships a node's context with every message it handles), from echo timing with
         and without a probe array stored in the state; the training job adds the
         node's own per-byte cost of rebuilding a stage from the state and saving it back
-        (:func:`sky_flower.sky.client.time_state_roundtrip`), which every stage message pays too.
+        (:func:`sky_flower.sky.node.client.time_state_roundtrip`), which every stage
+        message pays too.
     holds_data : bool
         Whether the node is a data owner.
     slowdown : float
