@@ -390,14 +390,14 @@ def register_sky_client(
     loss_fn, metric_fn : callable, optional
         The last stage's ``(output, labels) -> scalar`` loss and ``(output, labels) ->
         int`` metric (default: those the ServerApp's strategy names; cross-entropy and
-        correct predictions), see :class:`sky_flower.sky.client.SkyClient`.
+        correct predictions), see :class:`sky_flower.sky.node.client.SkyClient`.
 
     Returns
     -------
     ClientApp
         ``app``.
     """
-    from sky_flower.sky.client import SkyClient
+    from sky_flower.sky.node.client import SkyClient
 
     cached: dict[tuple[int, int], Split] = {}
 

@@ -6,26 +6,26 @@ measures every node on the model's own layers and times its link; the joint plan
 (``even``, ``heuristic`` or ``optimal``, :func:`sky_flower.core.federated.plan_federation`)
 gives every data owner its own pipeline (stage 0 on the owner, helpers after it, each
 node a contiguous block of layers sized to what it can do); then every round all
-pipelines train (:mod:`sky_flower.sky.federation`: a thread and runner each, pipelines
+pipelines train (:mod:`sky_flower.sky.rounds.federation`: a thread and runner each, pipelines
 sharing a node one after another) and the global model is the FedAvg of their models,
 weighted by samples trained. Each pipeline runs through a transport runner picked once
 from ``schedule.transport``
 (:data:`RUNNERS`): activations and gradients relayed through the server
-(:mod:`sky_flower.sky.relay`: one message group per step for ``sequential``, several in
+(:mod:`sky_flower.sky.transport.relay`: one message group per step for ``sequential``, several in
 flight for ``gpipe`` / ``1f1b``) or peer to peer in a ``torch.distributed.pipelining``
-schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.direct`); the
+schedule whose rendezvous the server hands out (:mod:`sky_flower.sky.transport.direct`); the
 server reassembles each owner's model from its stages. A failed pipeline drops out of
 its round's average; a round in which every pipeline failed is recorded; either way the
 nodes whose own fault it was (silence, an error or malformed reply; never a data owner)
 are dropped and the model is re-planned, while non-finite values computed from finite
 inputs are the training's: the run says it diverged (naming the learning rate and the
 round) and drops nobody, or sets one suspect helper aside for a round
-(:mod:`sky_flower.sky.blame`, :mod:`sky_flower.sky.recovery`); a failed round's next
+(:mod:`sky_flower.sky.rounds.blame`, :mod:`sky_flower.sky.rounds.recovery`); a failed round's next
 round starts from the last good global model.
 
 This module holds only the Flower ``Strategy``: wait -> benchmark -> plan -> rounds ->
-evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.benchmark`; planning:
-:mod:`sky_flower.sky.planning`; reports: :mod:`sky_flower.sky.report`.
+evaluate -> recover. Benchmark round: :mod:`sky_flower.sky.planning.benchmark`; planning:
+:mod:`sky_flower.sky.planning.planning`; reports: :mod:`sky_flower.sky.rounds.report`.
 """
 
 from __future__ import annotations
@@ -44,31 +44,38 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.example import dtype_name
 from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange, NodeLedger
 from sky_flower.flower.strategy import ServerSideEvaluation
-from sky_flower.pipeline.example import dtype_name
 from sky_flower.pipeline.objective import LossReduction, correct_count, ref
-from sky_flower.sky import federation, planning, report
-from sky_flower.sky.benchmark import (
+from sky_flower.sky.planning import planning
+from sky_flower.sky.planning.benchmark import (
     Link,
     benchmark_event,
     benchmark_table,
     wait_for_nodes,
 )
-from sky_flower.sky.deadlines import Deadlines
-from sky_flower.sky.direct import DirectRunner, kinds_label
-from sky_flower.sky.federation import PipelineRun
-from sky_flower.sky.guard import RoundGuard
-from sky_flower.sky.joins import NodeJoins
+from sky_flower.sky.planning.planning import PipelineRun
+from sky_flower.sky.planning.replan import ReplanConfig
 from sky_flower.sky.protocol import ARRAYS
-from sky_flower.sky.recovery import RoundRecovery
-from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.replan import ReplanConfig
-from sky_flower.sky.replan_hook import RoundReplanning
-from sky_flower.sky.runner import Pipeline, Runner, RunSettings, SkyNodeError, merge_weights
-from sky_flower.sky.stream import StreamRunner
+from sky_flower.sky.rounds import federation, report
+from sky_flower.sky.rounds.joins import NodeJoins
+from sky_flower.sky.rounds.recovery import RoundRecovery
+from sky_flower.sky.rounds.replan_hook import RoundReplanning
+from sky_flower.sky.transport.deadlines import Deadlines
+from sky_flower.sky.transport.direct import DirectRunner, kinds_label
+from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import (
+    Pipeline,
+    Runner,
+    RunSettings,
+    SkyNodeError,
+    merge_weights,
+)
+from sky_flower.sky.transport.stream import StreamRunner
 
 PLAINTEXT = (  # logged when transport=direct
     "activations, gradients and weights travel between the stage nodes in plaintext (gloo "
@@ -116,11 +123,11 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     benchmark_warmup, benchmark_repeats, echo_bytes, echo_repeats, echo_jitter_s, \
     state_probe_bytes : (default: 2, 3, (1 KiB, 4 MiB), 3, 0.1, 16 MiB)
         The benchmark round's settings, as
-        :class:`sky_flower.sky.benchmark.BenchmarkSettings` documents them (the
+        :class:`sky_flower.sky.planning.benchmark.BenchmarkSettings` documents them (the
         simulation job's defaults; a ``flwr run``'s run config defaults to 7 repeats,
         7 echoes and a 64 MiB probe: ``sky_flower.sky.settings``).
     message_timeout_s, deadlines : float, Deadlines (default: 120.0, ``Deadlines()``)
-        Per-phase message deadlines (:mod:`sky_flower.sky.deadlines`), none below
+        Per-phase message deadlines (:mod:`sky_flower.sky.transport.deadlines`), none below
         ``message_timeout_s``; a node past its deadline fails the round, by name.
     max_failed_rounds : int (default: 2)
         A round that fails (a node errs, stalls or replies malformed) is recorded with
@@ -128,10 +135,10 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         are dropped (the data owner cannot be) and the model is re-planned on the others
         from the benchmark round's profiles, and the next round starts from the last
         good global model. Non-finite replies are judged by
-        :func:`sky_flower.sky.blame.judge`: the training diverged (nobody is dropped) or
+        :func:`sky_flower.sky.rounds.blame.judge`: the training diverged (nobody is dropped) or
         one helper is set aside for a round. This many consecutive failed rounds end
         the run with :class:`SkyNodeError` (``TrainingDiverged`` of
-        :mod:`sky_flower.sky.recovery` when the last one diverged; 1: the first failed
+        :mod:`sky_flower.sky.rounds.recovery` when the last one diverged; 1: the first failed
         round does).
     divergence_factor : float (default: 0.0, off)
         ``>= 1``: fail a round whose training loss exceeds this x the best so far.
@@ -143,7 +150,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         (s) on the stages joining a round.
     stream_host, stream_bind, stream_tls, stream_max_frame_mb, stream_timeout_s : \
 (default: "127.0.0.1", "127.0.0.1", True, 256.0, 30.0)
-        ``transport=stream`` (:mod:`sky_flower.sky.stream`): the endpoint's address as
+        ``transport=stream`` (:mod:`sky_flower.sky.transport.stream`): the endpoint's address as
         the stages dial it, its interface; TLS (a fresh, pinned certificate); frame cap
         (MiB); bound (s) on a stage owing a reply or connecting.
     seed : int (default: 0)
@@ -168,7 +175,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     bn_policy : {"average", "local"} (default: "average")
         BatchNorm across data owners: averaged like every entry, or ``local`` (FedBN,
         arXiv 2102.07623): each owner's BatchNorm parameters and statistics kept as its
-        own between rounds (:class:`sky_flower.sky.federation.LocalBatchNorm`).
+        own between rounds (:class:`sky_flower.sky.rounds.federation.LocalBatchNorm`).
     loss_weight_fn : Callable, optional
         ``loss_reduction="weighted"`` only: ``weight(labels) -> number``, what the loss
         averages over (e.g. :func:`sky_flower.pipeline.lm.token_count`).
@@ -183,7 +190,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
         Dtype of the model's input (``"int64"`` for a language model's token ids): the
         profile, the benchmark and the ``direct`` stage 0 build their probes of it.
     replan, optimizer_state : ReplanConfig (default: off), str (default: "round")
-        Online re-planning and optimizer state across rounds (:mod:`sky_flower.sky.replan`).
+        Online re-planning and optimizer state across rounds
+        (:mod:`sky_flower.sky.planning.replan`).
     """
 
     def __init__(  # noqa: PLR0913
@@ -340,7 +348,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     # -- wait, benchmark, plan ---------------------------------------------------------
     def wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
         """Block until ``min_nodes`` nodes are connected, at most ``timeout`` s
-        (:func:`sky_flower.sky.benchmark.wait_for_nodes`).
+        (:func:`sky_flower.sky.planning.benchmark.wait_for_nodes`).
 
         Raises
         ------
@@ -361,19 +369,19 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
     ) -> None:
         """Refuse, before any node is contacted, a fleet whose known memory caps make
         every plan infeasible, or ``even`` with a pipeline longer than the model
-        (``owners``: data owners, where known; :func:`sky_flower.sky.planning.precheck`).
+        (``owners``: data owners, where known; :func:`sky_flower.sky.planning.planning.precheck`).
 
         Raises
         ------
         InfeasibleMemoryError, ValueError
-            As :func:`sky_flower.sky.planning.precheck`.
+            As :func:`sky_flower.sky.planning.planning.precheck`.
         """
         planning.precheck(
             self.profile_model(), self.schedule, self.allocation, names, memory_caps, owners
         )
 
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:
-        """Run the benchmark round (:class:`sky_flower.sky.benchmark.BenchmarkRound`); a
+        """Run the benchmark round (:class:`sky_flower.sky.planning.benchmark.BenchmarkRound`); a
         node whose reply is an error is left out with a warning.
 
         Raises
@@ -382,7 +390,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             If no data owner answered.
         """
         found = self.benchmark_round(grid).run(node_ids, self.node_order)
-        self.remember_benchmark(grid, found)  # sky_flower.sky.joins
+        self.remember_benchmark(grid, found)  # sky_flower.sky.rounds.joins
         self.on_event("benchmark", benchmark_event(self.layer_profiles, found))
         return self.node_profiles
 
@@ -392,7 +400,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
 
     def make_plan(self, alternatives: bool = True) -> Plan:
         """Plan one pipeline per data owner over the profiled nodes
-        (:func:`sky_flower.sky.planning.make_federated_plan`; ``alternatives``: also
+        (:func:`sky_flower.sky.planning.planning.make_federated_plan`; ``alternatives``: also
         predict the other allocations on this benchmark, for the ``plan`` event).
         Returns the first owner's pipeline plan (``self.plans`` holds them all)."""
         fed = planning.make_federated_plan(
@@ -406,7 +414,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             time_limit_s=self.milp_time_limit_s,
             alternatives=alternatives,
         )
-        self.install_plan(fed)  # sky_flower.sky.replan_hook.RoundReplanning
+        self.install_plan(fed)  # sky_flower.sky.rounds.replan_hook.RoundReplanning
         return self.plan
 
     @property
@@ -416,7 +424,7 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
 
     def stage_predictions(self) -> list[dict[str, Any]]:
         """Per stage and step, what the cost model predicts
-        (:func:`sky_flower.sky.planning.stage_predictions`)."""
+        (:func:`sky_flower.sky.planning.planning.stage_predictions`)."""
         assert self.pipeline is not None, "run the benchmark round and make_plan() first"
         return list(self.pipeline.predictions)
 
@@ -515,8 +523,8 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             report.log_pipelines(row)
             self.on_event("round", row)
             if row["failed_pipelines"]:
-                self.partial_failure(rnd, row)  # sky_flower.sky.recovery
-            self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.replan_hook
+                self.partial_failure(rnd, row)  # sky_flower.sky.rounds.recovery
+            self.replan_after(rnd, row, num_rounds)  # sky_flower.sky.rounds.replan_hook
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         self.log_final_summary(result)
         return result
@@ -538,5 +546,5 @@ class SkyStrategy(RoundReplanning, NodeJoins, RoundRecovery, ServerSideEvaluatio
             row.update({f"test_{k}": float(v) for k, v in res.items()})  # type: ignore[arg-type]
 
     def log_final_summary(self, result: Result) -> None:
-        """Log the plan and the final results (:func:`sky_flower.sky.report.log_final`)."""
+        """Log the plan and the final results (:func:`sky_flower.sky.rounds.report.log_final`)."""
         report.log_final(self.plans, self.allocation, result)

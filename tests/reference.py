@@ -51,7 +51,7 @@ SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
 PRELOAD = [
     "reference",
     "sky_flower.app",
-    "sky_flower.sky.client",
+    "sky_flower.sky.node.client",
     "sky_flower.pipeline.direct",
     "torch.distributed.pipelining",
     "sklearn.datasets",

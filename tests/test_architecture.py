@@ -1,11 +1,20 @@
-"""Layout rules of issue 12, checked on the source tree (fast, no Flower started).
+"""Layout rules (issues 12 and 29), checked on the source tree (fast, no Flower started).
 
 (a) the pure core (``sky_flower.core``, ``sky_flower.pipeline``) imports no ``flwr`` and
 no ``hydra``; (b) no import cycles among ``sky_flower`` modules (function-level imports
-included); (c) only the entry points import ``sky_flower.strategies``; (d) no module over
-500 lines. Violations that other branches of the restructure remove are listed below as
-known and marked ``xfail(strict=False)``: when a branch lands, its entries XPASS and the
-lead deletes them.
+included); (c) only the entry points import ``sky_flower.strategies``; (d) boundaries:
+imports between packages go one way. ``sky_flower.core`` imports nothing from
+``sky_flower.pipeline``; in ``sky_flower.sky`` no transport runner (``relay``,
+``direct``, ``stream``) imports another (they share ``transport.runner``, ``hops``,
+``guard``, ``deadlines``), node code (``sky.node``) and planning (``sky.planning``)
+import nothing from round control (``sky.rounds``), the transports nothing from planning
+or round control, and at most six modules sit at the top of ``sky_flower/sky/`` (what
+both halves share: the protocol, optimizer-state migration, the settings). Every rule
+is checked on the import graph built here (``GRAPH``, function-level imports included),
+and a failure names the offending ``importer -> imported`` edge.
+
+There is no line limit: a module is split when it holds two concepts, not when it
+crosses a number (a review habit, not a test).
 """
 
 from __future__ import annotations
@@ -15,18 +24,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"sky_flower": ROOT / "sky_flower", "sky_flower.strategies": ROOT / "strategies"}
-MAX_LINES = 500
 PURE_PACKAGES = ("sky_flower.core", "sky_flower.pipeline")
 FORBIDDEN_IN_PURE = ("flwr", "hydra")
 # modules (or packages, by prefix) allowed to import sky_flower.strategies
 STRATEGY_IMPORTERS = ("sky_flower.app", "sky_flower.jobs", "sky_flower.bench", "sky_flower.run")
-
-# -- known violations, owned by other branches of issue 12 -------------------------------
-KNOWN_LONG: dict[str, str] = {}
+SKY = "sky_flower.sky"
+# the runners of sky_flower.sky.transport; the package's other modules are what they share
+TRANSPORTS = ("relay", "direct", "stream")
+MAX_SKY_TOP_MODULES = 6
 
 
 # -- the module graph -------------------------------------------------------------------
@@ -201,19 +208,82 @@ def test_only_entry_points_import_the_strategies():
     assert not bad, f"modules importing sky_flower.strategies: {bad}"
 
 
-# -- (d) module size --------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            _rel(p),
-            marks=[pytest.mark.xfail(strict=False, reason=KNOWN_LONG[_rel(p)])]
-            if _rel(p) in KNOWN_LONG
-            else [],
-        )
-        for p in sorted(MODULES.values())
-    ],
-)
-def test_module_is_at_most_500_lines(path):
-    n = len((ROOT / path).read_text().splitlines())
-    assert n <= MAX_LINES, f"{path} has {n} lines (limit {MAX_LINES}): split it"
+# -- (d) boundaries between packages -----------------------------------------------------
+def _edges(importers: str, imported: str) -> list[str]:
+    """Every ``a -> b`` import from a module under ``importers`` to one under ``imported``
+    (dotted prefixes), sorted: what a failing boundary names."""
+
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    return sorted(
+        f"{a} -> {b}"
+        for a, deps in GRAPH.items()
+        if under(a, importers)
+        for b in deps
+        if under(b, imported)
+    )
+
+
+def test_edges_name_the_offending_import():
+    assert "sky_flower.core.partition.plan -> sky_flower.core.cost" in _edges(
+        "sky_flower.core.partition", "sky_flower.core.cost"
+    )
+
+
+def test_core_imports_nothing_from_pipeline():
+    """The planning core is pure arithmetic on profiles; the torch pipeline builds on it,
+    never the other way round."""
+    bad = _edges("sky_flower.core", "sky_flower.pipeline")
+    assert not bad, "sky_flower.core imports sky_flower.pipeline: " + "; ".join(bad)
+
+
+def test_the_sky_packages_exist():
+    """The rules below name these packages: a rename must update them, not void them."""
+    for pkg in ("node", "transport", "planning", "rounds"):
+        assert _is_package(f"{SKY}.{pkg}"), f"{SKY}.{pkg} is gone: update the rules"
+    for name in TRANSPORTS:
+        assert f"{SKY}.transport.{name}" in MODULES
+
+
+def test_no_transport_imports_another():
+    """Each runner imports only the shared modules of ``sky.transport`` (the runner
+    interface, ``hops``, ``guard``, ``deadlines``, the stream's data plane)."""
+    bad = [
+        edge
+        for a in TRANSPORTS
+        for b in TRANSPORTS
+        if a != b
+        for edge in _edges(f"{SKY}.transport.{a}", f"{SKY}.transport.{b}")
+    ]
+    assert not bad, "a transport imports a sibling transport: " + "; ".join(bad)
+
+
+def test_node_side_imports_nothing_from_round_control():
+    bad = _edges(f"{SKY}.node", f"{SKY}.rounds")
+    assert not bad, "node code imports round control: " + "; ".join(bad)
+
+
+def test_planning_imports_nothing_from_round_control():
+    bad = _edges(f"{SKY}.planning", f"{SKY}.rounds")
+    assert not bad, "planning imports round control: " + "; ".join(bad)
+
+
+def test_transports_import_nothing_from_planning_or_round_control():
+    bad = _edges(f"{SKY}.transport", f"{SKY}.planning") + _edges(
+        f"{SKY}.transport", f"{SKY}.rounds"
+    )
+    assert not bad, "a transport imports planning or round control: " + "; ".join(bad)
+
+
+def test_sky_has_at_most_six_top_level_modules():
+    """``sky_flower/sky/`` holds what both halves share at its top; the rest is in its
+    packages by concept."""
+    top = sorted(
+        n
+        for n in MODULES
+        if n.startswith(SKY + ".") and n.count(".") == SKY.count(".") + 1 and not _is_package(n)
+    )
+    assert len(top) <= MAX_SKY_TOP_MODULES, (
+        f"{len(top)} modules at the top of {SKY} (at most {MAX_SKY_TOP_MODULES}): {top}"
+    )

@@ -9,7 +9,7 @@ nodes on ``ProcessPerMessageGrid`` (node faults as error replies through ``Chaos
 - a node dropped for its own fault (a crash) that is listed again is profiled and
   admitted back with ``replan.mode=on`` (it stayed dropped), and reported with
   ``replan.mode=off``;
-- :func:`sky_flower.sky.blame.judge`, the verdict, case by case.
+- :func:`sky_flower.sky.rounds.blame.judge`, the verdict, case by case.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from reference import ChaosGrid, ProcessPerMessageGrid, sky_app_on_grid
 
 from sky_flower.sky import protocol as P
-from sky_flower.sky.blame import Failure, judge
-from sky_flower.sky.recovery import TrainingDiverged
+from sky_flower.sky.rounds.blame import Failure, judge
+from sky_flower.sky.rounds.recovery import TrainingDiverged
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 EDGE3 = {**QUICK, "fleet": "edge3", "steps-per-round": 1, "message-timeout-s": 10.0}

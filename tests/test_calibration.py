@@ -20,8 +20,8 @@ from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.calibrate import calibrate_node
 from sky_flower.sky import protocol as P
-from sky_flower.sky.benchmark import calibration
-from sky_flower.sky.client import SkyClient
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.planning.benchmark import calibration
 
 CAL = {
     "microbatch_overhead_s": 0.004,
@@ -182,8 +182,8 @@ def test_node_measures_the_calibration_in_its_profile_handler(server_identity):
 
 
 def test_logs_show_the_calibration_and_measured_over_predicted_per_stage():
-    from sky_flower.sky.benchmark import benchmark_table
-    from sky_flower.sky.report import stage_table
+    from sky_flower.sky.planning.benchmark import benchmark_table
+    from sky_flower.sky.rounds.report import stage_table
 
     rows = [
         {"stage": 0, "node": "a", "measured_compute_s": 0.2, "predicted_compute_s": 0.1},

@@ -22,8 +22,8 @@ from slow_nodes import stalling_client
 from test_exchange import NEVER, HoldingGrid, echo_app, messages
 
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
-from sky_flower.sky.deadlines import Deadlines, stage_message_s
 from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.deadlines import Deadlines, stage_message_s
 
 
 @pytest.fixture(autouse=True)

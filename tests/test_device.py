@@ -35,8 +35,8 @@ from sky_flower.pipeline.device import (
 from sky_flower.pipeline.models import build_mlp
 from sky_flower.pipeline.stage import StageExecutor, build_stage, stage_optimizer
 from sky_flower.sky import protocol as P
-from sky_flower.sky.benchmark import benchmark_table
-from sky_flower.sky.client import SkyClient
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.planning.benchmark import benchmark_table
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 

@@ -44,9 +44,9 @@ from sky_flower.pipeline.stage import (
     stage_optimizer,
     step_batch,
 )
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.runner import Pipeline, RunSettings
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import Pipeline, RunSettings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -46,10 +46,10 @@ from sky_flower.pipeline.stage import (
     slice_state,
     step_batch,
 )
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.runner import Pipeline, RunSettings
+from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import Pipeline, RunSettings
 
 LR, CLASSES = 0.1, 5
 CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])

@@ -46,9 +46,9 @@ from sky_flower.pipeline.stage import (
     stage_optimizer,
     step_batch,
 )
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.runner import Pipeline, RunSettings
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import Pipeline, RunSettings
 
 SEED, ROUND, STEPS, BATCH, LR = 3, 1, 3, 16, 1e-2
 BOUNDS = [(0, 2), (3, 4), (5, 8)]  # BN + dropout | ReLU + dropout (no parameters) | rest

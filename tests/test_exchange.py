@@ -33,7 +33,7 @@ from sky_flower.gossip.matrices import gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
 from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data_fn
 from sky_flower.pipeline.data import load_split
-from sky_flower.sky.client import fleet_emulation
+from sky_flower.sky.node.client import fleet_emulation
 
 
 @pytest.fixture(autouse=True)

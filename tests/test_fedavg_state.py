@@ -1,4 +1,4 @@
-"""FedAvg of a model's non-float state (``sky_flower.sky.federation.fedavg``): integer
+"""FedAvg of a model's non-float state (``sky_flower.sky.rounds.federation.fedavg``): integer
 and boolean arrays (BatchNorm's ``num_batches_tracked``) are averaged exactly and
 rounded, never truncated; every array keeps the dtype and shape of the model's state
 dict. And the BatchNorm policy across data owners (``train.bn_policy``): ``average``
@@ -22,18 +22,18 @@ from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.stage import step_batch
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.federation import (
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.planning.planning import PipelineRun
+from sky_flower.sky.rounds.federation import (
     LocalBatchNorm,
-    PipelineRun,
     batchnorm_keys,
     fedavg,
     federated_round,
     integer_mean,
 )
-from sky_flower.sky.relay import RelayRunner
-from sky_flower.sky.runner import Pipeline, RoundOutcome, RunSettings
 from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, RunSettings
 
 BATCH = 8
 STEPS = 7

@@ -65,7 +65,7 @@ def test_steps_in_round_rule() -> None:
     assert steps_in_round(0, 2.0, 100, 8) == 24  # 2 x (100 // 8)
     with pytest.raises(ValueError, match="fewer than one batch"):
         steps_in_round(0, 1.0, 3, 8)
-    from sky_flower.sky import planning  # the Sky strategy's rule is this one
+    from sky_flower.sky.planning import planning  # the Sky strategy's rule is this one
 
     assert planning.steps_in_round is steps_in_round
 

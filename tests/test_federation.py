@@ -1,5 +1,5 @@
 """Federated split training: one pipeline per data owner, all running in a round, FedAvg
-across (``sky_flower.sky.federation``). Every owner's pipeline, on either transport,
+across (``sky_flower.sky.rounds.federation``). Every owner's pipeline, on either transport,
 equals the owner training the whole model alone on the same batches, and the global
 model is their FedAvg weighted by samples trained (``reference_rounds``; the in-process
 ``ConcurrentGrid`` runs the nodes at once, so pipelines overlap)."""
@@ -21,8 +21,8 @@ from reference import (
 )
 
 from sky_flower.deploy import app_run_config
-from sky_flower.sky.federation import fedavg
-from sky_flower.sky.runner import RoundOutcome
+from sky_flower.sky.rounds.federation import fedavg
+from sky_flower.sky.transport.runner import RoundOutcome
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 BATCH = 32
@@ -282,8 +282,9 @@ def test_pipelines_sharing_a_node_run_one_after_another():
 
     from flwr.app import ArrayRecord
 
-    from sky_flower.sky.federation import PipelineRun, federated_round
-    from sky_flower.sky.runner import SkyNodeError
+    from sky_flower.sky.planning.planning import PipelineRun
+    from sky_flower.sky.rounds.federation import federated_round
+    from sky_flower.sky.transport.runner import SkyNodeError
 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()

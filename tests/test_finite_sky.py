@@ -17,10 +17,10 @@ from sky_flower.strategies.sky import SkyNodeError
 from sky_flower.jobs.common import SkyRecorder, save_model, write_json
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
-from sky_flower.sky.direct import DirectRunner
-from sky_flower.sky.guard import RoundGuard
-from sky_flower.sky.recovery import TrainingDiverged
-from sky_flower.sky.runner import message
+from sky_flower.sky.rounds.recovery import TrainingDiverged
+from sky_flower.sky.transport.direct import DirectRunner
+from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.transport.runner import message
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 # plain SGD at lr 1e8 on uniform3 (three native nodes, one stage each): with 2 steps a

@@ -171,7 +171,7 @@ def test_stage_messages_delivered_twice_are_applied_once(kind, per_message, whic
 def _assert_state_estimate(strategy, grid: RedeliveringGrid) -> None:  # noqa: ANN001
     """Each stage's largest serialised context (replies kept for repeats included) is
     what the planner's size check charges it (``relay_state_bytes``), to 10 %."""
-    from sky_flower.sky.planning import relay_state_bytes
+    from sky_flower.sky.planning.planning import relay_state_bytes
 
     stages = strategy.plan.stages
     for k, (st, nid) in enumerate(zip(stages, strategy.pipeline.node_ids, strict=True)):
@@ -216,7 +216,7 @@ def _two_stage_grid() -> tuple[RedeliveringGrid, dict, list]:
     from flwr.clientapp import ClientApp
 
     from sky_flower.emulation.devices import Emulation
-    from sky_flower.sky.client import SkyClient
+    from sky_flower.sky.node.client import SkyClient
 
     task = _task()
     data = task.load_data(0, 1)

@@ -10,9 +10,9 @@ import torch
 from reference import forkserver, reference_rounds
 from torch import nn
 
+from sky_flower.core.example import as_dtype, dtype_name, example_input
 from sky_flower.core.profile import profile_layers
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
-from sky_flower.pipeline.example import as_dtype, dtype_name, example_input
 from sky_flower.pipeline.lm import (
     build_transformer_lm,
     lm_cross_entropy,

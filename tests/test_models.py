@@ -248,7 +248,7 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
     from sky_flower.strategies.sky import SkyStrategy
 
     from sky_flower.jobs.sky import evaluate_fn_for
-    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
 
     settings = SkySettings.from_hydra(cfg)
     inputs = _checked(cfg)

@@ -21,7 +21,7 @@ from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.direct import Rendezvous
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
-from sky_flower.sky.client import SkyClient
+from sky_flower.sky.node.client import SkyClient
 
 STAGE = P.StageConfig(
     stage=1,

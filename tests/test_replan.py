@@ -1,4 +1,4 @@
-"""Online re-planning (``sky_flower.sky.replan``), stage-state migration
+"""Online re-planning (``sky_flower.sky.planning.replan``), stage-state migration
 (``sky_flower.sky.migration``) and fleet drift (``sky_flower.emulation.devices``).
 
 The key check: a run whose plan changes every round (``replan.mode=force``: other cuts
@@ -33,10 +33,10 @@ from sky_flower.emulation.devices import (
 from sky_flower.jobs.common import sky_results
 from sky_flower.pipeline.data import Split, owner_split
 from sky_flower.pipeline.models import build_cnn_bn
-from sky_flower.sky import planning
 from sky_flower.sky import protocol as P
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.replan import ProfileTracker, ReplanConfig, decide
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.planning import planning
+from sky_flower.sky.planning.replan import ProfileTracker, ReplanConfig, decide
 
 NAMES = ["owner", "mid", "tail"]
 BATCH, MICRO, STEPS, ROUNDS, LR = 16, 2, 2, 3, 0.01

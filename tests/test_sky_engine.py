@@ -22,8 +22,8 @@ from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.deploy import app_run_config, node_config
 from sky_flower.flower.exchange import NodeError
 from sky_flower.sky import protocol as P
-from sky_flower.sky.report import stage_table
-from sky_flower.sky.runner import RoundOutcome
+from sky_flower.sky.rounds.report import stage_table
+from sky_flower.sky.transport.runner import RoundOutcome
 
 RUN = {
     "fleet": "edge3",
@@ -200,7 +200,7 @@ def test_round_row_keys_and_one_stage_table_for_both_transports():
 
 def test_direct_messages_carry_a_typed_config_per_stage(server_identity):
     from sky_flower.pipeline.direct import RoundHost
-    from sky_flower.sky.direct import DirectRunner
+    from sky_flower.sky.transport.direct import DirectRunner
 
     strategy, _ = _planned({"transport": "direct", "schedule-kind": "gpipe"})
     runner, plan = strategy.runner(), strategy.pipeline

@@ -10,7 +10,7 @@ import pytest
 
 from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import NodeProfile
-from sky_flower.sky.planning import (
+from sky_flower.sky.planning.planning import (
     CONTEXT_LIMIT_BYTES,
     StageStateTooLargeError,
     make_federated_plan,
@@ -78,7 +78,7 @@ def test_relay_stage_state_counts_one_steps_activations():
 def test_a_layer_over_the_limit_on_relay_is_refused_before_any_node_is_contacted():
     """The pre-check (before the benchmark round, with or without a fleet file): one
     layer of 800 MiB weights + 1600 MiB Adam state cannot fit any relay stage."""
-    from sky_flower.sky.planning import precheck
+    from sky_flower.sky.planning.planning import precheck
 
     layers = [fake_layer(0, param=800 * MiB, opt=1600 * MiB), fake_layer(1, param=MiB)]
     relay = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="relay")

@@ -1,5 +1,5 @@
 """``transport=stream``: the round's data plane is a gRPC stream per stage, hosted by the
-ServerApp, TLS pinned by the set-up message's fingerprint (:mod:`sky_flower.sky.stream`).
+ServerApp, TLS pinned by the set-up message's fingerprint (:mod:`sky_flower.sky.transport.stream`).
 
 Real parts: Sky's ClientApp handlers (each node's ``train.sky_stream`` on its own
 thread, as concurrent SuperNodes run them; :class:`ThreadedGrid`), a real gRPC endpoint
@@ -39,16 +39,11 @@ from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
 from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import (
-    Endpoint,
-    StageLink,
-    StreamRefusedError,
-    encode,
-    make_certificate,
-)
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.runner import Pipeline, RunSettings, SkyNodeError
-from sky_flower.sky.stream import StreamRunner
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.transport.channel import Endpoint, StageLink, encode
+from sky_flower.sky.transport.runner import Pipeline, RunSettings, SkyNodeError
+from sky_flower.sky.transport.stream import StreamRunner
+from sky_flower.sky.transport.stream_tls import StreamRefusedError, make_certificate
 
 BOUND_S = 10.0  # every failure must be named within this (the stall test's timeout is 3 s)
 
@@ -175,7 +170,7 @@ def _setting(msg: Message, stage: int, **changes: str) -> None:
 @pytest.fixture
 def op_count(monkeypatch):  # noqa: ANN201
     """How many op frames the stages ran (a refusal must come before any)."""
-    from sky_flower.sky import stream_node
+    from sky_flower.sky.node import stream_node
 
     calls = []
     original = stream_node.LiveStage.op
@@ -344,7 +339,7 @@ def test_stream_link_probe_times_the_emulated_link_both_ways(server_identity):
     below: loopback adds little), down and up alike."""
     from sky_flower.emulation.devices import Emulation
     from sky_flower.flower.exchange import Exchange
-    from sky_flower.sky.stream_probe import probe_link
+    from sky_flower.sky.transport.stream_probe import probe_link
 
     class Slow(SkyClient):
         def __init__(self, **kwargs) -> None:  # noqa: ANN003

@@ -211,7 +211,7 @@ def test_planner_picks_and_records_the_schedule():
     # schedule.kind=auto: the partitioners search with GPipe, then every direct kind is
     # predicted for the plan and the fastest recorded in plan.schedule
     from sky_flower.core.partition import partition
-    from sky_flower.sky.planning import chosen_schedule
+    from sky_flower.sky.planning.planning import chosen_schedule
 
     cost = _cost()
     auto = CostModel(cost.layers, cost.nodes, replace(cost.schedule, kind="auto"))
@@ -241,7 +241,7 @@ def test_the_round_log_names_the_schedule_auto_picked_per_pipeline():
     from types import SimpleNamespace as NS
 
     from sky_flower.core.cost import Schedule
-    from sky_flower.sky.direct import kinds_label
+    from sky_flower.sky.transport.direct import kinds_label
 
     def run(kind: str | None) -> NS:
         return NS(pipeline=NS(plan=NS(schedule={} if kind is None else {"kind": kind})))

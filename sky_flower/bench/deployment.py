@@ -4,7 +4,7 @@ Two tables, each from real deployments started by the launcher (:mod:`sky_flower
 
 1. **Hop latency**: one Flower message (``query.sky_echo`` through the SuperLink and a
    SuperNode, a fresh ClientApp process each) against one stream hop (an echo frame on
-   the round's data plane, :mod:`sky_flower.sky.stream_probe`), 1 KiB and 4 MiB each
+   the round's data plane, :mod:`sky_flower.sky.transport.stream_probe`), 1 KiB and 4 MiB each
    way, median and p90. A tiny probe app (written to the work directory) does both from
    its ServerApp against the fleet's first SuperNode.
 2. **The same plan on relay, stream and direct**: the sky-app, ``allocation=even``
@@ -70,10 +70,10 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import Endpoint
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.runner import message
-from sky_flower.sky.stream_probe import probe_link
+from sky_flower.sky.transport.channel import Endpoint
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.transport.runner import message
+from sky_flower.sky.transport.stream_probe import probe_link
 
 client = SkyClient(model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(1, 1)),
                    load_data=lambda c: None).register(ClientApp())

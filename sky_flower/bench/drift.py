@@ -50,8 +50,8 @@ from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.inprocess import InProcessGrid, server_identity
 from sky_flower.pipeline.data import Split, load_split, owner_partition
 from sky_flower.pipeline.models import build_mlp
-from sky_flower.sky.client import SkyClient
-from sky_flower.sky.replan import ReplanConfig
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.planning.replan import ReplanConfig
 from sky_flower.strategies.sky import SkyStrategy
 
 DRIFT_ROUND = 3

@@ -13,7 +13,7 @@ Benchmarks 1 and 2 of issue 13, printed side by side:
    the ratio is at most 1.05).
 
 How the figures are made (stated in the output): the model's per-layer FLOPs and
-memory come from :func:`sky_flower.sky.planning.profile_model`; a device takes
+memory come from :func:`sky_flower.sky.planning.planning.profile_model`; a device takes
 ``FLOPs / rate x (1 + slowdown)`` per layer
 (:func:`sky_flower.core.fleets.synthetic_node_profiles`), with its memory cap and a
 10 ms / 100 MB/s link; round times are the
@@ -43,7 +43,7 @@ from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.pipeline.data import Split, load_split, owner_partition
 from sky_flower.pipeline.models import build_mlp
 from sky_flower.pipeline.stage import step_batch
-from sky_flower.sky.planning import profile_model
+from sky_flower.sky.planning.planning import profile_model
 
 METHODS = ("even", "heuristic", "optimal")
 # (name, holds data, slowdown, memory as a multiple of the whole model's training memory)

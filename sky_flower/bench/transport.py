@@ -143,7 +143,7 @@ def flower_cases(
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
     from sky_flower.strategies.sky import SkyStrategy
 
     fleet = fleet_for(S)
@@ -229,7 +229,7 @@ def before_after(strategy: Any, row: dict[str, Any]) -> dict[str, Any]:
     stage measured against predicted compute (s per step), before and after."""
     from sky_flower.core.calibration import uncalibrated
     from sky_flower.core.cost import CostModel
-    from sky_flower.sky.planning import plan_spec
+    from sky_flower.sky.planning.planning import plan_spec
 
     cost, spec = strategy.cost, plan_spec(strategy.plan)
     old = CostModel(cost.layers, uncalibrated(cost.nodes), cost.schedule)

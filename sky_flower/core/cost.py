@@ -44,13 +44,13 @@ micro-batches travel in ``G = M / c`` Flower messages per hop (``c`` micro-batch
 ``schedule.microbatches_per_message`` or the best divisor), at most one message in flight
 per stage, every message paying the stage's latency and state shipping; the simulator
 plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). With
-``c = M`` it is exactly the ``sequential`` relay. ``stream`` (:mod:`sky_flower.sky.stream`)
-is charged as the relay with a frame for a message: every hop passes through the server,
-one op at a time per stage, each costing the node's link latency (no Flower message and
-no ``context.state``: no state term), the payload over each node's own bandwidth,
-recomputation in ``b_k``; Flower's set-up and weights messages once per round. The
-partitioners search with the closed forms above; the plan's predicted step time is this
-model.
+``c = M`` it is exactly the ``sequential`` relay. ``stream``
+(:mod:`sky_flower.sky.transport.stream`) is charged as the relay with a frame for a
+message: every hop passes through the server, one op at a time per stage, each costing
+the node's link latency (no Flower message and no ``context.state``: no state term),
+the payload over each node's own bandwidth, recomputation in ``b_k``; Flower's set-up
+and weights messages once per round. The partitioners search with the closed forms
+above; the plan's predicted step time is this model.
 
 The **steady-state period** (seconds per micro-batch once the pipeline is full, which
 sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.

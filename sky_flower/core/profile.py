@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from sky_flower.core.clock import clock
+from sky_flower.core.example import example_input
 from sky_flower.core.ties import refuse_ties_across_entries
-from sky_flower.pipeline.device import clock
-from sky_flower.pipeline.example import example_input
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -275,7 +275,7 @@ def profile_layers(
         ``params -> torch.optim.Optimizer``; default Adam.
     dtype : torch.dtype
         Dtype of the probe input (float32; an integer dtype, e.g. token ids, gives zeros:
-        :func:`sky_flower.pipeline.example.example_input`).
+        :func:`sky_flower.core.example.example_input`).
 
     Returns
     -------
@@ -354,7 +354,8 @@ class NodeProfile:
         ships a node's context with every message it handles), from echo timing with
         and without a probe array stored in the state; the training job adds the
         node's own per-byte cost of rebuilding a stage from the state and saving it back
-        (:func:`sky_flower.sky.client.time_state_roundtrip`), which every stage message pays too.
+        (:func:`sky_flower.sky.node.client.time_state_roundtrip`), which every stage
+        message pays too.
     holds_data : bool
         Whether the node is a data owner.
     slowdown : float

@@ -244,7 +244,7 @@ def with_deployment_transport(app: Path, run_config: str) -> str:
     """``run_config`` with ``transport='stream'`` first, for a Sky app (one with a
     ``transport`` key) whose run config does not choose a transport: in deployment a
     relay hop is a Flower message (seconds each), a stream hop a frame on the round's
-    data plane (:mod:`sky_flower.sky.stream`), so the plans assume the stream."""
+    data plane (:mod:`sky_flower.sky.transport.stream`), so the plans assume the stream."""
     if "transport" not in app_run_config(app) or re.search(r"(^|\s)transport\s*=", run_config):
         return run_config
     return " ".join(x for x in ("transport='stream'", run_config) if x)

@@ -275,7 +275,7 @@ class Emulation:
 
 def message_round(msg: Any) -> int:  # noqa: ANN401 - a flwr Message
     """The server round a Sky message belongs to: its group id (``str(round)``, set by
-    :func:`sky_flower.sky.runner.message`); 0 for the benchmark's ``benchmark`` /
+    :func:`sky_flower.sky.transport.runner.message`); 0 for the benchmark's ``benchmark`` /
     ``echo`` groups."""
     group = str(getattr(msg.metadata, "group_id", "") or "")
     return int(group) if group.isdigit() else 0

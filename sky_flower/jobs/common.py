@@ -35,7 +35,7 @@ ROUND_KEYS = (
     "stages",
     "setup_s",
     "error",
-    "samples_trained",  # federated rounds (sky_flower.sky.federation.round_row)
+    "samples_trained",  # federated rounds (sky_flower.sky.rounds.federation.round_row)
     "predicted_round_time_s",
     "pipelines",
     "failed_pipelines",
@@ -289,8 +289,8 @@ def sky_results(
     global model); ``initial_test_accuracy`` the untrained model's (round 0);
     ``completed`` whether every round ran and the run has no ``error`` (one whose
     rounds all failed trained nothing: not completed); ``replans`` the online re-plans
-    (:mod:`sky_flower.sky.replan`: after which round, why, gain, migration, plans);
-    ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.joins`: ``round``,
+    (:mod:`sky_flower.sky.planning.replan`: after which round, why, gain, migration, plans);
+    ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.rounds.joins`: ``round``,
     ``node``, ``node_id``).
     """
     rows = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]

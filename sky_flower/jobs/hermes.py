@@ -129,7 +129,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:  # noqa: PLR0915
     from flwr.clientapp import ClientApp
 
     from sky_flower.hermes.client import HermesClient, NominalDevice, hermes_data
-    from sky_flower.sky.client import fleet_emulation
+    from sky_flower.sky.node.client import fleet_emulation
     from sky_flower.strategies.hermes import STRATEGIES
 
     s = cfg.strategy

@@ -41,6 +41,7 @@ from torch import nn
 
 from sky_flower.core.bert import bert_layer_profiles
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.example import as_dtype
 from sky_flower.core.fleets import (
     SKYCOMPUTING_SEED,
     skycomputing_slowdowns,
@@ -56,7 +57,6 @@ from sky_flower.core.profile import (
 )
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import write_json  # strictly valid JSON (NaN/inf: null)
-from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.models import build_model
 
 MIB = 2**20

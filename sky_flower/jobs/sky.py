@@ -194,7 +194,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid
 
-    from sky_flower.sky.client import SkyClient, fleet_emulation, owner_data_fn
+    from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
     from sky_flower.strategies.sky import SkyStrategy
 
     settings = SkySettings.from_hydra(cfg)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import platform
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,20 +132,6 @@ def device_info(device: torch.device) -> DeviceInfo:
         return DeviceInfo(str(device), str(props.name), int(free), int(total))
     mem = psutil.virtual_memory()
     return DeviceInfo("cpu", cpu_name(), int(mem.available), int(mem.total))
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously: a timer around a
-    kernel launch must synchronize); nothing on the CPU."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def clock(device: torch.device | str) -> float:
-    """``time.perf_counter()`` once ``device``'s queued work is done (:func:`synchronize`):
-    what a timer around GPU work must read."""
-    synchronize(device)
-    return time.perf_counter()
 
 
 def direct_backend(devices: Sequence[str], hosts: Sequence[str] = ()) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sky_flower.pipeline.device import synchronize
+from sky_flower.core.clock import synchronize
 from sky_flower.pipeline.stage import RngKey, forward_layers
 
 

@@ -43,13 +43,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from sky_flower.core.example import example_input
 from sky_flower.pipeline.emulated import (
     Emulated,
     EmulatedOptimizer,
     EmulatedStage,
     emulate_weight_pass,
 )
-from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.objective import LossReduction, correct_count
 from sky_flower.pipeline.rendezvous import (
     _PEER_SIGNS,

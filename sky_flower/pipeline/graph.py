@@ -327,7 +327,7 @@ def as_sequential(
         Any module whose forward takes one tensor and returns one tensor (an
         ``nn.Sequential`` needs no conversion: it already is one).
     example_input : torch.Tensor, shape (B, ...)
-        An input of the model (e.g. :func:`sky_flower.pipeline.example.example_input`),
+        An input of the model (e.g. :func:`sky_flower.core.example.example_input`),
         ``B >= 2``; its values do not matter, its shape and dtype do. The batch
         dimension is traced as dynamic: the units take any batch size.
     split_points : sequence of str, optional
@@ -506,6 +506,6 @@ def sequential_of(
     ValueError
         As :func:`as_sequential`.
     """
-    from sky_flower.pipeline.example import example_input
+    from sky_flower.core.example import example_input
 
     return as_sequential(module, example_input(2, input_shape, input_dtype), split_points)

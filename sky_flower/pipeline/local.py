@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sky_flower.core.example import example_input
 from sky_flower.pipeline.emulated import Emulated
 from sky_flower.pipeline.engine import MULTI_CHUNK, Chunk, StageResult, run_stage
-from sky_flower.pipeline.example import example_input
 from sky_flower.pipeline.rendezvous import DirectStageError, Rendezvous, RoundHost
 from sky_flower.pipeline.stage import RngKey
 

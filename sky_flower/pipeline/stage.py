@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from sky_flower.core.clock import synchronize
 from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
-from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.objective import LossReduction, correct_count
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

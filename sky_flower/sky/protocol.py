@@ -1,7 +1,7 @@
 """The Sky wire protocol: message types, record keys and typed configs, in one place.
 
 Both sides import from here: the server (:mod:`sky_flower.strategies.sky`) builds its
-messages with these names and dataclasses, the node (:mod:`sky_flower.sky.client`)
+messages with these names and dataclasses, the node (:mod:`sky_flower.sky.node.client`)
 reads them back with the same ones, so a key cannot drift between the two.
 
 Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
@@ -19,7 +19,7 @@ Message types (``flwr`` allows ``train``/``evaluate``/``query`` + ``.action``):
 :data:`COLLECT`       ``train.sky_collect``: the stage's weights at the end of a round
 :data:`DIRECT`        ``train.sky_direct``: a whole round peer to peer (:class:`DirectConfig`)
 :data:`STREAM`        ``train.sky_stream``: a whole round over the server's stream endpoint
-                      (:class:`StreamConfig`; :mod:`sky_flower.sky.stream`)
+                      (:class:`StreamConfig`; :mod:`sky_flower.sky.transport.stream`)
 :data:`STREAM_ECHO`   ``query.sky_stream_echo``: echo frames on the stream endpoint
                       (:class:`StreamLink`): the link over the data plane itself
 ====================  ==================================================================
@@ -31,7 +31,11 @@ owners' pipelines share in one round tells them apart) in its :class:`StageConfi
 every forward / backward carries both again in its :class:`MicroBatchGroup` with the
 step and the group; ``train.sky_collect`` and ``train.sky_direct`` carry them in their
 :data:`CONFIG`. A node applies each identity once and answers a repeat with the first
-reply (:mod:`sky_flower.sky.stage_state`).
+reply (:mod:`sky_flower.sky.node.stage_state`).
+
+Typed records: every config and figure is a frozen dataclass with the :class:`Record`
+mixin, one flat ``ConfigRecord`` (or ``MetricRecord``) each way, every value type-checked
+on the way in (:class:`ProtocolError` names the class and the key).
 
 Record keys: a message's settings travel in the config record :data:`CONFIG`, stage
 weights in the array record :data:`ARRAYS` (Flower's own name for a model's arrays),
@@ -42,16 +46,155 @@ activations / gradients / labels in array records :data:`ACT` / :data:`GRAD` /
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from flwr.app import ConfigRecord, MetricRecord
 
 from sky_flower.pipeline.direct import Rendezvous
-from sky_flower.sky.records import ProtocolError, Record  # noqa: F401 - re-exported
+
+# --- typed records ---------------------------------------------------------------------
+# :class:`Record` is the mixin of every config and figure dataclass below: one flat
+# ``ConfigRecord`` (or ``MetricRecord``) each way, nested dataclasses inlined, every value
+# type-checked on the way in.
+
+
+class ProtocolError(ValueError):
+    """A record lacks a key of a protocol dataclass, or holds a value of the wrong type."""
+
+
+R = TypeVar("R", bound="Record")
+
+
+def _check(cls_name: str, key: str, hint: Any, value: Any) -> Any:
+    """``value`` converted to ``hint`` (``int``, ``float``, ``str``, ``bool``,
+    ``tuple[int, ...]``, ``tuple[float, ...]``, or one of these ``| None``).
+
+    Raises
+    ------
+    ProtocolError
+        If the value does not have that type (a bool is not an int; an int is a float).
+    """
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if args and type(None) in args:  # X | None
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(
+                f"{cls_name}: key {key!r} must be a list, got {type(value).__name__} {value!r}"
+            )
+        return tuple(_check(cls_name, f"{key}[{i}]", args[0], v) for i, v in enumerate(value))
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if not ok:
+        raise ProtocolError(
+            f"{cls_name}: key {key!r} must be {hint.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return float(value) if hint is float else value
+
+
+def _flat(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a flat dict: nested dataclasses are inlined, tuples become
+    lists, ``None`` values are left out."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value))
+        elif value is not None:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _build(cls: type, rec: Mapping[str, Any], where: str = "") -> Any:
+    """Instance of dataclass ``cls`` from the flat mapping ``rec`` (see :func:`_flat`);
+    a missing key takes the field's default, if it has one; extra keys are ignored.
+    ``where`` names the record in errors (default: the class)."""
+    where = where or cls.__name__
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, rec, f"{where}.{f.name}")
+        elif f.name in rec:
+            kwargs[f.name] = _check(where, f.name, hint, rec[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if type(None) in typing.get_args(hint):
+                kwargs[f.name] = None
+            else:
+                raise ProtocolError(f"{where}: the record lacks key {f.name!r}")
+    try:
+        return cls(**kwargs)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as err:  # the dataclass's own checks
+        raise ProtocolError(f"{where}: {err}") from err
+
+
+class Record:
+    """Mixin for the protocol's frozen dataclasses: one flat record each way.
+
+    ``record_type`` is the Flower record class the dataclass travels as (a
+    ``ConfigRecord``, or a ``MetricRecord`` for figures). Nested dataclass fields are
+    inlined into the same record (their keys must not collide).
+    """
+
+    record_type: ClassVar[type] = ConfigRecord
+
+    def to_record(self) -> Any:
+        """This config as a flat Flower record (``record_type``)."""
+        return self.record_type(_flat(self))
+
+    def to_config_record(self) -> ConfigRecord:
+        """This config as a flat ``ConfigRecord``."""
+        return ConfigRecord(_flat(self))
+
+    @classmethod
+    def from_config_record(cls: type[R], rec: Mapping[str, Any]) -> R:
+        """Read a config back from a record (a ``ConfigRecord``, ``MetricRecord`` or any
+        mapping). Keys the dataclass does not know are ignored.
+
+        Raises
+        ------
+        ProtocolError
+            Naming the class and the key that is missing or holds a value of the wrong
+            type, or what the dataclass's own checks refuse.
+        """
+        if rec is None:
+            raise ProtocolError(f"{cls.__name__}: no record")
+        return _build(cls, rec)
+
+    from_record = from_config_record
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every key of the flat record, nested dataclasses' included."""
+        return tuple(_keys(cls))
+
+
+def _keys(cls: type) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        out.extend(_keys(hint) if dataclasses.is_dataclass(hint) else [f.name])
+    return out
+
 
 # --- message types ---------------------------------------------------------------------
 PROFILE = "query.sky_profile"
@@ -312,7 +455,7 @@ class DirectConfig(Record):
 
 @dataclass(frozen=True)
 class StreamLink(Record):
-    """How a node reaches the round's stream endpoint (:mod:`sky_flower.sky.channel`):
+    """How a node reaches the round's stream endpoint (:mod:`sky_flower.sky.transport.channel`):
     ``address`` (``host:port``), its ``ticket`` (fresh per endpoint), the SHA-256
     ``fingerprint`` (hex) and PEM ``cert_pem`` of the endpoint's certificate (both
     ``"-"``: plaintext, an insecure run), the frame cap ``max_frame_bytes`` and

@@ -25,7 +25,7 @@ from sky_flower.sky.setting_values import _checked, _hydra_error, _run_config_er
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
-BN_POLICIES = ("average", "local")  # as sky_flower.sky.federation.BN_POLICIES
+BN_POLICIES = ("average", "local")  # as sky_flower.sky.rounds.federation.BN_POLICIES
 
 # the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
 # SuperLink; 2 ms polls would take the CPU from the nodes themselves (a SuperLink ran at
@@ -98,7 +98,7 @@ class DirectSettings:
 @dataclass(frozen=True)
 class StreamSettings:
     """``transport=stream``: the round's endpoint on the ServerApp
-    (:mod:`sky_flower.sky.stream`)."""
+    (:mod:`sky_flower.sky.transport.stream`)."""
 
     host: str = _setting("127.0.0.1", "stream-host", "schedule.stream_host", NOT_BLANK)
     bind: str = _setting("127.0.0.1", "stream-bind", "schedule.stream_bind", NOT_BLANK)
@@ -132,7 +132,7 @@ class FailurePolicy:
     max_failed_rounds: int = _setting(2, "max-failed-rounds", "train.max_failed_rounds", AT_LEAST_1)
     message_timeout_s: float = _setting(120.0, "message-timeout-s", "message_timeout_s", POSITIVE)
     # issue 17, finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this
-    # x the best so far fails like a non-finite round (sky_flower.sky.guard.RoundGuard)
+    # x the best so far fails like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
     divergence_factor: float = _setting(
         0.0, "divergence-factor", "train.divergence_factor", DIVERGENCE
     )
@@ -140,7 +140,7 @@ class FailurePolicy:
 
 @dataclass(frozen=True)
 class DeadlineSettings:
-    """Per-phase message deadlines (s; :mod:`sky_flower.sky.deadlines`): none is below
+    """Per-phase message deadlines (s; :mod:`sky_flower.sky.transport.deadlines`): none is below
     ``message_timeout_s``; a stage message's is ``message_timeout_s + stage_multiple x``
     its predicted time."""
 
@@ -179,7 +179,7 @@ FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 
 @dataclass(frozen=True)
 class ReplanSettings:
-    """Online re-planning (:mod:`sky_flower.sky.replan`) and optimizer state across
+    """Online re-planning (:mod:`sky_flower.sky.planning.replan`) and optimizer state across
     rounds (:mod:`sky_flower.sky.migration`). ``mode`` off by default: the plan stays
     fixed (as before) unless a run asks for it; see docs/replanning.md."""
 
@@ -430,7 +430,7 @@ class SkySettings:
     def strategy_kwargs(self) -> dict[str, Any]:
         """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
         ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``)."""
-        from sky_flower.sky.deadlines import Deadlines
+        from sky_flower.sky.transport.deadlines import Deadlines
 
         t, b, d, f = self.train, self.benchmark, self.direct, self.failure
         loss_fn, metric_fn = self.objective.functions()
@@ -473,7 +473,7 @@ class SkySettings:
 
     def replan_kwargs(self) -> dict[str, Any]:
         """``SkyStrategy``'s ``replan`` and ``optimizer_state`` keyword arguments."""
-        from sky_flower.sky.replan import ReplanConfig
+        from sky_flower.sky.planning.replan import ReplanConfig
 
         r = self.replan
         cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)

@@ -3,7 +3,7 @@
 :class:`OwnerPipeline` is one data owner's pipeline in a round (its helpers, cuts, start
 and duration), :class:`FederatedPlan` the whole round. :func:`steps_in_round` is the one
 rule for how many training steps a data owner runs per round (the Sky strategy uses it
-too, through :mod:`sky_flower.sky.planning`). Pure: no Flower.
+too, through :mod:`sky_flower.sky.planning.planning`). Pure: no Flower.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def partition(
 
     The chunked kinds (``interleaved``, ``zero_bubble``) and ``auto`` are searched with
     :attr:`~sky_flower.core.schedule.Schedule.search_kind` (the plan is theirs; the Sky
-    planner then predicts the real kind, :func:`sky_flower.sky.planning.chosen_schedule`).
+    planner then predicts the real kind, :func:`sky_flower.sky.planning.planning.chosen_schedule`).
     """
     _check_objective(objective)
     if cost.schedule.kind != cost.schedule.search_kind:

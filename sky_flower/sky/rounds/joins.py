@@ -6,7 +6,7 @@ federation yet" (an emulated fleet's ``join_round``, :class:`NodeAbsent`) answer
 Before every round after the first, with ``replan.mode`` ``on`` or ``force``, the
 strategy profiles such nodes exactly as the benchmark round does (the same profile and
 echo messages, tagged with the coming round) and adds each helper that answers to the
-fleet's profiles; the re-planning decision (:func:`sky_flower.sky.replan.decide`) then
+fleet's profiles; the re-planning decision (:func:`sky_flower.sky.planning.replan.decide`) then
 weighs the plan re-made over the larger fleet like any other (the join is its reason).
 A node that fails its profile for another reason is left out and not asked again.
 
@@ -15,7 +15,7 @@ pipeline of its own, planned at the start. Under ``replan.mode=off`` the plan is
 and nobody joins (as before).
 
 A node that was *dropped* (its own fault: silence, an error reply, a crash;
-:mod:`sky_flower.sky.recovery`) and is listed again, e.g. a SuperNode restarted with the
+:mod:`sky_flower.sky.rounds.recovery`) and is listed again, e.g. a SuperNode restarted with the
 same node id, is a joiner too: with ``replan.mode`` ``on`` / ``force`` it is profiled
 again once after it was dropped, and again each time it has been missing from the
 Grid's node list and comes back (a SuperLink lists only online nodes, so a restart shows
@@ -24,7 +24,7 @@ as missing, then listed); when it answers it is admitted back (``joins`` records
 recorded in ``joins`` with ``admitted: false``), not admitted.
 
 A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`, as
-:class:`sky_flower.sky.replan_hook.RoundReplanning`.
+:class:`sky_flower.sky.rounds.replan_hook.RoundReplanning`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from flwr.supercore import log
 
 from sky_flower.core.profile import NodeProfile
 from sky_flower.sky import protocol as P
-from sky_flower.sky.benchmark import BenchmarkResult, BenchmarkRound, BenchmarkSettings
-from sky_flower.sky.runner import SkyNodeError
+from sky_flower.sky.planning.benchmark import BenchmarkResult, BenchmarkRound, BenchmarkSettings
+from sky_flower.sky.transport.runner import SkyNodeError
 
 #: What an emulated node not yet in the federation says (``NodeAbsent``'s message).
 NOT_JOINED = "is not in the federation"

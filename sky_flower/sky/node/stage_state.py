@@ -4,7 +4,7 @@ what it has applied.
 Every relay stage message rebuilds its stage from the ``context.state`` records (weights
 and buffers, optimizer state; records only, so this also works where each message runs
 in a fresh process) and the messages that step the optimizer save them back
-(:class:`sky_flower.sky.client.SkyClient`).
+(:class:`sky_flower.sky.node.client.SkyClient`).
 
 Idempotent delivery: every stage message carries its identity (:class:`Identity`: kind,
 round, set-up session, step, micro-batch group; :mod:`sky_flower.sky.protocol`). The
@@ -30,8 +30,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
+from sky_flower.core.clock import synchronize
 from sky_flower.core.profile import as_layers
-from sky_flower.pipeline.device import synchronize
 from sky_flower.pipeline.stage import (
     build_stage,
     make_stage_optimizer,

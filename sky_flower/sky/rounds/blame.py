@@ -2,9 +2,9 @@
 
 A node is dropped only for a fault that is its own: it was silent past its deadline,
 its reply was an error or malformed (missing records, wrong shapes), or it crashed
-(:class:`~sky_flower.sky.runner.SkyNodeError` naming it). Non-finite values in a
+(:class:`~sky_flower.sky.transport.runner.SkyNodeError` naming it). Non-finite values in a
 well-formed reply are different: every input a relay stage gets was checked finite
-where it arrived (:mod:`sky_flower.sky.guard`), so they were *computed* from finite
+where it arrived (:mod:`sky_flower.sky.transport.guard`), so they were *computed* from finite
 inputs and the stage's weights, and a learning rate that is too high (or a model that
 produces ``NaN``) does exactly that, on whichever node holds the layers. Dropping that
 node (the old rule) drops a healthy helper, then the next one, and never says why.

@@ -1,6 +1,6 @@
 """What the transports that pass through the server share: ``relay`` (every hop a
 Flower message) and ``stream`` (every hop a frame on the round's data plane,
-:mod:`sky_flower.sky.stream`), and what ``direct`` shares with them.
+:mod:`sky_flower.sky.transport.stream`), and what ``direct`` shares with them.
 
 The server drives a step the same way on both: each stage runs its message groups in
 the schedule's order (:func:`step_orders`; GPipe: all forwards, then all backwards,
@@ -9,8 +9,8 @@ arXiv 2006.09503; the last stage runs forward, loss and backward of a group at o
 an op is sent as soon as its input has arrived (:func:`ready_ops`), and every reply is
 checked and filed where the next op finds it (:func:`file_reply`). A reply is a Flower
 ``Message`` on the relay, a frame dressed as one on the stream
-(:class:`sky_flower.sky.stream.FrameReply`): the checks (:func:`take`, :func:`metrics`,
-:mod:`sky_flower.sky.guard`) read ``content`` and ``metadata`` only.
+(:class:`sky_flower.sky.transport.stream.FrameReply`): the checks (:func:`take`, :func:`metrics`,
+:mod:`sky_flower.sky.transport.guard`) read ``content`` and ``metadata`` only.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.guard import check_reply
-from sky_flower.sky.runner import Pipeline, RunSettings
+from sky_flower.sky.transport.guard import check_reply
+from sky_flower.sky.transport.runner import Pipeline, RunSettings
 
 
 @dataclass
@@ -118,7 +118,7 @@ def file_reply(  # noqa: PLR0913
     if P.STAGE_ERROR in reply.content.config_records:  # the stage's, not the node's
         error = reply.content.config_records[P.STAGE_ERROR].get("error")
         raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])} raised {error}", [])
-    check_reply(ex, plan, k, reply)  # finite or rejected (sky_flower.sky.guard)
+    check_reply(ex, plan, k, reply)  # finite or rejected (sky_flower.sky.transport.guard)
     note(stat, reply, plan.slowdowns[k])
     S = plan.num_stages
     if op == "F" and k < S - 1:

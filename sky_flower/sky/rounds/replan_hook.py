@@ -1,7 +1,7 @@
 """The Sky strategy's online re-planning hook: a mixin of
 :class:`sky_flower.strategies.sky.SkyStrategy` (as
-:class:`sky_flower.sky.recovery.RoundRecovery`), split out of it to keep the strategy's
-module short. What it decides and why: :mod:`sky_flower.sky.replan`."""
+:class:`sky_flower.sky.rounds.recovery.RoundRecovery`), split out of it to keep the strategy's
+module short. What it decides and why: :mod:`sky_flower.sky.planning.replan`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 from flwr.supercore import log
 
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.sky import planning
-from sky_flower.sky.replan import (
+from sky_flower.sky.planning import planning
+from sky_flower.sky.planning.replan import (
     ProfileTracker,
     ReplanConfig,
     decide,
@@ -26,7 +26,7 @@ from sky_flower.sky.replan import (
 
 class RoundReplanning:
     """Online re-planning for :class:`sky_flower.strategies.sky.SkyStrategy` (a mixin,
-    as :class:`sky_flower.sky.recovery.RoundRecovery`): :meth:`init_replan` in its
+    as :class:`sky_flower.sky.rounds.recovery.RoundRecovery`): :meth:`init_replan` in its
     constructor, :meth:`install_plan` for every plan, :meth:`replan_after` after every
     round that trained."""
 
@@ -44,7 +44,7 @@ class RoundReplanning:
     _handler_rate: dict[str, float]
     on_event: Callable[[str, dict], None]
     runner: Callable[[], Any]
-    admit_joiners: Callable[[int], list[str]]  # sky_flower.sky.joins.NodeJoins
+    admit_joiners: Callable[[int], list[str]]  # sky_flower.sky.rounds.joins.NodeJoins
 
     def init_replan(self, replan: ReplanConfig | None, optimizer_state: str) -> None:
         """Set up re-planning (``replan``; None: off) and where optimizer state lives

@@ -23,12 +23,12 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
                        group of all ``M``)
 ``train.sky_collect``  return the stage's weights at the end of the round
 ``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
-                       peer to peer (:mod:`sky_flower.sky.direct_node`), return its
+                       peer to peer (:mod:`sky_flower.sky.node.direct_node`), return its
                        weights and timings (one message per stage per round)
 ``train.sky_stream``   ``transport=stream``: run the stage for a whole round over the
-                       server's endpoint (:mod:`sky_flower.sky.stream_node`);
+                       server's endpoint (:mod:`sky_flower.sky.node.stream_node`);
                        ``query.sky_stream_echo``: echo frames on it
-                       (:mod:`sky_flower.sky.stream_probe`)
+                       (:mod:`sky_flower.sky.transport.stream_probe`)
 =====================  ===============================================================
 
 A forward or backward whose stage raises (its model, loss or data) replies with the
@@ -38,7 +38,7 @@ message needs (:class:`NodeStateError`: it restarted or missed a message) and an
 injected fault still raise, which Flower turns into an error reply: the node failed.
 
 Every stage message is applied once: a repeat gets its first reply, an older one a
-``STAGE_ERROR`` refusal (:func:`sky_flower.sky.stage_state.replay`).
+``STAGE_ERROR`` refusal (:func:`sky_flower.sky.node.stage_state.replay`).
 
 Stage weights, optimizer state and stashed inputs persist in ``context.state`` between
 messages (records only: this also works where each message runs in a fresh process).
@@ -58,6 +58,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from sky_flower.core.example import as_dtype
 from sky_flower.core.profile import (
     default_optimizer_factory,
     time_layers,
@@ -68,17 +69,11 @@ from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
-from sky_flower.pipeline.example import as_dtype
 from sky_flower.pipeline.objective import LossReduction, loss_reduction, resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.node_defaults import (  # noqa: F401 - re-exported
-    default_emulation,
-    fleet_emulation,
-    owner_data_fn,
-)
-from sky_flower.sky.stage_state import (
+from sky_flower.sky.node.stage_state import (
     NodeStateError,
     direct_ran,
     direct_repeat,
@@ -483,7 +478,7 @@ class SkyClient:
 
     def direct(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Run this node's stage for one whole round on the ``direct`` transport
-        (:func:`sky_flower.sky.direct_node.run_direct_stage`).
+        (:func:`sky_flower.sky.node.direct_node.run_direct_stage`).
 
         Raises
         ------
@@ -493,7 +488,7 @@ class SkyClient:
         DirectStageError
             If this stage or a peer fails or stalls (bounded by ``timeout_s``).
         """
-        from sky_flower.sky.direct_node import run_direct_stage
+        from sky_flower.sky.node.direct_node import run_direct_stage
 
         cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
         refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
@@ -516,13 +511,57 @@ class SkyClient:
 
     def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Answer echo frames on the stream endpoint (the link over the data plane)."""
-        from sky_flower.sky.stream_probe import echo_frames
+        from sky_flower.sky.transport.stream_probe import echo_frames
 
         return echo_frames(P.StreamLink.from_config_record(msg.content[P.CONFIG]), emu)
 
     def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """This node's stage for a whole ``stream`` round, once per set-up
-        (:func:`sky_flower.sky.stream_node.handle`)."""
-        from sky_flower.sky.stream_node import handle
+        (:func:`sky_flower.sky.node.stream_node.handle`)."""
+        from sky_flower.sky.node.stream_node import handle
 
         return handle(self, msg, context, emu)
+
+
+# --- a node's defaults in the simulation engine: its emulation and its data by partition --
+def default_emulation(context: Context) -> Emulation:
+    """A native node named by ``node_config["sky-node"]`` or its partition id."""
+    cfgn = context.node_config
+    name = str(cfgn.get("sky-node", f"node{cfgn.get('partition-id', 0)}"))
+    return Emulation(name=name)
+
+
+def fleet_emulation(fleet: list[Emulation]) -> Callable[[Context], Emulation]:
+    """Map simulation partition ``i`` to fleet node ``i``."""
+
+    def emulation_fn(context: Context) -> Emulation:
+        pid = int(context.node_config.get("partition-id", 0))
+        if not 0 <= pid < len(fleet):
+            raise ValueError(f"partition-id {pid} has no fleet entry ({len(fleet)} nodes)")
+        return fleet[pid]
+
+    return emulation_fn
+
+
+def owner_data_fn(
+    fleet: list[Emulation],
+    dataset: str | dict = "digits",
+    test_fraction: float = 0.2,
+    seed: int = 0,
+) -> Callable[[Context], Split | None]:
+    """This node's partition if it is a data owner (``pipeline.data.owner_split``)."""
+    from sky_flower.pipeline.data import owner_split
+
+    owners = [n.name for n in fleet if n.holds_data]
+    cache: dict[str, Split] = {}
+
+    def load(context: Context) -> Split | None:
+        emu = fleet_emulation(fleet)(context)
+        if not emu.holds_data:
+            return None
+        if emu.name not in cache:  # the same seeded split as the server's
+            i, n = owners.index(emu.name), len(owners)
+            cache[emu.name] = owner_split(dataset, i, n, seed, test_fraction)
+        return cache[emu.name]
+
+    return load

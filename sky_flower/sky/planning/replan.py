@@ -44,7 +44,7 @@ from flwr.supercore import log
 from sky_flower.core.cost import CostModel
 from sky_flower.core.partition import make_plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.sky import planning
+from sky_flower.sky.planning import planning
 
 REPLAN_MODES = ("off", "on", "force")
 FACTOR_RANGE = (0.02, 200.0)  # a factor outside this is a measurement error, clipped

@@ -1,6 +1,6 @@
 """The node's ``train.sky_stream`` handler body: one stage of a ``stream`` round.
 
-The stage connects outbound to the round's endpoint (:class:`sky_flower.sky.channel.
+The stage connects outbound to the round's endpoint (:class:`sky_flower.sky.transport.channel.
 StageLink`: the certificate pinned by the fingerprint of the set-up message, its ticket
 in the first frame), keeps its layers, optimizer and stashed inputs **live** for the
 round (no ``context.state`` round trip per op, unlike the relay), and answers every op
@@ -33,8 +33,8 @@ from sky_flower.pipeline.objective import loss_reduction
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import StreamError, connect
-from sky_flower.sky.stage_state import direct_ran, direct_repeat, load_stage, save_stage
+from sky_flower.sky.node.stage_state import direct_ran, direct_repeat, load_stage, save_stage
+from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
 BYTES = "bytes"
@@ -288,7 +288,7 @@ def run_stream_stage(  # noqa: PLR0913
 
 
 def handle(client: Any, msg: Message, context: Context, emu: Emulation) -> RecordDict:  # noqa: ANN401
-    """``train.sky_stream`` on ``client`` (a :class:`sky_flower.sky.client.SkyClient`):
+    """``train.sky_stream`` on ``client`` (a :class:`sky_flower.sky.node.client.SkyClient`):
     :func:`run_stream_stage` with its model, data and objective, once per set-up (a
     repeat is refused, as a ``train.sky_direct`` one is)."""
     cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))

@@ -1,6 +1,7 @@
 """Planning for a Sky run: the model's layer profiles, the pre-check, the plan (with the
 other allocations' predictions for comparison), what it predicts per stage, the steps
-in a round, and the :class:`sky_flower.sky.runner.Pipeline` a runner executes."""
+in a round, the :class:`sky_flower.sky.transport.runner.Pipeline` a runner executes and
+the :class:`PipelineRun` a federated round runs (:mod:`sky_flower.sky.rounds.federation`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flwr.supercore import log
 from torch import nn
 
 from sky_flower.core.cost import CostModel, Schedule
+from sky_flower.core.example import as_dtype
 from sky_flower.core.federated import (
     FederatedPlan,
     OwnerPipeline,
@@ -25,9 +27,7 @@ from sky_flower.core.partition import METHODS, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.core.schedule import choose_schedule, predict
-from sky_flower.pipeline.example import as_dtype
-from sky_flower.sky.federation import PipelineRun
-from sky_flower.sky.runner import Pipeline
+from sky_flower.sky.transport.runner import Pipeline
 
 
 def check_settings(  # noqa: PLR0913
@@ -161,7 +161,7 @@ def relay_state_bytes(
     its weights, the gradients accumulated over a step and its optimizer state
     (``2 * param_bytes + optimizer_state_bytes``), and during a step the step's ``B``
     samples of stashed input (not on the last stage) and the replies kept for a repeat
-    (:mod:`sky_flower.sky.stage_state`: its outputs, not on the last stage; its input
+    (:mod:`sky_flower.sky.node.stage_state`: its outputs, not on the last stage; its input
     gradients, not on stage 0). Buffers (BatchNorm statistics) are not in the layer
     profile and not counted."""
     B = cost.schedule.batch_size
@@ -453,6 +453,35 @@ def log_plan_tables(fplan: FederatedPlan, planned: tuple[Planned, ...], allocati
     log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
     for p, pl in zip(fplan.pipelines, planned, strict=True):
         log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """One owner's pipeline as a round runs it.
+
+    Attributes
+    ----------
+    owner : str
+        The data owner (stage 0).
+    samples : int
+        The owner's training samples.
+    steps : int
+        Training steps this pipeline runs per round.
+    pipeline : Pipeline
+        What the runner executes.
+    after : tuple[int, ...]
+        Indices of the pipelines that must finish before this one starts.
+    start_s, time_s : float
+        Predicted start (seconds from the round's start) and duration.
+    """
+
+    owner: str
+    samples: int
+    steps: int
+    pipeline: Pipeline
+    after: tuple[int, ...] = ()
+    start_s: float = 0.0
+    time_s: float = 0.0
 
 
 def pipeline_runs(

@@ -1,7 +1,7 @@
 """The ``stream`` endpoint's certificate: self-signed, made per round with
 ``cryptography`` (as :mod:`sky_flower.deploy.tls` makes the deployment's), pinned by
 the SHA-256 fingerprint of its DER encoding that Flower's own authenticated set-up
-message carries (:mod:`sky_flower.sky.channel`)."""
+message carries (:mod:`sky_flower.sky.transport.channel`)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ JSON header (``op``, ``step``, ``first``, ``count``; the hello's ``stage`` and
 ``max_frame_bytes`` is refused by name (:class:`FrameError`); one far above it (over the
 cap plus :data:`SLACK_BYTES`) is cut by gRPC itself (``RESOURCE_EXHAUSTED``).
 
-Pure transport: no torch (:mod:`sky_flower.sky.stream` and
-:mod:`sky_flower.sky.stream_node` drive it).
+Pure transport: no torch (:mod:`sky_flower.sky.transport.stream` and
+:mod:`sky_flower.sky.node.stream_node` drive it).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from flwr.app import RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-from sky_flower.sky.stream_tls import (  # noqa: F401 - re-exported
+from sky_flower.sky.transport.stream_tls import (
     SERVER_NAME,
-    Certificate,
     StreamError,
     StreamRefusedError,
     make_certificate,

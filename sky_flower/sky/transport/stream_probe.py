@@ -1,6 +1,6 @@
 """A node's stream link, measured over the data plane itself (``transport=stream``).
 
-The server hosts an endpoint (:class:`sky_flower.sky.channel.Endpoint`) and sends the
+The server hosts an endpoint (:class:`sky_flower.sky.transport.channel.Endpoint`) and sends the
 node one ``query.sky_stream_echo`` (:class:`~sky_flower.sky.protocol.StreamLink`); the
 node connects outbound as a stage does and answers every ``echo`` frame with a payload
 of the size the frame asks for (its emulated link slept per frame, as a stage's is:
@@ -29,8 +29,8 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import Endpoint, connect
-from sky_flower.sky.runner import message
+from sky_flower.sky.transport.channel import Endpoint, connect
+from sky_flower.sky.transport.runner import message
 
 FRAMES = "frames"
 
@@ -49,7 +49,7 @@ def echo_frames(link: P.StreamLink, emu: Emulation) -> RecordDict:
     Raises
     ------
     StreamRefusedError, StreamError
-        As :class:`sky_flower.sky.channel.StageLink`.
+        As :class:`sky_flower.sky.transport.channel.StageLink`.
     """
     conn = connect(link, 0)
     frames = 0

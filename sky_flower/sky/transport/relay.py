@@ -27,23 +27,19 @@ from sky_flower.flower.exchange import Exchange
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.deadlines import stage_message_s
-from sky_flower.sky.guard import check_stages
-from sky_flower.sky.hops import (  # noqa: F401 - re-exported (the relay's names before)
+from sky_flower.sky.transport.deadlines import stage_message_s
+from sky_flower.sky.transport.guard import check_stages
+from sky_flower.sky.transport.hops import (
     StepState,
     file_reply,
-    median_per_step,
-    metrics,
     migrated_state,
-    note,
     optimizer_records,
     ready_ops,
     stage_config,
     stage_rows,
     step_orders,
-    take,
 )
-from sky_flower.sky.runner import (
+from sky_flower.sky.transport.runner import (
     Pipeline,
     RoundOutcome,
     Runner,
@@ -83,7 +79,7 @@ class RelayRunner(Runner):
             msgs = [message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids]
             collect = ex.request(msgs, self.s.deadline("collect"))
             new = merge_weights(collect, ex, self.expected, P.ARRAYS)
-            check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.guard)
+            check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.transport.guard)
             if store is not None:  # each layer's optimizer state, for the next set-up
                 store.put(plan.plan.stages[0].node, optimizer_records(ex, collect))
         except Exception:  # not waited on: a later push to their nodes waits (Exchange)

@@ -25,9 +25,9 @@ from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shap
 from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
-from sky_flower.sky.guard import check_stages
-from sky_flower.sky.hops import migrated_state, optimizer_records, stage_config
-from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+from sky_flower.sky.transport.guard import check_stages
+from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -71,7 +71,7 @@ class DirectRunner(Runner):
     """Runs a round on the direct transport.
 
     Waits at most ``message_timeout_s`` plus ``stage_multiple`` x the predicted round
-    (:mod:`sky_flower.sky.deadlines`); once one stage
+    (:mod:`sky_flower.sky.transport.deadlines`); once one stage
     has failed, at most ``direct_timeout_s`` + 5 s more for the others (they stop within
     ``direct_timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
     close).
@@ -265,7 +265,7 @@ class DirectRunner(Runner):
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
         new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
-        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.guard)
+        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
         outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall, slept)
         if self.s.optimizer_store is not None:  # each layer's state, for the next set-up
             self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))

@@ -28,8 +28,8 @@ never overwrite an owner's own.
 A pipeline that fails drops out of its round's average (its owner's update is lost,
 the others kept) and is recorded in the round row; the round fails only when every
 pipeline failed, or when its aggregate or training loss is non-finite or diverged
-(:class:`sky_flower.sky.guard.RoundGuard`; a pipeline whose reply was non-finite has
-already failed by name, :mod:`sky_flower.sky.guard`).
+(:class:`sky_flower.sky.transport.guard.RoundGuard`; a pipeline whose reply was non-finite has
+already failed by name, :mod:`sky_flower.sky.transport.guard`).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from sky_flower.sky.blame import Failure
-from sky_flower.sky.guard import RoundGuard
-from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, SkyNodeError
+from sky_flower.sky.planning.planning import PipelineRun
+from sky_flower.sky.rounds.blame import Failure
+from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.transport.runner import RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
 BN_POLICIES = ("average", "local")  # train.bn_policy
@@ -110,35 +111,6 @@ class LocalBatchNorm:
     def keep(self, owner: str, arrays: ArrayRecord) -> None:
         """Remember ``owner``'s BatchNorm entries from the model its pipeline returned."""
         self.by_owner[owner] = {k: v for k, v in arrays.items() if k in self.keys}
-
-
-@dataclass(frozen=True)
-class PipelineRun:
-    """One owner's pipeline as a round runs it.
-
-    Attributes
-    ----------
-    owner : str
-        The data owner (stage 0).
-    samples : int
-        The owner's training samples.
-    steps : int
-        Training steps this pipeline runs per round.
-    pipeline : Pipeline
-        What the runner executes.
-    after : tuple[int, ...]
-        Indices of the pipelines that must finish before this one starts.
-    start_s, time_s : float
-        Predicted start (seconds from the round's start) and duration.
-    """
-
-    owner: str
-    samples: int
-    steps: int
-    pipeline: Pipeline
-    after: tuple[int, ...] = ()
-    start_s: float = 0.0
-    time_s: float = 0.0
 
 
 @dataclass
@@ -398,7 +370,7 @@ def pipelines_error(
     ``error`` and ``nodes``: the nodes that caused it, and ``nonfinite_stages`` where
     its replies held ``NaN``/``inf``), naming every owner and node; ``node_ids``: their
     Flower node ids where known. Its ``failures`` are what
-    :func:`sky_flower.sky.blame.judge` reads."""
+    :func:`sky_flower.sky.rounds.blame.judge` reads."""
     text = "; ".join(f"pipeline of {f['owner']} failed: {f['error']}" for f in failed)
     nodes = sorted({n for f in failed for n in (f.get("nodes") or ())})
     err = SkyNodeError(text, nodes=nodes or None, node_ids=list(node_ids) if node_ids else None)
@@ -420,7 +392,7 @@ def federated_round(
 ) -> tuple[dict[str, Any], ArrayRecord | None]:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
     FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
-    (:class:`sky_flower.sky.guard.RoundGuard`; default: finite only, no divergence
+    (:class:`sky_flower.sky.transport.guard.RoundGuard`; default: finite only, no divergence
     guard). With ``local_bn`` (``train.bn_policy=local``), each pipeline starts from
     its owner's own BatchNorm entries and, once the round is accepted, each owner that
     finished keeps those it returned (a failed round or pipeline changes none).

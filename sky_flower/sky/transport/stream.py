@@ -1,12 +1,12 @@
 """The stream runner: Flower sets a round up and collects it, a data plane carries it.
 
-For each round the ServerApp hosts an endpoint (:class:`sky_flower.sky.channel.Endpoint`:
+For each round the ServerApp hosts an endpoint (:class:`sky_flower.sky.transport.channel.Endpoint`:
 gRPC, TLS with a fresh self-signed certificate) and pushes one ``train.sky_stream``
 message per stage (its layer slice, :class:`~sky_flower.sky.protocol.StreamConfig`:
 the endpoint's address, the stage's fresh ticket, the certificate and its fingerprint).
-Each stage's ClientApp connects outbound (:mod:`sky_flower.sky.stream_node`) and the
+Each stage's ClientApp connects outbound (:mod:`sky_flower.sky.node.stream_node`) and the
 server drives every step over the streams exactly as the relay drives it over Flower
-messages (:mod:`sky_flower.sky.hops`: the schedule's op order per stage, an op sent as
+messages (:mod:`sky_flower.sky.transport.hops`: the schedule's op order per stage, an op sent as
 soon as its input has arrived, every reply checked and filed), except that a stage may
 queue several ops: the stream keeps their order. Then an ``end`` frame to every stage
 and the weights come back as the Flower replies. Two Flower messages per stage per round
@@ -33,9 +33,9 @@ from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.channel import Endpoint, StreamError
-from sky_flower.sky.guard import check_stages
-from sky_flower.sky.hops import (
+from sky_flower.sky.transport.channel import Endpoint, StreamError
+from sky_flower.sky.transport.guard import check_stages
+from sky_flower.sky.transport.hops import (
     StepState,
     file_reply,
     migrated_state,
@@ -45,7 +45,7 @@ from sky_flower.sky.hops import (
     stage_rows,
     step_orders,
 )
-from sky_flower.sky.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 FLOWER_POLL_S = 0.5  # how often the stream loop looks at the stages' Flower replies
 
@@ -60,7 +60,7 @@ class _Meta:
 @dataclass
 class FrameReply:
     """A stage's reply frame dressed as a Flower reply for the shared checks
-    (:mod:`sky_flower.sky.hops`, :mod:`sky_flower.sky.guard`): ``content`` and
+    (:mod:`sky_flower.sky.transport.hops`, :mod:`sky_flower.sky.transport.guard`): ``content`` and
     ``metadata`` (``src_node_id``, ``message_type``, ``reply_to_message_id``)."""
 
     content: RecordDict
@@ -112,7 +112,7 @@ class StreamRunner(Runner):
             ex.abandon()
             raise
         new = merge_weights(replies, ex, self.expected, P.ARRAYS)
-        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.guard)
+        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
         if s.optimizer_store is not None:
             s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
         return RoundOutcome(
@@ -253,7 +253,7 @@ class StreamRunner(Runner):
         stats: list[dict[str, Any]],
     ) -> StepState:
         """Run one step over the streams (the relay's order and checks,
-        :mod:`sky_flower.sky.hops`)."""
+        :mod:`sky_flower.sky.transport.hops`)."""
         S, kind, c = plan.num_stages, self.s.schedule.kind, plan.group_size
         st = StepState(orders=step_orders(kind, S, self.s.schedule.microbatches // c), ptr=[0] * S)
         rows = c * self.s.schedule.microbatch_size

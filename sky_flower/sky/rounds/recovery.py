@@ -1,6 +1,6 @@
 """What the Sky strategy does when a round's pipelines fail: record the round, end the
 run after ``max_failed_rounds`` failed rounds in a row, else act on the verdict of
-:func:`sky_flower.sky.blame.judge`: drop the nodes whose own fault it was (silence, an
+:func:`sky_flower.sky.rounds.blame.judge`: drop the nodes whose own fault it was (silence, an
 error or malformed reply, a crash) and re-plan; set aside for one round a helper whose
 output alone went non-finite (dropped if the next round trains without it, put back if
 it goes non-finite again); or, when the training diverged, drop nobody and say so,
@@ -17,8 +17,8 @@ from typing import Any
 from flwr.supercore import log
 
 from sky_flower.core.profile import NodeProfile
-from sky_flower.sky.blame import Failure, Verdict, diverged_text, judge
-from sky_flower.sky.runner import SkyNodeError
+from sky_flower.sky.rounds.blame import Failure, Verdict, diverged_text, judge
+from sky_flower.sky.transport.runner import SkyNodeError
 
 
 class TrainingDiverged(SkyNodeError):
@@ -51,7 +51,7 @@ class RoundRecovery:
         self._dropped_in: dict[str, int] = {}  # name -> the round it was dropped after
 
     def _failures_of(self, err: SkyNodeError) -> list[Failure]:
-        """The failed pipelines ``err`` reports (:class:`sky_flower.sky.blame.Failure`)."""
+        """The failed pipelines ``err`` reports (:class:`sky_flower.sky.rounds.blame.Failure`)."""
         failures = getattr(err, "failures", None)
         if failures is not None:
             return list(failures)
@@ -64,7 +64,7 @@ class RoundRecovery:
     def _failed(self, rnd: int, row: dict[str, Any], failures: int) -> None:
         """Record failed round ``rnd`` (``row["error"]``: the :class:`SkyNodeError` of
         every pipeline); end the run at ``max_failed_rounds``, else act on the verdict
-        (:func:`sky_flower.sky.blame.judge`; :meth:`_recover`).
+        (:func:`sky_flower.sky.rounds.blame.judge`; :meth:`_recover`).
 
         Raises
         ------
@@ -200,7 +200,7 @@ class RoundRecovery:
         """Round ``rnd`` trained but some pipelines failed (``row["failed_pipelines"]``):
         their FedAvg is kept; act on the verdict for the failed ones (a pipeline that
         diverged drops nobody; see :meth:`_recover`). Returns the names dropped."""
-        from sky_flower.sky import federation
+        from sky_flower.sky.rounds import federation
 
         err = federation.pipelines_error(row["failed_pipelines"])
         verdict = judge(self._failures_of(err), len(self.runs))

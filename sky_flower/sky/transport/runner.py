@@ -29,7 +29,7 @@ from sky_flower.core.cost import Schedule
 from sky_flower.core.partition import Plan
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
-from sky_flower.sky.deadlines import Deadlines
+from sky_flower.sky.transport.deadlines import Deadlines
 
 
 class SkyNodeError(NodeError):
@@ -56,7 +56,8 @@ class Pipeline:
         step). ``sequential`` is one group (``c = M``).
     predictions : tuple[dict, ...]
         Per stage, the cost model's per-step figures (seconds): ``compute_s``,
-        ``busy_s`` and ``messages`` (see :func:`sky_flower.sky.planning.stage_predictions`).
+        ``busy_s`` and ``messages`` (see
+        :func:`sky_flower.sky.planning.planning.stage_predictions`).
     slowdowns : tuple[float, ...]
         Per stage, the node's emulated slowdown (measured compute times ``1 + slowdown``).
     links : tuple[tuple[float, float], ...]
@@ -90,7 +91,7 @@ class RunSettings:
     (:func:`sky_flower.pipeline.objective.ref`): they must be importable module-level
     functions on the nodes too. ``stop``: set it to end the round at its next poll.
     ``describe``: node id -> node name (errors name nodes by it). ``deadlines``: each
-    phase's message deadline (:mod:`sky_flower.sky.deadlines`; ``message_timeout_s`` its
+    phase's message deadline (:mod:`sky_flower.sky.transport.deadlines`; ``message_timeout_s`` its
     floor); ``ledger``: the run's messages in flight and nodes contacted, shared by every
     exchange (:class:`sky_flower.flower.exchange.NodeLedger`).
     """
@@ -107,7 +108,7 @@ class RunSettings:
     direct_timeout_s: float = 30.0
     direct_host: str = "127.0.0.1"
     direct_join_timeout_s: float = 60.0
-    # transport=stream (sky_flower.sky.stream): the endpoint's address the stages dial,
+    # transport=stream (sky_flower.sky.transport.stream): the endpoint's address the stages dial,
     # the interface it listens on ("": the same), TLS, frame cap, silence / join bound
     stream_host: str = "127.0.0.1"
     stream_bind: str = ""
@@ -150,7 +151,8 @@ class RunSettings:
         )
 
     def stream_endpoint(self) -> dict[str, Any]:
-        """:class:`sky_flower.sky.channel.Endpoint`'s keywords for ``transport=stream``."""
+        """:class:`sky_flower.sky.transport.channel.Endpoint`'s keywords for
+        ``transport=stream``."""
         return {
             "bind": self.stream_bind or self.stream_host,
             "advertise": self.stream_host,
@@ -191,7 +193,7 @@ class RoundOutcome:
     step_times : list[float]
         Wall seconds of every step, shape (steps,).
     stages : list[dict]
-        Per stage: measured against predicted figures (:mod:`sky_flower.sky.report`).
+        Per stage: measured against predicted figures (:mod:`sky_flower.sky.rounds.report`).
     extra : dict
         Transport-specific row entries (relay: ``microbatches_per_message``; direct:
         ``setup_s``, ``wall_s``), placed before ``stages`` in the row.

@@ -6,7 +6,7 @@ Every reply is checked where it arrives at the server
 :func:`check_reply`) and every stage's weights at the end of a round; on the direct
 transport every stage's weights and metrics (:func:`check_stages`). A non-finite reply
 fails its pipeline by name through the failed-round path
-(:mod:`sky_flower.sky.federation`, :mod:`sky_flower.sky.recovery`).
+(:mod:`sky_flower.sky.rounds.federation`, :mod:`sky_flower.sky.rounds.recovery`).
 
 Who is named: the stage whose output first goes non-finite. On the relay every input a
 stage gets was checked finite when it arrived, so the first non-finite reply comes from
@@ -17,7 +17,7 @@ only when it is the only non-finite one; when several are, every one is named an
 is blamed (divergence spreads through the whole pipeline in one step). Either way the
 error is a :class:`NonFiniteReply` carrying the non-finite ``stages``: values computed
 from finite inputs are not by themselves a node's fault, and
-:func:`sky_flower.sky.blame.judge` decides whether the training diverged (no node is
+:func:`sky_flower.sky.rounds.blame.judge` decides whether the training diverged (no node is
 dropped) or one helper is suspect (set aside for one round).
 
 :class:`RoundGuard` checks the round as a whole: a FedAvg aggregate that is non-finite,
@@ -36,7 +36,7 @@ from flwr.app import ArrayRecord, Message
 
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.finite import NonFiniteError, nonfinite_names
-from sky_flower.sky.runner import Pipeline, SkyNodeError
+from sky_flower.sky.transport.runner import Pipeline, SkyNodeError
 
 
 class NonFiniteReply(SkyNodeError):
@@ -117,7 +117,7 @@ def check_stages(ex: Exchange, plan: Pipeline, replies: Sequence[Message]) -> No
 
 @dataclass
 class RoundGuard:
-    """The round-level checks of :func:`sky_flower.sky.federation.federated_round`.
+    """The round-level checks of :func:`sky_flower.sky.rounds.federation.federated_round`.
 
     Attributes
     ----------
@@ -144,7 +144,7 @@ class RoundGuard:
         new global model ``new``), else None, and the round counts as accepted (its
         loss may become the best). No node is blamed (``nodes`` empty): the round's
         aggregate or its loss is at fault, not one reply; the error's ``diverged``
-        (its text) makes the strategy report a divergence (:mod:`sky_flower.sky.recovery`).
+        (its text) makes the strategy report a divergence (:mod:`sky_flower.sky.rounds.recovery`).
         """
         loss = float(row.get("train_loss", 0.0))
         text = self.reason(server_round, loss, new)

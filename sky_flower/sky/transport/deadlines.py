@@ -94,7 +94,7 @@ class Deadlines:
 
 def stage_message_s(prediction: dict, latency_s: float = 0.0) -> float:
     """One relay stage message's predicted seconds from the stage's per-step prediction
-    (:func:`sky_flower.sky.planning.stage_predictions`: ``busy_s`` over ``messages``
+    (:func:`sky_flower.sky.planning.planning.stage_predictions`: ``busy_s`` over ``messages``
     per step), plus its link's round-trip ``latency_s``."""
     messages = max(float(prediction.get("messages", 1) or 1), 1.0)
     return float(prediction.get("busy_s", 0.0)) / messages + max(latency_s, 0.0)

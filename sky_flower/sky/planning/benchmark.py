@@ -24,7 +24,7 @@ from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
-from sky_flower.sky.runner import SkyNodeError, message
+from sky_flower.sky.transport.runner import SkyNodeError, message
 
 Link = tuple[float, float, float]  # latency s, bandwidth bytes/s, state s/byte/message
 
@@ -54,9 +54,9 @@ class BenchmarkSettings:
     calibrate : bool
         ``direct``: also time the gloo step's fixed costs (issue 16).
     stream : dict, optional
-        ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.channel.
+        ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.transport.channel.
         Endpoint` keywords): each node's link is timed over the data plane itself
-        (:func:`sky_flower.sky.stream_probe.probe_link`), not by Flower echoes.
+        (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes.
     """
 
     warmup: int = 2
@@ -131,7 +131,7 @@ class BenchmarkRound:
     server_round : int
         The round the messages belong to (their group id): 0, the benchmark round
         (groups ``benchmark`` and ``echo``); a round, a node joining before it
-        (:mod:`sky_flower.sky.joins`).
+        (:mod:`sky_flower.sky.rounds.joins`).
     """
 
     def __init__(  # noqa: PLR0913
@@ -192,7 +192,7 @@ class BenchmarkRound:
                 log(
                     INFO,
                     "Benchmark: %s. It is profiled and planned with when it joins if "
-                    "replan.mode is on (sky_flower.sky.joins), else left out",
+                    "replan.mode is on (sky_flower.sky.rounds.joins), else left out",
                     line,
                 )
             else:
@@ -311,8 +311,8 @@ class BenchmarkRound:
         the harmonic mean of down and up) timed over the data plane, no state cost."""
         if self.link_cache is not None and nid in self.link_cache:
             return self.link_cache[nid]
-        from sky_flower.sky.channel import Endpoint
-        from sky_flower.sky.stream_probe import probe_link
+        from sky_flower.sky.transport.channel import Endpoint
+        from sky_flower.sky.transport.stream_probe import probe_link
 
         kw = self.settings.stream or {}
         fig = probe_link(
