@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -413,7 +414,7 @@ def accuracy(
             "fedavg_owners": fedavg_owners(nodes, need),
         }
         for method, (path, config) in runs.items():
-            t0 = time.perf_counter()
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
             try:
                 _, _, res = run_local(
                     path,
@@ -427,6 +428,7 @@ def accuracy(
             except Exception as err:  # noqa: BLE001 - recorded in the table
                 row = {"error": f"{type(err).__name__}: {err}"[:300]}
             row["run_wall_s"] = time.perf_counter() - t0
+            row["load_avg"] = [load0, os.getloadavg()[0]]  # 1-min load, start and end
             entry[method] = row
         out[fleet] = entry
     return out
