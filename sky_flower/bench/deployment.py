@@ -464,10 +464,12 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
             accs = " ".join("-" if a is None else f"{a:.3f}" for a in row["accuracies"])
             times = " ".join(f"{t:.0f}" for t in row["round_times_s"] if t is not None)
             err = f" (error: {row['error']})" if row.get("error") else ""
+            load = row.get("load_avg")
+            load_note = f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""
             lines.append(
                 f"| {fleet} | {method} | {plan} | {share} | {row['rounds_to_target'] or '-'} | "
                 f"{secs(row['time_to_target_s'])}{err} | {accs} | {times} s | "
-                f"{row['run_wall_s']:.0f} s | {ratio} |"
+                f"{row['run_wall_s']:.0f} s{load_note} | {ratio} |"
             )
     return lines
 
