@@ -94,3 +94,23 @@ def test_accuracy_row_reads_a_sky_results_file():
 def test_accuracy_row_of_a_run_without_rounds_names_the_error():
     assert accuracy_row({"error": "boom", "rounds": []}, 0.9) == {"error": "boom"}
     assert "no rounds" in accuracy_row(None, 0.9)["error"]
+
+
+def test_accuracy_table_puts_fedavg_over_sky_on_the_sky_row():
+    from sky_flower.bench.deployment import accuracy_table
+
+    fed = {
+        "accuracies": [0.8, 0.92],
+        "round_times_s": [30.0, 30.0],
+        "rounds_to_target": 2,
+        "time_to_target_s": 60.0,
+        "samples_trained": 700,
+        "run_wall_s": 100.0,
+    }
+    sky = {**fed, "time_to_target_s": 30.0, "rounds_to_target": 1, "samples_trained": 1050}
+    sky.update(plan="a; b; c+helper", owner_samples=1050, load_avg=[7.0, 9.5])
+    entry = {"owners": ["a", "b", "c"], "fedavg_owners": ["a", "b"], "fedavg": fed, "sky": sky}
+    header, _, fed_line, sky_line = accuracy_table({"phone": entry}, 0.9)
+    assert "rounds to 0.9" in header
+    assert "alone: a, b" in fed_line and "700/1050 (67%)" in fed_line
+    assert sky_line.endswith("| 2.00x |") and "(load 7.0 to 9.5)" in sky_line
