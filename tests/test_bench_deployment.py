@@ -58,6 +58,8 @@ def test_rounds_and_time_to_target():
     assert rounds_to_target(accs, 0.9) == 3  # reaching the target exactly counts
     assert rounds_to_target(accs, 0.95) == 4
     assert rounds_to_target(accs, 0.99) is None
+    assert rounds_to_target([0.5, 0.8999999761581421], 0.9) == 2  # float32 324/360
+    assert rounds_to_target([0.5, 0.8999], 0.9) is None
     assert time_to_target(rows, 0.9) == 33.0
     assert time_to_target(rows, 0.6) == 10.0
     assert time_to_target(rows, 0.99) is None
