@@ -140,12 +140,17 @@ def test_sky_app_trains_on_stream_transport_with_tls(tmp_path):
     ServerApp's endpoint (its certificate pinned through the set-up message) and run 3
     steps of 4 micro-batches (1f1b) over it; equal to unsplit training, nothing left
     behind (no process, and the endpoint's port closed with the run)."""
-    config = QUICK.replace("steps-per-round=2", "steps-per-round=3")
-    text, pids, saved = _run(True, tmp_path, "schedule-kind='1f1b' microbatches=4", config)
+    config = QUICK.replace(f"steps-per-round={STEPS} ", "steps-per-round=3 ")
+    assert "steps-per-round=3 " in config, config
+    # allocation=even: one stage per SuperNode, so activations and gradients cross the
+    # data plane between all three
+    extra = "allocation='even' schedule-kind='1f1b' microbatches=4"
+    text, pids, saved = _run(True, tmp_path, extra, config)
     assert "Final results:" in text and "transport stream" in text, text[-3000:]
     assert saved["completed"] and not saved["error"] and not saved["failed_rounds"], saved
     assert [r["round"] for r in saved["rounds"]] == [1, 2]
     for r in saved["rounds"]:
+        assert r["steps"] == 3 and len(r["stages"]) == 3, r
         assert r["setup_s"] > 0 and all(s["measured_compute_s"] > 0 for s in r["stages"]), r
     task, lr = sky_app_task(), float(app_run_config(SKY_APP)["lr"])
     model = task.Net()
@@ -178,6 +183,7 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     # process-group set-up timed) and every stage reported its compute from its own node
     assert [r["round"] for r in saved["rounds"]] == [1, 2] and not saved["failed_rounds"]
     for r in saved["rounds"]:
+        assert r["steps"] == 3 and len(r["stages"]) == 3, r
         assert r["setup_s"] > 0 and r["microbatches_per_message"] is None, r
         assert [(s["stage"], s["node"]) for s in r["stages"]] == [
             (0, "phone"),
