@@ -18,7 +18,13 @@ from sky_flower.app import (
     sky_strategy,
     validate_run_config,
 )
-from sky_flower.deploy import DeployError, check_run_config, make_credentials, node_config
+from sky_flower.deploy import (
+    DeployError,
+    app_run_config,
+    check_run_config,
+    make_credentials,
+    node_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FEDAVG, SKY = ROOT / "examples" / "fedavg-app", ROOT / "examples" / "sky-app"
@@ -29,6 +35,20 @@ def test_defaults_are_the_hydra_defaults():
     assert (cfg.allocation, cfg.fleet, cfg.transport) == ("heuristic", "edge4", "relay")
     assert [n.name for n in cfg.nodes] == ["phone", "laptop", "cloud-gpu", "edge-box"]
     assert set(fleet_names()) >= {"edge3", "edge4", "uniform3"}
+
+
+def test_auto_transport_is_the_stream_in_a_real_federation_and_the_relay_on_a_fleet():
+    assert validate_run_config({"transport": "auto", "fleet": ""}).transport == "stream"
+    assert validate_run_config({"transport": "auto", "fleet": "edge3"}).transport == "relay"
+    assert validate_run_config({"transport": "auto"}).transport == "relay"  # fleet edge4
+    assert validate_run_config({"fleet": ""}).transport == "stream"  # auto by default
+    # the sky-app's own default: stream on real SuperNodes, the relay in simulation
+    sky = app_run_config(SKY)
+    assert sky["transport"] == "auto"
+    assert validate_run_config({**sky, "fleet": ""}).transport == "stream"
+    assert validate_run_config(sky).transport == "relay"
+    # a user's explicit choice stands in a real federation
+    assert validate_run_config({"transport": "relay", "fleet": ""}).transport == "relay"
 
 
 @pytest.mark.parametrize(

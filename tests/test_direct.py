@@ -57,7 +57,11 @@ CNN_BN = {
 }
 
 
-@pytest.mark.parametrize("kind", ["interleaved", "zero_bubble"])
+@pytest.mark.parametrize(
+    "kind",
+    # zero_bubble in make test: tests/test_process_per_message.py
+    ["interleaved", pytest.param("zero_bubble", marks=pytest.mark.slow)],
+)
 def test_chunked_schedules_equal_unsplit_training(kind):
     # 2 ranks x 2 chunks (chunk c on rank c % 2) of a CNN with BatchNorm and Dropout:
     # weights and BatchNorm buffers after 2 steps equal the unsplit model's. SGD: a conv

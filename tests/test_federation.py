@@ -112,10 +112,10 @@ def _assert_close(got: dict, expected: dict) -> None:
         np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-5)
 
 
-CASES = [  # transport, schedule kind, micro-batches, owners
-    ("relay", "sequential", 1, 2),
+CASES = [  # transport, schedule kind, micro-batches, owners (one per transport in make test)
+    pytest.param("relay", "sequential", 1, 2, marks=pytest.mark.slow),
     ("relay", "gpipe", 2, 3),
-    ("direct", "gpipe", 2, 2),
+    pytest.param("direct", "gpipe", 2, 2, marks=pytest.mark.slow),
     ("direct", "1f1b", 2, 3),
 ]
 

@@ -294,6 +294,7 @@ def test_relay_trains_the_split_llama_exactly_as_unsplit(server_identity):
         assert torch.equal(user.state_dict()[key], value), key
 
 
+@pytest.mark.slow  # a process per stage; the relay test above splits the same llama in make test
 def test_local_engine_trains_the_split_llama_exactly_as_unsplit():
     """``torch.distributed.pipelining`` (GPipe, one spawned process per stage) on three
     stages cut between blocks, 2 steps of 2 micro-batches: the weights equal unsplit

@@ -135,6 +135,7 @@ def test_infeasible_memory_in_process(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow  # the sweep test below shows the same refusal through the CLI
 def test_cli_infeasible_memory_exits_nonzero(tmp_path):
     out = tmp_path / "run"
     proc = _cli([*SMALL, "fleet.memory_mb=1", f"hydra.run.dir={out}"], tmp_path)

@@ -76,7 +76,10 @@ class ScheduleSettings:
     batch_size: int = _setting(64, "batch-size", "schedule.batch_size", AT_LEAST_1)
     microbatches: int = _setting(1, "microbatches", "schedule.microbatches", AT_LEAST_1)
     kind: str = _setting("sequential", "schedule-kind", "schedule.kind", choices=SCHEDULE_KINDS)
-    transport: str = _setting("relay", "transport", "schedule.transport", choices=TRANSPORTS)
+    # run config: "auto" (stream when fleet is "", else relay; auto_transport)
+    transport: str = _setting(
+        "relay", "transport", "schedule.transport", choices=TRANSPORTS, run_default="auto"
+    )
     microbatches_per_message: int = _setting(
         0, "microbatches-per-message", "schedule.microbatches_per_message", AT_LEAST_0
     )
@@ -346,6 +349,11 @@ class SkySettings:
             rule), ``schedule-kind='sequential'`` with ``transport='direct'``,
             micro-batches that do not divide the batch, or ``microbatches-per-message``
             that does not divide ``microbatches``.
+
+        Notes
+        -----
+        ``transport='auto'`` (the run config's default) is resolved here by
+        :func:`auto_transport`: ``stream`` for a real federation, ``relay`` on a fleet.
         """
         keys = run_config_keys()
         unknown = sorted(set(run_config) - set(keys) - set(app_keys))
@@ -354,6 +362,9 @@ class SkySettings:
                 f"unknown run config key(s) {unknown}: valid keys are "
                 f"{', '.join(list(keys) + list(app_keys))}"
             )
+
+        if run_config.get("transport", "auto") == "auto":  # the run config's default
+            run_config = {**run_config, "transport": auto_transport(run_config)}
 
         def read(key: str, default: Any) -> Any:  # noqa: ANN401
             return run_config.get(key, default)
@@ -487,6 +498,16 @@ def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Fiel
             yield from settings_fields(GROUPS[f.name])
         else:
             yield f, f.default
+
+
+def auto_transport(run_config: Mapping[str, Any]) -> str:
+    """What ``transport='auto'`` in a run config means: ``stream`` when ``fleet`` is
+    ``""`` (a real federation of SuperNodes: Flower carries only each round's set-up and
+    collect, the nodes connect out to the ServerApp's TLS data plane,
+    docs/transports.md), else ``relay`` (an emulated fleet in Flower's simulation
+    engine, where a Flower message costs milliseconds)."""
+    fleet = run_config.get("fleet", SkySettings.__dataclass_fields__["fleet"].default)
+    return "stream" if fleet == "" else "relay"
 
 
 def run_config_keys() -> dict[str, tuple[type, Any]]:
