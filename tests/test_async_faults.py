@@ -179,7 +179,10 @@ def test_a_removed_workers_late_update_follows_the_staleness_policy(policy):
         max_time_s=2.6,
     )
     _start(strategy, grid, model, num_rounds=10**6)
-    assert [r["worker"] for r in strategy.members.removals] == [1]
+    # worker 1 is removed for its late round 1; on a loaded machine a healthy worker can
+    # miss the 1 s deadline too (also removed, by the same rule), which this test is not about
+    removed = {r["worker"]: r["round"] for r in strategy.members.removals}
+    assert removed.get(1) == 1, strategy.members.removals
     assert strategy.updates_sent[1] == (2 if policy == "keep" else 1)
     assert strategy.clock[1] == (2 if policy == "keep" else 1)
 

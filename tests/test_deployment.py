@@ -100,6 +100,7 @@ def test_supernode_leaving_during_a_round_fails_it_by_name(tmp_path):
     assert not left and not flower_processes(tmp_path)
 
 
+@pytest.mark.slow  # 4-6 min of ~6 s hops; stream (below) is the deployment transport in make test
 def test_sky_app_trains_on_superlink_with_3_supernodes_tls(tmp_path):
     """Relay over TLS + SuperNode authentication (the plain, insecure connection is the
     direct transport's test below): equal to unsplit training, nothing left behind."""
@@ -164,9 +165,16 @@ def test_sky_app_trains_on_stream_transport_with_tls(tmp_path):
         assert abs(row["test_accuracy"] - task.test(model, test)[1]) < 1.5e-4, row
     assert not [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
     assert not flower_processes(tmp_path)
-    assert "--auth-supernode-private-key" in " ".join(_cmdline(tmp_path, 0))
+    # the CLI verified the SuperLink against the local CA, every SuperNode authenticated
+    # with its registered key
+    cli = (tmp_path / "home" / "cli" / "config.toml").read_text()
+    assert "root-certificates" in cli and "insecure" not in cli
+    for i in range(3):
+        assert "--auth-supernode-private-key" in " ".join(_cmdline(tmp_path, i))
+        assert "SuperNode ID" in (tmp_path / f"supernode{i}.log").read_text()
 
 
+@pytest.mark.slow  # direct under Flower in make test: tests/test_direct_sim.py
 def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     """transport=direct under a real SuperLink: each SuperNode starts a fresh ClientApp
     process per message; per round the 3 stage processes join a gloo group with the
@@ -183,7 +191,7 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     # process-group set-up timed) and every stage reported its compute from its own node
     assert [r["round"] for r in saved["rounds"]] == [1, 2] and not saved["failed_rounds"]
     for r in saved["rounds"]:
-        assert r["steps"] == 3 and len(r["stages"]) == 3, r
+        assert r["steps"] == STEPS and len(r["stages"]) == 3, r
         assert r["setup_s"] > 0 and r["microbatches_per_message"] is None, r
         assert [(s["stage"], s["node"]) for s in r["stages"]] == [
             (0, "phone"),
