@@ -36,6 +36,11 @@ def main(cfg: DictConfig) -> None:
             return
         raise SystemExit(1) from None
     if not multirun:  # a sweep's tables stay in each job's plan.txt
+        if result["plan"].get("pipelines"):  # the per-owner plans were logged above
+            print(
+                "One pipeline over the whole fleet (SkyComputing's setting; plan.json's "
+                "top-level stages; the training job runs the per-owner pipelines above):"
+            )
         print(result["table"])
     print(f"{summary_line(result['row'])}; plan.json in {out_dir}")
 

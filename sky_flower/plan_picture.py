@@ -90,9 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the picture of the ``plan.json`` named on the command line."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        sys.stderr.write("usage: python -m sky_flower.plan_picture <plan.json>\n")
+        sys.stderr.write("usage: python -m sky_flower.plan_picture <plan.json or its directory>\n")
         return 2
     path = Path(args[0])
+    if path.is_dir():  # a run's output directory: its plan.json
+        path = path / "plan.json"
     if not path.is_file():
         sys.stderr.write(f"{path}: no such file (python -m sky_flower.plan writes plan.json)\n")
         return 1

@@ -3,6 +3,7 @@ docs/configuration.md is what ``python -m sky_flower.docs_config`` prints now, e
 setting appears in it, the README stays short, and every relative link in README.md,
 CHANGELOG.md and docs/ points at a file that exists."""
 
+import json
 import re
 from pathlib import Path
 
@@ -79,3 +80,18 @@ def test_plan_picture_draws_each_pipeline_to_scale():
     assert lines[1].endswith("|a 0--|b 1-2------|  step 1.500 s")
     assert lines[2].endswith("|c 0-2------------|")
     assert lines[3] == "idle: d"
+
+
+def test_plan_picture_takes_a_run_directory(tmp_path, capsys):
+    """``python -m sky_flower.plan_picture outputs/<run>``: the directory's plan.json;
+    a directory without one is named with the file it looked for."""
+    from sky_flower.plan_picture import main
+
+    plan = {"stages": [{"node": "a", "first_layer": 0, "last_layer": 1}], "idle_nodes": []}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert main([str(tmp_path)]) == 0
+    assert "|a 0-1" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 1
+    assert f"{empty / 'plan.json'}: no such file" in capsys.readouterr().err
