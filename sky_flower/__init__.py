@@ -6,3 +6,7 @@ the ``strategies`` package (``sky_flower.strategies.sky.SkyStrategy``).
 """
 
 __version__ = "0.1.0"
+
+from sky_flower.threadsafe_ast import install as _install_threadsafe_ast
+
+_install_threadsafe_ast()  # python/cpython#106905 on Python < 3.13 (see the module)

@@ -280,6 +280,26 @@ def test_malformed_frame_and_endpoint_leaves_no_port():
     assert not _stream_threads()
 
 
+def test_an_idle_stage_link_keeps_its_stream_through_keepalive_pings(monkeypatch):
+    """A stage waits for its next op longer than the keepalive period (a slow peer, a
+    loaded machine): its pings must not earn a GOAWAY "Too many pings" from the endpoint
+    (gRPC's server default accepts one ping per 5 min without data, 2 strikes). Here
+    the period is 1 s and the link idles 5 s, then an op frame arrives (before the fix:
+    UNAVAILABLE "Too many pings" at the same settings)."""
+    from sky_flower.sky.transport import channel
+
+    monkeypatch.setattr(channel, "KEEPALIVE_MS", 1000)
+    with Endpoint(1, tls=True, max_frame_bytes=1 << 16) as ep:
+        link = StageLink(ep.address, 0, ep.ticket(0), ep.fingerprint, ep.cert_pem, 1 << 16, 10)
+        frames = link.frames()
+        time.sleep(5.0)
+        ep.send(0, {"op": "end"})
+        header, _ = next(frames)
+        assert header["op"] == "end"
+        link.close()
+    assert not _stream_threads()
+
+
 def test_a_stranger_without_ticket_is_refused():
     with Endpoint(2, tls=True) as ep:
         with pytest.raises(StreamRefusedError, match="refused this stage's ticket"):

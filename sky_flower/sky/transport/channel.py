@@ -90,15 +90,31 @@ def decode(frame: bytes, max_frame_bytes: int) -> tuple[dict[str, Any], RecordDi
         raise FrameError(f"a malformed frame of {len(frame)} bytes: {err}") from err
 
 
+KEEPALIVE_MS = 10_000  # the stage link's keepalive ping period (grpc.keepalive_time_ms)
+
+
 def _options(max_frame_bytes: int) -> list[tuple[str, int]]:
     cap = max_frame_bytes + SLACK_BYTES
     return [
         ("grpc.max_receive_message_length", cap),
         ("grpc.max_send_message_length", cap),
-        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _server_options(max_frame_bytes: int) -> list[tuple[str, int]]:
+    """The endpoint's options: :func:`_options` plus accepting the stage links' keepalive
+    pings on a stream idle for longer than a ping period (a stage waiting for its next
+    op). gRPC's server default (one ping per 5 min without data, 2 strikes) answers a
+    10 s keepalive with GOAWAY "Too many pings" and breaks the round (gRPC's keepalive
+    guide, doc/keepalive.md: the server's minimum must be below the client's period)."""
+    return [
+        *_options(max_frame_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),  # 0: never GOAWAY for pings
     ]
 
 
@@ -163,7 +179,7 @@ class Endpoint:
         self._pool = futures.ThreadPoolExecutor(
             max_workers=self.num_stages + 4, thread_name_prefix="sky-stream"
         )
-        self._server = grpc.server(self._pool, options=_options(self.max_frame_bytes))
+        self._server = grpc.server(self._pool, options=_server_options(self.max_frame_bytes))
         handler = grpc.stream_stream_rpc_method_handler(self._serve)  # raw bytes both ways
         service, method = METHOD.strip("/").split("/")
         self._server.add_generic_rpc_handlers(
