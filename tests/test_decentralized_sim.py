@@ -26,6 +26,7 @@ SMALL = [
 
 
 @pytest.mark.simulation
+@pytest.mark.slow  # the same rows through Flower's ClientApps in make test: test_exchange.py
 @pytest.mark.parametrize(
     ("name", "extra", "fast"),
     # one engine run: the Hydra job's settings (lazy mixing) to the rows; the three

@@ -19,6 +19,7 @@ FAST = [
 
 
 @pytest.mark.simulation
+@pytest.mark.slow  # Hermes through Flower's messages in make test: tests/test_exchange.py
 def test_hermes_reaches_the_target_with_balanced_rounds(tmp_path, no_leftover_processes):
     results = run_job(make_cfg(["strategy=hermes", *FAST]), tmp_path)
     assert results["error"] is None
