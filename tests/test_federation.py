@@ -232,6 +232,9 @@ def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_id
     task = sky_app_task()
     run = {**app_run_config(SKY_APP), **QUICK, "fleet": "", "min-nodes": 0}
     run |= {"node-wait-s": 0.5, "num-server-rounds": 1, "steps-per-round": 2}
+    # fleet="" alone means transport=stream (auto), whose stage message lasts the round:
+    # this Grid handles each message synchronously inside push, so it runs the relay
+    run["transport"] = "relay"
     configs = [{"partition-id": i, "num-partitions": 4} for i in range(4)]
     grid = ProcessPerMessageGrid(sky_app_client, configs, run)
     strategy = sky_strategy(run, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)

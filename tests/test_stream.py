@@ -239,7 +239,8 @@ def _faulty(mode: str) -> type[SkyClient]:
 
 def test_disconnect_mid_step_fails_the_round_by_name(server_identity, op_count):
     err = _fails(
-        r"stage 1 on n1 \(node 102\): its stream broke .*mid-round .*crashed before step 1",
+        r"stage 1 on n1 \(node 102\): (its stream broke|closed its stream).*mid-round "
+        r".*crashed before step 1",  # the crash ends the stream cleanly or cuts it
         client_cls=_faulty("crash"),
     )
     assert err.node_ids == [102]
