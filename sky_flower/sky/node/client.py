@@ -69,7 +69,7 @@ from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
-from sky_flower.pipeline.objective import LossReduction, loss_reduction, resolve
+from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
@@ -81,6 +81,7 @@ from sky_flower.sky.node.stage_state import (
     remember,
     replay,
     save_stage,
+    stage_reduction,
     time_state_roundtrip,
 )
 
@@ -244,7 +245,7 @@ class SkyClient:
             key,
             grp.first,
             device,
-            self._reduction(st),
+            stage_reduction(st),
         )
         if GRADS in context.state:
             ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
@@ -253,11 +254,6 @@ class SkyClient:
     def _objective(self, st: P.StageConfig) -> tuple[LossFn, MetricFn]:
         """The last stage's loss and metric: the node's own, else the stage config's."""
         return self.loss_fn or resolve(st.loss), self.metric_fn or resolve(st.metric)
-
-    @staticmethod
-    def _reduction(st: P.StageConfig) -> LossReduction:
-        """How the objective's loss reduces (the stage config's ``reduction``, ``weight``)."""
-        return loss_reduction(st.reduction, "" if st.weight == "-" else st.weight)
 
     def _batch(self, context: Context, st: P.StageConfig, step: int) -> tuple[torch.Tensor, ...]:
         data = self.load_data(context)
@@ -490,13 +486,26 @@ class SkyClient:
         """
         from sky_flower.sky.node.direct_node import run_direct_stage
 
-        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        return self._round_stage(msg, context, emu, P.DirectConfig, run_direct_stage)
+
+    def _round_stage(
+        self,
+        msg: Message,
+        context: Context,
+        emu: Emulation,
+        config_cls: type[P.DirectConfig] | type[P.StreamConfig],
+        run: Callable[..., RecordDict],
+    ) -> RecordDict:
+        """A stage that stays live for a whole round (``direct``, ``stream``): once per
+        set-up (a repeat is refused, :func:`direct_repeat`), ``run`` with this node's
+        model, data and objective."""
+        cfg = config_cls.from_config_record(msg.content.config_records.get(P.CONFIG))
         refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
         if refused is not None:
             return refused
         direct_ran(cfg.stage, context)
         loss_fn, metric_fn = self._objective(cfg.stage)
-        return run_direct_stage(
+        return run(
             cfg,
             msg.content.array_records[P.ARRAYS],
             self.model_fn,
@@ -506,7 +515,6 @@ class SkyClient:
             loss_fn=loss_fn,
             metric_fn=metric_fn,
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
-            reduction=self._reduction(cfg.stage),
         )
 
     def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
@@ -517,10 +525,10 @@ class SkyClient:
 
     def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """This node's stage for a whole ``stream`` round, once per set-up
-        (:func:`sky_flower.sky.node.stream_node.handle`)."""
-        from sky_flower.sky.node.stream_node import handle
+        (:func:`sky_flower.sky.node.stream_node.run_stream_stage`)."""
+        from sky_flower.sky.node.stream_node import run_stream_stage
 
-        return handle(self, msg, context, emu)
+        return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
 
 
 # --- a node's defaults in the simulation engine: its emulation and its data by partition --

@@ -23,7 +23,6 @@ from sky_flower.pipeline.direct import (
     run_stage,
 )
 from sky_flower.pipeline.engine import Chunk
-from sky_flower.pipeline.objective import LossReduction
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
@@ -36,6 +35,7 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node.stage_state import stage_reduction
 
 
 def link_delay(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable[[int], float]:
@@ -101,7 +101,6 @@ def run_direct_stage(  # noqa: PLR0913
     loss_fn: LossFn,
     metric_fn: MetricFn,
     optim: ArrayRecord | None = None,
-    reduction: LossReduction | None = None,
 ) -> RecordDict:
     """Run this node's stage for one whole round on the ``direct`` transport.
 
@@ -136,8 +135,6 @@ def run_direct_stage(  # noqa: PLR0913
         ``train.optimizer_state=keep``: the stage's layers' optimizer state by parameter
         name (:mod:`sky_flower.sky.migration`), loaded before the round and returned
         after it (:data:`~sky_flower.sky.migration.OPTIM_KEY`); None: a fresh optimizer.
-    reduction : LossReduction, optional
-        How ``loss_fn`` reduces (default ``mean``), for the last stage's scaling.
 
     A stage whose own computation raises (its model, loss or data) replies with
     :data:`~sky_flower.sky.protocol.STAGE_ERROR` instead (:func:`own_error`).
@@ -183,7 +180,7 @@ def run_direct_stage(  # noqa: PLR0913
             metric_fn=metric_fn,
             rng=RngKey(st.seed, st.round),
             device=device,
-            reduction=reduction,
+            reduction=stage_reduction(st),  # the loss scaling on the last stage
         )
     except Exception as err:
         own = own_error(err)

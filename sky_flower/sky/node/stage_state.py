@@ -32,6 +32,7 @@ from torch import nn
 
 from sky_flower.core.clock import synchronize
 from sky_flower.core.profile import as_layers
+from sky_flower.pipeline.objective import LossReduction, loss_reduction
 from sky_flower.pipeline.stage import (
     build_stage,
     make_stage_optimizer,
@@ -53,6 +54,13 @@ class NodeStateError(RuntimeError):
 class StaleMessageError(RuntimeError):
     """A stage message older than what this node has applied (an earlier set-up or
     step, or a ``train.sky_direct`` round already run): refused, not applied."""
+
+
+def stage_reduction(st: P.StageConfig) -> LossReduction:
+    """How the objective's loss reduces over a micro-batch, as the stage config says
+    (``reduction``; ``weight`` for ``weighted``, ``"-"`` for none): every transport's
+    last stage scales its loss with it (docs/models.md)."""
+    return loss_reduction(st.reduction, "" if st.weight == "-" else st.weight)
 
 
 def save_stage(

@@ -23,17 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from sky_flower.core.profile import default_optimizer_factory
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation
-from sky_flower.pipeline.objective import loss_reduction
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.node.stage_state import direct_ran, direct_repeat, load_stage, save_stage
+from sky_flower.sky.node.stage_state import load_stage, save_stage, stage_reduction
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
@@ -76,7 +75,7 @@ class LiveStage:
         self.st, self.module, self.optimizer = st, module, optimizer
         self.batch_fn, self.loss_fn, self.metric_fn = batch_fn, loss_fn, metric_fn
         self.device = torch.device(device)
-        self.reduction = loss_reduction(st.reduction, "" if st.weight == "-" else st.weight)
+        self.reduction = stage_reduction(st)
         self.stash: dict[tuple[int, int], torch.Tensor] = {}
         self.acc_step, self.acc_done = -1, 0
         self.compute_s = 0.0
@@ -285,26 +284,3 @@ def run_stream_stage(  # noqa: PLR0913
             model_fn, st.first, st.last, local
         )
     return result
-
-
-def handle(client: Any, msg: Message, context: Context, emu: Emulation) -> RecordDict:  # noqa: ANN401
-    """``train.sky_stream`` on ``client`` (a :class:`sky_flower.sky.node.client.SkyClient`):
-    :func:`run_stream_stage` with its model, data and objective, once per set-up (a
-    repeat is refused, as a ``train.sky_direct`` one is)."""
-    cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-    refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
-    if refused is not None:
-        return refused
-    direct_ran(cfg.stage, context)
-    loss_fn, metric_fn = client._objective(cfg.stage)
-    return run_stream_stage(
-        cfg,
-        msg.content.array_records[P.ARRAYS],
-        client.model_fn,
-        int(context.node_id),
-        emu,
-        batch_fn=lambda step: client._batch(context, cfg.stage, step),
-        loss_fn=loss_fn,
-        metric_fn=metric_fn,
-        optim=msg.content.array_records.get(migration.OPTIM_KEY),
-    )
