@@ -52,7 +52,7 @@ from torch import nn
 
 from sky_flower.emulation.devices import Emulation, compose_fleet, expand_fleet
 from sky_flower.pipeline.device import check_device
-from sky_flower.sky.settings import SkySettings, in_run_config_words, run_config_keys
+from sky_flower.sky.settings import SkySettings, run_config_keys
 
 if TYPE_CHECKING:
     from sky_flower.pipeline.data import Split
@@ -167,7 +167,8 @@ def sky_strategy(
     model_fn: Callable[[], nn.Module],
     input_shape: list[int],
     app_keys: tuple[str, ...] = (),
-    **kwargs: Any,
+    hooks: Sequence[Any] = (),
+    input_dtype: str = "float32",
 ) -> Any:  # noqa: ANN401 - sky_flower.strategies.sky.SkyStrategy, imported lazily
     """A :class:`sky_flower.strategies.sky.SkyStrategy` built from the run config.
 
@@ -180,40 +181,39 @@ def sky_strategy(
     run_config : mapping
         ``context.run_config`` (validated here, see :func:`validate_run_config`).
     model_fn : callable
-        ``() -> nn.Sequential``: the model, as on the nodes.
+        ``() -> nn.Module``: the model, as on the nodes.
     input_shape : list of int
         One sample's shape, without the batch dimension (e.g. ``[64]``).
     app_keys : tuple of str
         The app's own run-config keys, allowed besides Sky's.
-    **kwargs
-        Passed to ``SkyStrategy`` (e.g. ``on_event``).
+    hooks : sequence of SkyHooks
+        Observers of the run (:class:`sky_flower.sky.rounds.hooks.SkyHooks`).
+    input_dtype : str
+        The model input's dtype (``"int64"`` for token ids).
 
     Raises
     ------
     ValueError
-        On a bad run config, before any node is contacted; also from ``SkyStrategy``
-        (e.g. a transport it does not run yet) and from the memory pre-check against the
-        fleet's memory caps.
+        On a bad run config, before any node is contacted, naming the run-config key
+        (the settings' own checks, :class:`sky_flower.sky.settings.SkySettings`); from
+        the memory pre-check against the fleet's memory caps.
     """
     from sky_flower.jobs.common import SkyRecorder
-    from sky_flower.strategies.sky import SkyStrategy
+    from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
     cfg = validate_run_config(run_config, app_keys)
     settings, nodes = cfg.settings, cfg.nodes
-    try:
-        strategy = SkyStrategy(
-            model_fn=model_fn,
-            input_shape=input_shape,
-            node_order=[n.name for n in nodes],
-            min_nodes=settings.messaging.min_nodes or len(nodes),  # 0: all in node-wait-s
-            **{**settings.strategy_kwargs(), **kwargs},
-        )
-    except ValueError as err:  # its checks name Hydra paths: say the run-config keys
-        raise ValueError(in_run_config_words(str(err))) from err
+    hooks = list(hooks)
     if settings.results_path:
-        SkyRecorder(Path(settings.results_path), settings.allocation, settings.fleet).attach(
-            strategy
-        )
+        path = Path(settings.results_path)
+        hooks.append(SkyRecorder(path, settings.allocation, settings.fleet))
+    strategy = SkyStrategy(
+        SkyModel.from_settings(model_fn, input_shape, settings, input_dtype),
+        settings,
+        node_order=[n.name for n in nodes],
+        min_nodes=settings.messaging.min_nodes or len(nodes),  # 0: all in node-wait-s
+        hooks=hooks,
+    )
     strategy.precheck(
         [n.name for n in nodes],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in nodes],

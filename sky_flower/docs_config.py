@@ -177,7 +177,7 @@ def settings_section() -> list[str]:
     for name, kind in groups:
         rows = []
         for f in dataclasses.fields(kind):
-            if f.name in GROUPS:
+            if f.name in GROUPS or f.metadata.get("internal"):
                 continue
             meta = f.metadata
             shown = _code(f.default)

@@ -382,7 +382,8 @@ def sky_app_on_grid(
     for i, extra in (node_extra or {}).items():
         node_configs[i].update(extra)
     grid = grid_cls(sky_app_client, node_configs, run_config)
-    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64], echo_jitter_s=0.0)
+    run_config.setdefault("echo-jitter-s", 0.0)
+    strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
     start = {
         "grid": grid,
         "initial_arrays": ArrayRecord(task.initial_weights()),

@@ -86,8 +86,9 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     strategy = sky_strategy(
         {"allocation": "even", "fleet": "edge3", "echo-repeats": 1}, model_fn=net, input_shape=[64]
     )
-    assert strategy.allocation == "even" and strategy.min_nodes == 3
-    assert strategy.node_order == ["phone", "cloud", "box"] and strategy.echo_repeats == 1
+    assert strategy.settings.allocation == "even" and strategy.min_nodes == 3
+    assert strategy.node_order == ["phone", "cloud", "box"]
+    assert strategy.settings.benchmark.echo_repeats == 1
     # the schedule and the direct transport's settings reach SkyStrategy
     direct = sky_strategy(
         {
@@ -103,8 +104,9 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     )
     assert (direct.schedule.transport, direct.schedule.kind) == ("direct", "gpipe")
     assert direct.schedule.microbatches == 4
-    assert (direct.direct_timeout_s, direct.direct_join_timeout_s) == (12.0, 34.0)
-    assert direct.direct_host == "10.0.0.5"
+    run = direct.run_settings()
+    assert (run.direct_timeout_s, run.direct_join_timeout_s) == (12.0, 34.0)
+    assert run.direct_host == "10.0.0.5"
     relay = sky_strategy(
         {"schedule-kind": "1f1b", "microbatches": 8}, model_fn=net, input_shape=[64]
     )
@@ -235,12 +237,10 @@ def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
     import logging
 
     import torch
-    from sky_flower.strategies.sky import SkyNodeError, SkyStrategy
+    from sky_flower.strategies.sky import SkyModel, SkyNodeError, SkyStrategy
 
-    strategy = SkyStrategy(
-        model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), input_shape=[4], min_nodes=3
-    )
-    strategy.node_wait_s = 0.6
+    model = SkyModel(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4])
+    strategy = SkyStrategy(model, min_nodes=3)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         assert strategy.wait_for_nodes(_TwoNodeGrid(), 0.6) == [11, 12]
     assert "Only 2 of 3 nodes connected" in caplog.text and "left out" in caplog.text

@@ -126,12 +126,10 @@ def test_completed_is_false_when_no_round_trained(tmp_path):
     above the rounds): ``start`` returned, but nothing trained, so ``results.json`` says
     ``completed: false`` beside the error (it said ``true``)."""
     rounds = [{"round": r, "error": f"round {r} failed: boom"} for r in (1, 2)]
-    strategy = SimpleNamespace(rounds=rounds, failed_rounds=[], on_event=None, start=None)
-    strategy.on_event = lambda kind, payload: None
-    strategy.start = lambda *a, **k: "result"
+    strategy = SimpleNamespace(rounds=rounds, failed_rounds=[])
     recorder = SkyRecorder(tmp_path / "results.json", "even", "uniform3")
-    recorder.attach(strategy)
-    assert strategy.start(evaluate_fn=None) == "result"
+    recorder.on_start(strategy)  # the hooks a run calls: it started, then ended
+    recorder.on_end(strategy, None)  # without an error
     saved = json.loads(Path(tmp_path / "results.json").read_text())
     assert saved["completed"] is False
     assert saved["error"].startswith("no round trained (2 failed)")

@@ -49,8 +49,7 @@ def test_phase_deadlines_have_message_timeout_as_floor_and_scale_stages():
     with pytest.raises(ValueError, match="stage_multiple must be >= 0"):
         Deadlines(stage_multiple=-1)
     s = SkySettings.from_run_config({"message-timeout-s": 3.0, "stage-timeout-multiple": 2.0})
-    kw = s.strategy_kwargs()
-    assert kw["message_timeout_s"] == 3.0 and kw["deadlines"].stage_multiple == 2.0
+    assert s.failure.message_timeout_s == 3.0 and s.deadlines_object().stage_multiple == 2.0
     with pytest.raises(ValueError, match="first-contact-timeout-s must be > 0"):
         SkySettings.from_run_config({"first-contact-timeout-s": 0.0})
 
@@ -154,8 +153,8 @@ def test_a_slow_owner_is_waited_for_not_pushed_to():
         "echo-repeats": 1,
         "state-probe-mb": 0.0,
     }
+    run |= {"stage-timeout-multiple": 0.0, "busy-wait-s": 30.0}
     strategy, grid, start = sky_app_on_grid(BusyCheckingGrid, run)
-    strategy.deadlines = Deadlines(stage_multiple=0.0, busy_wait_s=30.0)
     grid.app_fn = stalling_client
     try:
         strategy.start(**start)
@@ -177,4 +176,4 @@ def test_a_node_that_fails_the_benchmark_is_named_by_elimination():
     finally:
         grid.close()
     assert [n.name for n in strategy.node_profiles] == ["node0", "node2"]
-    assert strategy._names[grid.ids[1]] == "node1"  # it never told its name: the fleet did
+    assert strategy.state.names[grid.ids[1]] == "node1"  # it never told its name: the fleet did

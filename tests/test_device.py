@@ -17,10 +17,9 @@ import torch
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 from simhelpers import make_cfg
-from sky_flower.strategies.sky import SkyStrategy
+from sky_flower.strategies.sky import EventCallback, SkyModel, SkyStrategy
 
 from sky_flower.app import emulation_from_node_config
-from sky_flower.core.cost import Schedule
 from sky_flower.deploy.local import node_config
 from sky_flower.emulation.devices import Emulation, check_fleet_devices, expand_fleet
 from sky_flower.flower.inprocess import InProcessGrid
@@ -37,6 +36,7 @@ from sky_flower.pipeline.stage import StageExecutor, build_stage, stage_optimize
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.planning.benchmark import benchmark_table
+from sky_flower.sky.settings import SkySettings
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
@@ -157,17 +157,22 @@ def test_benchmark_json_carries_each_nodes_device(tmp_path, caplog) -> None:
     app = SkyClient(model_fn, load, emulation_fn=emulation).register(ClientApp())
     grid = InProcessGrid(dict.fromkeys(nodes, app))
     events: dict[str, dict] = {}
+    settings = SkySettings().replace(
+        {
+            "schedule.batch_size": 16,
+            "schedule.microbatches": 2,
+            "benchmark.repeats": 1,
+            "benchmark.echo_repeats": 1,
+            "benchmark.echo_jitter_s": 0.0,
+            "benchmark.state_probe_mb": 0.0,
+            "messaging.poll_interval_s": 1e-4,
+        }
+    )
     strategy = SkyStrategy(
-        model_fn=model_fn,
-        input_shape=[64],
-        schedule=Schedule(batch_size=16, microbatches=2),
+        SkyModel(model_fn, [64]),
+        settings,
         min_nodes=3,
-        benchmark_repeats=1,
-        echo_repeats=1,
-        echo_jitter_s=0.0,
-        state_probe_bytes=0,
-        poll_interval_s=0.0,
-        on_event=lambda kind, payload: events.setdefault(kind, payload),
+        hooks=[EventCallback(lambda kind, payload: events.setdefault(kind, payload))],
     )
     profiles = strategy.benchmark(grid, list(grid.get_node_ids()))
     write_json(tmp_path / "benchmark.json", events["benchmark"])  # as the job writes it

@@ -373,7 +373,7 @@ def test_reduction_settings_are_checked():
     s = SkySettings.from_run_config(
         {"loss-reduction": "sum", "loss": "test_exact_objective:sum_cross_entropy"}
     )
-    assert s.strategy_kwargs()["loss_reduction"] == "sum"
+    assert s.objective.reduction_object().kind == "sum"
     from hydra import compose, initialize_config_dir
 
     from sky_flower.jobs.common import conf_dir

@@ -96,7 +96,7 @@ def test_divergence_guard_fails_a_round_whose_loss_grows_past_the_factor(tmp_pat
             "diverged": True,
         }
     ]
-    assert strategy.guard.best_loss == first["train_loss"] < 3.0
+    assert strategy.executor.guard.best_loss == first["train_loss"] < 3.0
     assert result.arrays is strategy.global_arrays  # round 1's model
     assert _strict((tmp_path / "results.json").read_text())["completed"] is True
     assert RoundGuard().divergence_factor == 0  # off by default

@@ -266,15 +266,12 @@ def test_relay_trains_the_split_llama_exactly_as_unsplit(server_identity):
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = ProcessPerMessageGrid(lm_client, configs, run_config)
-    strategy = sky_strategy(
-        run_config,
-        model_fn=converted,
-        input_shape=[T],
-        input_dtype="int64",
-        loss_fn=lm_cross_entropy,
-        metric_fn=token_correct,
-        echo_jitter_s=0.0,
-    )
+    run_config |= {
+        "echo-jitter-s": 0.0,
+        "loss": "sky_flower.pipeline.lm:lm_cross_entropy",
+        "metric": "sky_flower.pipeline.lm:token_correct",
+    }
+    strategy = sky_strategy(run_config, model_fn=converted, input_shape=[T], input_dtype="int64")
     initial = converted().state_dict()
     strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=2)
     bounds = [(s.first_layer, s.last_layer) for s in strategy.plan.stages]

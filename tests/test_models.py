@@ -245,7 +245,7 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
     """The Hydra job's inputs (model, data, objective by ``_target_``, checked as
     ``run_job`` checks them) trained by ``SkyStrategy`` with the job's ``SkyClient`` on an
     in-process Grid; returns the job's inputs and the strategy's round rows."""
-    from sky_flower.strategies.sky import SkyStrategy
+    from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
     from sky_flower.jobs.sky import evaluate_fn_for
     from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
@@ -254,11 +254,10 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
     inputs = _checked(cfg)
     fleet, model_fn = inputs["fleet"], inputs["model_fn"]
     strategy = SkyStrategy(
-        model_fn=model_fn,
-        input_shape=inputs["input_shape"],
+        SkyModel.from_settings(model_fn, inputs["input_shape"], settings),
+        settings,
         node_order=[n.name for n in fleet],
         min_nodes=len(fleet),
-        **settings.strategy_kwargs(),
     )
     strategy.precheck([n.name for n in fleet], [None] * len(fleet))
     app = SkyClient(
@@ -344,7 +343,7 @@ def test_flower_app_parts_and_run_config_objective():
     strategy = sky_strategy(
         {"fleet": "edge3", **regression}, model_fn=lambda: build_mlp(64, 8, 3, 1), input_shape=[64]
     )
-    assert (strategy.loss_fn, strategy.metric_fn) == (mse, rounded_correct)
+    assert (strategy.model.loss_fn, strategy.model.metric_fn) == (mse, rounded_correct)
     with pytest.raises(ValueError, match=r"run config loss must be \"module:qualname\""):
         validate_run_config({"loss": "mse"})
 

@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 from reference import ConcurrentGrid, ProcessPerMessageGrid, error_reply, reference_rounds
-from sky_flower.strategies.sky import SkyStrategy
+from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
 from sky_flower.core.cost import Schedule
 from sky_flower.core.fleets import synthetic_node_profiles
@@ -37,9 +37,31 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.replan import ProfileTracker, ReplanConfig, decide
+from sky_flower.sky.settings import SkySettings
 
 NAMES = ["owner", "mid", "tail"]
 BATCH, MICRO, STEPS, ROUNDS, LR = 16, 2, 2, 3, 0.01
+
+
+def _settings(overrides: dict) -> SkySettings:
+    """These tests' settings: BATCH x MICRO, STEPS steps at LR, a one-pass benchmark
+    round without jitter or state probe, optimizer state kept across rounds."""
+    return SkySettings().replace(
+        {
+            "schedule.batch_size": BATCH,
+            "schedule.microbatches": MICRO,
+            "train.lr": LR,
+            "train.steps_per_round": STEPS,
+            "benchmark.repeats": 1,
+            "benchmark.echo_jitter_s": 0.0,
+            "benchmark.state_probe_mb": 0.0,
+            "messaging.poll_interval_s": 1e-4,
+            "train.optimizer_state": "keep",
+            **overrides,
+        }
+    )
+
+
 _DATA: dict[str, Split] = {}
 
 
@@ -89,23 +111,17 @@ def _run(  # noqa: ANN202
     grid_cls = grid_cls or (ConcurrentGrid if transport == "direct" else ProcessPerMessageGrid)
     grid = grid_cls(replan_app, configs, {})
     kind = "gpipe" if transport == "direct" else "sequential"
-    strategy = SkyStrategy(
-        model_fn=small_cnn,
-        input_shape=[64],
-        allocation="even",
-        schedule=Schedule(batch_size=BATCH, microbatches=MICRO, kind=kind, transport=transport),
-        optimizer=optimizer,
-        lr=LR,
-        steps_per_round=STEPS,
-        min_nodes=3,
-        benchmark_repeats=1,
-        echo_repeats=1,
-        echo_jitter_s=0.0,
-        state_probe_bytes=0,
-        poll_interval_s=0.0,
-        replan=ReplanConfig(mode=mode),
-        optimizer_state="keep",
+    settings = _settings(
+        {
+            "allocation.method": "even",
+            "schedule.kind": kind,
+            "schedule.transport": transport,
+            "train.optimizer": optimizer,
+            "benchmark.echo_repeats": 1,
+            "replan.mode": mode,
+        }
     )
+    strategy = SkyStrategy(SkyModel(small_cnn, [64]), settings, min_nodes=3)
     try:
         result = strategy.start(grid, ArrayRecord(_weights()), num_rounds=ROUNDS)
     finally:
@@ -314,15 +330,21 @@ def test_optimizer_state_by_parameter_name_round_trips_and_slices_by_layer():
 def test_keeping_optimizer_state_is_refused_with_chunked_schedules(kind):
     """Migration moves state layer by layer with one stage per node: a schedule that may
     split a stage into chunks is refused up front, naming the way out."""
-    schedule = Schedule(batch_size=8, microbatches=4, kind=kind, transport="direct")
+    schedule = {
+        "schedule.batch_size": 8,
+        "schedule.microbatches": 4,
+        "schedule.kind": kind,
+        "schedule.transport": "direct",
+    }
     with pytest.raises(ValueError, match=rf"optimizer_state=keep .* schedule.kind={kind}"):
-        SkyStrategy(
-            lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)),
-            [4],
-            schedule=schedule,
-            optimizer_state="keep",
+        SkySettings().replace({**schedule, "train.optimizer_state": "keep"})
+    model = SkyModel(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4])
+    SkyStrategy(model, SkySettings().replace(schedule))
+    with pytest.raises(ValueError, match=r"run config optimizer-state=keep .* schedule-kind="):
+        SkySettings.from_run_config(
+            {"fleet": "edge3", "transport": "direct", "schedule-kind": kind}
+            | {"microbatches": 4, "optimizer-state": "keep"}
         )
-    SkyStrategy(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4], schedule=schedule)
 
 
 def test_link_factors_ignore_the_owners_stage_and_near_zero_link_predictions():
@@ -427,23 +449,17 @@ def test_a_node_that_joins_mid_run_is_benchmarked_and_planned_with(mode, server_
     reference's (Adam state kept across rounds, so moved layers keep theirs)."""
     configs = [{"sky-node": n} for n in JOINING]
     grid = RepliesErrorsGrid(joining_app, configs, {})
-    strategy = SkyStrategy(
-        model_fn=small_cnn,
-        input_shape=[64],
-        allocation="heuristic",
-        schedule=Schedule(batch_size=BATCH, microbatches=MICRO, kind="sequential"),
-        optimizer="adam",
-        lr=LR,
-        steps_per_round=STEPS,
-        min_nodes=4,
-        benchmark_repeats=1,
-        echo_repeats=3,
-        echo_jitter_s=0.0,
-        state_probe_bytes=0,
-        poll_interval_s=0.0,
-        replan=ReplanConfig(mode=mode, threshold=0.0),  # any gain: the join is the point
-        optimizer_state="keep",
+    settings = _settings(
+        {
+            "allocation.method": "heuristic",
+            "schedule.kind": "sequential",
+            "train.optimizer": "adam",
+            "benchmark.echo_repeats": 3,
+            "replan.mode": mode,
+            "replan.threshold": 0.0,  # any gain: the join is the point
+        }
     )
+    strategy = SkyStrategy(SkyModel(small_cnn, [64]), settings, min_nodes=4)
     result = strategy.start(grid, ArrayRecord(_weights()), num_rounds=ROUNDS)
     assert strategy.failed_rounds == []
     planned_nodes = {st.node for p in strategy.federated.fplan.pipelines for st in p.plan.stages}

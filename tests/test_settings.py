@@ -66,19 +66,28 @@ def test_every_default_is_the_run_configs_and_the_sky_apps():
     assert SkySettings.from_run_config({}).messaging.poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
 
 
-def test_settings_reach_skystrategy_keywords_and_defaults():
+def test_skystrategy_takes_the_settings_object_and_at_most_eight_parameters():
+    """Issue 29: ``SkyStrategy(model, settings, *, ...)``, no mixin bases; its settings
+    are the one settings object, so no default lives in its signature."""
+    from flwr.serverapp.strategy import Strategy
     from sky_flower.strategies.sky import SkyStrategy
 
     from sky_flower.core.partition import METHODS
 
     assert tuple(METHODS) == ALLOCATIONS
-    params = inspect.signature(SkyStrategy.__init__).parameters
-    kwargs = SkySettings().strategy_kwargs()
-    assert set(kwargs) <= set(params)
-    for name, value in kwargs.items():
-        if name == "schedule":
-            continue
-        assert params[name].default == value, (name, params[name].default, value)
+    params = [p for p in inspect.signature(SkyStrategy.__init__).parameters if p != "self"]
+    assert params[:2] == ["model", "settings"] and len(params) <= 8
+    assert SkyStrategy.__bases__ == (Strategy,)
+    s = SkySettings().replace({"train.lr": 0.5, "schedule.transport": "stream"})
+    assert (s.train.lr, s.schedule.transport) == (0.5, "stream")
+    assert s.replace({}) == s and SkySettings().train.lr != 0.5  # frozen: a copy
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['train.learning_rate'\]"):
+        s.replace({"train.learning_rate": 0.1})
+    with pytest.raises(ValueError, match=r"train\.lr must be > 0, got -1"):
+        s.replace({"train.lr": -1})
+    run = SkySettings.from_run_config({"fleet": "edge3", "lr": 0.5})
+    with pytest.raises(ValueError, match=r"run config microbatches=3 must divide .* \(set batch-"):
+        run.replace({"schedule.microbatches": 3})  # a run config's settings: its words
 
 
 def test_hydra_overrides_and_refusals():
@@ -121,6 +130,8 @@ def test_run_config_reaches_the_strategy():
         model_fn=lambda: torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))),
         input_shape=[64],
     )
-    assert strategy.max_failed_rounds == 3 and strategy.node_wait_s == 9.0
-    assert strategy.benchmark_warmup == 1
-    assert strategy.poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
+    s = strategy.settings
+    assert s.failure.max_failed_rounds == 3 and s.messaging.node_wait_s == 9.0
+    assert s.benchmark.warmup == 1
+    assert strategy.run_settings().poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
+    assert strategy.recovery.max_failed_rounds == 3

@@ -16,13 +16,14 @@ from flwr.common.config import parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 from reference import SKY_APP, ProcessPerMessageGrid, error_reply, sky_app_task
-from sky_flower.strategies.sky import RUNNERS, SkyNodeError, SkyStrategy
+from sky_flower.strategies.sky import RUNNERS, SkyModel, SkyNodeError, SkyStrategy
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.deploy import app_run_config, node_config
 from sky_flower.flower.exchange import NodeError
 from sky_flower.sky import protocol as P
 from sky_flower.sky.rounds.report import stage_table
+from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.runner import RoundOutcome
 
 RUN = {
@@ -87,8 +88,8 @@ def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessag
         return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
 
     grid = SlowReplyGrid(fresh_app, configs, run_config)
+    run_config = {**run_config, "echo-jitter-s": 0.0}
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
-    strategy.echo_jitter_s = 0.0
     strategy.benchmark(grid, list(grid.get_node_ids()))
     strategy.make_plan()
     return strategy, grid
@@ -132,7 +133,7 @@ def test_failing_node_raises_a_node_error_carrying_its_id(server_identity):
     fleet = list(load_fleet("edge3"))
     fleet[2] = dataclasses.replace(fleet[2], fail_on=P.FORWARD, fail_mode="raise")
     strategy, grid = _planned({"schedule-kind": "gpipe", "microbatches-per-message": 1}, fleet)
-    box = strategy._ids["box"]
+    box = strategy.state.ids["box"]
     with pytest.raises(SkyNodeError) as info:
         _round(strategy, grid)
     err = info.value
@@ -143,8 +144,7 @@ def test_failing_node_raises_a_node_error_carrying_its_id(server_identity):
 def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_identity):
     fleet = list(load_fleet("edge3"))
     fleet[2] = dataclasses.replace(fleet[2], fail_on=P.FORWARD, fail_mode="malformed")
-    strategy, grid = _planned({}, fleet)
-    strategy.max_failed_rounds = 2
+    strategy, grid = _planned({"max-failed-rounds": 2}, fleet)
     initial = ArrayRecord(sky_app_task().initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     (failed,) = strategy.failed_rounds
@@ -159,15 +159,18 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
 def test_runner_picked_once_from_the_transport():
     assert set(RUNNERS) == {"relay", "direct", "stream"}
     task = sky_app_task()
-    from sky_flower.core.cost import Schedule
-
     with pytest.raises(ValueError, match="kind=sequential, transport=direct"):
-        SkyStrategy(task.Net, [64], schedule=Schedule(transport="direct"))
-    strategy = SkyStrategy(task.Net, [64], poll_interval_s=0.05, node_wait_s=1.0)
-    strategy.poll_interval_s = 0.1  # the attribute still counts (sky_flower.app sets it)
-    assert strategy.run_settings().poll_interval_s == 0.1 and strategy.node_wait_s == 1.0
+        SkySettings().replace({"schedule.transport": "direct"})
+    settings = SkySettings().replace(
+        {"messaging.poll_interval_s": 0.1, "messaging.node_wait_s": 1.0}
+    )
+    strategy = SkyStrategy(SkyModel(task.Net, [64]), settings)
+    assert strategy.run_settings().poll_interval_s == 0.1
+    assert type(strategy.runner()) is RUNNERS["relay"]
     with pytest.raises(ValueError, match="cannot travel to the nodes"):
-        SkyStrategy(task.Net, [64], loss_fn=lambda out, y: out.sum())
+        SkyModel(task.Net, [64], loss_fn=lambda out, y: out.sum())
+    with pytest.raises(TypeError, match="first argument is a SkyModel"):
+        SkyStrategy(task.Net, settings)  # the old signature: a clear error
 
 
 def test_round_row_keys_and_one_stage_table_for_both_transports():
@@ -220,7 +223,7 @@ def test_direct_messages_carry_a_typed_config_per_stage(server_identity):
 @pytest.mark.parametrize("echo_bytes", [(1024, 1024), (4096, 1024), (1024,), (0, 1024)])
 def test_bad_echo_sizes_are_refused_before_any_node_is_contacted(echo_bytes):
     with pytest.raises(ValueError, match=r"echo_bytes .* 0 < small < large"):
-        SkyStrategy(sky_app_task().Net, [64], echo_bytes=echo_bytes)
+        SkySettings().replace({"benchmark.echo_bytes": echo_bytes})
 
 
 def test_a_stopped_run_stops_the_benchmark_instead_of_blaming_the_nodes(server_identity):

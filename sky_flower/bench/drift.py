@@ -45,14 +45,13 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.clientapp import ClientApp
 
-from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.inprocess import InProcessGrid, server_identity
 from sky_flower.pipeline.data import Split, load_split, owner_partition
 from sky_flower.pipeline.models import build_mlp
 from sky_flower.sky.node.client import SkyClient
-from sky_flower.sky.planning.replan import ReplanConfig
-from sky_flower.strategies.sky import SkyStrategy
+from sky_flower.sky.settings import SkySettings
+from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
 DRIFT_ROUND = 3
 SLOW = 3.0  # slowdown 3: 4x slower
@@ -103,23 +102,24 @@ def run_one(scenario: str, how: str, args: argparse.Namespace) -> dict[str, Any]
 
     app = SkyClient(model_fn, load, emulation_fn=emulation).register(ClientApp())
     grid = InProcessGrid({n.name: app for n in nodes})
-    strategy = SkyStrategy(
-        model_fn=model_fn,
-        input_shape=[64],
-        allocation="heuristic",
-        schedule=Schedule(batch_size=args.batch, microbatches=1),
-        lr=1e-3,
-        steps_per_round=args.steps,
-        min_nodes=len(nodes),
-        benchmark_repeats=3,
-        echo_repeats=1,
-        echo_jitter_s=0.0,
-        state_probe_bytes=0,
-        poll_interval_s=0.0,
-        max_failed_rounds=2,
-        replan=ReplanConfig(mode="on" if how == "online" else "off"),
-        optimizer_state="keep",
+    settings = SkySettings().replace(
+        {
+            "allocation.method": "heuristic",
+            "schedule.batch_size": args.batch,
+            "schedule.microbatches": 1,
+            "train.lr": 1e-3,
+            "train.steps_per_round": args.steps,
+            "benchmark.repeats": 3,
+            "benchmark.echo_repeats": 1,
+            "benchmark.echo_jitter_s": 0.0,
+            "benchmark.state_probe_mb": 0.0,
+            "messaging.poll_interval_s": 1e-4,  # in process: hardly a pause
+            "train.max_failed_rounds": 2,
+            "replan.mode": "on" if how == "online" else "off",
+            "train.optimizer_state": "keep",
+        }
     )
+    strategy = SkyStrategy(SkyModel(model_fn, [64]), settings, min_nodes=len(nodes))
     x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
 
     def evaluate(rnd: int, arrays: ArrayRecord) -> MetricRecord:

@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from sky_flower.core.cost import Schedule
 from sky_flower.emulation.devices import Emulation
 from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
@@ -144,7 +143,8 @@ def flower_cases(
     from flwr.simulation import run_simulation
 
     from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
-    from sky_flower.strategies.sky import SkyStrategy
+    from sky_flower.sky.settings import SkySettings
+    from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
     fleet = fleet_for(S)
     model_fn = partial(build_model, model_cfg)
@@ -154,26 +154,28 @@ def flower_cases(
     links: dict[int, tuple[float, float, float]] = {}
 
     def make(M: int, transport: str, case_kind: str) -> SkyStrategy:
+        settings = SkySettings().replace(
+            {
+                "allocation.method": "even",
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": M,
+                "schedule.kind": case_kind,
+                "schedule.transport": transport,
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "train.steps_per_round": steps + 1,
+                "benchmark.warmup": 1,
+                "benchmark.repeats": 3,
+                "benchmark.echo_repeats": 3,
+                "benchmark.state_probe_mb": 4.0,
+                "schedule.direct_timeout_s": 60.0,
+            }
+        )
         return SkyStrategy(
-            model_fn=model_fn,
-            input_shape=[int(model_cfg["in_features"])],
-            allocation="even",
-            schedule=Schedule(
-                batch_size=BATCH,
-                microbatches=M,
-                kind=case_kind,  # type: ignore[arg-type]
-                transport=transport,  # type: ignore[arg-type]
-            ),
-            optimizer="adam",
-            lr=LR,
-            steps_per_round=steps + 1,
+            SkyModel(model_fn, [int(model_cfg["in_features"])]),
+            settings,
             node_order=[n.name for n in fleet],
             min_nodes=S,
-            benchmark_warmup=1,
-            benchmark_repeats=3,
-            echo_repeats=3,
-            state_probe_bytes=4 * 2**20,
-            direct_timeout_s=60.0,
             link_cache=links,  # the relay link does not depend on M: time it once
         )
 

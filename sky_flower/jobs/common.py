@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from sky_flower.sky.rounds.hooks import SkyHooks
+
 log = logging.getLogger("sky_flower")
 
 # the keys of a Sky round row kept in results.json (SkyStrategy.rounds has more)
@@ -293,7 +295,8 @@ def sky_results(
     ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.rounds.joins`: ``round``,
     ``node``, ``node_id``).
     """
-    rows = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
+    plain = [r.to_dict() if hasattr(r, "to_dict") else r for r in rounds]  # RoundRecord
+    rows = [{k: r.get(k) for k in ROUND_KEYS} for r in plain]
     return {
         "allocation": allocation,
         "fleet": fleet,
@@ -319,12 +322,14 @@ def untrained(rounds: list[dict[str, Any]]) -> str | None:
     return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
 
 
-class SkyRecorder:
-    """Keeps a Sky run's ``results.json`` at ``path`` up to date.
+class SkyRecorder(SkyHooks):
+    """Keeps a Sky run's ``results.json`` at ``path`` up to date: a hook
+    (:class:`sky_flower.sky.rounds.hooks.SkyHooks`) of a ``SkyStrategy``.
 
-    :meth:`attach` hooks a ``SkyStrategy``: the file is rewritten after every round (its
-    ``on_event``), records the initial evaluation (round 0 of ``evaluate_fn``), and at
-    the end of ``start`` whether it completed or the error that ended it.
+    The file is rewritten after every round, records the initial evaluation (round 0 of
+    ``evaluate_fn``), and at the end of the run whether it completed or the error that
+    ended it. Subscribe it with ``SkyStrategy(..., hooks=[recorder])`` or
+    :meth:`attach`.
 
     Parameters
     ----------
@@ -341,39 +346,31 @@ class SkyRecorder:
         self.completed = False
 
     def attach(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
-        """Hook ``strategy`` (its ``on_event`` and ``start``) and return it."""
+        """Subscribe to ``strategy`` (:meth:`SkyStrategy.subscribe`) and return it."""
         self.strategy = strategy
-        inner_event, inner_start = strategy.on_event, strategy.start
-
-        def on_event(kind: str, payload: dict) -> None:
-            inner_event(kind, payload)
-            if kind == "round":
-                self.write()
-
-        def start(*args: Any, evaluate_fn: Callable | None = None, **kwargs: Any) -> Any:  # noqa: ANN401
-            try:
-                result = inner_start(*args, evaluate_fn=self._evaluate(evaluate_fn), **kwargs)
-            except BaseException as err:
-                self.write(describe_error(err))
-                raise
-            self.completed = True
-            self.write()
-            return result
-
-        strategy.on_event, strategy.start = on_event, start
+        strategy.subscribe(self)
         return strategy
 
-    def _evaluate(self, evaluate_fn: Callable | None) -> Callable | None:
-        if evaluate_fn is None:
-            return None
+    def on_start(self, strategy: Any) -> None:  # noqa: ANN401 - a SkyStrategy
+        """Remember the strategy whose rounds are written."""
+        self.strategy = strategy
 
-        def evaluate(server_round: int, arrays: Any) -> Any:  # noqa: ANN401 - Flower records
-            res = evaluate_fn(server_round, arrays)
-            if server_round == 0 and res is not None and "accuracy" in res:
-                self.initial_test_accuracy = float(res["accuracy"])  # type: ignore[arg-type]
-            return res
+    def on_evaluate(self, server_round: int, metrics: dict[str, float]) -> None:
+        """Keep the initial model's test accuracy (round 0)."""
+        if server_round == 0 and "accuracy" in metrics:
+            self.initial_test_accuracy = float(metrics["accuracy"])
 
-        return evaluate
+    def on_round(self, record: Any) -> None:  # noqa: ANN401 - a round record
+        """Rewrite the file with the round."""
+        self.write()
+
+    def on_end(self, strategy: Any, error: BaseException | None) -> None:  # noqa: ANN401
+        """Write the outcome: completed, or the error that ended the run."""
+        if error is not None:
+            self.write(describe_error(error))
+            return
+        self.completed = True
+        self.write()
 
     def write(self, error: str | None = None) -> dict[str, Any]:
         """Write the results so far (with ``error`` if the run failed) and return them."""

@@ -195,7 +195,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from flwr.serverapp import Grid
 
     from sky_flower.sky.node.client import SkyClient, fleet_emulation, owner_data_fn
-    from sky_flower.strategies.sky import SkyStrategy
+    from sky_flower.strategies.sky import EventCallback, SkyModel, SkyStrategy
 
     settings = SkySettings.from_hydra(cfg)
     inputs = _checked_inputs(cfg, settings)
@@ -207,17 +207,18 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if kind in ("benchmark", "plan"):
             write_json(out_dir / f"{kind}.json", payload)
 
+    recorder = SkyRecorder(out_dir / "results.json", settings.allocation, str(cfg.fleet.name))
+    model = SkyModel.from_settings(
+        model_fn, inputs["input_shape"], settings, input_dtype=inputs["input_dtype"]
+    )
     strategy = SkyStrategy(
-        model_fn=model_fn,
-        input_shape=inputs["input_shape"],
-        input_dtype=inputs["input_dtype"],
+        model,
+        settings,
         node_order=[n.name for n in fleet],
         min_nodes=len(fleet),
-        on_event=on_event,
-        **settings.strategy_kwargs(),
+        hooks=[EventCallback(on_event), recorder],
     )
-    recorder = SkyRecorder(out_dir / "results.json", settings.allocation, str(cfg.fleet.name))
-    recorder.attach(strategy)
+    recorder.strategy = strategy  # results.json is written even if the run never starts
     strategy.precheck(
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],

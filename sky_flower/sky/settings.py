@@ -5,7 +5,8 @@ Every field names where it is set: its Hydra path (``conf/config.yaml``, the
 ``transport`` and ``allocation`` groups) and its run-config key (``flwr run
 --run-config``, ``[tool.flwr.app.config]``; ``None``: Hydra only). :meth:`SkySettings.
 from_hydra` and :meth:`SkySettings.from_run_config` read and validate them,
-:meth:`SkySettings.strategy_kwargs` gives ``SkyStrategy``'s keyword arguments. A test
+:meth:`SkySettings.replace` overrides values by Hydra path; ``SkyStrategy`` takes the
+settings object itself (``SkyStrategy(model, settings)``). A test
 (``tests/test_settings.py``) compares every default here with the Hydra YAML and
 ``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
 line in the app's ``pyproject.toml``.
@@ -26,6 +27,8 @@ from sky_flower.sky.setting_values import _checked, _hydra_error, _run_config_er
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 BN_POLICIES = ("average", "local")  # as sky_flower.sky.rounds.federation.BN_POLICIES
+# schedules that may run several model chunks per stage (sky_flower.core.schedule)
+CHUNKED_KINDS = ("interleaved", "zero_bubble", "auto")
 
 # the ServerApp's reply polling period under `flwr run`: every poll is an HTTP call to the
 # SuperLink; 2 ms polls would take the CPU from the nodes themselves (a SuperLink ran at
@@ -306,6 +309,10 @@ class SkySettings:
     objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
     replan: ReplanSettings = field(default_factory=ReplanSettings)
 
+    # where these settings were read from: their errors name each setting as that
+    # caller does (``hydra``: the Hydra path; ``run_config``: the run-config key)
+    words: str = field(default="hydra", compare=False, repr=False, metadata={"internal": True})
+
     @classmethod
     def from_hydra(cls, cfg: Any) -> SkySettings:  # noqa: ANN401 - an omegaconf DictConfig
         """The settings of a composed Hydra config (``conf/config.yaml``).
@@ -316,8 +323,9 @@ class SkySettings:
         ------
         ValueError
             On a value of the wrong type or outside its rule, naming its path
-            (e.g. ``train.lr must be > 0, got -1.0``), or an unknown allocation,
-            transport, schedule kind or optimizer (lists the choices).
+            (e.g. ``train.lr must be > 0, got -1.0``), an unknown allocation,
+            transport, schedule kind or optimizer (lists the choices), or settings that
+            do not go together (:meth:`check_combinations`).
         """
         from omegaconf import OmegaConf
 
@@ -325,7 +333,9 @@ class SkySettings:
             value = OmegaConf.select(cfg, path, default=default)
             return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
-        return cls._build(lambda meta, f: meta["hydra"], read, _hydra_error)
+        settings = cls._build(lambda meta, f: meta["hydra"], read, _hydra_error)
+        settings.check_combinations()
+        return settings
 
     @classmethod
     def from_run_config(
@@ -346,9 +356,8 @@ class SkySettings:
         ValueError
             On an unknown key (lists the valid keys), a value of the wrong type, an
             unknown choice (lists the valid ones), a value outside its rule (names the
-            rule), ``schedule-kind='sequential'`` with ``transport='direct'``,
-            micro-batches that do not divide the batch, or ``microbatches-per-message``
-            that does not divide ``microbatches``.
+            rule), or settings that do not go together (:meth:`check_combinations`),
+            every one named by its run-config key.
 
         Notes
         -----
@@ -370,9 +379,50 @@ class SkySettings:
             return run_config.get(key, default)
 
         settings = cls._build(lambda meta, f: meta["key"], read, _run_config_error)
-        settings._check_run_config_combinations()
+        settings = dataclasses.replace(settings, words="run_config")
+        settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
         return settings
+
+    def replace(self, overrides: Mapping[str, Any]) -> SkySettings:
+        """These settings with the values at the Hydra paths of ``overrides`` replaced
+        (e.g. ``{"train.lr": 0.01, "schedule.transport": "stream"}``), checked as
+        :meth:`from_hydra` checks them; the others keep their values.
+
+        Raises
+        ------
+        ValueError
+            On an unknown path (lists the valid ones), or a value the path's rule or
+            choices refuse, or settings that do not go together (named as the settings
+            were named before: Hydra paths or run-config keys).
+        """
+        current = dict(_leaf_values(self))
+        unknown = sorted(set(overrides) - set(current))
+        if unknown:
+            raise ValueError(
+                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(current)}"
+            )
+
+        def read(path: str, default: Any) -> Any:  # noqa: ANN401
+            return overrides[path] if path in overrides else current[path]
+
+        def name_of(meta: Mapping[str, Any], f: dataclasses.Field) -> str | None:
+            return meta["hydra"] or None
+
+        settings = self._build(name_of, read, _hydra_error, base=self)
+        settings = dataclasses.replace(settings, words=self.words)
+        settings.check_combinations()
+        return settings
+
+    def name(self, path: str) -> str:
+        """The setting at Hydra path ``path`` in its caller's words: the run-config key
+        for settings read from a run config (where the setting has one), else the
+        Hydra path. Errors built here name settings through it."""
+        if self.words == "run_config":
+            for f, _ in settings_fields():
+                if f.metadata["hydra"] == path and f.metadata["key"]:
+                    return str(f.metadata["key"])
+        return path
 
     @classmethod
     def _build(
@@ -380,42 +430,91 @@ class SkySettings:
         name_of: Callable[[Mapping[str, Any], dataclasses.Field], str | None],
         read: Callable[[str, Any], Any],
         error: Callable[[str, Any, str], ValueError],
+        base: SkySettings | None = None,
     ) -> SkySettings:
-        """Read every field (``name_of`` its path or key, ``None``: not settable there)."""
+        """Read every field (``name_of`` its path or key, ``None``: not settable there;
+        a field not settable keeps ``base``'s value, else its default)."""
         run = error is _run_config_error
 
-        def build(kind: type) -> Any:  # noqa: ANN401 - one settings dataclass
+        def build(kind: type, old: Any) -> Any:  # noqa: ANN401 - one settings dataclass
             values: dict[str, Any] = {}
             for f in dataclasses.fields(kind):
+                if f.metadata.get("internal"):
+                    continue
                 if f.name in GROUPS:
-                    values[f.name] = build(GROUPS[f.name])
+                    values[f.name] = build(GROUPS[f.name], getattr(old, f.name, None))
                     continue
                 name = name_of(f.metadata, f)
                 default = f.metadata.get("run_default", f.default) if run else f.default
+                if old is not None:
+                    default = getattr(old, f.name)
                 if name is None:
                     values[f.name] = default
                     continue
                 values[f.name] = _checked(name, read(name, default), f, error)
             return kind(**values)
 
-        return build(cls)
+        return build(cls, base)
 
-    def _check_run_config_combinations(self) -> None:
-        s = self.schedule
+    def check_combinations(self) -> None:
+        """Refuse settings that are each valid but do not go together, naming them in
+        the caller's words (:meth:`name`).
+
+        Raises
+        ------
+        ValueError
+            ``schedule.kind=sequential`` with ``transport=direct``, or ``interleaved``,
+            ``zero_bubble``, ``auto`` on another transport; micro-batches that do
+            not divide the batch; ``microbatches_per_message`` that does not divide
+            ``microbatches``; ``train.optimizer_state=keep`` with a schedule that may
+            run several chunks per stage; ``benchmark.echo_bytes`` not two sizes
+            ``0 < small < large``.
+        """
+        s, n = self.schedule, self.name
+        run = self.words == "run_config"
+        said = "run config " if run else ""
         if s.transport == "direct" and s.kind == "sequential":
+            example = (
+                " (e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+                if run
+                else ""
+            )
             raise ValueError(
-                "run config schedule-kind='sequential' runs on transport='relay' only: with "
-                "transport='direct' choose one of gpipe, 1f1b, interleaved, zero_bubble, auto "
-                "(e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+                f"{said}{n('schedule.kind')}=sequential runs on transport=relay and stream, "
+                "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
+                "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
+                f"transport=direct. Set {n('schedule.kind')} to one of gpipe, 1f1b, "
+                f"interleaved, zero_bubble, auto, or {n('schedule.transport')}=relay{example}"
+            )
+        if s.kind in CHUNKED_KINDS and s.transport != "direct":
+            raise ValueError(
+                f"{said}{n('schedule.kind')}={s.kind} runs on {n('schedule.transport')}=direct "
+                f"only (torch.distributed.pipelining): set {n('schedule.transport')}=direct"
             )
         if s.batch_size % s.microbatches:
             raise ValueError(
-                f"run config microbatches={s.microbatches} must divide batch-size={s.batch_size}"
+                f"{said}{n('schedule.microbatches')}={s.microbatches} must divide "
+                f"batch_size={s.batch_size} (set {n('schedule.batch_size')} or "
+                f"{n('schedule.microbatches')} so that it does)"
             )
         if s.microbatches_per_message and s.microbatches % s.microbatches_per_message:
             raise ValueError(
-                f"run config microbatches-per-message={s.microbatches_per_message} must be 0 "
-                f"(the cost model picks it) or a divisor of microbatches={s.microbatches}"
+                f"{said}{n('schedule.microbatches_per_message')}={s.microbatches_per_message}"
+                f" must be 0 (the cost model picks it) or a divisor of "
+                f"{n('schedule.microbatches')}={s.microbatches}"
+            )
+        if self.replan.optimizer_state == "keep" and s.kind in CHUNKED_KINDS:
+            raise ValueError(
+                f"{said}{n('train.optimizer_state')}=keep moves each layer's optimizer state "
+                f"with its stage, which needs one chunk per stage: {n('schedule.kind')}="
+                f"{s.kind} may split a stage into chunks. Use {n('schedule.kind')}=gpipe or "
+                f"1f1b with keep, or {n('train.optimizer_state')}=round"
+            )
+        echo = self.benchmark.echo_bytes
+        if len(echo) != 2 or not 0 < echo[0] < echo[1]:
+            raise ValueError(
+                f"echo_bytes (benchmark.echo_bytes) must be two payload sizes in bytes, "
+                f"0 < small < large, e.g. [1024, 4194304]; got {list(echo)}"
             )
 
     def schedule_object(self) -> Any:  # noqa: ANN401 - sky_flower.core.cost.Schedule
@@ -438,62 +537,37 @@ class SkySettings:
             chunks=s.chunks,
         )
 
-    def strategy_kwargs(self) -> dict[str, Any]:
-        """``SkyStrategy``'s keyword arguments for these settings (without ``model_fn``,
-        ``input_shape``, ``node_order``, ``min_nodes``, ``on_event``)."""
+    def deadlines_object(self) -> Any:  # noqa: ANN401 - sky_flower.sky.transport.deadlines.Deadlines
+        """The :class:`sky_flower.sky.transport.deadlines.Deadlines` of ``deadlines``."""
         from sky_flower.sky.transport.deadlines import Deadlines
 
-        t, b, d, f = self.train, self.benchmark, self.direct, self.failure
-        loss_fn, metric_fn = self.objective.functions()
-        return {
-            "allocation": self.allocation,
-            "schedule": self.schedule_object(),
-            "optimizer": t.optimizer,
-            "lr": t.lr,
-            "local_epochs": t.local_epochs,
-            "steps_per_round": t.steps_per_round,
-            "bn_policy": t.bn_policy,
-            "milp_time_limit_s": self.milp_time_limit_s,
-            "benchmark_warmup": b.warmup,
-            "benchmark_repeats": b.repeats,
-            "echo_bytes": tuple(b.echo_bytes),
-            "echo_repeats": b.echo_repeats,
-            "echo_jitter_s": b.echo_jitter_s,
-            "state_probe_bytes": int(b.state_probe_mb * 2**20),
-            "message_timeout_s": f.message_timeout_s,
-            "max_failed_rounds": f.max_failed_rounds,
-            "divergence_factor": f.divergence_factor,
-            "deadlines": Deadlines(**dataclasses.asdict(self.deadlines)),
-            "direct_timeout_s": d.timeout_s,
-            "direct_host": d.host,
-            "direct_join_timeout_s": d.join_timeout_s,
-            "stream_host": self.stream.host,
-            "stream_bind": self.stream.bind,
-            "stream_tls": self.stream.tls,
-            "stream_max_frame_mb": self.stream.max_frame_mb,
-            "stream_timeout_s": self.stream.timeout_s,
-            "seed": self.seed,
-            "poll_interval_s": self.messaging.poll_interval_s,
-            "node_wait_s": self.messaging.node_wait_s,
-            "loss_fn": loss_fn,
-            "metric_fn": metric_fn,
-            "loss_reduction": self.objective.reduction,
-            "loss_weight_fn": self.objective.reduction_object().weight_fn,
-            **self.replan_kwargs(),
-        }
+        return Deadlines(**dataclasses.asdict(self.deadlines))
 
-    def replan_kwargs(self) -> dict[str, Any]:
-        """``SkyStrategy``'s ``replan`` and ``optimizer_state`` keyword arguments."""
+    def replan_object(self) -> Any:  # noqa: ANN401 - sky_flower.sky.planning.replan.ReplanConfig
+        """The :class:`sky_flower.sky.planning.replan.ReplanConfig` of ``replan``."""
         from sky_flower.sky.planning.replan import ReplanConfig
 
         r = self.replan
-        cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
-        return {"replan": cfg, "optimizer_state": r.optimizer_state}
+        return ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
+
+
+def _leaf_values(settings: Any, kind: type | None = None) -> Iterator[tuple[str, Any]]:  # noqa: ANN401
+    """``(Hydra path, value)`` of every leaf setting that has a Hydra path."""
+    for f in dataclasses.fields(kind or type(settings)):
+        if f.metadata.get("internal"):
+            continue
+        value = getattr(settings, f.name)
+        if f.name in GROUPS:
+            yield from _leaf_values(value, GROUPS[f.name])
+        elif f.metadata["hydra"]:
+            yield f.metadata["hydra"], value
 
 
 def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Field, Any]]:
     """Every leaf field of the settings, with its default: ``(field, default)``."""
     for f in dataclasses.fields(kind):
+        if f.metadata.get("internal"):
+            continue
         if f.name in GROUPS:
             yield from settings_fields(GROUPS[f.name])
         else:
@@ -519,19 +593,3 @@ def run_config_keys() -> dict[str, tuple[type, Any]]:
             kind = kinds[str(f.type)]
             keys[f.metadata["key"]] = (kind, f.metadata.get("run_default", default))
     return keys
-
-
-def in_run_config_words(text: str) -> str:
-    """``text`` (an error that names settings by their Hydra paths, e.g. ``set
-    schedule.transport=direct``) with every Hydra path of a setting that has a run-config
-    key replaced by that key (``set transport=direct``), for a ``flwr run`` user."""
-    import re
-
-    pairs = [
-        (f.metadata["hydra"], f.metadata["key"])
-        for f, _ in settings_fields()
-        if f.metadata["hydra"] and f.metadata["key"]
-    ]
-    for hydra, key in sorted(pairs, key=lambda p: -len(p[0])):
-        text = re.sub(rf"(?<![\w.-]){re.escape(hydra)}(?![\w.-])", key, text)
-    return text

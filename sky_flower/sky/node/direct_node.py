@@ -158,7 +158,7 @@ def run_direct_stage(  # noqa: PLR0913
     module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
     opt = stage_optimizer(module, st.optimizer, st.lr)
     if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
-        if cfg.chunk_layers != "-":  # refused by the strategy (SkyStrategy.init_replan)
+        if cfg.chunk_layers != "-":  # refused by the settings (SkySettings.check_combinations)
             raise ValueError("train.optimizer_state=keep needs one chunk per stage")
         local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
         optimizer_from_tensors(opt, local.to_torch_state_dict())

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,27 +26,19 @@ from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.runner import SkyNodeError, message
 
+if TYPE_CHECKING:
+    from sky_flower.sky.settings import BenchmarkSettings
+
 Link = tuple[float, float, float]  # latency s, bandwidth bytes/s, state s/byte/message
 
 
 @dataclass(frozen=True)
-class BenchmarkSettings:
-    """How the benchmark round measures.
+class LinkTiming:
+    """How the benchmark round times each node's link, as the transport needs it (what
+    it measures and how often: :class:`sky_flower.sky.settings.BenchmarkSettings`).
 
     Attributes
     ----------
-    warmup, repeats : int
-        Untimed and timed passes per layer on the node.
-    echo_bytes : tuple[int, int]
-        The two payload sizes timed for latency and bandwidth.
-    echo_repeats : int
-        Echoes per size (median taken).
-    echo_jitter_s : float
-        Random pause (uniform in [0, echo_jitter_s)) before each echo, so the echoes
-        sample every phase of the nodes' polling tick.
-    state_probe_bytes : int
-        Probe array stored in a node's ``context.state`` to time the state's cost per
-        message (0: not timed).
     peer_links : bool
         ``direct`` and ``stream`` transports: take each node's link as its emulation
         reports it (direct: the stages talk peer to peer; stream: a frame, not a Flower
@@ -59,12 +51,6 @@ class BenchmarkSettings:
         (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes.
     """
 
-    warmup: int = 2
-    repeats: int = 5
-    echo_bytes: tuple[int, int] = (1024, 4 * 1024 * 1024)
-    echo_repeats: int = 7
-    echo_jitter_s: float = 0.1
-    state_probe_bytes: int = 64 * 1024 * 1024
     peer_links: bool = False
     calibrate: bool = False
     stream: dict[str, Any] | None = None
@@ -117,8 +103,9 @@ class BenchmarkRound:
         One sample's shape.
     optimizer, lr : str, float
         The stages' optimizer (its step is timed too).
-    settings : BenchmarkSettings
-        What to measure.
+    settings : sky_flower.sky.settings.BenchmarkSettings
+        What to measure and how often (warm-up and timed passes, echo sizes and
+        repeats, echo jitter, the state probe's MiB).
     names : dict[int, str]
         Filled with node id -> name as nodes answer.
     seed : int
@@ -128,6 +115,8 @@ class BenchmarkRound:
         run several strategies on one grid).
     input_dtype : str
         Dtype of the model's input (``"int64"`` for token ids).
+    links : LinkTiming
+        How the transport's links are timed (default: relay echoes).
     server_round : int
         The round the messages belong to (their group id): 0, the benchmark round
         (groups ``benchmark`` and ``echo``); a round, a node joining before it
@@ -147,13 +136,14 @@ class BenchmarkRound:
         seed: int = 0,
         link_cache: dict[int, Link] | None = None,
         input_dtype: str = "float32",
+        links: LinkTiming = LinkTiming(),  # noqa: B008 - frozen
         server_round: int = 0,
     ) -> None:
         self.ex, self.layers, self.schedule = exchange, list(layers), schedule
         self.groups = ("benchmark", "echo") if server_round == 0 else (str(server_round),) * 2
         self.input_dtype = input_dtype
         self.input_shape, self.optimizer, self.lr = list(input_shape), optimizer, lr
-        self.settings, self.names = settings, names
+        self.settings, self.names, self.links = settings, names, links
         self.rng = np.random.default_rng(seed)
         self.link_cache = link_cache
 
@@ -243,7 +233,7 @@ class BenchmarkRound:
             optimizer=self.optimizer,
             lr=self.lr,
             input_dtype=self.input_dtype,
-            calibrate=self.settings.calibrate,
+            calibrate=self.links.calibrate,
         )
         (reply,) = self.ex.request(
             [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, self.groups[0])]
@@ -264,9 +254,9 @@ class BenchmarkRound:
         # one optimizer step per training step, spread over its micro-batches
         M = self.schedule.microbatches
         bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
-        if self.settings.peer_links:
+        if self.links.peer_links:
             lat, bw, state_rate = peer_link(prof)
-        elif self.settings.stream is not None:
+        elif self.links.stream is not None:
             lat, bw, state_rate = self.stream_link(nid)
         else:
             lat, bw, state_rate = self.link(nid)
@@ -314,7 +304,7 @@ class BenchmarkRound:
         from sky_flower.sky.transport.channel import Endpoint
         from sky_flower.sky.transport.stream_probe import probe_link
 
-        kw = self.settings.stream or {}
+        kw = self.links.stream or {}
         fig = probe_link(
             self.ex,
             nid,
@@ -339,7 +329,7 @@ class BenchmarkRound:
     def link(self, nid: int) -> Link:
         """Latency (s per round trip), bandwidth (bytes/s) and context-state cost (s per
         byte per message) from echoes: two payload sizes, then the small one again with
-        a ``state_probe_bytes`` array stored in the node's ``context.state``."""
+        a ``state_probe_mb`` array stored in the node's ``context.state``."""
         if self.link_cache is not None and nid in self.link_cache:
             return self.link_cache[nid]
         s = self.settings
@@ -350,12 +340,12 @@ class BenchmarkRound:
         dt = t_big - t_small
         bandwidth = 2.0 * (big - small) / dt if dt > 1e-4 else float("inf")
         latency = t_small - (2.0 * small / bandwidth if bandwidth != float("inf") else 0.0)
-        state_rate = 0.0
-        if s.state_probe_bytes > 0:
-            self.echo(nid, small, store_bytes=s.state_probe_bytes)
+        state_rate, probe = 0.0, int(s.state_probe_mb * 2**20)
+        if probe > 0:
+            self.echo(nid, small, store_bytes=probe)
             t_state = statistics.median(self.echo(nid, small) for _ in range(s.echo_repeats))
             self.echo(nid, small, store_bytes=-1)
-            state_rate = max(t_state - t_small, 0.0) / s.state_probe_bytes
+            state_rate = max(t_state - t_small, 0.0) / probe
         link = (max(latency, 0.0), bandwidth, state_rate)
         if self.link_cache is not None:
             self.link_cache[nid] = link

@@ -30,35 +30,6 @@ from sky_flower.core.schedule import choose_schedule, predict
 from sky_flower.sky.transport.runner import Pipeline
 
 
-def check_settings(  # noqa: PLR0913
-    allocation: str,
-    optimizer: str,
-    lr: float,
-    local_epochs: float,
-    steps_per_round: int,
-    max_failed_rounds: int,
-) -> None:
-    """Refuse bad strategy settings before anything starts.
-
-    Raises
-    ------
-    ValueError
-        Naming the setting, its value and the rule.
-    """
-    if allocation not in METHODS:
-        raise ValueError(f"unknown allocation {allocation!r}: choose one of {', '.join(METHODS)}")
-    _opt_factory(optimizer, lr)  # validates the name early
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if not local_epochs > 0 or steps_per_round < 0:
-        raise ValueError(
-            f"local_epochs must be > 0 (got {local_epochs}) and steps_per_round >= 0 "
-            f"(got {steps_per_round}; 0 means: use local_epochs)"
-        )
-    if max_failed_rounds < 1:
-        raise ValueError(f"max_failed_rounds must be >= 1 (got {max_failed_rounds})")
-
-
 def profile_model(
     model_fn: Callable[[], nn.Module],
     input_shape: Sequence[int],

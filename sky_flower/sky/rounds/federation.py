@@ -34,6 +34,7 @@ already failed by name, :mod:`sky_flower.sky.transport.guard`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +49,9 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from sky_flower.sky.planning.planning import PipelineRun
 from sky_flower.sky.rounds.blame import Failure
+from sky_flower.sky.rounds.records import PipelineRecord, RoundRecord
 from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
@@ -287,36 +290,41 @@ def integer_mean(arrays: Sequence[np.ndarray], weights: Sequence[int]) -> np.nda
     return np.asarray(flat, dtype=object).reshape(np.shape(arrays[0]))
 
 
-def pipeline_row(res: PipelineResult) -> dict[str, Any]:
-    """One pipeline's entry of a round row: owner, nodes, samples trained, steps, loss,
-    predicted and measured time (s), and its error if it failed."""
+def pipeline_row(res: PipelineResult) -> PipelineRecord:
+    """One pipeline's entry of a round record: owner, nodes, samples trained, steps,
+    loss, predicted and measured time (s), and its error if it failed."""
     run, out = res.run, res.outcome
-    row: dict[str, Any] = {
-        "owner": run.owner,
-        "nodes": [st.node for st in run.pipeline.plan.stages],
-        "samples": run.samples,
-        "steps": run.steps,
-        "samples_trained": out.seen if out is not None else 0,
-        "train_loss": float(np.mean(out.losses)) if out is not None and out.losses else None,
-        "predicted_time_s": run.time_s,
-        "measured_time_s": res.wall_s,
-        "predicted_start_s": run.start_s,
-        "measured_start_s": res.started_s,
-        "predicted_step_time_s": run.pipeline.plan.predicted_step_time_s,
-        "measured_step_time_s": float(np.median(out.step_times)) if out is not None else None,
-        "error": None if res.error is None else str(res.error),
-    }
-    if res.error is not None:
-        row["failed_nodes"] = list(res.error.nodes or [])
-    return row
+    return PipelineRecord(
+        owner=run.owner,
+        nodes=[st.node for st in run.pipeline.plan.stages],
+        samples=run.samples,
+        steps=run.steps,
+        samples_trained=out.seen if out is not None else 0,
+        train_loss=float(np.mean(out.losses)) if out is not None and out.losses else None,
+        predicted_time_s=run.time_s,
+        measured_time_s=res.wall_s,
+        predicted_start_s=run.start_s,
+        measured_start_s=res.started_s,
+        predicted_step_time_s=run.pipeline.plan.predicted_step_time_s,
+        measured_step_time_s=float(np.median(out.step_times)) if out is not None else None,
+        error=None if res.error is None else str(res.error),
+        failed_nodes=None if res.error is None else list(res.error.nodes or []),
+    )
 
 
-def round_row(server_round: int, results: Sequence[PipelineResult], seconds: float) -> dict:
-    """The round's row of ``results.json`` (before the server's evaluation adds its
-    ``test_*`` entries) from the pipelines that finished: loss and accuracy over every
-    sample trained, the slowest pipeline's step times, every pipeline's stages (each
-    with its ``owner``), one ``pipelines`` entry per pipeline (:func:`pipeline_row`)
-    and ``failed_pipelines`` (owner, nodes, error) for those that failed.
+def _owned(owner: str, stage: StageRecord | dict[str, Any]) -> StageRecord | dict[str, Any]:
+    """``stage`` with its pipeline's ``owner``."""
+    if isinstance(stage, StageRecord):
+        return dataclasses.replace(stage, owner=owner)
+    return {"owner": owner, **stage}
+
+
+def round_row(server_round: int, results: Sequence[PipelineResult], seconds: float) -> RoundRecord:
+    """The round's record (before the server's evaluation adds its ``test`` metrics)
+    from the pipelines that finished: loss and accuracy over every sample trained, the
+    slowest pipeline's step times, every pipeline's stages (each with its ``owner``),
+    one :class:`PipelineRecord` per pipeline (:func:`pipeline_row`) and
+    ``failed_pipelines`` (owner, nodes, error) for those that failed.
 
     Raises
     ------
@@ -326,31 +334,28 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
     ok = [r for r in results if r.outcome is not None]
     if not ok:
         raise ValueError("no pipeline finished the round")
-    seen = sum(r.outcome.seen for r in ok)  # type: ignore[union-attr]
-    losses = [loss for r in ok for loss in r.outcome.losses]  # type: ignore[union-attr]
-    weights = [r.outcome.seen / max(len(r.outcome.losses), 1) for r in ok for _ in r.outcome.losses]  # type: ignore[union-attr]
+    outs = [r.outcome for r in ok if r.outcome is not None]
+    seen = sum(o.seen for o in outs)
+    losses = [loss for o in outs for loss in o.losses]
+    weights = [o.seen / max(len(o.losses), 1) for o in outs for _ in o.losses]
     extra: dict[str, Any] = {}
-    for r in ok:
-        for key, value in r.outcome.extra.items():  # type: ignore[union-attr]
+    for o in outs:
+        for key, value in o.extra.items():
             extra[key] = max(extra.get(key, value), value)
-    return {
-        "round": server_round,
-        "train_loss": float(np.average(losses, weights=weights)),
-        "train_accuracy": sum(r.outcome.correct for r in ok) / max(seen, 1),  # type: ignore[union-attr]
-        "measured_step_time_s": max(float(np.median(r.outcome.step_times)) for r in ok),  # type: ignore[union-attr]
-        "predicted_step_time_s": max(r.run.pipeline.plan.predicted_step_time_s for r in ok),
-        "steps": max(r.run.steps for r in ok),
-        "samples_trained": seen,
-        "round_time_s": seconds,
-        "predicted_round_time_s": max(r.run.start_s + r.run.time_s for r in results),
+    return RoundRecord(
+        round=server_round,
+        train_loss=float(np.average(losses, weights=weights)),
+        train_accuracy=sum(o.correct for o in outs) / max(seen, 1),
+        measured_step_time_s=max(float(np.median(o.step_times)) for o in outs),
+        predicted_step_time_s=max(r.run.pipeline.plan.predicted_step_time_s for r in ok),
+        steps=max(r.run.steps for r in ok),
+        samples_trained=seen,
+        round_time_s=seconds,
+        predicted_round_time_s=max(r.run.start_s + r.run.time_s for r in results),
         **extra,
-        "stages": [
-            {"owner": r.run.owner, **st}
-            for r in ok
-            for st in r.outcome.stages  # type: ignore[union-attr]
-        ],
-        "pipelines": [pipeline_row(r) for r in results],
-        "failed_pipelines": [
+        stages=[_owned(r.run.owner, st) for r in ok for st in r.outcome.stages],  # type: ignore[union-attr]
+        pipelines=[pipeline_row(r) for r in results],
+        failed_pipelines=[
             {
                 "owner": r.run.owner,
                 "nodes": list(r.error.nodes or []),
@@ -360,7 +365,7 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
             for r in results
             if r.error is not None
         ],
-    }
+    )
 
 
 def pipelines_error(
@@ -389,7 +394,7 @@ def federated_round(
     server_round: int,
     guard: RoundGuard | None = None,
     local_bn: LocalBatchNorm | None = None,
-) -> tuple[dict[str, Any], ArrayRecord | None]:
+) -> tuple[RoundRecord, ArrayRecord | None]:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
     FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
     (:class:`sky_flower.sky.transport.guard.RoundGuard`; default: finite only, no divergence
@@ -399,11 +404,12 @@ def federated_round(
 
     Returns
     -------
-    (dict, ArrayRecord or None)
-        The round row (:func:`round_row`) and the new global model; when every pipeline
-        failed, or the guard fails the round (a non-finite aggregate or training loss,
-        a diverged loss), ``{"round", "error": SkyNodeError naming every owner and node
-        or the guard's reason, "round_time_s"}`` and None.
+    (RoundRecord, ArrayRecord or None)
+        The round's record (:func:`round_row`) and the new global model; when every
+        pipeline failed, or the guard fails the round (a non-finite aggregate or
+        training loss, a diverged loss), a record with only ``round``,
+        ``round_time_s`` and ``exception`` (a SkyNodeError naming every owner and node,
+        or the guard's reason), and None.
     """
     t0 = time.perf_counter()
     start = None if local_bn is None else (lambda run, a: local_bn.start(run.owner, a))
@@ -413,7 +419,7 @@ def federated_round(
     if not ok:
         failed = [r for r in results if r.error is not None]
         if len(results) == 1:  # one data owner: its pipeline's error, as it was
-            return {"round": server_round, "error": failed[0].error, "round_time_s": seconds}, None
+            return RoundRecord(server_round, seconds, exception=failed[0].error), None
         err = pipelines_error(
             [
                 {
@@ -426,12 +432,12 @@ def federated_round(
             ],
             [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
         )
-        return {"round": server_round, "error": err, "round_time_s": seconds}, None
+        return RoundRecord(server_round, seconds, exception=err), None
     new = ok[0].arrays if len(ok) == 1 else fedavg(ok)
     row = round_row(server_round, results, seconds)
     err = (guard or RoundGuard()).check(server_round, row, new)
     if err is not None:  # the global model stays the last finite one
-        return {"round": server_round, "error": err, "round_time_s": seconds}, None
+        return RoundRecord(server_round, seconds, exception=err), None
     for res in results if local_bn is not None else ():
         if res.outcome is not None:
             local_bn.keep(res.run.owner, res.outcome.arrays)  # type: ignore[union-attr]

@@ -23,100 +23,149 @@ as missing, then listed); when it answers it is admitted back (``joins`` records
 ``rejoined: true``). Under ``replan.mode=off`` such a return is reported (logged and
 recorded in ``joins`` with ``admitted: false``), not admitted.
 
-A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`, as
-:class:`sky_flower.sky.rounds.replan_hook.RoundReplanning`.
+The benchmark round and the joins are one part of the strategy
+(:class:`Benchmarker`): a join is profiled exactly as the benchmark round profiles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from sky_flower.core.profile import NodeProfile
+from sky_flower.core.cost import Schedule
 from sky_flower.sky import protocol as P
-from sky_flower.sky.planning.benchmark import BenchmarkResult, BenchmarkRound, BenchmarkSettings
-from sky_flower.sky.transport.runner import SkyNodeError
+from sky_flower.sky.planning.benchmark import (
+    BenchmarkResult,
+    BenchmarkRound,
+    Link,
+    LinkTiming,
+    benchmark_event,
+    wait_for_nodes,
+)
+from sky_flower.sky.rounds.hooks import SkyHooks
+from sky_flower.sky.rounds.state import RunState
+from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.runner import RunSettings, SkyNodeError
 
 #: What an emulated node not yet in the federation says (``NodeAbsent``'s message).
 NOT_JOINED = "is not in the federation"
 
 
-class NodeJoins:
-    """Benchmark round and mid-run joins for :class:`sky_flower.strategies.sky.SkyStrategy`
-    (a mixin): :meth:`benchmark_round` builds the benchmark, :meth:`remember_benchmark`
-    keeps what it found, :meth:`admit_joiners` adds the nodes that joined since."""
+class Benchmarker:
+    """The benchmark round and mid-run joins of a Sky run: :meth:`wait` for the nodes,
+    :meth:`run` the benchmark round (its profiles go to ``state``), then before each
+    round :meth:`admit_joiners` (``replan.mode`` on) or :meth:`note_returns` (off).
 
-    node_profiles: list[NodeProfile]
-    _ids: dict[str, int]
-    _names: dict[int, str]
-    _handler_rate: dict[str, float]
-    num_examples: int
-    samples: dict[str, int]
-    tracker: Any
-    run_settings: Callable[[], Any]
-    profile_model: Callable[[], Any]
+    Parameters
+    ----------
+    state : RunState
+        Written: ``node_profiles``, ``ids``, ``names``, ``handler_rate``, ``samples``,
+        ``num_examples``, ``joins``; read: ``layer_profiles``, ``dropped``,
+        ``rejoin_asked``, ``tracker``.
+    settings : SkySettings
+        Its ``benchmark`` group (what to measure), ``seed``, ``train`` (the optimizer
+        timed), ``messaging`` (``node_wait_s``).
+    schedule : Schedule
+        The run's schedule (micro-batch size, ``M``).
+    input_shape, input_dtype : sequence of int, str
+        One sample's shape and dtype (the model's input).
+    run_settings : callable
+        ``() -> RunSettings``: the exchange and deadlines every message uses.
+    links : callable
+        ``() -> LinkTiming``: how the transport's links are timed (read when a round
+        starts).
+    hooks : SkyHooks
+        ``on_benchmark`` is called with the benchmark round's event.
+    link_cache : dict[int, Link], optional
+        Node id -> a link timed by an earlier benchmark round on the same grid.
+    """
 
-    def benchmark_round(self, grid: Grid, server_round: int = 0) -> BenchmarkRound:
-        """The benchmark round of this strategy's settings over ``grid``; its messages
-        belong to ``server_round`` (0: the benchmark round; a round: a join's profile)."""
-        s: Any = self
-        run = self.run_settings()
-        settings = BenchmarkSettings(
-            warmup=s.benchmark_warmup,
-            repeats=s.benchmark_repeats,
-            echo_bytes=s.echo_bytes,
-            echo_repeats=s.echo_repeats,
-            echo_jitter_s=s.echo_jitter_s,
-            state_probe_bytes=s.state_probe_bytes,
-            peer_links=s.runner_cls.peer_links,
-            calibrate=s.runner_cls.calibrate,
-            stream=self.run_settings().stream_endpoint()
-            if s.runner_cls.label == "stream"
-            else None,
-        )
+    def __init__(  # noqa: PLR0913
+        self,
+        state: RunState,
+        settings: SkySettings,
+        schedule: Schedule,
+        input_shape: Sequence[int],
+        input_dtype: str,
+        run_settings: Callable[[], RunSettings],
+        links: Callable[[], LinkTiming],
+        hooks: SkyHooks,
+        link_cache: dict[int, Link] | None = None,
+    ) -> None:
+        self.state, self.settings, self.schedule = state, settings, schedule
+        self.input_shape, self.input_dtype = list(input_shape), input_dtype
+        self.run_settings, self.links, self.hooks = run_settings, links, hooks
+        self.link_cache = link_cache
+        self._join_grid: Grid | None = None
+        self._seen_ids: set[int] = set()
+        self._waiting_ids: set[int] = set()
+        self._went_missing: set[int] = set()  # dropped ids seen missing from the node list
+
+    def wait(self, grid: Grid, min_nodes: int, timeout: float) -> list[int]:
+        """Block until ``min_nodes`` nodes are connected, at most ``timeout`` s
+        (:func:`sky_flower.sky.planning.benchmark.wait_for_nodes`).
+
+        Raises
+        ------
+        SkyNodeError
+            If no node is connected after ``timeout`` seconds, or the run is stopped.
+        """
+        return wait_for_nodes(grid, min_nodes, timeout, self.run_settings().stop)
+
+    def round(self, grid: Grid, server_round: int = 0) -> BenchmarkRound:
+        """The benchmark round of these settings over ``grid``; its messages belong to
+        ``server_round`` (0: the benchmark round; a round: a join's profile)."""
         run = self.run_settings()
         return BenchmarkRound(
             run.exchange(grid, run.deadline("benchmark")),
-            self.profile_model(),
-            s.schedule,
-            s.input_shape,
-            s.optimizer,
-            s.lr,
-            settings,
-            self._names,
-            seed=s.seed,
-            link_cache=s.link_cache,
-            input_dtype=s.input_dtype,
+            self.state.layer_profiles,
+            self.schedule,
+            self.input_shape,
+            self.settings.train.optimizer,
+            self.settings.train.lr,
+            self.settings.benchmark,
+            self.state.names,
+            seed=self.settings.seed,
+            link_cache=self.link_cache,
+            input_dtype=self.input_dtype,
+            links=self.links(),
             server_round=server_round,
         )
 
-    def remember_benchmark(self, grid: Grid, found: BenchmarkResult) -> None:
-        """Keep the benchmark round's profiles, node ids and samples, and which nodes
-        it did not admit: those that said they have not joined yet are asked again."""
-        self.node_profiles, self._ids = found.nodes, found.node_ids
-        self.num_examples, self._handler_rate = found.num_examples, found.handler_rate
-        self.samples = dict(found.samples)
+    def run(self, grid: Grid, node_ids: list[int], node_order: Sequence[str] = ()) -> None:
+        """Run the benchmark round on ``node_ids`` (a node whose reply is an error is
+        left out with a warning), keep what it found in ``state``, and call the hooks'
+        ``on_benchmark``.
+
+        Raises
+        ------
+        SkyNodeError
+            If no data owner answered.
+        """
+        found = self.round(grid).run(node_ids, node_order)
+        st = self.state
+        st.node_profiles, st.ids = found.nodes, found.node_ids
+        st.num_examples, st.handler_rate = found.num_examples, found.handler_rate
+        st.samples = dict(found.samples)
         self._join_grid = grid
         self._seen_ids = set(found.node_ids.values()) | set(found.left_out)
         self._waiting_ids = {nid for nid, why in found.left_out.items() if NOT_JOINED in why}
-        self.joins: list[dict[str, Any]] = []
-        self._rejoin_asked: set[int] = set()  # dropped ids profiled since they were dropped
-        self._went_missing: set[int] = set()  # dropped ids seen missing from the node list
+        self.hooks.on_benchmark(benchmark_event(st.layer_profiles, found))
 
     def _returned(self, listed: set[int]) -> dict[int, str]:
-        """Dropped nodes (``self.dropped``, name -> id) listed now that may have come
+        """Dropped nodes (``state.dropped``, name -> id) listed now that may have come
         back: not yet asked since they were dropped, or missing from a listing since
         they were last asked. Notes which dropped nodes are missing now."""
-        dropped: dict[str, int] = getattr(self, "dropped", {})
+        dropped = self.state.dropped
         back = {}
         for name, nid in dropped.items():
             if nid not in listed:
                 self._went_missing.add(nid)
-            elif nid not in self._rejoin_asked or nid in self._went_missing:
+            elif nid not in self.state.rejoin_asked or nid in self._went_missing:
                 back[nid] = name
         return back
 
@@ -124,8 +173,8 @@ class NodeJoins:
         """Under ``replan.mode=off``: report the dropped nodes listed again after they
         went missing (a restarted SuperNode), which a fixed plan does not admit back
         (logged, recorded in ``joins`` with ``admitted: false``). Returns their names."""
-        grid = getattr(self, "_join_grid", None)
-        if replan_mode != "off" or grid is None or not getattr(self, "dropped", None):
+        grid = self._join_grid
+        if replan_mode != "off" or grid is None or not self.state.dropped:
             return []
         try:
             listed = set(grid.get_node_ids())
@@ -134,8 +183,8 @@ class NodeJoins:
         back = {n: nm for n, nm in self._returned(listed).items() if n in self._went_missing}
         for nid, name in back.items():
             self._went_missing.discard(nid)
-            self._rejoin_asked.add(nid)
-            self.joins.append(
+            self.state.rejoin_asked.add(nid)
+            self.state.joins.append(
                 {"round": next_round, "node": name, "node_id": nid, "rejoined": True}
                 | {"admitted": False}
             )
@@ -153,9 +202,9 @@ class NodeJoins:
     def admit_joiners(self, next_round: int) -> list[str]:
         """Profile the nodes that joined before ``next_round`` (new node ids, and nodes
         that had not joined at the benchmark round) and add the helpers that answer to
-        ``node_profiles`` (and the re-planning tracker). Returns their names; each is
+        ``state.node_profiles`` (and the re-planning tracker). Returns their names; each is
         recorded in ``joins`` (``round``, ``node``, ``node_id``)."""
-        grid = getattr(self, "_join_grid", None)
+        grid = self._join_grid
         if grid is None:
             return []
         try:
@@ -167,15 +216,14 @@ class NodeJoins:
         ask = sorted((listed - self._seen_ids) | (listed & self._waiting_ids) | set(returned))
         if not ask:
             return []
-        bench = self.benchmark_round(grid, next_round)
-        taken = BenchmarkResult(
-            nodes=list(self.node_profiles), node_ids=dict(self._ids), num_examples=0
-        )
+        st = self.state
+        bench = self.round(grid, next_round)
+        taken = BenchmarkResult(nodes=list(st.node_profiles), node_ids=dict(st.ids), num_examples=0)
         joined: list[str] = []
         for nid in ask:
             self._seen_ids.add(nid)
             if nid in returned:
-                self._rejoin_asked.add(nid)
+                st.rejoin_asked.add(nid)
                 self._went_missing.discard(nid)
             try:
                 node, prof = bench.profile(nid, taken)
@@ -201,18 +249,18 @@ class NodeJoins:
                     next_round,
                 )
                 continue
-            self._handler_rate.update(taken.handler_rate)
-            if self.tracker is not None:
-                self.tracker.base.append(node)
-                node = self.tracker.profiles([node])[0]
-            self.node_profiles.append(node)
-            self._ids[node.name] = nid
+            st.handler_rate.update(taken.handler_rate)
+            if st.tracker is not None:
+                st.tracker.base.append(node)
+                node = st.tracker.profiles([node])[0]
+            st.node_profiles.append(node)
+            st.ids[node.name] = nid
             taken.node_ids[node.name] = nid
             join: dict[str, Any] = {"round": next_round, "node": node.name, "node_id": nid}
             if nid in returned:  # dropped earlier, back (e.g. a restarted SuperNode)
-                getattr(self, "dropped", {}).pop(returned[nid], None)
+                st.dropped.pop(returned[nid], None)
                 join |= {"rejoined": True, "admitted": True}
-            self.joins.append(join)
+            st.joins.append(join)
             joined.append(node.name)
             log(
                 INFO,

@@ -5,8 +5,8 @@ error or malformed reply, a crash) and re-plan; set aside for one round a helper
 output alone went non-finite (dropped if the next round trains without it, put back if
 it goes non-finite again); or, when the training diverged, drop nobody and say so,
 naming the learning rate and the round. A data owner is never dropped (stage 0 of its
-pipeline needs its data). A mixin of :class:`sky_flower.strategies.sky.SkyStrategy`,
-split out of it to keep the strategy's module short."""
+pipeline needs its data). One part of :class:`sky_flower.strategies.sky.SkyStrategy`
+(:class:`Recovery`), testable alone on a :class:`sky_flower.sky.rounds.state.RunState`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from flwr.supercore import log
 
 from sky_flower.core.profile import NodeProfile
 from sky_flower.sky.rounds.blame import Failure, Verdict, diverged_text, judge
+from sky_flower.sky.rounds.hooks import SkyHooks
+from sky_flower.sky.rounds.records import RoundRecord
+from sky_flower.sky.rounds.state import RunState
+from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.runner import SkyNodeError
 
 
@@ -26,43 +30,54 @@ class TrainingDiverged(SkyNodeError):
     failed rounds in a row): no node is to blame (``nodes`` and ``node_ids`` empty)."""
 
 
-class RoundRecovery:
-    """Failed-round handling for a strategy with ``node_profiles``, ``_ids``, ``lr``,
-    ``runs``, ``make_plan``, ``rounds``, ``failed_rounds``, ``max_failed_rounds`` and
-    ``on_event`` (see :class:`sky_flower.strategies.sky.SkyStrategy`);
-    :meth:`init_recovery` in its constructor."""
+class Recovery:
+    """What a Sky run does after a failed round (the failure policy).
 
-    node_profiles: list[NodeProfile]
-    _ids: dict[str, int]
-    lr: float
-    runs: list[Any]
-    rounds: list[dict[str, Any]]
-    failed_rounds: list[dict[str, Any]]
-    max_failed_rounds: int
-    on_event: Callable[[str, dict], None]
-    make_plan: Callable[..., Any]
+    Parameters
+    ----------
+    state : RunState
+        Read: ``runs``, ``node_profiles``, ``ids``; written: ``node_profiles``
+        (nodes left out or put back), ``ids``, ``rounds`` and ``failed_rounds``
+        (failed rounds), ``dropped``, ``rejoin_asked``.
+    settings : SkySettings
+        ``failure.max_failed_rounds`` and ``train.lr`` (named when training diverged).
+    make_plan : callable
+        ``(alternatives=False) -> plan``: re-plans on ``state.node_profiles``
+        (:meth:`sky_flower.sky.rounds.planner.Planner.make_plan`); raises
+        ``ValueError`` if the nodes left cannot hold the model.
+    hooks : SkyHooks
+        ``on_round`` is called with every failed round's record.
+    """
 
-    def init_recovery(self) -> None:
-        """No node set aside or dropped yet, no divergence seen."""
+    def __init__(
+        self,
+        state: RunState,
+        settings: SkySettings,
+        make_plan: Callable[..., Any],
+        hooks: SkyHooks,
+    ) -> None:
+        self.state, self.make_plan, self.hooks = state, make_plan, hooks
+        self.lr = settings.train.lr
+        self.max_failed_rounds = settings.failure.max_failed_rounds
         # name -> (profile, its index in node_profiles, the failed round's record)
         self._set_aside: dict[str, tuple[NodeProfile, int, dict[str, Any]]] = {}
         self._diverging = False  # a divergence was found and no round has trained since
-        self.dropped: dict[str, int] = {}  # name -> node id of every node dropped
         self._dropped_in: dict[str, int] = {}  # name -> the round it was dropped after
+        self._left_out_profiles: dict[str, tuple[NodeProfile, int]] = {}
 
     def _failures_of(self, err: SkyNodeError) -> list[Failure]:
         """The failed pipelines ``err`` reports (:class:`sky_flower.sky.rounds.blame.Failure`)."""
         failures = getattr(err, "failures", None)
         if failures is not None:
             return list(failures)
-        owner = self.runs[0].owner if self.runs else ""
+        owner = self.state.runs[0].owner if self.state.runs else ""
         names = list(err.nodes or ())
         if err.node_ids:  # by id where known (a name may be only "node <id>")
-            names = [n.name for n in self.node_profiles if n.node_id in err.node_ids] or names
+            names = [n.name for n in self.state.node_profiles if n.node_id in err.node_ids] or names
         return [Failure(owner, tuple(names), tuple(getattr(err, "stages", ())))]
 
-    def _failed(self, rnd: int, row: dict[str, Any], failures: int) -> None:
-        """Record failed round ``rnd`` (``row["error"]``: the :class:`SkyNodeError` of
+    def failed(self, rnd: int, row: RoundRecord, failures: int) -> None:
+        """Record failed round ``rnd`` (``row.exception``: the :class:`SkyNodeError` of
         every pipeline); end the run at ``max_failed_rounds``, else act on the verdict
         (:func:`sky_flower.sky.rounds.blame.judge`; :meth:`_recover`).
 
@@ -74,9 +89,9 @@ class RoundRecovery:
         SkyNodeError
             If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
         """
-        err: SkyNodeError = row["error"]
+        err: SkyNodeError = row.exception  # type: ignore[assignment]
         verdict = judge(
-            self._failures_of(err), len(self.runs), self._diverging, list(self._set_aside)
+            self._failures_of(err), len(self.state.runs), self._diverging, list(self._set_aside)
         )
         if getattr(err, "diverged", ""):  # RoundGuard: a non-finite aggregate or loss
             verdict = Verdict(diverged=err.diverged)  # type: ignore[attr-defined]
@@ -92,15 +107,11 @@ class RoundRecovery:
             failures,
             self.max_failed_rounds,
         )
-        failed = {
-            "round": rnd,
-            "error": f"round {rnd} failed: {err}",
-            "round_time_s": row["round_time_s"],
-        }
-        self.rounds.append(failed)
-        self.on_event("round", failed)
+        failed = RoundRecord(rnd, row.round_time_s, error=f"round {rnd} failed: {err}")
+        self.state.rounds.append(failed)
+        self.hooks.on_round(failed)
         if failures >= self.max_failed_rounds:  # the round that ends the run is listed too
-            self.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": []})
+            self.state.failed_rounds.append({"round": rnd, "error": str(err), "dropped_nodes": []})
             raise SkyNodeError(
                 f"round {rnd} failed: {err} ({failures} consecutive failed round(s): "
                 f"max_failed_rounds={self.max_failed_rounds} reached)",
@@ -109,7 +120,7 @@ class RoundRecovery:
             ) from err
         self._recover(rnd, err, verdict=verdict)
 
-    def _diverged(self, rnd: int, row: dict[str, Any], failures: int, verdict: Verdict) -> None:
+    def _diverged(self, rnd: int, row: RoundRecord, failures: int, verdict: Verdict) -> None:
         """Round ``rnd`` failed because the training diverged: record it naming the
         learning rate, put back the helpers set aside (they were not at fault), drop
         nobody; end the run at ``max_failed_rounds``.
@@ -119,25 +130,22 @@ class RoundRecovery:
         TrainingDiverged
             If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
         """
-        err: SkyNodeError = row["error"]
+        err: SkyNodeError = row.exception  # type: ignore[assignment]
         cause = "" if str(err) == verdict.diverged else str(err)
         text = diverged_text(rnd, verdict.diverged, self.lr, cause)
         self._diverging = True
         restored = self._put_back()
         log(WARNING, "Round %d failed: %s. The last good global model is kept.", rnd, text)
-        failed = {
-            "round": rnd,
-            "error": f"round {rnd} failed: {text}",
-            "round_time_s": row["round_time_s"],
-            "diverged": True,
-        }
-        self.rounds.append(failed)
-        self.on_event("round", failed)
+        failed = RoundRecord(
+            rnd, row.round_time_s, error=f"round {rnd} failed: {text}", diverged=True
+        )
+        self.state.rounds.append(failed)
+        self.hooks.on_round(failed)
         record: dict[str, Any] = {"round": rnd, "error": text, "dropped_nodes": []}
         record["diverged"] = True
         if restored:
             record["restored_nodes"] = restored
-        self.failed_rounds.append(record)
+        self.state.failed_rounds.append(record)
         if failures >= self.max_failed_rounds:
             raise TrainingDiverged(
                 f"{text} ({failures} consecutive failed round(s): "
@@ -151,15 +159,15 @@ class RoundRecovery:
         if not self._set_aside:
             return []
         names = list(self._set_aside)
-        old = list(self.node_profiles)
+        old = list(self.state.node_profiles)
         for name, (prof, index, record) in sorted(self._set_aside.items(), key=lambda kv: kv[1][1]):
-            self.node_profiles.insert(min(index, len(self.node_profiles)), prof)
+            self.state.node_profiles.insert(min(index, len(self.state.node_profiles)), prof)
             record["restored_nodes"] = [*record.get("restored_nodes", []), name]
         self._set_aside.clear()
         try:
             self.make_plan(alternatives=False)
         except ValueError as plan_err:  # cannot happen: they held the model before
-            self.node_profiles = old
+            self.state.node_profiles = old
             log(WARNING, "Cannot re-plan with %s put back: %s", ", ".join(names), plan_err)
             return []
         log(
@@ -167,7 +175,7 @@ class RoundRecovery:
             "Put %s back (set aside after a non-finite round, but the training itself "
             "diverged) and re-planned on %d node(s)",
             ", ".join(names),
-            len(self.node_profiles),
+            len(self.state.node_profiles),
         )
         return names
 
@@ -178,13 +186,13 @@ class RoundRecovery:
         names = list(self._set_aside)
         for name, (_, _, record) in self._set_aside.items():
             record["dropped_nodes"] = [*record["dropped_nodes"], name]
-            nid = self._ids.pop(name, None)
+            nid = self.state.ids.pop(name, None)
             if nid is not None:
-                self.dropped[name] = nid
+                self.state.dropped[name] = nid
                 self._dropped_in[name] = rnd
                 # re-admitted only after it leaves the node list and comes back (a
                 # restart), not on the next profile: a profile does not show NaN output
-                getattr(self, "_rejoin_asked", set()).add(nid)
+                self.state.rejoin_asked.add(nid)
         self._set_aside.clear()
         if names:
             log(
@@ -196,17 +204,17 @@ class RoundRecovery:
             )
         return names
 
-    def partial_failure(self, rnd: int, row: dict[str, Any]) -> list[str]:
-        """Round ``rnd`` trained but some pipelines failed (``row["failed_pipelines"]``):
+    def partial_failure(self, rnd: int, row: RoundRecord) -> list[str]:
+        """Round ``rnd`` trained but some pipelines failed (``row.failed_pipelines``):
         their FedAvg is kept; act on the verdict for the failed ones (a pipeline that
         diverged drops nobody; see :meth:`_recover`). Returns the names dropped."""
         from sky_flower.sky.rounds import federation
 
-        err = federation.pipelines_error(row["failed_pipelines"])
-        verdict = judge(self._failures_of(err), len(self.runs))
+        err = federation.pipelines_error(row.failed_pipelines or [])
+        verdict = judge(self._failures_of(err), len(self.state.runs))
         if verdict.diverged:
             log(WARNING, "Round %d: %s", rnd, diverged_text(rnd, verdict.diverged, self.lr))
-            row["diverged"] = verdict.diverged
+            row.diverged = verdict.diverged
         return self._recover(rnd, err, partial=True, verdict=verdict)
 
     def _recover(
@@ -227,17 +235,17 @@ class RoundRecovery:
         failed ones)."""
         if verdict is None:
             if err.node_ids is not None:
-                drop = [n.name for n in self.node_profiles if n.node_id in err.node_ids]
+                drop = [n.name for n in self.state.node_profiles if n.node_id in err.node_ids]
             else:
-                drop = [n.name for n in self.node_profiles if n.name in (err.nodes or ())]
+                drop = [n.name for n in self.state.node_profiles if n.name in (err.nodes or ())]
             verdict = Verdict(drop=tuple(drop))
         out = self._leave_out(verdict.drop, verdict.set_aside)
         dropped = [n for n in out if n in verdict.drop]
         aside = [n for n in out if n in verdict.set_aside]
         for name in dropped:
-            nid = self._ids.pop(name, None)
+            nid = self.state.ids.pop(name, None)
             if nid is not None:
-                self.dropped[name] = nid
+                self.state.dropped[name] = nid
                 self._dropped_in[name] = rnd
         record = {"round": rnd, "error": str(err), "dropped_nodes": dropped}
         if aside:
@@ -246,7 +254,7 @@ class RoundRecovery:
             prof, index = self._left_out_profiles[name]
             self._set_aside[name] = (prof, index, record)
         if not partial:  # a round some pipelines finished is recorded in its row
-            self.failed_rounds.append(record)
+            self.state.failed_rounds.append(record)
         if out:
             log(
                 WARNING,
@@ -264,7 +272,7 @@ class RoundRecovery:
                     )
                     if part
                 ),
-                len(self.node_profiles),
+                len(self.state.node_profiles),
             )
         return out
 
@@ -273,16 +281,16 @@ class RoundRecovery:
         re-plan; keep them (and the plan) when the others cannot hold the model. Returns
         the names left out; ``_left_out_profiles`` maps each to (profile, index)."""
         names = set(drop) | set(aside)
-        failed = [n for n in self.node_profiles if n.name in names and not n.holds_data]
-        self._left_out_profiles = {n.name: (n, self.node_profiles.index(n)) for n in failed}
+        failed = [n for n in self.state.node_profiles if n.name in names and not n.holds_data]
+        self._left_out_profiles = {n.name: (n, self.state.node_profiles.index(n)) for n in failed}
         if not failed:
             return []
-        old = self.node_profiles
-        self.node_profiles = [n for n in old if n not in failed]
+        old = self.state.node_profiles
+        self.state.node_profiles = [n for n in old if n not in failed]
         try:
             self.make_plan(alternatives=False)
         except ValueError as plan_err:  # e.g. the others cannot hold the model
-            self.node_profiles = old
+            self.state.node_profiles = old
             self.make_plan(alternatives=False)
             log(
                 WARNING,

@@ -27,6 +27,7 @@ from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
+from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
 
 
@@ -292,19 +293,19 @@ class DirectRunner(Runner):
                 f"for {S} stages x {steps} steps"
             )
         M = self.s.schedule.microbatches
-        stages: list[dict[str, Any]] = [
-            {
-                "stage": k,
-                "node": st.node,
-                "measured_compute_s": (
+        stages = [
+            StageRecord(
+                stage=k,
+                node=st.node,
+                measured_compute_s=(
                     m.compute_s + slept[k]
                     if slept and slept[k] is not None
                     else m.compute_s * (1.0 + plan.slowdowns[k])
                 )
                 / steps,
-                "predicted_compute_s": M * st.compute_s,
-                "median_step_s": float(np.median(times[k])),
-            }
+                predicted_compute_s=M * st.compute_s,
+                median_step_s=float(np.median(times[k])),
+            )
             for k, (st, m) in enumerate(zip(plan.plan.stages, metrics, strict=True))
         ]
         return RoundOutcome(

@@ -28,6 +28,7 @@ from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.guard import check_reply
+from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RunSettings
 
 
@@ -253,20 +254,20 @@ def median_per_step(stat: dict[str, Any], steps: int) -> float:
     return float(np.median(per)) * stat["messages"] / max(steps, 1)
 
 
-def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[StageRecord]:
     """Measured against predicted, per stage and step (seconds): ``compute_s``,
     ``busy_s`` and ``messages``."""
     return [
-        {
-            "stage": k,
-            "node": pred["node"],
-            "messages": got["messages"] / steps,
-            "predicted_messages": pred["messages"],
-            "measured_compute_s": got["compute_s"] / steps,
-            "median_compute_s": median_per_step(got, steps),
-            "predicted_compute_s": pred["compute_s"],
-            "measured_busy_s": got["busy_s"] / steps,
-            "predicted_busy_s": pred["busy_s"],
-        }
+        StageRecord(
+            stage=k,
+            node=pred["node"],
+            messages=got["messages"] / steps,
+            predicted_messages=pred["messages"],
+            measured_compute_s=got["compute_s"] / steps,
+            median_compute_s=median_per_step(got, steps),
+            predicted_compute_s=pred["compute_s"],
+            measured_busy_s=got["busy_s"] / steps,
+            predicted_busy_s=pred["busy_s"],
+        )
         for k, (pred, got) in enumerate(zip(plan.predictions, stats, strict=True))
     ]

@@ -30,6 +30,7 @@ from sky_flower.core.partition import Plan
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
 from sky_flower.sky.transport.deadlines import Deadlines
+from sky_flower.sky.transport.records import StageRecord
 
 
 class SkyNodeError(NodeError):
@@ -192,7 +193,7 @@ class RoundOutcome:
         Correct predictions and samples over the round.
     step_times : list[float]
         Wall seconds of every step, shape (steps,).
-    stages : list[dict]
+    stages : list[StageRecord]
         Per stage: measured against predicted figures (:mod:`sky_flower.sky.rounds.report`).
     extra : dict
         Transport-specific row entries (relay: ``microbatches_per_message``; direct:
@@ -204,7 +205,7 @@ class RoundOutcome:
     correct: int
     seen: int
     step_times: list[float]
-    stages: list[dict[str, Any]]
+    stages: list[StageRecord]
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_row(

@@ -1,0 +1,189 @@
+"""The Sky strategy's round executor: every data owner's pipeline through the transport
+runner picked once from ``schedule.transport``, then FedAvg across the pipelines
+(:func:`sky_flower.sky.rounds.federation.federated_round`); and the server-side
+evaluator of the global model. Parts of :class:`sky_flower.strategies.sky.SkyStrategy`,
+each built from the settings and testable alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.supercore import log
+
+from sky_flower.flower.exchange import NodeLedger
+from sky_flower.sky.model import SkyModel
+from sky_flower.sky.planning.benchmark import LinkTiming
+from sky_flower.sky.rounds import federation
+from sky_flower.sky.rounds.hooks import SkyHooks
+from sky_flower.sky.rounds.records import RoundRecord
+from sky_flower.sky.rounds.state import RunState
+from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.direct import DirectRunner
+from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.transport.relay import RelayRunner
+from sky_flower.sky.transport.runner import Runner, RunSettings
+from sky_flower.sky.transport.stream import StreamRunner
+
+RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
+    "relay": RelayRunner,
+    "direct": DirectRunner,
+    "stream": StreamRunner,
+}
+
+
+class RoundExecutor:
+    """Runs a round of every pipeline in ``state.runs`` and averages their models.
+
+    Parameters
+    ----------
+    state : RunState
+        Read: ``runs``, ``names``.
+    model : SkyModel
+        The model and its objective (every runner's).
+    settings : SkySettings
+        ``schedule`` (the transport picks the runner class), ``train``, ``failure``
+        (message timeout, divergence factor), ``deadlines``, ``direct``, ``stream``,
+        ``messaging``, ``seed``, ``train.bn_policy``.
+    schedule : Schedule
+        The run's schedule (``settings.schedule_object()``).
+    layers : callable
+        ``() -> list of LayerProfile``: the model's layers (their count is every
+        runner's ``num_layers``; :meth:`sky_flower.sky.rounds.planner.Planner.profile_model`).
+    optimizer_store : OptimizerStore or None
+        ``train.optimizer_state=keep``: the pipelines' optimizer states between rounds
+        (:mod:`sky_flower.sky.migration`).
+
+    Raises
+    ------
+    ValueError
+        If the transport cannot run the schedule (``check_schedule``), or
+        ``train.bn_policy=local`` with a model without BatchNorm.
+    """
+
+    def __init__(
+        self,
+        state: RunState,
+        model: SkyModel,
+        settings: SkySettings,
+        schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
+        layers: Callable[[], list[Any]],
+        optimizer_store: Any = None,  # noqa: ANN401 - sky_flower.sky.migration.OptimizerStore
+    ) -> None:
+        self.state, self.model, self.settings, self.schedule = state, model, settings, schedule
+        self.layers = layers
+        self.runner_cls = RUNNERS[schedule.transport]
+        self.runner_cls.check_schedule(schedule)
+        self.optimizer_store = optimizer_store
+        self.guard = RoundGuard(settings.failure.divergence_factor)
+        self.stop = threading.Event()
+        self.ledger = NodeLedger()
+        self.local_bn = None  # train.bn_policy=local: refused up front for a model without BN
+        if settings.train.bn_policy == "local":
+            keys = federation.batchnorm_keys(model.model_fn())
+            self.local_bn = federation.LocalBatchNorm(keys)
+
+    def run_settings(self) -> RunSettings:
+        """The settings every runner (and the benchmark's exchange) uses."""
+        s, m = self.settings, self.model
+        return RunSettings(
+            model_fn=m.model_fn,
+            input_shape=tuple(m.input_shape),
+            schedule=self.schedule,
+            optimizer=s.train.optimizer,
+            lr=s.train.lr,
+            seed=s.seed,
+            num_layers=len(self.layers()),
+            message_timeout_s=s.failure.message_timeout_s,
+            poll_interval_s=s.messaging.poll_interval_s,
+            direct_timeout_s=s.direct.timeout_s,
+            direct_host=s.direct.host,
+            direct_join_timeout_s=s.direct.join_timeout_s,
+            stream_host=s.stream.host,
+            stream_bind=s.stream.bind,
+            stream_tls=s.stream.tls,
+            stream_max_frame_bytes=int(s.stream.max_frame_mb * 2**20),
+            stream_timeout_s=s.stream.timeout_s,
+            input_dtype=m.input_dtype,
+            loss_fn=m.loss_fn,
+            metric_fn=m.metric_fn,
+            loss_reduction=m.reduction.kind,
+            loss_weight_fn=m.reduction.weight_fn,
+            stop=self.stop,
+            describe=self.state.names.get,
+            deadlines=s.deadlines_object(),
+            ledger=self.ledger,
+            optimizer_store=self.optimizer_store,
+        )
+
+    def runner(self) -> Runner:
+        """A fresh runner of the configured transport (one per pipeline)."""
+        return self.runner_cls(self.run_settings())
+
+    def check_plan(self, pipeline: Any) -> None:  # noqa: ANN401 - a Pipeline
+        """Raise ``ValueError`` if the transport cannot run ``pipeline``."""
+        self.runner().check_plan(pipeline)
+
+    def link_timing(self) -> LinkTiming:
+        """How the benchmark round times links for this transport."""
+        cls = self.runner_cls
+        stream = self.run_settings().stream_endpoint() if cls.label == "stream" else None
+        return LinkTiming(peer_links=cls.peer_links, calibrate=cls.calibrate, stream=stream)
+
+    def run(
+        self, grid: Grid, server_round: int, arrays: ArrayRecord
+    ) -> tuple[RoundRecord, ArrayRecord | None]:
+        """Round ``server_round`` of every pipeline from the global model ``arrays``
+        (:func:`sky_flower.sky.rounds.federation.federated_round`): the round's record
+        and the new global model (``None`` when the round failed; the record has its
+        ``exception``)."""
+        return federation.federated_round(
+            grid, self.state.runs, self.runner, arrays, server_round, self.guard, self.local_bn
+        )
+
+
+class Evaluator:
+    """Server-side evaluation of the global model (``start(evaluate_fn=...)``): no
+    evaluation message goes to the nodes.
+
+    Parameters
+    ----------
+    evaluate_fn : callable or None
+        ``(server_round, arrays) -> MetricRecord | None``, Flower's ``evaluate_fn``.
+    hooks : SkyHooks
+        ``on_evaluate`` is called with every evaluation's metrics.
+    """
+
+    def __init__(
+        self,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+        hooks: SkyHooks,
+    ) -> None:
+        self.evaluate_fn, self.hooks = evaluate_fn, hooks
+
+    def evaluate(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        result: Result,
+        record: RoundRecord | None = None,
+    ) -> None:
+        """Evaluate round ``server_round``'s model (0: the initial one) into ``result``
+        and ``record.test``."""
+        if self.evaluate_fn is None:
+            return
+        res = self.evaluate_fn(server_round, arrays)
+        if server_round == 0:
+            log(INFO, "Initial global evaluation: %s", res)
+        if res is None:
+            return
+        result.evaluate_metrics_serverapp[server_round] = res
+        metrics = {k: float(v) for k, v in res.items()}  # type: ignore[arg-type]
+        if record is not None:
+            record.test.update(metrics)
+        self.hooks.on_evaluate(server_round, metrics)

@@ -1,0 +1,107 @@
+"""Typed records of a round, read like the ``results.json`` rows they become.
+
+:class:`RecordFields` is the base: a dataclass whose fields are typed attributes inside
+(``stage.measured_compute_s``), and which reads as a mapping too (``stage["node"]``,
+``stage.get("messages")``, ``dict(stage)``), so a reader of the written rows and a
+reader of the live records use the same keys; :meth:`RecordFields.to_dict` gives the
+JSON-ready dict where ``results.json`` is written. :class:`StageRecord` is what a
+runner reports per stage (:mod:`sky_flower.sky.rounds.records` holds the pipeline and
+round records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def optional(default: Any = None) -> Any:  # noqa: ANN401 - a dataclasses.field
+    """A field absent from the mapping (and from ``results.json``) while it is ``None``:
+    what a transport or a failed round does not measure."""
+    return field(default=default, metadata={"omit_none": True})
+
+
+class RecordFields(Mapping[str, Any]):
+    """A dataclass record that reads as the mapping of its row: one key per field (a
+    field made with :func:`optional` only while it is not ``None``), plus, for a field
+    whose metadata has ``prefix``, one key per entry of that dict field
+    (``test_accuracy`` from ``test={"accuracy": ...}``)."""
+
+    def _items(self) -> Iterator[tuple[str, Any]]:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if "prefix" in f.metadata:
+                for k, v in value.items():
+                    yield f"{f.metadata['prefix']}{k}", v
+            elif not f.metadata.get("hidden") and not (
+                value is None and f.metadata.get("omit_none")
+            ):
+                yield f.name, value
+
+    def __getitem__(self, key: str) -> Any:  # noqa: ANN401 - a field's value
+        for k, v in self._items():
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._items())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain JSON-ready data (nested records and lists of them too)."""
+        return {k: _plain(v) for k, v in self._items()}
+
+
+def _plain(value: Any) -> Any:  # noqa: ANN401 - any record value
+    if isinstance(value, RecordFields):
+        return value.to_dict()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class StageRecord(RecordFields):
+    """One stage of one pipeline in a round: measured against predicted, per step
+    (seconds; :mod:`sky_flower.sky.rounds.report` prints the columns a transport fills).
+
+    Attributes
+    ----------
+    stage : int
+        Its index in the pipeline.
+    node : str
+        The node that ran it.
+    measured_compute_s : float
+        Compute per step (emulated slowdown included).
+    predicted_compute_s : float or None
+        What the cost model predicted for it.
+    median_compute_s : float or None
+        Relay and stream: the median step's compute.
+    messages, predicted_messages : float or None
+        Relay and stream: messages (hops) per step, measured and predicted.
+    measured_busy_s, predicted_busy_s : float or None
+        Relay and stream: busy time per step (compute plus handling).
+    median_step_s : float or None
+        Direct: the median step's wall time on the stage.
+    owner : str or None
+        The data owner whose pipeline it is (set by the federated round).
+    """
+
+    stage: int
+    node: str
+    measured_compute_s: float
+    predicted_compute_s: float | None = optional()
+    median_compute_s: float | None = optional()
+    messages: float | None = optional()
+    predicted_messages: float | None = optional()
+    measured_busy_s: float | None = optional()
+    predicted_busy_s: float | None = optional()
+    median_step_s: float | None = optional()
+    owner: str | None = optional()
