@@ -57,7 +57,7 @@ from typing import Any, ClassVar, TypeVar
 
 from flwr.app import ConfigRecord, MetricRecord
 
-from sky_flower.pipeline.direct import Rendezvous
+from sky_flower.pipeline.rendezvous import Rendezvous
 
 # --- typed records ---------------------------------------------------------------------
 # :class:`Record` is the mixin of every config and figure dataclass below: one flat
