@@ -23,7 +23,7 @@ from test_exchange import NEVER, HoldingGrid, echo_app, messages
 
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import Deadlines, stage_message_s
+from sky_flower.sky.transport.deadlines import Deadlines, deadlines_of, stage_message_s
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def test_phase_deadlines_have_message_timeout_as_floor_and_scale_stages():
     with pytest.raises(ValueError, match="stage_multiple must be >= 0"):
         Deadlines(stage_multiple=-1)
     s = SkySettings.from_run_config({"message-timeout-s": 3.0, "stage-timeout-multiple": 2.0})
-    assert s.failure.message_timeout_s == 3.0 and s.deadlines_object().stage_multiple == 2.0
+    assert s.failure.message_timeout_s == 3.0 and deadlines_of(s.deadlines).stage_multiple == 2.0
     with pytest.raises(ValueError, match="first-contact-timeout-s must be > 0"):
         SkySettings.from_run_config({"first-contact-timeout-s": 0.0})
 

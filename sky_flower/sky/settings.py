@@ -537,19 +537,6 @@ class SkySettings:
             chunks=s.chunks,
         )
 
-    def deadlines_object(self) -> Any:  # noqa: ANN401 - sky_flower.sky.transport.deadlines.Deadlines
-        """The :class:`sky_flower.sky.transport.deadlines.Deadlines` of ``deadlines``."""
-        from sky_flower.sky.transport.deadlines import Deadlines
-
-        return Deadlines(**dataclasses.asdict(self.deadlines))
-
-    def replan_object(self) -> Any:  # noqa: ANN401 - sky_flower.sky.planning.replan.ReplanConfig
-        """The :class:`sky_flower.sky.planning.replan.ReplanConfig` of ``replan``."""
-        from sky_flower.sky.planning.replan import ReplanConfig
-
-        r = self.replan
-        return ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
-
 
 def _leaf_values(settings: Any, kind: type | None = None) -> Iterator[tuple[str, Any]]:  # noqa: ANN401
     """``(Hydra path, value)`` of every leaf setting that has a Hydra path."""

@@ -24,6 +24,7 @@ from sky_flower.sky.rounds.hooks import SkyHooks
 from sky_flower.sky.rounds.records import RoundRecord
 from sky_flower.sky.rounds.state import RunState
 from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.transport.deadlines import deadlines_of
 from sky_flower.sky.transport.direct import DirectRunner
 from sky_flower.sky.transport.guard import RoundGuard
 from sky_flower.sky.transport.relay import RelayRunner
@@ -116,7 +117,7 @@ class RoundExecutor:
             loss_weight_fn=m.reduction.weight_fn,
             stop=self.stop,
             describe=self.state.names.get,
-            deadlines=s.deadlines_object(),
+            deadlines=deadlines_of(s.deadlines),
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
         )

@@ -18,6 +18,7 @@ from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.replan import (
     ProfileTracker,
+    ReplanConfig,
     decide,
     drift_text,
     log_decision,
@@ -68,7 +69,8 @@ class Planner:
         self.state, self.settings, self.schedule = state, settings, schedule
         self.model = model
         self.check_plan, self.joiners, self.hooks = check_plan, joiners, hooks
-        self.replan_cfg = settings.replan_object()
+        r = settings.replan
+        self.replan_cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
 
     def profile_model(self) -> list[LayerProfile]:
         """Per-layer FLOPs and bytes of the model (computed once, kept in

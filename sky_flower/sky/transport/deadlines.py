@@ -29,9 +29,20 @@ No torch or Flower is imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from sky_flower.sky.settings import DeadlineSettings
+
 PHASES = ("benchmark", "setup", "stage", "collect")
+
+
+_DEFAULTS = DeadlineSettings()
+
+
+def deadlines_of(settings: DeadlineSettings) -> Deadlines:
+    """The :class:`Deadlines` of a run's ``deadlines`` settings group."""
+    return Deadlines(**dataclasses.asdict(settings))
 
 
 @dataclass(frozen=True)
@@ -50,12 +61,13 @@ class Deadlines:
         Longest wait for a node's stale in-flight message before failing the node.
     """
 
-    first_contact_s: float = 300.0
-    benchmark_s: float = 120.0
-    setup_s: float = 60.0
-    stage_multiple: float = 5.0
-    collect_s: float = 60.0
-    busy_wait_s: float = 30.0
+    # the defaults are the settings' own (sky_flower.sky.settings.DeadlineSettings)
+    first_contact_s: float = _DEFAULTS.first_contact_s
+    benchmark_s: float = _DEFAULTS.benchmark_s
+    setup_s: float = _DEFAULTS.setup_s
+    stage_multiple: float = _DEFAULTS.stage_multiple
+    collect_s: float = _DEFAULTS.collect_s
+    busy_wait_s: float = _DEFAULTS.busy_wait_s
 
     def __post_init__(self) -> None:
         for name in ("first_contact_s", "benchmark_s", "setup_s", "collect_s"):

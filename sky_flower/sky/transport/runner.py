@@ -29,6 +29,7 @@ from sky_flower.core.cost import Schedule
 from sky_flower.core.partition import Plan
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
+from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.deadlines import Deadlines
 from sky_flower.sky.transport.records import StageRecord
 
@@ -83,6 +84,9 @@ class Pipeline:
         return len(self.plan.stages)
 
 
+_DEFAULTS = SkySettings()
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What every runner needs beyond the pipeline: the model, the schedule, the
@@ -104,18 +108,19 @@ class RunSettings:
     lr: float
     seed: int
     num_layers: int
-    message_timeout_s: float = 120.0
-    poll_interval_s: float = 0.002
-    direct_timeout_s: float = 30.0
-    direct_host: str = "127.0.0.1"
-    direct_join_timeout_s: float = 60.0
+    # the defaults are the settings' own (sky_flower.sky.settings, the one source)
+    message_timeout_s: float = _DEFAULTS.failure.message_timeout_s
+    poll_interval_s: float = _DEFAULTS.messaging.poll_interval_s
+    direct_timeout_s: float = _DEFAULTS.direct.timeout_s
+    direct_host: str = _DEFAULTS.direct.host
+    direct_join_timeout_s: float = _DEFAULTS.direct.join_timeout_s
     # transport=stream (sky_flower.sky.transport.stream): the endpoint's address the stages dial,
     # the interface it listens on ("": the same), TLS, frame cap, silence / join bound
-    stream_host: str = "127.0.0.1"
-    stream_bind: str = ""
-    stream_tls: bool = True
-    stream_max_frame_bytes: int = 256 << 20
-    stream_timeout_s: float = 30.0
+    stream_host: str = _DEFAULTS.stream.host
+    stream_bind: str = _DEFAULTS.stream.bind
+    stream_tls: bool = _DEFAULTS.stream.tls
+    stream_max_frame_bytes: int = int(_DEFAULTS.stream.max_frame_mb * 2**20)
+    stream_timeout_s: float = _DEFAULTS.stream.timeout_s
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
