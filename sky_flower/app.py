@@ -169,6 +169,7 @@ def sky_strategy(
     app_keys: tuple[str, ...] = (),
     hooks: Sequence[Any] = (),
     input_dtype: str = "float32",
+    **removed: Any,  # noqa: ANN401 - keywords it once passed on: refused, naming their key
 ) -> Any:  # noqa: ANN401 - sky_flower.strategies.sky.SkyStrategy, imported lazily
     """A :class:`sky_flower.strategies.sky.SkyStrategy` built from the run config.
 
@@ -197,7 +198,26 @@ def sky_strategy(
         On a bad run config, before any node is contacted, naming the run-config key
         (the settings' own checks, :class:`sky_flower.sky.settings.SkySettings`); from
         the memory pre-check against the fleet's memory caps.
+    TypeError
+        On another keyword (every setting is a run-config key: the error names it).
     """
+    if removed:
+        keys = run_config_keys()
+        moved = {"on_event": "hooks=[EventCallback(on_event)]", "loss_fn": "run config loss"}
+        moved |= {"metric_fn": "run config metric"}
+        where = [
+            f"{k}: {moved[k]}"
+            if k in moved
+            else f"{k}: run config key {k.replace('_', '-')!r}"
+            if k.replace("_", "-") in keys
+            else f"{k}: not a sky_strategy argument"
+            for k in removed
+        ]
+        raise TypeError(
+            "sky_strategy takes (run_config, model_fn, input_shape, app_keys, hooks, "
+            "input_dtype): every setting comes from the run config. Unexpected keyword(s): "
+            + "; ".join(where)
+        )
     from sky_flower.jobs.common import SkyRecorder
     from sky_flower.strategies.sky import SkyModel, SkyStrategy
 

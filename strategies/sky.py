@@ -81,6 +81,56 @@ PLAINTEXT = (  # logged when transport=direct
 __all__ = ["RUNNERS", "EventCallback", "SkyHooks", "SkyModel", "SkyNodeError", "SkyStrategy"]
 
 
+# the old constructor's keywords that are not settings, and where they went
+_MOVED = {
+    "model_fn": "SkyModel(model_fn, input_shape)",
+    "input_shape": "SkyModel(model_fn, input_shape)",
+    "input_dtype": "SkyModel(..., input_dtype=...)",
+    "loss_fn": "SkyModel(..., loss_fn=...)",
+    "metric_fn": "SkyModel(..., metric_fn=...)",
+    "loss_reduction": "SkyModel(..., reduction=LossReduction(...))",
+    "loss_weight_fn": "SkyModel(..., reduction=LossReduction('weighted', fn))",
+    "on_event": "hooks=[EventCallback(on_event)]",
+    "schedule": "SkySettings().replace({'schedule.batch_size': ..., 'schedule.kind': ...})",
+    "deadlines": "SkySettings().replace({'deadlines.setup_s': ..., ...})",
+    "replan": "SkySettings().replace({'replan.mode': ..., ...})",
+    "state_probe_bytes": "SkySettings().replace({'benchmark.state_probe_mb': ...})",
+    "stream_max_frame_mb": "SkySettings().replace({'schedule.stream_max_frame_mb': ...})",
+}
+
+
+def migration_hint(removed: dict[str, Any]) -> str:
+    """The error for keywords of ``SkyStrategy``'s old constructor: where each went
+    (a ``SkyModel`` field, a hook, or a setting's Hydra path for ``SkySettings.replace``)."""
+    from sky_flower.sky.settings import settings_fields
+
+    by_name: dict[str, str] = {}
+    for f, _ in settings_fields():
+        path = f.metadata["hydra"]
+        if path:
+            by_name.setdefault(f.name, path)
+            by_name.setdefault(path.replace(".", "_"), path)
+    by_name |= {"allocation": "allocation.method", "milp_time_limit_s": "allocation.time_limit_s"}
+    by_name |= {f"benchmark_{k}": f"benchmark.{k}" for k in ("warmup", "repeats")}
+    by_name |= {f"direct_{k}": f"schedule.direct_{k}" for k in ("timeout_s", "host")}
+    by_name |= {"direct_join_timeout_s": "schedule.direct_join_timeout_s"}
+    by_name |= {f"stream_{k}": f"schedule.stream_{k}" for k in ("host", "bind", "tls")}
+    by_name |= {"stream_timeout_s": "schedule.stream_timeout_s"}
+    lines = []
+    for key in removed:
+        if key in _MOVED:
+            lines.append(f"{key}: {_MOVED[key]}")
+        elif key in by_name:
+            lines.append(f"{key}: SkySettings().replace({{'{by_name[key]}': ...}})")
+        else:
+            lines.append(f"{key}: not a SkyStrategy argument")
+    return (
+        f"SkyStrategy takes (model, settings, *, node_order, min_nodes, hooks, link_cache) "
+        f"since issue 29; unexpected keyword(s) {', '.join(sorted(removed))}. Where they "
+        f"went: " + "; ".join(lines)
+    )
+
+
 class SkyStrategy(Strategy):
     """Split-model training with a benchmark round and a load-balanced layer plan.
 
@@ -130,19 +180,28 @@ class SkyStrategy(Strategy):
 
     def __init__(
         self,
-        model: SkyModel,
+        model: SkyModel | None = None,  # required; None only to name old keywords' new home
         settings: SkySettings | None = None,
         *,
         node_order: Sequence[str] = (),
         min_nodes: int = 2,
         hooks: Sequence[SkyHooks] = (),
         link_cache: dict[int, Link] | None = None,
+        **removed: Any,  # noqa: ANN401 - the keywords of the old signature: refused, with their new home
     ) -> None:
+        if removed:
+            raise TypeError(migration_hint(removed))
         if not isinstance(model, SkyModel):
             raise TypeError(
                 f"SkyStrategy's first argument is a SkyModel (model_fn, input_shape, loss, "
                 f"metric), got {type(model).__name__}: e.g. SkyStrategy(SkyModel(Net, [64]), "
                 f"SkySettings())"
+            )
+        if settings is not None and not isinstance(settings, SkySettings):
+            raise TypeError(
+                f"SkyStrategy's settings are a SkySettings, got {type(settings).__name__}: for "
+                f"a few values use SkySettings().replace({{'train.lr': 0.01, ...}}) (keys are "
+                f"Hydra paths), or SkySettings.from_run_config(context.run_config)"
             )
         self.model, self.settings = model, settings or SkySettings()
         self.schedule = self.settings.schedule_object()

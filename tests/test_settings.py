@@ -135,3 +135,36 @@ def test_run_config_reaches_the_strategy():
     assert s.benchmark.warmup == 1
     assert strategy.run_settings().poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
     assert strategy.recovery.max_failed_rounds == 3
+
+
+def test_old_keywords_and_wrong_arguments_are_refused_saying_where_they_went():
+    """A user of the old 42-keyword constructor (or of ``sky_strategy``'s pass-through)
+    is told where each keyword went, not a bare ``unexpected keyword``; a dict for the
+    settings and a plan before the benchmark round are refused by name."""
+    import torch
+    from sky_flower.strategies.sky import SkyModel, SkyStrategy
+
+    from sky_flower.app import sky_strategy
+    from sky_flower.pipeline.objective import ref
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError) as err:
+        SkyStrategy(model_fn=lambda: net, input_shape=[4], lr=0.1, on_event=print, bogus=1)
+    text = str(err.value)
+    assert "model_fn: SkyModel(model_fn, input_shape)" in text
+    assert "lr: SkySettings().replace({'train.lr': ...})" in text
+    assert "on_event: hooks=[EventCallback(on_event)]" in text
+    assert "bogus: not a SkyStrategy argument" in text
+    with pytest.raises(TypeError, match=r"echo_jitter_s: run config key 'echo-jitter-s'"):
+        sky_strategy({}, model_fn=lambda: net, input_shape=[4], echo_jitter_s=0.0)
+    model = SkyModel(lambda: net, [4])
+    with pytest.raises(TypeError, match=r"settings are a SkySettings, got dict.*replace"):
+        SkyStrategy(model, {"train.lr": 0.1})
+    with pytest.raises(ValueError, match="no node has been profiled yet: run the benchmark"):
+        SkyStrategy(model).make_plan()
+    with pytest.raises(ValueError, match="pass the function object itself"):
+        SkyModel(lambda: net, [4], loss_fn="torch.nn.functional:cross_entropy")
+    main_fn = type(ref)(ref.__code__, {"__name__": "__main__"}, "my_loss")
+    assert main_fn.__module__ == "__main__"
+    with pytest.raises(ValueError, match=r"script being run \(__main__\)"):
+        ref(main_fn)

@@ -227,9 +227,22 @@ def ref(fn: Callable[..., Any]) -> str:
     Raises
     ------
     ValueError
-        If ``fn`` is a lambda or a nested function (not importable by name).
+        If ``fn`` is a lambda or a nested function (not importable by name), a function
+        of the script being run (``__main__``: the nodes cannot import it), or a
+        ``"module:qualname"`` string (what a config takes; here the function itself).
     """
+    if isinstance(fn, str):
+        raise ValueError(
+            f"{fn!r} is a reference string: pass the function object itself (e.g. "
+            f'SkyModel(..., loss_fn=my_loss)); a "module:qualname" string is what the '
+            "config's objective.loss / run config loss takes"
+        )
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module == "__main__":
+        raise ValueError(
+            f"{fn!r} is defined in the script being run (__main__), which the nodes cannot "
+            "import: define it in a module of your package and import it from there"
+        )
     if not module or not name or "<" in name:
         raise ValueError(
             f"{fn!r} cannot travel to the nodes: pass a module-level function "

@@ -484,7 +484,8 @@ class SkySettings:
                 "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
                 "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
                 f"transport=direct. Set {n('schedule.kind')} to one of gpipe, 1f1b, "
-                f"interleaved, zero_bubble, auto, or {n('schedule.transport')}=relay{example}"
+                f"interleaved, zero_bubble, auto, or {n('schedule.transport')} to relay or "
+                f"stream{example}"
             )
         if s.kind in CHUNKED_KINDS and s.transport != "direct":
             raise ValueError(

@@ -93,8 +93,14 @@ class Planner:
         Raises
         ------
         ValueError
-            If no plan fits the nodes' memory (``InfeasibleMemoryError``).
+            If no node has been profiled yet, or no plan fits the nodes' memory
+            (``InfeasibleMemoryError``).
         """
+        if not self.state.node_profiles:
+            raise ValueError(
+                "no node has been profiled yet: run the benchmark round first "
+                "(strategy.benchmark(grid, node_ids), which start() does)"
+            )
         fed = self._plan(alternatives=alternatives)
         self.install_plan(fed)
         return fed
