@@ -150,21 +150,32 @@ def _rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-# -- (a) the pure core ------------------------------------------------------------------
-def test_pure_core_imports_no_flower_and_no_hydra():
+# -- (a) the pure core, and every module importable ---------------------------------------
+# One fresh interpreter serves both checks (each used to start its own: torch and Flower
+# imported twice): it imports the pure core alone and reports what that pulled in, then
+# imports every other module.
+def test_pure_core_imports_no_flower_and_no_hydra_and_every_module_imports():
+    """(a) The pure core, imported alone in a fresh interpreter, imports no ``flwr`` and
+    no ``hydra``; then every module imports in that same fresh interpreter (the pure
+    core first, the rest in sorted order)."""
     pure = sorted(n for n in MODULES if n.startswith(PURE_PACKAGES))
     assert "sky_flower.core.partition.optimal" in pure and "sky_flower.pipeline.direct" in pure
+    names = sorted(n for n in _modules() if not n.endswith("__main__"))
     code = (
         "import importlib, sys\n"
         f"for m in {pure!r}:\n"
         "    importlib.import_module(m)\n"
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN_IN_PURE!r})\n"
-        "print(' '.join(bad))\n"
+        "print('pure core imports: ' + ' '.join(bad), flush=True)\n"
+        "for n in sys.argv[1:]: importlib.import_module(n)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    done = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, cwd=ROOT
     )
-    assert out.stdout.strip() == "", f"the pure core imported {out.stdout.strip()}"
+    first = done.stdout.splitlines()[:1]
+    assert first, f"the pure core failed to import: {done.stderr[-3000:]}"
+    assert first[0] == "pure core imports: ", f"the pure core imported {first[0][19:]}"
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # -- (b) no import cycles ---------------------------------------------------------------
@@ -173,15 +184,6 @@ def test_graph_sees_function_level_and_relative_imports():
     assert "sky_flower.core.partition.heuristic" in GRAPH["sky_flower.core.partition.optimal"]
     # an import inside a function
     assert "sky_flower.strategies.decentralized" in GRAPH["sky_flower.jobs.decentralized"]
-
-
-def test_every_module_imports_in_a_fresh_interpreter():
-    names = sorted(n for n in _modules() if not n.endswith("__main__"))
-    code = "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)"
-    done = subprocess.run(
-        [sys.executable, "-c", code, *names], capture_output=True, text=True, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_no_import_cycles():

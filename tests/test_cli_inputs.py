@@ -1,7 +1,8 @@
 """Bad command-line input ends in a clean error, not a traceback (and writes nothing).
 
-The command lines run as subprocesses (``sys.executable -m ...``); the bench's refusals
-run side by side to keep this file fast.
+Each entry point runs once as a real subprocess (``sys.executable -m ...``: exit status,
+stderr, stdout of the process); its other cases call the same ``main(argv)`` in process
+(a fresh interpreter imports torch again: several seconds each).
 """
 
 import json
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from inprocess_cli import hydra_main
 
 from sky_flower import compare, plan_sweep
 from sky_flower.bench import decentralized as bench
@@ -38,19 +41,20 @@ BAD_BENCH = {  # the rest of the review's cases run in process, below
 }
 
 
-def test_bench_bad_flags_are_usage_errors(tmp_path):
-    procs = {
-        flags: subprocess.Popen(
-            [sys.executable, "-m", BENCH, *flags.split(), "--out", str(tmp_path / "out")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for flags in BAD_BENCH
-    }
-    for flags, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, (flags, err)
+def test_bench_bad_flags_are_usage_errors(tmp_path, capsys):
+    """The first flags as ``python -m``, a real process; the others through the same
+    ``main(argv)`` in process: exit status 2, the usage and the message on stderr,
+    nothing on stdout, nothing written."""
+    first, *others = BAD_BENCH
+    proc = _run(BENCH, *first.split(), "--out", tmp_path / "out")
+    ended = {first: (proc.returncode, proc.stdout, proc.stderr)}
+    for flags in others:
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*flags.split(), "--out", str(tmp_path / "out")])
+        captured = capsys.readouterr()
+        ended[flags] = (exc.value.code, captured.out, captured.err)
+    for flags, (code, out, err) in ended.items():
+        assert code == 2, (flags, err)
         assert "Traceback" not in err, (flags, err)
         assert err.startswith("usage: python -m sky_flower.bench.decentralized"), (flags, err)
         assert BAD_BENCH[flags] in err.splitlines()[-1], (flags, err)
@@ -137,13 +141,19 @@ def test_diverged_losses_in_the_table():
 
 
 def test_bench_quick_run_honours_given_flags(tmp_path):
+    """The bench's ``main(argv)`` in process (its command line as a process: the test
+    above); ``main`` sets torch to one thread, restored after."""
     out = tmp_path / "bench"
-    proc = _run(
-        BENCH,
-        *("--quick", "--rounds", "2", "--homogeneity", "50", "--gaps", "0.5"),
-        *("--algorithms", "dpsgd", "--lrs", "1000", "--out", out),
-    )
-    assert proc.returncode == 0, proc.stderr
+    threads = torch.get_num_threads()
+    try:
+        bench.main(
+            [
+                *("--quick", "--rounds", "2", "--homogeneity", "50", "--gaps", "0.5"),
+                *("--algorithms", "dpsgd", "--lrs", "1000", "--out", str(out)),
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
     args = json.loads((out / "results.json").read_text())["args"]
     assert args["homogeneity"] == [50] and args["gaps"] == [0.5] and args["rounds"] == 2
     md = (out / "table.md").read_text()
@@ -167,14 +177,27 @@ def _no_jobs(sweep_dir, expected):
     )
 
 
-@pytest.mark.parametrize("module", list(SWEEP_CLIS))
-def test_sweep_summaries_refuse_a_missing_dir(tmp_path, module):
+def test_sweep_summary_cli_refuses_a_missing_dir_as_a_process(tmp_path):
+    """``python -m sky_flower.compare`` as a real process (no torch: about a second):
+    exit status 1, the one line on stderr, nothing on stdout. Both summaries' ``main``
+    in process: the test below."""
     missing = tmp_path / "no_such_dir"
-    proc = _run(module, missing)
+    proc = _run("sky_flower.compare", missing)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == _no_jobs(missing, SWEEP_CLIS[module][2])
+    assert proc.stderr.strip() == _no_jobs(missing, SWEEP_CLIS["sky_flower.compare"][2])
     assert proc.stdout == "" and not missing.exists()
+
+
+@pytest.mark.parametrize("module", list(SWEEP_CLIS))
+def test_sweep_summaries_refuse_a_missing_dir(tmp_path, module, capsys):
+    cli, _, expected = SWEEP_CLIS[module]
+    missing = tmp_path / "no_such_dir"
+    assert cli.main([str(missing)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert captured.err.strip() == _no_jobs(missing, expected)
+    assert captured.out == "" and not missing.exists()
 
 
 @pytest.mark.parametrize("module", list(SWEEP_CLIS))
@@ -214,12 +237,17 @@ def test_plan_sweep_cli_on_a_sweep(tmp_path, capsys):
     assert (tmp_path / "plan_sweep.csv").exists()
 
 
-def test_training_job_names_a_non_numeric_setting(tmp_path):
-    """``num_rounds=abc``: the error names the key and the type, not Python's int()."""
-    done = _run("sky_flower.run", "num_rounds=abc", f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 1
-    assert "num_rounds='abc' must be an integer" in done.stderr + done.stdout, done.stderr[-2000:]
-    assert "invalid literal" not in done.stderr + done.stdout
+def test_training_job_names_a_non_numeric_setting(tmp_path, capsys):
+    """``num_rounds=abc``: the error names the key and the type, not Python's int().
+    The entry point's ``main()`` in process (``python -m sky_flower.run`` as a process:
+    the misspelt key's test below)."""
+    from sky_flower import run
+
+    status = hydra_main(run.main, ["num_rounds=abc", f"hydra.run.dir={tmp_path}"])
+    shown = capsys.readouterr()
+    assert status == 1
+    assert "num_rounds='abc' must be an integer" in shown.err + shown.out, shown.err[-2000:]
+    assert "invalid literal" not in shown.err + shown.out
 
 
 def test_deploy_workdir_that_is_a_file_is_refused_before_anything_starts(tmp_path):

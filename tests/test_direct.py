@@ -37,8 +37,17 @@ def test_local_pipeline_equals_unsplit_training(kind):
         (torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen))
         for _ in range(3)
     ]
+    # stage processes from the forkserver, which preloaded torch (a spawned stage imports
+    # it again); the chunked test below keeps run_local's default, spawn
     merged, results = run_local(
-        MODEL, [(0, 1), (2, 2), (3, 3)], weights, batches, kind=kind, microbatches=4, lr=1e-3
+        MODEL,
+        [(0, 1), (2, 2), (3, 3)],
+        weights,
+        batches,
+        kind=kind,
+        microbatches=4,
+        lr=1e-3,
+        mp_context=forkserver(),
     )
     ((expected, _),) = reference_rounds(
         lambda: build_model(MODEL), batches, 1, 3, 1e-3, microbatches=4, weights=weights

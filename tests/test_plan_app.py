@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from inprocess_cli import hydra_main
 
 from sky_flower.core.partition import InfeasibleMemoryError
 from sky_flower.plan import build_planning_problem, plan_job
@@ -177,13 +178,15 @@ def test_cli_multirun_writes_csv_and_png(tmp_path):
         assert len(plan["problem"]["nodes"]) == int(rows[job]["nodes"])
 
 
-def test_cli_multirun_infeasible_job_is_a_row_and_the_sweep_goes_on(tmp_path):
+def test_cli_multirun_infeasible_job_is_a_row_and_the_sweep_goes_on(tmp_path, capsys):
+    """The entry point's ``main()`` in process (``python -m sky_flower.plan -m`` as a
+    process: the test above)."""
+    from sky_flower import plan
+
     sweep = tmp_path / "sweep"
-    proc = _cli(
-        ["-m", *SMALL, "fleet.memory_mb=1,8192", f"hydra.sweep.dir={sweep}"],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]  # infeasible is a result, not a crash
+    argv = ["-m", *SMALL, "fleet.memory_mb=1,8192", f"hydra.sweep.dir={sweep}"]
+    status = hydra_main(plan.main, argv)
+    assert status == 0, capsys.readouterr().err[-2000:]  # infeasible is a result, not a crash
     rows = list(csv.DictReader((sweep / "plan_sweep.csv").open()))
     assert [r["status"] for r in rows] == ["infeasible", "ok"]
     assert "infeasible memory budget" in rows[0]["error"]

@@ -97,6 +97,7 @@ def run_local(  # noqa: PLR0913
     rng: RngKey | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    mp_context: Any = None,  # noqa: ANN401 - a multiprocessing context
 ) -> tuple[dict, list[StageResult]]:
     """``torch.distributed.pipelining`` alone: one local process per stage, no Flower.
 
@@ -130,6 +131,10 @@ def run_local(  # noqa: PLR0913
     metric_fn : callable, optional
         ``(output, labels) -> count`` of a step (default correct predictions;
         :func:`sky_flower.pipeline.lm.token_correct` for a language model); module level.
+    mp_context : multiprocessing context, optional
+        Starts the stage processes (default ``spawn``: each a fresh interpreter). A
+        ``forkserver`` context whose server preloaded torch starts them in well under a
+        second (the tests' ``reference.forkserver``).
 
     Returns
     -------
@@ -144,7 +149,7 @@ def run_local(  # noqa: PLR0913
     """
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp_context or mp.get_context("spawn")
     S = ranks or len(bounds)
     if len(bounds) % S:
         raise ValueError(f"{len(bounds)} chunks do not divide over {S} ranks")
