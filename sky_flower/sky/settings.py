@@ -493,10 +493,10 @@ class SkySettings:
                 f"only (torch.distributed.pipelining): set {n('schedule.transport')}=direct"
             )
         if s.batch_size % s.microbatches:
+            batch = n("schedule.batch_size") if run else "batch_size"
             raise ValueError(
                 f"{said}{n('schedule.microbatches')}={s.microbatches} must divide "
-                f"batch_size={s.batch_size} (set {n('schedule.batch_size')} or "
-                f"{n('schedule.microbatches')} so that it does)"
+                f"{batch}={s.batch_size}: pick a divisor (or set {n('schedule.batch_size')})"
             )
         if s.microbatches_per_message and s.microbatches % s.microbatches_per_message:
             raise ValueError(
