@@ -108,7 +108,8 @@ def test_chosen_split_points_and_merging():
 def test_tied_parameter_is_never_split():
     torch.manual_seed(0)
     model, ids = TiedLM(), torch.randint(0, 10, (3, 5))
-    seq = as_sequential(model, ids)
+    with pytest.warns(UserWarning, match="one trainable parameter read by stages 0 and 2"):
+        seq = as_sequential(model, ids)
     assert len(seq) == 1  # every cut would split the tied weight: merged
     assert seq[0].emb.weight is seq[0].out.weight
     _assert_same_function(model, seq, ids)
@@ -175,7 +176,8 @@ def test_refusals_are_clear():
 
 
 def test_sequential_of_builds_its_own_example():
-    seq = sequential_of(TiedLM(), [5], "int64")
+    with pytest.warns(UserWarning, match="TiedLM: emb.weight and out.weight"):
+        seq = sequential_of(TiedLM(), [5], "int64")
     assert seq(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 10)
 
 
