@@ -52,7 +52,7 @@ from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
-from sky_flower.sky.planning.benchmark import Link, benchmark_table
+from sky_flower.sky.planning.benchmark import Link, benchmark_table, wait_for_nodes
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.rounds import report
 from sky_flower.sky.rounds.executor import RUNNERS, Evaluator, RoundExecutor
@@ -343,7 +343,7 @@ class SkyStrategy(Strategy):
         SkyNodeError
             If no node is connected after ``timeout`` seconds, or the run is stopped.
         """
-        return self.benchmarker.wait(grid, self.min_nodes, timeout)
+        return wait_for_nodes(grid, self.min_nodes, timeout, self.executor.stop)
 
     def profile_model(self) -> list[LayerProfile]:
         """Per-layer FLOPs and bytes of the model (computed once, on the server)."""

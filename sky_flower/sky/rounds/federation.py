@@ -51,7 +51,6 @@ from sky_flower.sky.planning.planning import PipelineRun
 from sky_flower.sky.rounds.blame import Failure
 from sky_flower.sky.rounds.records import PipelineRecord, RoundRecord
 from sky_flower.sky.transport.guard import RoundGuard
-from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
@@ -312,13 +311,6 @@ def pipeline_row(res: PipelineResult) -> PipelineRecord:
     )
 
 
-def _owned(owner: str, stage: StageRecord | dict[str, Any]) -> StageRecord | dict[str, Any]:
-    """``stage`` with its pipeline's ``owner``."""
-    if isinstance(stage, StageRecord):
-        return dataclasses.replace(stage, owner=owner)
-    return {"owner": owner, **stage}
-
-
 def round_row(server_round: int, results: Sequence[PipelineResult], seconds: float) -> RoundRecord:
     """The round's record (before the server's evaluation adds its ``test`` metrics)
     from the pipelines that finished: loss and accuracy over every sample trained, the
@@ -353,7 +345,11 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
         round_time_s=seconds,
         predicted_round_time_s=max(r.run.start_s + r.run.time_s for r in results),
         **extra,
-        stages=[_owned(r.run.owner, st) for r in ok for st in r.outcome.stages],  # type: ignore[union-attr]
+        stages=[
+            dataclasses.replace(st, owner=r.run.owner)
+            for r in ok
+            for st in r.outcome.stages  # type: ignore[union-attr]
+        ],
         pipelines=[pipeline_row(r) for r in results],
         failed_pipelines=[
             {

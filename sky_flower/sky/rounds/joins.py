@@ -44,7 +44,6 @@ from sky_flower.sky.planning.benchmark import (
     Link,
     LinkTiming,
     benchmark_event,
-    wait_for_nodes,
 )
 from sky_flower.sky.rounds.hooks import SkyHooks
 from sky_flower.sky.rounds.state import RunState
@@ -56,7 +55,7 @@ NOT_JOINED = "is not in the federation"
 
 
 class Benchmarker:
-    """The benchmark round and mid-run joins of a Sky run: :meth:`wait` for the nodes,
+    """The benchmark round and mid-run joins of a Sky run: once the nodes are there,
     :meth:`run` the benchmark round (its profiles go to ``state``), then before each
     round :meth:`admit_joiners` (``replan.mode`` on) or :meth:`note_returns` (off).
 
@@ -104,17 +103,6 @@ class Benchmarker:
         self._seen_ids: set[int] = set()
         self._waiting_ids: set[int] = set()
         self._went_missing: set[int] = set()  # dropped ids seen missing from the node list
-
-    def wait(self, grid: Grid, min_nodes: int, timeout: float) -> list[int]:
-        """Block until ``min_nodes`` nodes are connected, at most ``timeout`` s
-        (:func:`sky_flower.sky.planning.benchmark.wait_for_nodes`).
-
-        Raises
-        ------
-        SkyNodeError
-            If no node is connected after ``timeout`` seconds, or the run is stopped.
-        """
-        return wait_for_nodes(grid, min_nodes, timeout, self.run_settings().stop)
 
     def round(self, grid: Grid, server_round: int = 0) -> BenchmarkRound:
         """The benchmark round of these settings over ``grid``; its messages belong to
