@@ -72,7 +72,7 @@ test-fast: lint
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow"
 
 test-all: lint
-	@rc=0; \
+	@rc=0; export SKY_TEST_ALL=1; \
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
 	$(PYTEST) $(PYTEST_ARGS) tests -m "$(RAY)" || rc=1; \
 	exit $$rc

@@ -54,6 +54,7 @@ PRELOAD = [
     "sky_flower.sky.node.client",
     "sky_flower.pipeline.direct",
     "torch.distributed.pipelining",
+    "torch._dynamo",  # what an optimizer's first add_param_group imports: ~2 s a child
     "sklearn.datasets",
     "sklearn.model_selection",
     "sky_app.task",

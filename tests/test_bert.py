@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from simhelpers import make_cfg
+from tiers import examples
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -87,7 +88,7 @@ def test_bert_large_flops_match_closed_form():
     assert prof[1].fwd_flops == 8 * s * h * h + 4 * s * s * h
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     head_dim=st.integers(1, 16),
     heads=st.integers(1, 4),

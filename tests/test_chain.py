@@ -8,6 +8,7 @@ import pytest
 from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import MIB, InfeasibleMemoryError, brute_force, heuristic, optimal
@@ -15,7 +16,7 @@ from sky_flower.core.partition.chain import _chain_case
 from sky_flower.core.profile import NodeProfile
 
 FIXED = settings(
-    max_examples=120,
+    max_examples=examples(120),
     deadline=None,
     derandomize=True,
     database=None,

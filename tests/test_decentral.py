@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.gossip.training import FlatModel, minibatch_indices, sorted_shuffle_partition
 from sky_flower.pipeline.data import load_split
@@ -13,7 +14,7 @@ from sky_flower.pipeline.data import load_split
 TRAIN, TEST = load_split("digits", 0.2, 0)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     st.integers(2, 40),
     st.floats(0, 100),

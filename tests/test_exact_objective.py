@@ -30,6 +30,7 @@ from flwr.clientapp import ClientApp
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from reference import ProcessPerMessageGrid, forkserver, reference_rounds
+from tiers import examples
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
@@ -164,7 +165,7 @@ def _bounds(cuts: set[int], layers: int = 7) -> list[tuple[int, int]]:
     return [(a, b - 1) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     case=hs.sampled_from(sorted(CASES)),
     microbatches=hs.sampled_from([1, 2, 3, 4, 6]),

@@ -29,6 +29,7 @@ from reference import (
     sky_app_task,
 )
 from sky_flower.strategies.sky import SkyNodeError
+from tiers import examples
 from torch import nn
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
@@ -169,7 +170,7 @@ def test_dropout_masks_of_forward_and_recomputation_are_the_whole_models():
                 assert torch.equal(f, w) and torch.equal(r, w)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     cuts=hs.sets(hs.integers(1, 8), max_size=5),
     microbatches=hs.sampled_from([1, 2, 4]),

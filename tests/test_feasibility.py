@@ -6,6 +6,7 @@ import pytest
 from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import (
@@ -22,7 +23,7 @@ from sky_flower.core.partition.feasible import _milp_feasible, check_memory
 from sky_flower.core.profile import NodeProfile
 
 FIXED = settings(
-    max_examples=150,
+    max_examples=examples(150),
     deadline=None,
     derandomize=True,
     database=None,

@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from reference import ProcessPerMessageGrid, reference_rounds
+from tiers import examples
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
@@ -86,7 +87,7 @@ def test_three_owners_of_seven_steps_count_seven_then_fourteen_batches():
         weights = avg
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     owners=hs.integers(1, 6),
     count=hs.integers(1, 10_000),
@@ -109,7 +110,7 @@ def test_fedavg_of_integers_with_equal_counts_is_the_rounded_exact_mean(
     assert (same["n"].numpy() == vals[0]).all()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     parts=hs.lists(
         hs.tuples(hs.integers(-(10**12), 10**12), hs.integers(0, 1000)), min_size=1, max_size=5

@@ -9,6 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.federated import (
@@ -170,7 +171,7 @@ def instances(draw):
     return layers_of(L), nodes, samples, schedule
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(instances())
 def test_optimal_equals_brute_force_and_bounds_hold(inst) -> None:
     layers, nodes, samples, schedule = inst

@@ -8,6 +8,7 @@ from factories import fake_layer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from simhelpers import make_cfg
+from tiers import examples
 
 from sky_flower.core.fleets import skycomputing_slowdowns, synthetic_node_profiles
 from sky_flower.core.profile import LayerProfile
@@ -18,7 +19,7 @@ def flop_layer(index, fwd, bwd):
     return LayerProfile(index, f"{index}:Fake", fwd, bwd, 0, 0, 0.0, 0.0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
 def test_slowdowns_are_numpys_draw(n, seed):
     got = skycomputing_slowdowns(n, seed)
@@ -44,7 +45,7 @@ def test_slowdowns_bad_count(bad):
         skycomputing_slowdowns(bad)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     slowdowns=st.lists(st.integers(0, 6), min_size=1, max_size=8),
     flops=st.lists(st.floats(0, 1e12), min_size=1, max_size=6),

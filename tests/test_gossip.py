@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.gossip.algorithms import (
     ALGORITHMS,
@@ -36,7 +37,7 @@ def _valid(topology, n):
 topo_n = st.tuples(st.sampled_from(TOPOLOGIES), st.integers(2, 24)).filter(lambda t: _valid(*t))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(topo_n, st.integers(0, 2**16))
 def test_gossip_matrix_is_symmetric_doubly_stochastic_with_graph_support(tn, seed):
     topology, n = tn
@@ -54,7 +55,7 @@ def test_gossip_matrix_is_symmetric_doubly_stochastic_with_graph_support(tn, see
         assert g.spectral_gap == pytest.approx(1.0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(topo_n, st.integers(1, 30), st.floats(-5, 5), st.integers(0, 2**16))
 def test_gossip_keeps_constants_and_preserves_the_average(tn, rounds, c, seed):
     topology, n = tn

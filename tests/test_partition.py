@@ -7,6 +7,7 @@ import pytest
 from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import (
@@ -142,7 +143,7 @@ def milp_instances(draw, transports=("direct",)):
 
 
 PROPS = settings(
-    max_examples=60,
+    max_examples=examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -227,7 +228,7 @@ def test_optimal_le_heuristic_le_even(cost, objective):
             assert _le(h.objective_value_s, e.objective_value_s), (h.spec, e.spec)
 
 
-@settings(PROPS, max_examples=100)
+@settings(PROPS, max_examples=examples(100))
 @given(instances(min_nodes=2), st.sampled_from(["step", "throughput"]))
 def test_optimal_matches_brute_force(cost, objective):
     bf = _try(brute_force, cost, objective=objective)
@@ -243,7 +244,7 @@ def test_optimal_matches_brute_force(cost, objective):
 # objective only: that is the only objective `optimal` uses the MILP for (throughput goes
 # to the exact programme, tested below). The forced throughput form once returned a
 # "proven" plan 3.8% worse than brute force on a 4-node instance: an open bug.
-@settings(PROPS, max_examples=80)
+@settings(PROPS, max_examples=examples(80))
 @given(milp_instances(), st.sampled_from(["step"]))
 def test_milp_matches_brute_force(cost, objective):
     bf = _try(brute_force, cost, objective=objective)
@@ -261,7 +262,7 @@ def test_milp_matches_brute_force(cost, objective):
 
 
 # The exact throughput programme over node kinds, forced, against brute force.
-@settings(PROPS, max_examples=100)
+@settings(PROPS, max_examples=examples(100))
 @given(milp_instances(transports=("direct", "relay")))
 def test_period_dp_matches_brute_force(cost):
     bf = _try(brute_force, cost, objective="throughput")
@@ -278,7 +279,7 @@ def test_period_dp_matches_brute_force(cost):
 
 
 # The exact one-pass (sequential or M = 1) step programme, forced, against brute force.
-@settings(PROPS, max_examples=100)
+@settings(PROPS, max_examples=examples(100))
 @given(milp_instances())
 def test_one_pass_dp_matches_brute_force(cost):
     bf = _try(brute_force, cost, objective="step")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.simulate import (
     KINDS,
@@ -105,14 +106,14 @@ def test_hand_worked_two_stages():
 
 
 @given(instances(), st.sampled_from(KINDS))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 def test_timeline_is_consistent(inst, kind):
     f, b, fl, bl, m = inst
     check_timeline(f, b, fl, bl, m, kind, simulate(f, b, fl, bl, m, kind))
 
 
 @given(instances())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_sequential_is_m_critical_paths(inst):
     f, b, fl, bl, m = inst
     one = sum(f) + sum(b) + sum(fl) + sum(bl)
@@ -120,7 +121,7 @@ def test_sequential_is_m_critical_paths(inst):
 
 
 @given(instances(max_stages=8, max_mb=10))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_gpipe_closed_form_is_exact(inst):
     f, b, fl, bl, m = inst
     sim = simulate(f, b, fl, bl, m, "gpipe").step_time_s
@@ -134,14 +135,14 @@ def test_gpipe_closed_form_is_exact(inst):
     st.floats(0.0, 10.0),
     st.sampled_from(["gpipe", "1f1b"]),
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_uniform_stages_no_links(s, m, f, b, kind):
     res = simulate([f] * s, [b] * s, [0.0] * (s - 1), [0.0] * (s - 1), m, kind)
     assert close(res.step_time_s, (m + s - 1) * (f + b))
 
 
 @given(instances(), st.sampled_from(KINDS))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_lower_bounds(inst, kind):
     f, b, fl, bl, m = inst
     step = simulate(f, b, fl, bl, m, kind).step_time_s
@@ -152,7 +153,7 @@ def test_lower_bounds(inst, kind):
 
 
 @given(instances())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_pipelining_never_slower_than_sequential(inst):
     f, b, fl, bl, m = inst
     seq = simulate(f, b, fl, bl, m, "sequential").step_time_s

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
@@ -69,7 +70,7 @@ def test_orders_equal_torchs_pipeline_order(kind):
     st.sampled_from(["sequential", "gpipe", "1f1b"]),
     st.data(),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_chunk_simulator_equals_stage_simulator(S, M, kind, data):
     f = data.draw(st.lists(TIME, min_size=S, max_size=S))
     b = data.draw(st.lists(TIME, min_size=S, max_size=S))
@@ -84,7 +85,7 @@ def test_chunk_simulator_equals_stage_simulator(S, M, kind, data):
 
 
 @given(st.integers(1, 5), st.sampled_from([1, 2, 3]), st.integers(1, 12), st.data())
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_virtual_timeline_is_consistent(S, v, M, data):
     kind = data.draw(st.sampled_from(VIRTUAL_KINDS))
     try:
