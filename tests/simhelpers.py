@@ -11,15 +11,17 @@ from hydra import compose, initialize_config_dir
 
 from sky_flower.run import _conf_dir
 
-# Small, fast settings for runs in Flower's simulation engine.
+# Small, fast settings for runs in Flower's simulation engine: the benchmark round
+# sends one profile and one echo per payload size to each node (a state probe and
+# repeats cost messages, and a message through Ray costs about a second here).
 FAST = [
     "model.hidden_width=256",
     "model.hidden_layers=5",
     "schedule.batch_size=128",
     "train.lr=0.001",
-    "benchmark.repeats=3",
-    "benchmark.echo_repeats=2",
-    "benchmark.state_probe_mb=4",
+    "benchmark.repeats=1",
+    "benchmark.echo_repeats=1",
+    "benchmark.state_probe_mb=0",
 ]
 
 

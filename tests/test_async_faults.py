@@ -179,7 +179,7 @@ def test_a_removed_workers_late_update_follows_the_staleness_policy(policy):
         message_timeout_s=3.0,
         min_live_workers=1,
         staleness_policy=policy,
-        max_time_s=8.0,  # the late update (at about 3.9 s) lands well before the end
+        max_time_s=6.0,  # the late update (at about 3.9 s) lands well before the end
     )
     _start(strategy, grid, model, num_rounds=10**6)
     # worker 1 is removed for its late round 1; on a loaded machine a healthy worker can

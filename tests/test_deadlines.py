@@ -9,15 +9,7 @@ from collections.abc import Iterable
 
 import pytest
 from flwr.app import Message
-from flwr.common.serde import (
-    context_from_proto,
-    context_to_proto,
-    message_from_proto,
-    message_to_proto,
-)
-from flwr.proto.message_pb2 import Context as ProtoContext
-from flwr.proto.message_pb2 import Message as ProtoMessage
-from reference import ConcurrentGrid, error_reply, sky_app_on_grid
+from reference import ConcurrentGrid, sky_app_on_grid
 from slow_nodes import stalling_client
 from test_exchange import NEVER, HoldingGrid, echo_app, messages
 
@@ -117,21 +109,11 @@ class BusyCheckingGrid(ConcurrentGrid):
 
     def _serve(self, nid: int) -> None:
         while (msg := self._queues[nid].get()) is not None:
-            reply = self._run_in_child(nid, msg)
+            reply = self._run_here(nid, msg)
             with self._lock:
                 self.replies[reply.metadata.reply_to_message_id] = reply
                 self.handled.append((nid, reply.metadata.message_type))
                 self.unanswered[nid] -= 1
-
-    def _run_in_child(self, nid: int, msg: bytes) -> Message:
-        message = message_from_proto(ProtoMessage.FromString(msg))
-        context = context_from_proto(ProtoContext.FromString(self.saved[nid]))
-        try:
-            reply = self.app_fn()(message, context)
-        except Exception as err:  # noqa: BLE001 - as the engines report it
-            reply = error_reply(message, err)
-        self.saved[nid] = context_to_proto(context).SerializeToString()
-        return message_from_proto(message_to_proto(reply))
 
 
 def test_a_slow_owner_is_waited_for_not_pushed_to():

@@ -25,7 +25,7 @@ from sky_flower.pipeline.stage import RngKey, build_stage
 
 MODEL = {"name": "mlp", "hidden_width": 32, "hidden_layers": 3}
 ROUND_TIMEOUT_S = 2.0  # the failure tests' round timeout (every peer operation)
-STALL_S = 9.0  # a stalled stage's silence: far longer than the round timeout
+STALL_S = 6.0  # a stalled stage's silence: far longer than the round timeout (2 s)
 
 
 @pytest.mark.parametrize("kind", ["1f1b"])  # gpipe: tests/test_process_per_message.py
@@ -38,7 +38,8 @@ def test_local_pipeline_equals_unsplit_training(kind):
         for _ in range(3)
     ]
     # stage processes from the forkserver, which preloaded torch (a spawned stage imports
-    # it again); the chunked test below keeps run_local's default, spawn
+    # it again, ~4 s); run_local's default, spawn, is the zero_bubble case below (make
+    # test-all) and the benchmarks' (python -m sky_flower.bench.schedules)
     merged, results = run_local(
         MODEL,
         [(0, 1), (2, 2), (3, 3)],
@@ -95,6 +96,9 @@ def test_chunked_schedules_equal_unsplit_training(kind):
         lr=0.1,
         ranks=2,
         rng=RngKey(0, 1),  # reference_rounds' first round
+        # interleaved from the forkserver; zero_bubble (make test-all) spawns its stages:
+        # run_local's default context
+        mp_context=forkserver() if kind == "interleaved" else None,
     )
     ((expected, _),) = reference_rounds(
         lambda: build_model(CNN_BN),

@@ -11,7 +11,12 @@ from sky_flower.deploy import round_accuracies, run_local
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_CONFIG = {
     "fedavg-app": "num-server-rounds=2",
-    "sky-app": "num-server-rounds=2 steps-per-round=5 lr=0.003 echo-repeats=2 state-probe-mb=1.0",
+    # the benchmark round at its cheapest (one timed pass, one echo per size, no state
+    # probe): every message through the simulation runtime costs a ClientApp call
+    "sky-app": (
+        "num-server-rounds=2 steps-per-round=5 lr=0.003 "
+        "benchmark-repeats=1 echo-repeats=1 state-probe-mb=0.0"
+    ),
 }
 
 
