@@ -7,9 +7,10 @@ run Sky's ClientApp with the deployment engine's message semantics.
   by a fresh ClientApp whose node context was carried over only as protobuf bytes (what
   a SuperNode of Flower's deployment engine does). Enough for the relay transport.
 - :class:`ConcurrentGrid`: the same semantics, but ``push_messages`` returns at once and
-  each node handles its messages on its own thread; on the direct transport each
-  message in a fresh process (its stages must run at the same time, and each joins a
-  ``torch.distributed`` process group, one per process), on the others in this process.
+  each node handles its messages on its own thread; on the direct and stream transports
+  each message in a fresh process (their stages run at the same time, and each joins a
+  ``torch.distributed`` process group, one per process, or holds a stream link), on the
+  relay in this process.
 - :func:`run_sky_app`: ``examples/sky-app`` trained by Sky's strategy on such a Grid.
 """
 
@@ -295,12 +296,13 @@ class ConcurrentGrid(ProcessPerMessageGrid):
     """:class:`ProcessPerMessageGrid`'s semantics with the nodes running at once.
 
     ``push_messages`` returns at once; each node has one thread that handles its
-    messages one at a time, in the order pushed. With ``processes`` (default: when the
-    run config's ``transport`` is ``direct``) each message runs in a fresh process (a
+    messages one at a time, in the order pushed. With ``processes`` (default: unless
+    the run config's transport is the relay) each message runs in a fresh process (a
     ``forkserver`` child: ``torch.distributed`` allows one default process group per
-    process, so the direct transport's stages cannot share one) and a child that dies
-    without replying gives an error reply naming its exit code; otherwise on the node's
-    thread in this process (about 0.3 s a message cheaper). Either way a fresh ClientApp
+    process, so the direct transport's stages cannot share one; a stream stage's link
+    must not outlive its ClientApp process) and a child that dies without replying
+    gives an error reply naming its exit code; otherwise on the node's thread in this
+    process (about 0.3 s a message cheaper). Either way a fresh ClientApp
     handles each message and the node's context travels to and from it as protobuf
     bytes; a raising handler gives an error reply. Replies are collected by
     ``pull_messages``. ``app_fn`` must be picklable (a module-level function such as
@@ -315,8 +317,11 @@ class ConcurrentGrid(ProcessPerMessageGrid):
         processes: bool | None = None,
     ) -> None:
         super().__init__(app_fn, node_configs, run_config)
-        if processes is None:
-            processes = run_config.get("transport") == "direct"
+        if processes is None:  # the relay's stage state lives in the node's context only
+            relay = run_config.get("transport") == "relay" or (
+                run_config.get("transport") == "auto" and run_config.get("fleet")
+            )
+            processes = not relay
         self.processes = processes
         self._mp = forkserver() if processes else None
         self._lock = threading.Lock()

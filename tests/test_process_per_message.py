@@ -75,7 +75,15 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
     assert_pipelined_relay_row(row, per_message, 4)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize(
+    "kind",
+    [  # through the strategy on direct in make test: gpipe under Ray in
+        # tests/test_direct_sim.py, 1f1b in tests/test_federation.py (three owners)
+        pytest.param("gpipe", marks=pytest.mark.slow),
+        pytest.param("1f1b", marks=pytest.mark.slow),
+        "zero_bubble",
+    ],
+)
 def test_direct_training_equals_local_training(kind, server_identity):
     """transport=direct, every stage in its own process at once, peer to peer: weights
     after 3 steps through 3 stages (4 micro-batches) equal those of the unsplit model

@@ -1,7 +1,8 @@
-"""End to end in Flower's simulation engine (Ray), the relay transport: one clean run
-(the default fleet, every owner, the MILP planner) and one faulty run (a node failing
-the benchmark, a stage failing a round, the next round equal to unsplit training); and
-the job's settings refused before Flower starts (no Ray: these run in the fast tier).
+"""End to end in Flower's simulation engine (Ray): one clean run on ``make run``'s
+transport (the default fleet, every owner, the MILP planner) and one faulty run on the
+relay (a node failing the benchmark, a stage failing a round, the next round equal to
+unsplit training); and the job's settings refused before Flower starts (no Ray: these
+run in the fast tier).
 
 Each engine run costs a Ray start-up and a benchmark round (tens of seconds on 2
 cores), so a feature is checked here only where the engine's own path matters (its
@@ -29,17 +30,19 @@ from sky_flower.run import run_job
 
 @pytest.mark.simulation
 def test_default_fleet_trains_every_owner_above_90_percent(tmp_path, no_leftover_processes):
-    """The relay transport's clean run under Ray (its faulty run: the test below).
-    ``make run``'s fleet (edge4: two data owners) with the MILP planner: one pipeline
-    per owner (stage 0 on it), each owner trained its steps, the FedAvg'd model reaches
-    90 % test accuracy, and the files (results, plan with every method's prediction on
-    this run's own benchmark, benchmark) say so. heuristic runs in ``make run`` and the
-    sky-app (tests/test_example.py), even in the faulty runs here and in
-    test_direct_sim.py; split training equals unsplit training whatever the plan
-    (test_relay_fault_is_named_and_the_next_round_equals_unsplit_training)."""
+    """``make run``'s transport (``transport=stream_sequential``: the stream's data
+    plane, the relay's schedule) and fleet (edge4: two data owners) under Ray, with the
+    MILP planner: one pipeline per owner (stage 0 on it), each owner trained its steps,
+    the FedAvg'd model reaches 90 % test accuracy, and the files (results, plan with
+    every method's prediction on this run's own benchmark, benchmark) say so. The
+    relay's run under Ray: the faulty run below; direct's: tests/test_direct_sim.py.
+    heuristic runs in ``make run`` and the sky-app (tests/test_example.py), even in the
+    faulty runs here and in test_direct_sim.py; split training equals unsplit training
+    whatever the plan (test_relay_fault_is_named_and_the_next_round_equals_unsplit_training)."""
     allocation, batch = "optimal", 128
     cfg = make_cfg(
-        [*FAST, f"allocation={allocation}", "num_rounds=1", "train.local_epochs=4"]
+        [*FAST, "transport=stream_sequential", f"allocation={allocation}"]
+        + ["num_rounds=1", "train.local_epochs=4"]
         # 4 epochs of each owner's ~719 examples, then FedAvg: 0.95 in tests/reference.py's
         # loop (3 epochs at lr 0.003 gave 0.92 there, 0.897 in the job: too close)
         + ["train.lr=0.002"]
