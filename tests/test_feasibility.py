@@ -6,7 +6,7 @@ import pytest
 from factories import fake_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiers import examples
+from tiers import ALL, examples
 
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import (
@@ -151,12 +151,13 @@ def test_exact_check_agrees_with_brute_force(cost):
 
 
 def test_random_binding_memory_instances_never_refused():
-    """The issue's 200 random small instances with binding memory: none refused."""
+    """The issue's 200 random small instances with binding memory: none refused (make
+    test: the first 50 of them)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     refused = 0
-    for _ in range(200):
+    for _ in range(200 if ALL else 50):
         L, N = int(rng.integers(3, 8)), int(rng.integers(2, 5))
         params = rng.integers(1, 5, L)
         layers = [fake_layer(j, param=int(p) * MIB) for j, p in enumerate(params)]

@@ -1,6 +1,8 @@
 """Non-Sequential models cut at module boundaries by torch.distributed.pipelining
 (sky_flower/pipeline/graph.py): the converted nn.Sequential is the model."""
 
+from functools import cache
+
 import pytest
 import torch
 from torch import nn
@@ -193,10 +195,17 @@ class Flatten(nn.Module):
         return self.b(h.reshape(h.shape[0], -1))
 
 
+@cache
+def _flatten_converted() -> tuple[Flatten, nn.Sequential]:
+    """One Flatten and its conversion, traced once for every batch size below (the
+    tests only run them forward)."""
+    model = Flatten()
+    return model, as_sequential(model, torch.randn(2, 2, 8))
+
+
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_units_take_any_batch_size(batch):
-    model = Flatten()
-    seq = as_sequential(model, torch.randn(2, 2, 8))
+    model, seq = _flatten_converted()
     assert len(seq) == 2
     x = torch.randn(batch, 2, 8)
     torch.testing.assert_close(seq(x), model(x), rtol=0, atol=1e-6)

@@ -283,7 +283,15 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
     ("overrides", "model", "target"),
     [
         (["model=cnn_bn", "train.lr=0.005", "train.local_epochs=2"], None, 0.9),
-        (["model=resnet", "train.lr=0.005", "train.local_epochs=2"], None, 0.9),
+        # slow (make test-all): the same relay path as [cnn_bn], which keeps a shipped
+        # convolutional model with BatchNorm2d trained end to end in make test; the
+        # resnet's entries are built and profiled by the tests above
+        pytest.param(
+            ["model=resnet", "train.lr=0.005", "train.local_epochs=2"],
+            None,
+            0.9,
+            marks=pytest.mark.slow,
+        ),
         (["train.lr=0.01", "train.local_epochs=2"], USER_MODEL, 0.9),
     ],
     ids=["cnn_bn", "resnet", "user_target"],
@@ -305,11 +313,12 @@ def test_regression_trains_end_to_end(server_identity, capsys):
             "task=regression",
             "dataset.float_labels=true",
             "model.num_classes=1",
-            "model.hidden_width=64",
+            # 44 steps (wider, batches of 64, two epochs): test MSE 2.63, rounded 0.28
+            "model.hidden_width=256",
             "model.hidden_layers=2",
-            "schedule.batch_size=32",
+            "schedule.batch_size=64",
             "train.lr=0.003",
-            "train.local_epochs=3",
+            "train.local_epochs=2",
         ]
     )
     inputs, rounds = _train_in_process(cfg)
@@ -318,7 +327,7 @@ def test_regression_trains_end_to_end(server_identity, capsys):
     with capsys.disabled():
         print(f"\nregression: test MSE {row['test_loss']:.3f}, rounded {row['test_accuracy']:.3f}")
     assert row.get("error") is None
-    # the untrained MLP's test MSE is about 32, the labels' variance about 8.3; rounded to
+    # the untrained MLP's test MSE is about 29, the labels' variance about 8.3; rounded to
     # the nearest digit, chance is about 0.1
     assert row["test_loss"] < 3.0
     assert row["test_accuracy"] > 0.2
