@@ -17,8 +17,9 @@ XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
 RAY    := simulation or deployment
 # the engine call collects only the files that mark a test `simulation` or `deployment`
-# (collecting all ~70 test modules, each importing torch, Flower, Hypothesis, costs ~15 s)
-ENGINE_FILES := $(shell grep -l -E "mark\.(simulation|deployment)" tests/test_*.py)
+# (collecting all ~70 test modules, each importing torch, Flower, Hypothesis, costs ~15 s);
+# `=`: the grep runs only for the targets that use it
+ENGINE_FILES = $(shell grep -l -E "mark\.(simulation|deployment)" tests/test_*.py)
 
 .PHONY: install run run-full test test-fast test-all lint format docs clean
 

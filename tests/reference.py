@@ -44,6 +44,7 @@ from flwr.serverapp import Grid
 from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.pipeline.data import batch_indices
 from sky_flower.pipeline.stage import RngKey, forward_layers
+from sky_flower.sky.settings import auto_transport
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
 
@@ -276,19 +277,24 @@ class ProcessPerMessageGrid(InProcessGrid):
         return _wire(reply)
 
 
-def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, conn) -> None:  # noqa: ANN001
-    """Child process body of :class:`ConcurrentGrid`: one message, one fresh ClientApp;
-    sends back ``(reply bytes, context bytes)``. A raising handler gives an error
-    reply, as a SuperNode's ClientApp process does."""
+def _handle(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes) -> tuple[bytes, bytes]:
+    """One message, one fresh ClientApp, as a SuperNode's ClientApp process handles it:
+    ``(reply bytes, context bytes)`` from the message's and the node context's bytes. A
+    raising handler gives an error reply (the context is still saved)."""
     message = message_from_proto(ProtoMessage.FromString(msg))
     context = context_from_proto(ProtoContext.FromString(ctx))
     try:
         reply = app_fn()(message, context)
     except Exception as err:  # noqa: BLE001 - every handler error becomes an error reply
         reply = error_reply(message, err)
-    conn.send(
-        (message_to_proto(reply).SerializeToString(), context_to_proto(context).SerializeToString())
-    )
+    saved = context_to_proto(context).SerializeToString()
+    return message_to_proto(reply).SerializeToString(), saved
+
+
+def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, conn) -> None:  # noqa: ANN001
+    """Child process body of :class:`ConcurrentGrid`: :func:`_handle`, its result sent
+    back through ``conn``."""
+    conn.send(_handle(app_fn, msg, ctx))
     conn.close()
 
 
@@ -318,10 +324,10 @@ class ConcurrentGrid(ProcessPerMessageGrid):
     ) -> None:
         super().__init__(app_fn, node_configs, run_config)
         if processes is None:  # the relay's stage state lives in the node's context only
-            relay = run_config.get("transport") == "relay" or (
-                run_config.get("transport") == "auto" and run_config.get("fleet")
-            )
-            processes = not relay
+            transport = run_config.get("transport", "auto")
+            if transport == "auto":
+                transport = auto_transport(run_config)
+            processes = transport != "relay"
         self.processes = processes
         self._mp = forkserver() if processes else None
         self._lock = threading.Lock()
@@ -353,18 +359,16 @@ class ConcurrentGrid(ProcessPerMessageGrid):
         while (msg := self._queues[nid].get()) is not None:
             reply = run(nid, msg)
             with self._lock:
-                self.replies[reply.metadata.reply_to_message_id] = reply
-                self.handled.append((nid, reply.metadata.message_type))
+                self._record(nid, reply)
+
+    def _record(self, nid: int, reply: Message) -> None:
+        """Keep node ``nid``'s reply for ``pull_messages`` (called holding the lock)."""
+        self.replies[reply.metadata.reply_to_message_id] = reply
+        self.handled.append((nid, reply.metadata.message_type))
 
     def _run_here(self, nid: int, msg: bytes) -> Message:
-        message = message_from_proto(ProtoMessage.FromString(msg))
-        context = context_from_proto(ProtoContext.FromString(self.saved[nid]))
-        try:
-            reply = self.app_fn()(message, context)
-        except Exception as err:  # noqa: BLE001 - every handler error becomes an error reply
-            reply = error_reply(message, err)
-        self.saved[nid] = context_to_proto(context).SerializeToString()
-        return _wire(reply)
+        reply, self.saved[nid] = _handle(self.app_fn, msg, self.saved[nid])
+        return message_from_proto(ProtoMessage.FromString(reply))
 
     def _run_in_child(self, nid: int, msg: bytes) -> Message:
         recv, send = self._mp.Pipe(duplex=False)

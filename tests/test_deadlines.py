@@ -93,7 +93,7 @@ class BusyCheckingGrid(ConcurrentGrid):
     process per message: faster, and this test is about timing, not processes)."""
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, processes=False, **kwargs)
         self.unanswered: dict[int, int] = {nid: 0 for nid in self.ids}
         self.violations: list[tuple[int, str]] = []
 
@@ -107,13 +107,9 @@ class BusyCheckingGrid(ConcurrentGrid):
                 self.unanswered[nid] += 1
         return super().push_messages(messages)
 
-    def _serve(self, nid: int) -> None:
-        while (msg := self._queues[nid].get()) is not None:
-            reply = self._run_here(nid, msg)
-            with self._lock:
-                self.replies[reply.metadata.reply_to_message_id] = reply
-                self.handled.append((nid, reply.metadata.message_type))
-                self.unanswered[nid] -= 1
+    def _record(self, nid: int, reply: Message) -> None:
+        super()._record(nid, reply)
+        self.unanswered[nid] -= 1
 
 
 def test_a_slow_owner_is_waited_for_not_pushed_to():
