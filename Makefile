@@ -1,8 +1,9 @@
 # sky-flower: `make run` (main job on the embedded digits data), `make test` (what CI runs:
 # lint, the in-process tests, then one simulation-engine / SuperLink run per transport),
-# `make test-fast` (lint and the in-process tests: no Ray, no SuperLink), `make test-all`
-# (`make test` plus the `slow` tier: more seeds and (transport, fault) pairs of the chaos
-# tests, and the plain FedAvg example under `flwr run`; CI need not run it).
+# `make test-fast` (lint and the in-process tests: no Ray, no SuperLink, no process of
+# their own, no real timeout waited out), `make test-all` (`make test` plus the `slow`
+# tier: more seeds and (transport, fault) pairs of the chaos tests, and the plain FedAvg
+# example under `flwr run`; CI need not run it).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
@@ -11,15 +12,21 @@ PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # The tests without Ray or a SuperLink run on pytest-xdist workers (one torch thread each,
 # tests/conftest.py); `make test XDIST=` runs them in one process. The Flower simulation
-# (Ray) and deployment tests always run in one process, one after another: a Ray test
-# fails if another test's Ray process appears (tests/conftest.py, no_leftover_processes).
+# (Ray) tests run in one process, one after another: a Ray test fails if another test's
+# Ray process appears (tests/conftest.py, no_leftover_processes); the deployment
+# (SuperLink) tests run beside them in a second process (ENGINE below).
 XDIST  ?= -n 2
 NO_RAY := not simulation and not deployment
-RAY    := simulation or deployment
-# the engine call collects only the files that mark a test `simulation` or `deployment`
-# (collecting all ~70 test modules, each importing torch, Flower, Hypothesis, costs ~15 s);
-# `=`: the grep runs only for the targets that use it
-ENGINE_FILES = $(shell grep -l -E "mark\.(simulation|deployment)" tests/test_*.py)
+# the engine calls collect only the files that mark a test `simulation` (Ray) or
+# `deployment` (SuperLink) (collecting all ~70 test modules, each importing torch,
+# Flower, Hypothesis, costs ~15 s); `=`: the grep runs only for the targets that use it
+SIM_FILES    = $(shell grep -l "mark\.simulation" tests/test_*.py)
+DEPLOY_FILES = $(shell grep -l "mark\.deployment" tests/test_*.py)
+# Every test process (xdist workers, the forkserver, Ray workers, ClientApp processes)
+# reuses compiled bytecode and pytest's rewritten test modules instead of compiling
+# sky_flower (~30k lines) and rewriting ~240 modules again, even where the environment
+# sets PYTHONDONTWRITEBYTECODE (this machine's does).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run run-full test test-fast test-all lint format docs clean
 
@@ -64,21 +71,35 @@ format: install
 docs: install
 	$(PY) -m sky_flower.docs_config > docs/configuration.md
 
-# Both pytest calls run; the target fails if either fails (pytest's exit 5, "no tests
+# The engine tiers: the Ray tests one after another (one Ray at a time), and beside them
+# the SuperLink tests (no Ray; mostly waiting on SuperNode polls and ClientApp start-ups),
+# whose output is printed when both are done. $(1): the marker expression's suffix.
+define ENGINE
+	log=$$(mktemp); \
+	$(PYTEST) $(PYTEST_ARGS) $(DEPLOY_FILES) -m "deployment $(1)" > $$log 2>&1 & dep=$$!; \
+	$(PYTEST) $(PYTEST_ARGS) $(SIM_FILES) -m "simulation $(1)" || rc=1; \
+	wait $$dep || rc=1; \
+	echo "--- the deployment tests (run beside the simulation tests):"; cat $$log; rm -f $$log
+endef
+
+# Every pytest call runs; the target fails if any fails (pytest's exit 5, "no tests
 # collected", is a failure too: each call must select tests).
 test: lint
 	@rc=0; \
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow" || rc=1; \
-	$(PYTEST) $(PYTEST_ARGS) $(ENGINE_FILES) -m "($(RAY)) and not slow" || rc=1; \
+	$(call ENGINE,and not slow); \
 	exit $$rc
 
+# in-process tests only: no Ray, no SuperLink, no test that starts a process of its own
+# (`processes`: CLI subprocesses, stages from the forkserver; tests/conftest.py fails a
+# test that starts one unmarked) or waits out a real timeout (`realtime`)
 test-fast: lint
-	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow"
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow and not processes and not realtime"
 
 test-all: lint
 	@rc=0; export SKY_TEST_ALL=1; \
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY)" || rc=1; \
-	$(PYTEST) $(PYTEST_ARGS) $(ENGINE_FILES) -m "$(RAY)" || rc=1; \
+	$(call ENGINE,); \
 	exit $$rc
 
 clean:

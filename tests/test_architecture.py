@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"sky_flower": ROOT / "sky_flower", "sky_flower.strategies": ROOT / "strategies"}
 PURE_PACKAGES = ("sky_flower.core", "sky_flower.pipeline")
@@ -154,6 +156,7 @@ def _rel(path: Path) -> str:
 # One fresh interpreter serves both checks (each used to start its own: torch and Flower
 # imported twice): it imports the pure core alone and reports what that pulled in, then
 # imports every other module.
+@pytest.mark.processes
 def test_pure_core_imports_no_flower_and_no_hydra_and_every_module_imports():
     """(a) The pure core, imported alone in a fresh interpreter, imports no ``flwr`` and
     no ``hydra``; then every module imports in that same fresh interpreter (the pure

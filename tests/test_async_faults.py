@@ -132,6 +132,7 @@ def test_hermes_merge_takes_a_zero_loss_and_refuses_a_nan_loss_by_name():
 
 
 # --- membership ------------------------------------------------------------------------
+@pytest.mark.realtime
 @pytest.mark.parametrize("name", ["bsp"])  # SSP's bound counts the live workers the same way
 def test_a_silent_worker_is_removed_by_name_and_the_barrier_stops_waiting(name, caplog):
     """Worker 1 answers round 0, then goes silent. With min_live_workers=2 it is removed
@@ -151,6 +152,7 @@ def test_a_silent_worker_is_removed_by_name_and_the_barrier_stops_waiting(name, 
     assert np.isfinite(strategy.global_vec).all()
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize(("name", "max_time_s", "stall_round"), [("asp", 20.0, 1), ("bsp", 0.8, 0)])
 def test_a_silent_worker_fails_the_run_by_default_naming_it(name, max_time_s, stall_round):
     """Default min_live_workers (all): the first removal fails the run, naming the worker
@@ -168,6 +170,7 @@ def test_a_silent_worker_fails_the_run_by_default_naming_it(name, max_time_s, st
     assert [r["worker"] for r in strategy.members.removals] == [1]
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("policy", ["discard", "keep"])
 def test_a_removed_workers_late_update_follows_the_staleness_policy(policy):
     """Worker 1's round 1 comes back 3.9 s late (deadline 3 s, far above a healthy round

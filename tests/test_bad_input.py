@@ -94,6 +94,7 @@ def test_invalid_fleet_file_is_one_line_naming_file_line_and_column(tmp_path):
         compose_fleet("bad", lambda n: BAD_FLEET)
 
 
+@pytest.mark.processes
 def test_invalid_fleet_file_on_the_command_line_prints_one_line(tmp_path):
     """``python -m sky_flower.run --config-dir D fleet=bad``: exit status 2, one line on
     stderr, no traceback (it was a 95-line Hydra traceback), no output directory."""

@@ -382,7 +382,9 @@ def _params(tier: str) -> list:
         if (tier == "fast") != (fast is not None) and tier != "more":
             continue
         seeds = MORE_SEEDS if tier == "more" else (fast or 0,)
-        out.append(pytest.param(scenario, kind, seeds, id=f"{scenario}-{kind}"))
+        marks = [pytest.mark.processes] if scenario == "direct" else []  # forkserver stages
+        marks += [pytest.mark.realtime] if kind == "late" else []  # held past the timeout
+        out.append(pytest.param(scenario, kind, seeds, id=f"{scenario}-{kind}", marks=marks))
     return out
 
 

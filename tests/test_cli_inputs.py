@@ -41,6 +41,7 @@ BAD_BENCH = {  # the rest of the review's cases run in process, below
 }
 
 
+@pytest.mark.processes
 def test_bench_bad_flags_are_usage_errors(tmp_path, capsys):
     """The first flags as ``python -m``, a real process; the others through the same
     ``main(argv)`` in process: exit status 2, the usage and the message on stderr,
@@ -177,6 +178,7 @@ def _no_jobs(sweep_dir, expected):
     )
 
 
+@pytest.mark.processes
 def test_sweep_summary_cli_refuses_a_missing_dir_as_a_process(tmp_path):
     """``python -m sky_flower.compare`` as a real process (no torch: about a second):
     exit status 1, the one line on stderr, nothing on stdout. Both summaries' ``main``
@@ -297,6 +299,7 @@ def test_keys_the_user_owns_may_be_added():
     check_added_keys(fine, conf_dir())  # nothing raised
 
 
+@pytest.mark.processes
 def test_the_run_entry_point_refuses_a_misspelt_plus_key_before_flower_starts(tmp_path):
     proc = _run("sky_flower.run", "+trian.lr=0.1", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 1

@@ -112,6 +112,7 @@ class BusyCheckingGrid(ConcurrentGrid):
         self.unanswered[nid] -= 1
 
 
+@pytest.mark.realtime
 def test_a_slow_owner_is_waited_for_not_pushed_to():
     """With message_timeout_s=2 for every message, the benchmark's first messages (a
     node's start-up: its first ClientApp, imports, the model's first timing) timed out

@@ -28,6 +28,7 @@ ROUND_TIMEOUT_S = 2.0  # the failure tests' round timeout (every peer operation)
 STALL_S = 6.0  # a stalled stage's silence: far longer than the round timeout (2 s)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["1f1b"])  # gpipe: tests/test_process_per_message.py
 def test_local_pipeline_equals_unsplit_training(kind):
     torch.manual_seed(0)
@@ -67,6 +68,7 @@ CNN_BN = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "kind",
     # zero_bubble in make test: tests/test_process_per_message.py
@@ -167,6 +169,7 @@ def _failing_worker(rdv: Rendezvous, mode: str, queue) -> None:  # noqa: ANN001
         queue.put((rdv.rank, str(err), time.monotonic() - t0))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_failed_stage_ends_the_round_for_all_within_the_timeout(mode):
     """Stage 1's process dies mid-round (os._exit) or stalls (``STALL_S``): stages 0 and

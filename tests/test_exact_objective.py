@@ -306,6 +306,7 @@ def _direct_worker(rdv, case: str, kind: str, microbatches: int, shape: tuple, q
         queue.put((rdv.rank, repr(err)))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("case", "kind"), [("sum", "gpipe"), ("sum", "1f1b"), ("tokens", "gpipe")])
 def test_direct_equals_unsplit_for_any_loss(case, kind):
     """The direct transport (torch.distributed.pipelining, 3 ranks, M = 4): weights

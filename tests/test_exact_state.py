@@ -262,6 +262,7 @@ def _direct_worker(rdv, kind: str, microbatches: int, shape: tuple, queue) -> No
         queue.put((rdv.rank, repr(err)))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(  # torch's 1F1B needs M >= S (3)
     ("kind", "microbatches"), [("gpipe", 1), ("gpipe", 4), ("1f1b", 4)]
 )
@@ -346,6 +347,7 @@ class _RaisingLossGrid(ConcurrentGrid):
         super().__init__(_raising_loss_client, *args, **kwargs)
 
 
+@pytest.mark.processes
 def test_a_raising_direct_stage_is_its_error_and_drops_no_node(server_identity):
     """transport=direct: the last stage's loss raises; its peers stop because of it. The
     round fails naming that stage and the reason, no node is dropped, and the run (one

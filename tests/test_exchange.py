@@ -377,6 +377,7 @@ def _hermes(num_workers: int, fail: tuple[int, str] = (0, "")):  # noqa: ANN202
     return model, grid, common, (lambda vec: model.evaluate(vec, val)["loss"])
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("name", ["hermes", "bsp"])
 def test_the_asynchronous_driver_runs_through_the_exchange(name):
     """Hermes and BSP on 3 workers (slowdowns 0, 1, 2) for 2 s, replies taken as they

@@ -116,7 +116,7 @@ CASES = [  # transport, schedule kind, micro-batches, owners (one per transport 
     pytest.param("relay", "sequential", 1, 2, marks=pytest.mark.slow),
     ("relay", "gpipe", 2, 3),
     pytest.param("direct", "gpipe", 2, 2, marks=pytest.mark.slow),
-    ("direct", "1f1b", 2, 3),
+    pytest.param("direct", "1f1b", 2, 3, marks=pytest.mark.processes),
 ]
 
 

@@ -114,11 +114,15 @@ class CountingGrid:
         return getattr(self.grid, name)
 
 
+@pytest.mark.realtime
 def test_hermes_in_training_mode_sends_no_benchmark_message_and_still_plans():
-    """Hermes (``step_model="training"``) on 3 workers (slowdowns 0, 1, 2) for 2 s: no
+    """Hermes (``step_model="training"``) on 3 workers (slowdowns 0, 1, 2) for 4 s: no
     ``query.hermes_profile`` is ever pushed, the sizes are searched from the training
-    rounds (the first rounds carry the step cycle, later ones not)."""
+    rounds (the first rounds carry the step cycle, later ones not). 4 s, not the other
+    drivers' 2 s: the search waits for every worker's first round, and under load (two
+    xdist workers on two cores) the slowest one's took more than 2 s."""
     model, grid, common, val_loss = _hermes(3)
+    common["max_time_s"] = 4.0
     counting = CountingGrid(grid)
     strategy = HermesStrategy(**common, val_loss_fn=val_loss)
     strategy.ready_hold_s, strategy.ready_limit_s = 0.1, 0.5

@@ -373,6 +373,7 @@ class _RepeatingDirectGrid(ConcurrentGrid):
         return ids
 
 
+@pytest.mark.processes
 def test_a_repeated_direct_round_message_is_refused_not_run_twice(server_identity):
     """transport=direct: every stage's round message is delivered twice; the repeat is
     refused by name (a STAGE_ERROR reply, StaleMessageError), joins no process group and

@@ -236,6 +236,7 @@ def _lm_direct_worker(rdv, bounds, weights, batches, shape, queue) -> None:  # n
         queue.put((rdv.rank, repr(err), None))
 
 
+@pytest.mark.processes
 def test_direct_engine_trains_the_lm_on_token_ids_like_the_whole_model():
     """Integer inputs through the direct engine's shape probe, ``(B, T)`` int64 labels to
     the last stage (header + labels), LM loss: weights equal unsplit training."""

@@ -101,7 +101,11 @@ def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             {"transport": "relay", "schedule-kind": "gpipe", "microbatches": 2},
             marks=pytest.mark.slow,
         ),
-        (ConcurrentGrid, {"transport": "direct", "schedule-kind": "1f1b", "microbatches": 4}),
+        pytest.param(
+            ConcurrentGrid,
+            {"transport": "direct", "schedule-kind": "1f1b", "microbatches": 4},
+            marks=pytest.mark.processes,
+        ),
     ],
     ids=["relay-gpipe", "direct-1f1b"],
 )

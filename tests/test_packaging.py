@@ -5,6 +5,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes  # pip builds the wheel in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

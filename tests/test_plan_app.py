@@ -136,6 +136,7 @@ def test_infeasible_memory_in_process(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.processes
 @pytest.mark.slow  # the sweep test below shows the same refusal through the CLI
 def test_cli_infeasible_memory_exits_nonzero(tmp_path):
     out = tmp_path / "run"
@@ -145,6 +146,7 @@ def test_cli_infeasible_memory_exits_nonzero(tmp_path):
     assert "infeasible memory budget" in proc.stderr + proc.stdout
 
 
+@pytest.mark.processes
 def test_cli_multirun_writes_csv_and_png(tmp_path):
     sweep = tmp_path / "sweep"
     proc = _cli(

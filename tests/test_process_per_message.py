@@ -75,6 +75,7 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
     assert_pipelined_relay_row(row, per_message, 4)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "kind",
     [  # through the strategy on direct in make test: gpipe under Ray in

@@ -118,6 +118,7 @@ def test_sequential_is_the_pipelined_relay_with_one_group(server_identity):
     assert all(st["predicted_messages"] == st["messages"] for st in a.stages + b.stages)
 
 
+@pytest.mark.realtime
 @pytest.mark.parametrize("kind", ["sequential", "gpipe"])
 def test_relay_polls_at_the_configured_period(kind, server_identity):
     strategy, grid = _planned({"schedule-kind": kind, "microbatches-per-message": 1})

@@ -247,6 +247,7 @@ def test_disconnect_mid_step_fails_the_round_by_name(server_identity, op_count):
     assert any(h["step"] == 0 for h in op_count)  # it failed mid-round, not at the set-up
 
 
+@pytest.mark.realtime
 def test_a_stalled_stage_is_named_after_stream_timeout(server_identity):
     _fails(
         r"stage 1 on n1 \(node 102\) sent nothing for 3 s \(stream-timeout-s\)",
@@ -281,6 +282,7 @@ def test_malformed_frame_and_endpoint_leaves_no_port():
     assert not _stream_threads()
 
 
+@pytest.mark.realtime
 def test_an_idle_stage_link_keeps_its_stream_through_keepalive_pings(monkeypatch):
     """A stage waits for its next op longer than the keepalive period (a slow peer, a
     loaded machine): its pings must not earn a GOAWAY "Too many pings" from the endpoint
@@ -310,6 +312,7 @@ def test_a_stranger_without_ticket_is_refused():
 
 
 # -- the whole strategy, each message in a fresh process ----------------------------------
+@pytest.mark.processes
 def test_sky_app_on_stream_equals_unsplit_training(server_identity):
     """The sky-app through Sky's strategy (benchmark, plan, 2 rounds of 3 steps) on
     ``transport=stream`` with TLS, every message handled in a fresh ClientApp process
