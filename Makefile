@@ -71,40 +71,32 @@ format: install
 docs: install
 	$(PY) -m sky_flower.docs_config > docs/configuration.md
 
-# The tiers (docs/development.md). IN_PROCESS: `make test-fast`'s tests; WAITING: the
-# other tests without Ray or a SuperLink, those that start processes of their own
-# (`processes`: CLI subprocesses, forkserver stages; tests/conftest.py fails a test that
-# starts one unmarked) or wait out real timeouts (`realtime`): mostly idle, so `make test`
-# runs them beside the engine tests.
+# The tiers (docs/development.md). `make test-fast` runs IN_PROCESS: no test that starts
+# a process of its own (`processes`: CLI subprocesses, forkserver stages; tests/conftest.py
+# fails a test that starts one unmarked) or waits out a real timeout (`realtime`).
 IN_PROCESS := $(NO_RAY) and not slow and not processes and not realtime
-WAITING    := $(NO_RAY) and not slow and (processes or realtime)
 
-# The engine tests: the Ray tests one after another (one Ray at a time); beside them, in
-# their own pytest processes, the SuperLink tests (no Ray: they wait on SuperNode polls
-# and ClientApp start-ups) and, if $(2) (a marker expression) is given, those tests on one
-# xdist worker. Each background call's output is printed when all are done. $(1): the
-# engine marker expressions' suffix.
+# The engine tests: the Ray tests one after another (one Ray at a time) and, beside them
+# in a second pytest process, the SuperLink tests (no Ray: they mostly wait on SuperNode
+# polls and ClientApp start-ups), whose output is printed when both are done. A third
+# process beside them (the `processes` and `realtime` tests) made every call slower
+# (2 cores) and a Ray test's leftover check time out. $(1): the marker expressions' suffix.
 define ENGINE
-	dep=$$(mktemp); more=$$(mktemp); \
-	$(PYTEST) $(PYTEST_ARGS) $(DEPLOY_FILES) -m "deployment $(1)" > $$dep 2>&1 & dep_pid=$$!; \
-	$(if $(2),$(PYTEST) -n 1 $(PYTEST_ARGS) tests -m "$(2)" > $$more 2>&1 & more_pid=$$!;) \
+	log=$$(mktemp); \
+	$(PYTEST) $(PYTEST_ARGS) $(DEPLOY_FILES) -m "deployment $(1)" > $$log 2>&1 & dep=$$!; \
 	$(PYTEST) $(PYTEST_ARGS) $(SIM_FILES) -m "simulation $(1)" || rc=1; \
-	wait $$dep_pid || rc=1; \
-	$(if $(2),wait $$more_pid || rc=1;) \
-	echo "--- the deployment tests (run beside the simulation tests):"; cat $$dep; \
-	$(if $(2),echo "--- tests -m '$(2)' (beside them too):"; cat $$more;) \
-	rm -f $$dep $$more
+	wait $$dep || rc=1; \
+	echo "--- the deployment tests (run beside the simulation tests):"; cat $$log; rm -f $$log
 endef
 
 # Every pytest call runs; the target fails if any fails (pytest's exit 5, "no tests
 # collected", is a failure too: each call must select tests).
 test: lint
 	@rc=0; \
-	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(IN_PROCESS)" || rc=1; \
-	$(call ENGINE,and not slow,$(WAITING)); \
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(NO_RAY) and not slow" || rc=1; \
+	$(call ENGINE,and not slow); \
 	exit $$rc
 
-# in-process tests only: no Ray, no SuperLink, no process of their own, no real timeout
 test-fast: lint
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS) tests -m "$(IN_PROCESS)"
 

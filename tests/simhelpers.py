@@ -60,8 +60,10 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
-def wait_no_ray(timeout: float = 30.0, ignore: set[int] = frozenset()) -> list[psutil.Process]:
-    """Wait (bounded) until no Ray process but those in ``ignore`` runs; return the rest."""
+def wait_no_ray(timeout: float = 60.0, ignore: set[int] = frozenset()) -> list[psutil.Process]:
+    """Wait (bounded) until no Ray process but those in ``ignore`` runs; return the rest.
+    60 s: on a loaded machine Ray took more than 30 s to end three ClientApp actors after
+    a run whose direct stages had stalled."""
     deadline = time.monotonic() + timeout
     while True:
         left = [p for p in ray_processes() if p.pid not in ignore]
