@@ -93,8 +93,11 @@ def test_compare_methods_and_keys(tmp_path):
 def test_one_microbatch_gpipe_is_sequential():
     from sky_flower.core.cost import CostModel
 
-    gp = build_planning_problem(_cfg(SMALL))
-    sq = build_planning_problem(_cfg([*SMALL, "schedule.kind=sequential"]))
+    # on the relay: sequential does not run on direct (refused, as the training job does)
+    gp = build_planning_problem(_cfg([*SMALL, "schedule.transport=relay"]))
+    sq = build_planning_problem(
+        _cfg([*SMALL, "schedule.kind=sequential", "schedule.transport=relay"])
+    )
     stages = [(0, 0, 4), (1, 5, 9), (2, 10, 14)]
     a, b = CostModel(*gp), CostModel(*sq)
     assert a.step_time(stages) == pytest.approx(b.step_time(stages))
@@ -120,6 +123,11 @@ def test_bad_input_is_refused_before_work(tmp_path):
     assert json.loads((tmp_path / "plan_row.json").read_text())["status"] == "error"
     with pytest.raises(ValueError, match="unknown objective"):
         plan_job(_cfg([*SMALL, "objective=fast"]), tmp_path)
+    # what the training job refuses, the planner refuses in the same words
+    with pytest.raises(ValueError, match="sequential runs on transport=relay and stream"):
+        plan_job(_cfg([*SMALL, "schedule.kind=sequential"]), tmp_path)
+    with pytest.raises(ValueError, match="zero_bubble runs on schedule.transport=direct only"):
+        plan_job(_cfg([*SMALL, "schedule.kind=zero_bubble", "schedule.transport=relay"]), tmp_path)
     with pytest.raises(ValueError, match="flops_per_s"):
         plan_job(_cfg(["fleet=edge4", "model.num_layers=2"]), tmp_path)
     with pytest.raises(ValueError, match=r"fleet.nodes must be in \[1, 10000\]"):

@@ -58,6 +58,7 @@ from sky_flower.core.profile import (
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import write_json  # strictly valid JSON (NaN/inf: null)
 from sky_flower.pipeline.models import build_model
+from sky_flower.sky.settings import check_kind_on_transport
 
 MIB = 2**20
 ROW_FILE = "plan_row.json"
@@ -97,8 +98,11 @@ def schedule_of(cfg: DictConfig) -> Schedule:
     Raises
     ------
     ValueError
-        If micro-batches do not divide the batch, or on an unknown kind or transport.
+        If micro-batches do not divide the batch, on an unknown kind or transport, or
+        a kind the transport cannot run (as the training job refuses it:
+        :func:`sky_flower.sky.settings.check_kind_on_transport`).
     """
+    check_kind_on_transport(str(cfg.schedule.kind), str(cfg.schedule.transport))
     return Schedule(
         batch_size=int(cfg.schedule.batch_size),
         microbatches=int(cfg.schedule.microbatches),

@@ -43,6 +43,40 @@ NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
 DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
+def check_kind_on_transport(
+    kind: str,
+    transport: str,
+    name: Callable[[str], str] = str,
+    said: str = "",
+    example: str = "",
+) -> None:
+    """Refuse a schedule kind the transport cannot run: ``sequential`` on ``direct``
+    (torch.distributed.pipelining has no such schedule), ``interleaved``,
+    ``zero_bubble`` and ``auto`` anywhere but ``direct``. ``name`` spells a setting in
+    the caller's words (``schedule.kind`` or ``schedule-kind``), ``said`` prefixes the
+    message (``"run config "``), ``example`` ends it.
+
+    Raises
+    ------
+    ValueError
+        Naming both settings and what to set instead.
+    """
+    if transport == "direct" and kind == "sequential":
+        raise ValueError(
+            f"{said}{name('schedule.kind')}=sequential runs on transport=relay and stream, "
+            "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
+            "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
+            f"transport=direct. Set {name('schedule.kind')} to one of gpipe, 1f1b, "
+            f"interleaved, zero_bubble, auto, or {name('schedule.transport')} to relay or "
+            f"stream{example}"
+        )
+    if kind in CHUNKED_KINDS and transport != "direct":
+        raise ValueError(
+            f"{said}{name('schedule.kind')}={kind} runs on {name('schedule.transport')}=direct "
+            f"only (torch.distributed.pipelining): set {name('schedule.transport')}=direct"
+        )
+
+
 def _setting(
     default: Any,  # noqa: ANN401 - a scalar or a tuple of ints
     key: str | None,
@@ -473,25 +507,12 @@ class SkySettings:
         s, n = self.schedule, self.name
         run = self.words == "run_config"
         said = "run config " if run else ""
-        if s.transport == "direct" and s.kind == "sequential":
-            example = (
-                " (e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
-                if run
-                else ""
-            )
-            raise ValueError(
-                f"{said}{n('schedule.kind')}=sequential runs on transport=relay and stream, "
-                "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
-                "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
-                f"transport=direct. Set {n('schedule.kind')} to one of gpipe, 1f1b, "
-                f"interleaved, zero_bubble, auto, or {n('schedule.transport')} to relay or "
-                f"stream{example}"
-            )
-        if s.kind in CHUNKED_KINDS and s.transport != "direct":
-            raise ValueError(
-                f"{said}{n('schedule.kind')}={s.kind} runs on {n('schedule.transport')}=direct "
-                f"only (torch.distributed.pipelining): set {n('schedule.transport')}=direct"
-            )
+        example = (
+            " (e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+            if run
+            else ""
+        )
+        check_kind_on_transport(s.kind, s.transport, n, said, example)
         if s.batch_size % s.microbatches:
             batch = n("schedule.batch_size") if run else "batch_size"
             raise ValueError(
