@@ -136,6 +136,7 @@ def _round(
         )
     finally:
         grid.join()
+    grid.outcome = outcome  # the round's figures, for the tests that read them
     return outcome.arrays.to_torch_state_dict(), grid
 
 
@@ -154,8 +155,13 @@ def test_stream_equals_whole(kind, microbatches, per_message, server_identity):
 
 
 def test_stream_plaintext_equals_whole(server_identity):
-    got, _ = _round("gpipe", 4, 1, tls=False)
+    got, grid = _round("gpipe", 4, 1, tls=False)
     _assert_same(got, _expected(4))
+    # the stage rows hold what the stream measures: compute, not the relay's handler
+    # busy time (a column of zeros against a prediction, before)
+    rows = [dict(r) for r in grid.outcome.stages]
+    assert len(rows) == 3 and all(r["measured_compute_s"] > 0 for r in rows), rows
+    assert not any("measured_busy_s" in r or "predicted_busy_s" in r for r in rows), rows
 
 
 # -- faults: each named, within a bound ---------------------------------------------------

@@ -254,9 +254,12 @@ def median_per_step(stat: dict[str, Any], steps: int) -> float:
     return float(np.median(per)) * stat["messages"] / max(steps, 1)
 
 
-def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[StageRecord]:
+def stage_rows(
+    plan: Pipeline, stats: list[dict[str, Any]], steps: int, busy: bool = True
+) -> list[StageRecord]:
     """Measured against predicted, per stage and step (seconds): ``compute_s``,
-    ``busy_s`` and ``messages``."""
+    ``busy_s`` (only with ``busy``: a transport whose nodes time each stage message in
+    a Flower handler, the relay) and ``messages``."""
     return [
         StageRecord(
             stage=k,
@@ -266,8 +269,8 @@ def stage_rows(plan: Pipeline, stats: list[dict[str, Any]], steps: int) -> list[
             measured_compute_s=got["compute_s"] / steps,
             median_compute_s=median_per_step(got, steps),
             predicted_compute_s=pred["compute_s"],
-            measured_busy_s=got["busy_s"] / steps,
-            predicted_busy_s=pred["busy_s"],
+            measured_busy_s=got["busy_s"] / steps if busy else None,
+            predicted_busy_s=pred["busy_s"] if busy else None,
         )
         for k, (pred, got) in enumerate(zip(plan.predictions, stats, strict=True))
     ]

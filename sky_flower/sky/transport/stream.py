@@ -121,7 +121,10 @@ class StreamRunner(Runner):
             correct=correct,
             seen=seen,
             step_times=step_times,
-            stages=stage_rows(plan, stats, steps),
+            # no busy time: a stage's steps are frames on its stream, not Flower
+            # messages each timed in a handler (the column showed 0 against the
+            # relay's prediction)
+            stages=stage_rows(plan, stats, steps, busy=False),
             extra={
                 "microbatches_per_message": plan.group_size,
                 "setup_s": setup_s,
