@@ -41,7 +41,7 @@ from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.transport.channel import Endpoint, StageLink, encode
-from sky_flower.sky.transport.runner import Pipeline, RunSettings, SkyNodeError
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, RunSettings, SkyNodeError
 from sky_flower.sky.transport.stream import StreamRunner
 from sky_flower.sky.transport.stream_tls import StreamRefusedError, make_certificate
 
@@ -98,7 +98,7 @@ def _round(
     tamper: Callable[[Message], None] | None = None,
     tls: bool = True,
     stream_timeout_s: float = 20.0,
-) -> tuple[dict[str, torch.Tensor], ThreadedGrid]:
+) -> tuple[dict[str, torch.Tensor], RoundOutcome]:
     names = [f"n{k}" for k in range(len(BOUNDS))]
     stages = [
         StagePlan(name, k, a, b, 0.0, 0.0, 0.0, 0.0)
@@ -136,8 +136,7 @@ def _round(
         )
     finally:
         grid.join()
-    grid.outcome = outcome  # the round's figures, for the tests that read them
-    return outcome.arrays.to_torch_state_dict(), grid
+    return outcome.arrays.to_torch_state_dict(), outcome
 
 
 def _stream_threads() -> list[threading.Thread]:
@@ -155,11 +154,11 @@ def test_stream_equals_whole(kind, microbatches, per_message, server_identity):
 
 
 def test_stream_plaintext_equals_whole(server_identity):
-    got, grid = _round("gpipe", 4, 1, tls=False)
+    got, outcome = _round("gpipe", 4, 1, tls=False)
     _assert_same(got, _expected(4))
     # the stage rows hold what the stream measures: compute, not the relay's handler
     # busy time (a column of zeros against a prediction, before)
-    rows = [dict(r) for r in grid.outcome.stages]
+    rows = [dict(r) for r in outcome.stages]
     assert len(rows) == 3 and all(r["measured_compute_s"] > 0 for r in rows), rows
     assert not any("measured_busy_s" in r or "predicted_busy_s" in r for r in rows), rows
 
