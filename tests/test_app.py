@@ -251,3 +251,44 @@ def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
 
     with pytest.raises(SkyNodeError, match="no node connected"):
         strategy.wait_for_nodes(_NoNodeGrid(), 0.6)
+
+
+def test_simulation_runtime_with_too_few_supernodes_names_num_supernodes(caplog, monkeypatch):
+    """Under Flower's simulation runtime (its own InMemoryGrid and link state, 2
+    SuperNodes registered as the runtime registers them) a fleet of 4 does not wait out
+    node-wait-s for nodes that cannot join: it goes on after the settle time, and the
+    warning names the num-supernodes setting that fixes it."""
+    import logging
+    import time
+
+    from flwr.proto.task_pb2 import Task
+    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.superlink.federation import NoOpFederationManager
+    from flwr.superlink.grid import InMemoryGrid
+
+    from sky_flower.sky.planning import benchmark
+
+    factory = LinkStateFactory(
+        FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()
+    )
+    ids = sorted(_register_nodes(num_nodes=2, state_factory=factory))
+    run = Run.create_empty(run_id=7)
+    run.primary_task_id, run.federation_id = 8, NOOP_FEDERATION_ID
+    state = factory.state()  # the run registered as flwr's _run_simulation registers it
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    state.task_store[8] = Task(task_id=8, run_id=run.run_id)
+    grid = InMemoryGrid(state_factory=factory)
+    grid.set_run(run)
+    assert benchmark.fixed_node_count(grid) and not benchmark.fixed_node_count(_TwoNodeGrid())
+    monkeypatch.setattr(benchmark, "SIMULATION_SETTLE_S", 0.6)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        assert benchmark.wait_for_nodes(grid, 4, timeout=300.0) == ids
+    assert time.monotonic() - t0 < 30.0  # the settle time, not node-wait-s
+    assert 'num-supernodes=4"' in caplog.text and "missing 2 are left out" in caplog.text
+    assert "Waiting for nodes: 2 of 4 connected" in caplog.text

@@ -432,19 +432,42 @@ def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> 
     }
 
 
+# under Flower's simulation runtime (an ``InMemoryGrid``) the SuperNodes are registered
+# once, when the runtime starts (``num-supernodes``), a moment after the ServerApp thread
+# starts; no node joins later, so waiting past this many seconds is waiting for nothing
+SIMULATION_SETTLE_S = 5.0
+
+
+def fixed_node_count(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation runtime's, whose SuperNodes are all
+    registered when it starts (``flwr run``'s ``num-supernodes``, ``run_simulation``'s
+    ``num_supernodes``): no node joins later."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # a Flower without the module: no shortcut, the full wait
+        return False
+    return isinstance(grid, InMemoryGrid)
+
+
 def wait_for_nodes(
     grid: Grid, min_nodes: int, timeout: float, stop: threading.Event | None = None
 ) -> list[int]:
     """Block until ``min_nodes`` nodes are connected (bounded by ``timeout`` s); after
     it, the nodes that are connected go on with a warning (the missing ones are left
     out of the plan). ``min_nodes <= 0`` (a federation without a fleet file): every
-    node that connects within ``timeout`` s. Returns their ids, sorted.
+    node that connects within ``timeout`` s. Under Flower's simulation runtime, where
+    every SuperNode is registered at its start (:func:`fixed_node_count`), the wait
+    ends after :data:`SIMULATION_SETTLE_S` s instead, and a shortfall's warning names
+    the ``num-supernodes`` setting to fix. Returns their ids, sorted.
 
     Raises
     ------
     SkyNodeError
         If no node is connected after ``timeout`` seconds, or ``stop`` is set.
     """
+    fixed = fixed_node_count(grid)
+    if fixed:
+        timeout = min(timeout, SIMULATION_SETTLE_S)
     deadline, seen = time.monotonic() + timeout, -1
     while len(nodes := sorted(grid.get_node_ids())) < min_nodes or min_nodes <= 0:
         if stop is not None and stop.is_set():
@@ -453,15 +476,7 @@ def wait_for_nodes(
             if not nodes:
                 raise SkyNodeError(f"no node connected after {timeout:g} s")
             if min_nodes > 0:
-                log(
-                    WARNING,
-                    "Only %d of %d nodes connected after %g s: the missing %d are left out "
-                    "of the plan",
-                    len(nodes),
-                    min_nodes,
-                    timeout,
-                    min_nodes - len(nodes),
-                )
+                log(WARNING, _shortfall(len(nodes), min_nodes, timeout, fixed))
             else:
                 log(
                     INFO,
@@ -471,8 +486,34 @@ def wait_for_nodes(
                 )
             return nodes
         if len(nodes) != seen:
-            want = min_nodes if min_nodes > 0 else f"any within {timeout:g} s"
-            log(INFO, "Waiting for nodes: %d of %s connected", len(nodes), want)
+            if min_nodes > 0:
+                log(
+                    INFO,
+                    "Waiting for nodes: %d of %d connected (after %g s the connected "
+                    "ones go on without the rest)",
+                    len(nodes),
+                    min_nodes,
+                    timeout,
+                )
+            else:
+                log(INFO, "Waiting for nodes: %d connected, any within %g s", len(nodes), timeout)
             seen = len(nodes)
         time.sleep(0.5)
     return nodes
+
+
+def _shortfall(have: int, want: int, timeout: float, fixed: bool) -> str:
+    """The warning for ``have`` of ``want`` nodes after the wait."""
+    if fixed:
+        return (
+            f"Only {have} of {want} nodes: the simulation runtime started {have} "
+            f"SuperNode(s), and no more join later. Start it with the fleet's {want}: "
+            f'`flwr run . --federation-config "num-supernodes={want}"` (or '
+            f"options.num-supernodes = {want} in the federation's config). The missing "
+            f"{want - have} are left out of the plan."
+        )
+    return (
+        f"Only {have} of {want} nodes connected after {timeout:g} s: the missing "
+        f"{want - have} are left out of the plan (start their SuperNodes before the run, "
+        "or raise node-wait-s; Hydra: messaging.node_wait_s)"
+    )
