@@ -47,17 +47,16 @@ import pytest
 import torch
 from reference import (
     DELIVERY_FAULTS,
-    SKY_APP,
     ChaosGrid,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     message_at,
     reference_rounds,
     sky_app_on_grid,
+    sky_app_run_config,
     sky_app_task,
 )
 
-from sky_flower.deploy import app_run_config
 from sky_flower.jobs.common import SkyRecorder, describe_error
 from sky_flower.jobs.sky import write_outputs
 from sky_flower.sky import protocol as P
@@ -246,7 +245,7 @@ def _reference_model() -> dict[str, torch.Tensor]:
     """The model a fault-free run ends with: unsplit training on the data owner's batches
     (computed once per session; callers only read it)."""
     task = sky_app_task()
-    run = {**app_run_config(SKY_APP), **RUN}
+    run = {**sky_app_run_config(), **RUN}
     return reference_rounds(
         task.Net,
         task.load_data(0, 3),

@@ -20,12 +20,12 @@ from flwr.common.config import parse_config_args
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from reference import (
-    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     forkserver,
     reference_rounds,
     run_sky_app,
+    sky_app_run_config,
     sky_app_task,
 )
 from sky_flower.strategies.sky import SkyNodeError
@@ -35,7 +35,7 @@ from torch import nn
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
-from sky_flower.deploy import app_run_config, node_config
+from sky_flower.deploy import node_config
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
 from sky_flower.pipeline.stage import (
@@ -301,7 +301,7 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
     ``max_failed_rounds`` with that error."""
     task = sky_app_task()
     run_config = {
-        **app_run_config(SKY_APP),
+        **sky_app_run_config(),
         **{"fleet": "edge3", "allocation": "even", "steps-per-round": 1},
         **{"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0},
     }

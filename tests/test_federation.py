@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 import torch
 from reference import (
-    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     _step_batch,
     reference_rounds,
     sky_app_client,
     sky_app_on_grid,
+    sky_app_run_config,
     sky_app_task,
 )
 
-from sky_flower.deploy import app_run_config
 from sky_flower.sky.rounds.federation import fedavg
 from sky_flower.sky.transport.runner import RoundOutcome
 
@@ -128,7 +127,7 @@ def test_pipelines_with_fedavg_equal_owners_training_alone(
     heading its own pipeline with helpers, all running in the round; two rounds: the
     global model after each equals the FedAvg of every owner training the whole model
     alone on the same batches, and each pipeline's loss its owner's."""
-    run = {**QUICK, **app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run = {**QUICK, **sky_app_run_config(), "fleet": "federated6", "num-server-rounds": 2}
     run |= {"transport": transport, "schedule-kind": kind, "microbatches": microbatches}
     run |= {"batch-size": BATCH, "steps-per-round": 0, "local-epochs": 0.1, **QUICK}
     run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 40.0}
@@ -158,7 +157,7 @@ def test_failing_owner_drops_out_of_the_average(server_identity):
     each round averages the other two pipelines (owner-b's update is lost, the others'
     kept: the global model is their FedAvg), the round row names owner-b and its node,
     and the run goes on (an owner is never dropped)."""
-    run = {**app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run = {**sky_app_run_config(), "fleet": "federated6", "num-server-rounds": 2}
     run |= {"batch-size": BATCH, "steps-per-round": FAULT_STEPS, "max-failed-rounds": 1, **QUICK}
     fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "raise"}
     strategy, result = _run(run, 3, fault)
@@ -181,7 +180,7 @@ def test_failing_helper_is_dropped_and_the_next_round_replanned(server_identity)
     """helper-x replies with an error to its forward messages: round 1 averages the
     pipelines it is not in and names the one it broke (owner and helper-x); helper-x is
     dropped, the round re-planned without it, and round 2 trains every owner."""
-    run = {**app_run_config(SKY_APP), "fleet": "federated6", "num-server-rounds": 2}
+    run = {**sky_app_run_config(), "fleet": "federated6", "num-server-rounds": 2}
     run |= {"batch-size": BATCH, "steps-per-round": FAULT_STEPS, "max-failed-rounds": 1, **QUICK}
     fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "raise"}
     strategy, _ = _run(run, 3, fault, on=3)  # node 3: helper-x
@@ -230,7 +229,7 @@ def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_id
     from sky_flower.app import sky_strategy
 
     task = sky_app_task()
-    run = {**app_run_config(SKY_APP), **QUICK, "fleet": "", "min-nodes": 0}
+    run = {**sky_app_run_config(), **QUICK, "fleet": "", "min-nodes": 0}
     run |= {"node-wait-s": 0.5, "num-server-rounds": 1, "steps-per-round": 2}
     # fleet="" alone means transport=stream (auto), whose stage message lasts the round:
     # this Grid handles each message synchronously inside push, so it runs the relay

@@ -18,7 +18,6 @@ from flwr.app import Message
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext
 from reference import (
-    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     _wire,
@@ -26,10 +25,10 @@ from reference import (
     reference_rounds,
     run_sky_app,
     sky_app_on_grid,
+    sky_app_run_config,
 )
 from reference import sky_app_task as _task
 
-from sky_flower.deploy import app_run_config
 from sky_flower.sky import protocol as P
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
@@ -97,7 +96,7 @@ class RedeliveringGrid(ProcessPerMessageGrid):
 
 def _expected(run: dict) -> list:
     task = _task()
-    run = {**app_run_config(SKY_APP), **run}
+    run = {**sky_app_run_config(), **run}
     return reference_rounds(
         task.Net,
         task.load_data(0, 3),

@@ -16,16 +16,16 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from reference import (
-    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     reference_rounds,
+    sky_app_run_config,
     sky_app_task,
 )
 from torch import nn
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
-from sky_flower.deploy import app_run_config, node_config
+from sky_flower.deploy import node_config
 from sky_flower.pipeline.data import Split, owner_partition
 from sky_flower.pipeline.graph import as_sequential, original_state_dict
 from sky_flower.pipeline.lm import build_transformer_lm, lm_cross_entropy, perplexity, token_correct
@@ -110,7 +110,7 @@ def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
     ids=["relay-gpipe", "direct-1f1b"],
 )
 def test_sky_trains_the_lm_like_the_unsplit_model(grid_cls, run, server_identity):
-    run_config = {**app_run_config(SKY_APP), **RUN, **run}
+    run_config = {**sky_app_run_config(), **RUN, **run}
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = grid_cls(lm_client, configs, run_config)
@@ -187,7 +187,7 @@ def test_sky_trains_a_converted_non_sequential_model(server_identity):
     """Units [inp], [b, c] (the skip's cut merged away), [head] on three nodes; the
     trained weights load back into the user's own module and equal unsplit training."""
     task = sky_app_task()
-    run_config = {**app_run_config(SKY_APP), **RUN, "num-server-rounds": 1}
+    run_config = {**sky_app_run_config(), **RUN, "num-server-rounds": 1}
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
 

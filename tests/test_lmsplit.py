@@ -27,12 +27,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from reference import SKY_APP, ProcessPerMessageGrid, reference_rounds
+from reference import ProcessPerMessageGrid, reference_rounds, sky_app_run_config
 from torch import nn
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.profile import as_layers
-from sky_flower.deploy import app_run_config, node_config
+from sky_flower.deploy import node_config
 from sky_flower.pipeline.data import Split, owner_partition
 from sky_flower.pipeline.graph import as_sequential, original_state_dict, sequential_of
 from sky_flower.pipeline.llama import LlamaLM
@@ -264,7 +264,7 @@ def test_relay_trains_the_split_llama_exactly_as_unsplit(server_identity):
     micro-batches (Adam): the weights equal the whole converted model's and the user's
     own module's unsplit training, bit for bit; they load strictly into the user's
     module."""
-    run_config = {**app_run_config(SKY_APP), **RUN}
+    run_config = {**sky_app_run_config(), **RUN}
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = ProcessPerMessageGrid(lm_client, configs, run_config)

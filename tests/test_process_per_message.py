@@ -7,18 +7,16 @@ pipelined) and direct, equals the unsplit model trained on the same batches
 import numpy as np
 import pytest
 from reference import (
-    SKY_APP,
     ConcurrentGrid,
     ProcessPerMessageGrid,
     assert_pipelined_relay_row,
     reference_rounds,
     run_sky_app,
     sky_app_on_grid,
+    sky_app_run_config,
     sky_app_task,
 )
 from sky_flower.strategies.sky import SkyNodeError
-
-from sky_flower.deploy import app_run_config
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 
@@ -26,7 +24,7 @@ QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allo
 def _expected(run: dict, fleet_size: int = 3) -> list:
     """``reference_rounds`` for the sky-app run ``run`` (its data owner's partition)."""
     task = sky_app_task()
-    run = {**app_run_config(SKY_APP), **run}
+    run = {**sky_app_run_config(), **run}
     return reference_rounds(
         task.Net,
         task.load_data(0, fleet_size),

@@ -9,10 +9,10 @@ from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
-from reference import SKY_APP, ProcessPerMessageGrid, sky_app_task
+from reference import ProcessPerMessageGrid, sky_app_run_config, sky_app_task
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
-from sky_flower.deploy import app_run_config, node_config, round_accuracies
+from sky_flower.deploy import node_config, round_accuracies
 from sky_flower.jobs.common import ROUND_KEYS
 
 RUN = {
@@ -31,7 +31,7 @@ def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
         monkeypatch.setattr(TaskIdentity, attr, value)  # as a ServerApp process has them
     task = sky_app_task()
     path = tmp_path / "results.json"
-    run_config = {**app_run_config(SKY_APP), **RUN, "results-path": str(path)}
+    run_config = {**sky_app_run_config(), **RUN, "results-path": str(path)}
     fleet = load_fleet("edge3")
     node_configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
 

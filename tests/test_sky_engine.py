@@ -15,11 +15,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
-from reference import SKY_APP, ProcessPerMessageGrid, error_reply, sky_app_task
+from reference import ProcessPerMessageGrid, error_reply, sky_app_run_config, sky_app_task
 from sky_flower.strategies.sky import RUNNERS, SkyModel, SkyNodeError, SkyStrategy
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
-from sky_flower.deploy import app_run_config, node_config
+from sky_flower.deploy import node_config
 from sky_flower.flower.exchange import NodeError
 from sky_flower.sky import protocol as P
 from sky_flower.sky.rounds.report import stage_table
@@ -80,7 +80,7 @@ class SlowReplyGrid(ErrorReplyGrid):
 def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessageGrid]:
     """A strategy benchmarked and planned on a fresh in-process grid of ``fleet``."""
     task = sky_app_task()
-    run_config = {**app_run_config(SKY_APP), **RUN, **overrides}
+    run_config = {**sky_app_run_config(), **RUN, **overrides}
     fleet = fleet or load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
 
@@ -231,7 +231,7 @@ def test_a_stopped_run_stops_the_benchmark_instead_of_blaming_the_nodes(server_i
     """Ctrl-C (``request_stop``) during the benchmark round ends it with the stop, not
     with every node left out of the plan as if it had failed."""
     task = sky_app_task()
-    run_config = {**app_run_config(SKY_APP), **RUN}
+    run_config = {**sky_app_run_config(), **RUN}
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = ErrorReplyGrid(
