@@ -73,8 +73,9 @@ docs: install
 
 # The tiers (docs/development.md). `make test-fast` runs IN_PROCESS: no test that starts
 # a process of its own (`processes`: CLI subprocesses, forkserver stages; tests/conftest.py
-# fails a test that starts one unmarked) or waits out a real timeout (`realtime`).
-IN_PROCESS := $(NO_RAY) and not slow and not processes and not realtime
+# fails a test that starts one unmarked), waits out a real timeout (`realtime`) or trains
+# a whole run whose path a cheaper test covers (`e2e`).
+IN_PROCESS := $(NO_RAY) and not slow and not processes and not realtime and not e2e
 
 # The engine tests: the Ray tests one after another (one Ray at a time) and, beside them
 # in a second pytest process, the SuperLink tests (no Ray: they mostly wait on SuperNode

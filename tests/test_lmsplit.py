@@ -259,6 +259,9 @@ RUN = {
 }
 
 
+# e2e: make test; the llama's cuts and their composition (outputs, gradients) are checked
+# in the fast tier above, the relay's exactness on a converted model in test_lm_sky
+@pytest.mark.e2e
 def test_relay_trains_the_split_llama_exactly_as_unsplit(server_identity):
     """Three stages on the relay, cuts between blocks, 2 rounds of 2 steps of 2
     micro-batches (Adam): the weights equal the whole converted model's and the user's

@@ -296,6 +296,9 @@ def _train_in_process(cfg) -> tuple[dict, list[dict]]:
     ],
     ids=["cnn_bn", "resnet", "user_target"],
 )
+# e2e (make test): convergence. In make test-fast, a BatchNorm and Dropout model's relay
+# rounds equal unsplit training in tests/test_replan.py
+@pytest.mark.e2e
 def test_model_trains_end_to_end(overrides, model, target, server_identity, capsys):
     cfg = _cfg([*FAST, "schedule.batch_size=128", *overrides], model)
     inputs, rounds = _train_in_process(cfg)
@@ -306,6 +309,9 @@ def test_model_trains_end_to_end(overrides, model, target, server_identity, caps
     assert row["test_accuracy"] > target
 
 
+# e2e (make test): convergence. In make test-fast, any loss's split training equals
+# unsplit training in tests/test_exact_objective.py
+@pytest.mark.e2e
 def test_regression_trains_end_to_end(server_identity, capsys):
     cfg = _cfg(
         [
