@@ -242,7 +242,7 @@ def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
     model = SkyModel(lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)), [4])
     strategy = SkyStrategy(model, min_nodes=3)
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        assert strategy.wait_for_nodes(_TwoNodeGrid(), 0.6) == [11, 12]
+        assert strategy.wait_for_nodes(_TwoNodeGrid(), 0.2) == [11, 12]
     assert "Only 2 of 3 nodes connected" in caplog.text and "left out" in caplog.text
 
     class _NoNodeGrid(_TwoNodeGrid):
@@ -250,7 +250,7 @@ def test_missing_node_before_benchmark_is_left_out_with_a_warning(caplog):
             return []
 
     with pytest.raises(SkyNodeError, match="no node connected"):
-        strategy.wait_for_nodes(_NoNodeGrid(), 0.6)
+        strategy.wait_for_nodes(_NoNodeGrid(), 0.2)
 
 
 def test_simulation_runtime_with_too_few_supernodes_names_num_supernodes(caplog, monkeypatch):
@@ -285,7 +285,7 @@ def test_simulation_runtime_with_too_few_supernodes_names_num_supernodes(caplog,
     grid = InMemoryGrid(state_factory=factory)
     grid.set_run(run)
     assert benchmark.fixed_node_count(grid) and not benchmark.fixed_node_count(_TwoNodeGrid())
-    monkeypatch.setattr(benchmark, "SIMULATION_SETTLE_S", 0.6)
+    monkeypatch.setattr(benchmark, "SIMULATION_SETTLE_S", 0.2)
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO, logger="flwr"):
         assert benchmark.wait_for_nodes(grid, 4, timeout=300.0) == ids

@@ -498,7 +498,7 @@ def wait_for_nodes(
             else:
                 log(INFO, "Waiting for nodes: %d connected, any within %g s", len(nodes), timeout)
             seen = len(nodes)
-        time.sleep(0.5)
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic()) + 0.01))
     return nodes
 
 
