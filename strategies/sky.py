@@ -350,11 +350,17 @@ class SkyStrategy(Strategy):
         return self.planner.profile_model()
 
     def precheck(
-        self, names: Sequence[str], memory_caps: Sequence[float | None], owners: int | None = None
+        self,
+        names: Sequence[str],
+        memory_caps: Sequence[float | None],
+        owners: int | None = None,
+        holds_data: Sequence[bool] | None = None,
     ) -> None:
         """Refuse, before any node is contacted, a fleet whose known memory caps make
-        every plan infeasible, or ``even`` with a pipeline longer than the model
-        (``owners``: data owners, where known; :func:`sky_flower.sky.planning.planning.precheck`).
+        every plan infeasible, or ``even`` with a pipeline longer than the model or
+        whose equal cuts overflow a cap whatever the owners' sample counts (``owners``:
+        the number of data owners, ``holds_data``: which nodes they are, where known;
+        :func:`sky_flower.sky.planning.planning.precheck`).
 
         Raises
         ------
@@ -368,6 +374,7 @@ class SkyStrategy(Strategy):
             names,
             memory_caps,
             owners,
+            holds_data,
         )
 
     def benchmark(self, grid: Grid, node_ids: list[int]) -> list[NodeProfile]:

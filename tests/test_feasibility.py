@@ -211,3 +211,32 @@ def test_out_of_time_says_unknown_not_infeasible():
     res = check_memory(cost, time_limit_s=0.0)
     assert res.status == "unknown" and res.stages is None
     assert "time limit" in res.method
+
+
+def test_even_that_fits_no_ranking_of_the_owners_is_refused_before_the_benchmark():
+    """Owners a and b, helpers h0, h1, h2, six 10 MiB layers (20 MiB each with
+    gradients). ``even`` deals h0 and h2 to the owner with the most samples (3 nodes: 2
+    layers each), h1 to the other (2 nodes: 3 layers each); the sample counts come from
+    the benchmark round. a capped at 45 MiB fits only as the larger owner: the pre-check
+    lets it through. Capped at 25 MiB it fits neither ranking: refused up front, naming
+    a; ``heuristic`` (which respects memory) is not."""
+    from sky_flower.core.federated import plan_federation
+    from sky_flower.sky.planning.planning import precheck
+
+    layers = [fake_layer(i, param=10 * MIB) for i in range(6)]
+    schedule = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="direct")
+    names, holds = ["a", "b", "h0", "h1", "h2"], [True, True, False, False, False]
+    caps = [45 * MIB, None, None, None, None]
+    precheck(layers, schedule, "even", names, caps, owners=2, holds_data=holds)
+    nodes = [
+        NodeProfile(name=n, layer_fwd_s=(0.0,) * 6, layer_bwd_s=(0.0,) * 6, holds_data=h,
+                    memory_bytes=int(c) if c else 2**62)
+        for n, h, c in zip(names, holds, caps, strict=True)
+    ]  # fmt: skip
+    plan_federation(layers, nodes, {"a": 800, "b": 400}, schedule, "even")  # a ranked first
+    with pytest.raises(InfeasibleMemoryError, match="data owner 'a' over \\['a', 'h1'\\]"):
+        plan_federation(layers, nodes, {"a": 400, "b": 800}, schedule, "even")
+    caps[0] = 25 * MIB
+    with pytest.raises(InfeasibleMemoryError, match=r"even cannot fit .* whatever .*'a'"):
+        precheck(layers, schedule, "even", names, caps, owners=2, holds_data=holds)
+    precheck(layers, schedule, "heuristic", names, caps, owners=2, holds_data=holds)

@@ -365,3 +365,15 @@ def test_flower_app_parts_and_run_config_objective():
 
 # cnn_bn in the simulation engine: test_model_trains_end_to_end[cnn_bn] trains it to 0.9 in
 # process; the engine's relay path is tests/test_simulation.py's (its arrays travel alike)
+
+
+def test_even_over_the_default_fleets_memory_caps_is_refused_before_flower_starts(tmp_path):
+    """edge4 (the default fleet, ``make run``'s) caps its phone owner's memory below
+    ``even``'s equal share, whatever the sample counts: refused before the benchmark
+    round, not after it."""
+    from sky_flower.run import run_job
+
+    cfg = _cfg(["fleet=edge4", "allocation=even"])
+    with pytest.raises(ValueError, match=r"even cannot fit .* before the benchmark round.*'phone'"):
+        run_job(cfg, tmp_path)
+    assert not (tmp_path / "benchmark.json").exists()

@@ -5,6 +5,7 @@ the :class:`PipelineRun` a federated round runs (:mod:`sky_flower.sky.rounds.fed
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -23,7 +24,7 @@ from sky_flower.core.federated import (
     plan_federation,
     steps_in_round,  # noqa: F401  (the rule lives in core)
 )
-from sky_flower.core.partition import METHODS, Plan, feasible_bounds
+from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
 from sky_flower.core.schedule import choose_schedule, predict
@@ -49,23 +50,33 @@ def profile_model(
     )
 
 
-def precheck(
+# the even pre-check tries every ranking of the owners by samples (which the benchmark
+# round tells) up to this many owners (5! = 120 even plans, milliseconds)
+EVEN_PRECHECK_MAX_OWNERS = 5
+
+
+def precheck(  # noqa: PLR0913
     layers: Sequence[LayerProfile],
     schedule: Schedule,
     allocation: str,
     names: Sequence[str],
     memory_caps: Sequence[float | None],
     owners: int | None = None,
+    holds_data: Sequence[bool] | None = None,
 ) -> None:
     """Fail before any node is contacted if the known memory caps (bytes; None =
     unknown) already make every plan infeasible, or (``owners`` data owners known)
     ``even`` allocation, which deals the helpers round-robin over the owners, meets a
-    pipeline with more nodes than the model has layers.
+    pipeline with more nodes than the model has layers, or (``holds_data``: which of
+    ``names`` own data, known) ``even``'s equal cuts overflow a memory cap whatever the
+    owners' sample counts (up to :data:`EVEN_PRECHECK_MAX_OWNERS` owners; the benchmark
+    round tells the counts, which decide which helpers join which owner).
 
     Raises
     ------
     InfeasibleMemoryError, ValueError
-        As :func:`sky_flower.core.partition.feasible_bounds`.
+        As :func:`sky_flower.core.partition.feasible_bounds`; ``even`` that fits no
+        ranking of the owners: the error of the first ranking (naming the node).
     StageStateTooLargeError
         On the relay, if one layer's weights, gradients and optimizer state alone exceed
         Flower's :data:`CONTEXT_LIMIT_BYTES` (no relay plan can hold it).
@@ -100,6 +111,37 @@ def precheck(
                 f"owner(s), so a pipeline of {largest} nodes. Use allocation=heuristic or "
                 "allocation=optimal, which may leave nodes idle."
             )
+    if allocation == "even" and holds_data is not None:
+        _precheck_even(layers, schedule, nodes, holds_data)
+
+
+def _precheck_even(
+    layers: Sequence[LayerProfile],
+    schedule: Schedule,
+    nodes: Sequence[NodeProfile],
+    holds_data: Sequence[bool],
+) -> None:
+    """Raise ``even``'s memory error if every ranking of the owners by samples (the
+    round-robin that deals the helpers follows it) overflows a memory cap."""
+    nodes = [replace(n, holds_data=h) for n, h in zip(nodes, holds_data, strict=True)]
+    owner_names = [n.name for n in nodes if n.holds_data]
+    if not owner_names or len(owner_names) > EVEN_PRECHECK_MAX_OWNERS:
+        return
+    base = 1000 * schedule.batch_size  # enough samples for a step; only the order matters
+    first: InfeasibleMemoryError | None = None
+    for ranking in itertools.permutations(owner_names):
+        samples = {name: base * (len(ranking) - r) for r, name in enumerate(ranking)}
+        try:
+            plan_federation(layers, nodes, samples, schedule.for_search(), "even")
+        except InfeasibleMemoryError as e:
+            first = first or e
+            continue
+        return  # fits at least one ranking: the benchmark round decides
+    assert first is not None
+    raise InfeasibleMemoryError(
+        f"allocation=even cannot fit the fleet's memory caps whatever the data owners' "
+        f"sample counts (checked before the benchmark round): {first}"
+    ) from None
 
 
 @dataclass(frozen=True)
