@@ -121,8 +121,9 @@ def test_sequential_is_the_pipelined_relay_with_one_group(server_identity):
 @pytest.mark.realtime
 @pytest.mark.parametrize("kind", ["sequential", "gpipe"])
 def test_relay_polls_at_the_configured_period(kind, server_identity):
-    strategy, grid = _planned({"schedule-kind": kind, "microbatches-per-message": 1})
-    strategy.poll_interval_s, grid.delay_s, grid.pulls, grid.ready_at = 0.05, 0.1, 0, {}
+    overrides = {"schedule-kind": kind, "microbatches-per-message": 1, "poll-interval-s": 0.05}
+    strategy, grid = _planned(overrides)
+    grid.delay_s, grid.pulls, grid.ready_at = 0.1, 0, {}
     t0 = time.monotonic()
     _round(strategy, grid)
     wall, pushed = time.monotonic() - t0, len(grid.ready_at)
