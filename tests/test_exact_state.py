@@ -314,7 +314,7 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
         configs,
         run_config,
     )
-    run_config = {**run_config, "echo-jitter-s": 0.0, "max-failed-rounds": 2}
+    run_config = {**run_config, "max-failed-rounds": 2}
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
     with pytest.raises(SkyNodeError, match="this loss cannot be computed") as info:
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.initial_weights()), num_rounds=3)

@@ -236,7 +236,6 @@ def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_id
     run["transport"] = "relay"
     configs = [{"partition-id": i, "num-partitions": 4} for i in range(4)]
     grid = ProcessPerMessageGrid(sky_app_client, configs, run)
-    run["echo-jitter-s"] = 0.0
     strategy = sky_strategy(run, model_fn=task.Net, input_shape=[64])
     initial = ArrayRecord(task.initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)

@@ -114,7 +114,7 @@ def test_sky_trains_the_lm_like_the_unsplit_model(grid_cls, run, server_identity
     fleet = load_fleet("edge3")
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = grid_cls(lm_client, configs, run_config)
-    run_config |= {"echo-jitter-s": 0.0, **LM_OBJECTIVE}
+    run_config |= LM_OBJECTIVE
     strategy = sky_strategy(run_config, model_fn=lm_model, input_shape=[T], input_dtype="int64")
     torch.manual_seed(0)
     initial = lm_model().state_dict()
@@ -195,7 +195,6 @@ def test_sky_trains_a_converted_non_sequential_model(server_identity):
         return register_sky_client(ClientApp(), model_fn=residual_model, load_data=task.load_data)
 
     grid = ProcessPerMessageGrid(app, configs, run_config)
-    run_config = {**run_config, "echo-jitter-s": 0.0}
     strategy = sky_strategy(run_config, model_fn=residual_model, input_shape=[64])
     initial = residual_model().state_dict()
     strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=1)

@@ -271,7 +271,6 @@ def test_relay_trains_the_split_llama_exactly_as_unsplit(server_identity):
     configs = [parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)]
     grid = ProcessPerMessageGrid(lm_client, configs, run_config)
     run_config |= {
-        "echo-jitter-s": 0.0,
         "loss": "sky_flower.pipeline.lm:lm_cross_entropy",
         "metric": "sky_flower.pipeline.lm:token_correct",
     }

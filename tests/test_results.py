@@ -45,7 +45,6 @@ def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     grid = ProcessPerMessageGrid(fresh_app, node_configs, run_config)
-    run_config = {**run_config, "echo-jitter-s": 0.0}
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
     result = strategy.start(
         grid=grid,

@@ -88,7 +88,6 @@ def _planned(overrides: dict, fleet=None) -> tuple[SkyStrategy, ProcessPerMessag
         return register_sky_client(ClientApp(), model_fn=task.Net, load_data=task.load_data)
 
     grid = SlowReplyGrid(fresh_app, configs, run_config)
-    run_config = {**run_config, "echo-jitter-s": 0.0}
     strategy = sky_strategy(run_config, model_fn=task.Net, input_shape=[64])
     strategy.benchmark(grid, list(grid.get_node_ids()))
     strategy.make_plan()
