@@ -353,13 +353,12 @@ class SkyStrategy(Strategy):
         self,
         names: Sequence[str],
         memory_caps: Sequence[float | None],
-        owners: int | None = None,
         holds_data: Sequence[bool] | None = None,
     ) -> None:
         """Refuse, before any node is contacted, a fleet whose known memory caps make
         every plan infeasible, or ``even`` with a pipeline longer than the model or
-        whose equal cuts overflow a cap whatever the owners' sample counts (``owners``:
-        the number of data owners, ``holds_data``: which nodes they are, where known;
+        whose equal cuts overflow a cap whatever the owners' sample counts
+        (``holds_data``: which nodes own data, where known;
         :func:`sky_flower.sky.planning.planning.precheck`).
 
         Raises
@@ -373,7 +372,6 @@ class SkyStrategy(Strategy):
             self.settings.allocation,
             names,
             memory_caps,
-            owners,
             holds_data,
         )
 

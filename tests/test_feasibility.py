@@ -227,7 +227,7 @@ def test_even_that_fits_no_ranking_of_the_owners_is_refused_before_the_benchmark
     schedule = Schedule(batch_size=8, microbatches=2, kind="gpipe", transport="direct")
     names, holds = ["a", "b", "h0", "h1", "h2"], [True, True, False, False, False]
     caps = [45 * MIB, None, None, None, None]
-    precheck(layers, schedule, "even", names, caps, owners=2, holds_data=holds)
+    precheck(layers, schedule, "even", names, caps, holds_data=holds)
     nodes = [
         NodeProfile(name=n, layer_fwd_s=(0.0,) * 6, layer_bwd_s=(0.0,) * 6, holds_data=h,
                     memory_bytes=int(c) if c else 2**62)
@@ -238,5 +238,5 @@ def test_even_that_fits_no_ranking_of_the_owners_is_refused_before_the_benchmark
         plan_federation(layers, nodes, {"a": 400, "b": 800}, schedule, "even")
     caps[0] = 25 * MIB
     with pytest.raises(InfeasibleMemoryError, match=r"even cannot fit .* whatever .*'a'"):
-        precheck(layers, schedule, "even", names, caps, owners=2, holds_data=holds)
-    precheck(layers, schedule, "heuristic", names, caps, owners=2, holds_data=holds)
+        precheck(layers, schedule, "even", names, caps, holds_data=holds)
+    precheck(layers, schedule, "heuristic", names, caps, holds_data=holds)

@@ -222,7 +222,6 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     strategy.precheck(
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],
-        owners=sum(n.holds_data for n in fleet),
         holds_data=[n.holds_data for n in fleet],
     )
     evaluate = evaluate_fn_for(

@@ -55,22 +55,21 @@ def profile_model(
 EVEN_PRECHECK_MAX_OWNERS = 5
 
 
-def precheck(  # noqa: PLR0913
+def precheck(
     layers: Sequence[LayerProfile],
     schedule: Schedule,
     allocation: str,
     names: Sequence[str],
     memory_caps: Sequence[float | None],
-    owners: int | None = None,
     holds_data: Sequence[bool] | None = None,
 ) -> None:
     """Fail before any node is contacted if the known memory caps (bytes; None =
-    unknown) already make every plan infeasible, or (``owners`` data owners known)
-    ``even`` allocation, which deals the helpers round-robin over the owners, meets a
-    pipeline with more nodes than the model has layers, or (``holds_data``: which of
-    ``names`` own data, known) ``even``'s equal cuts overflow a memory cap whatever the
-    owners' sample counts (up to :data:`EVEN_PRECHECK_MAX_OWNERS` owners; the benchmark
-    round tells the counts, which decide which helpers join which owner).
+    unknown) already make every plan infeasible, or (``holds_data``: which of ``names``
+    own data, where known) ``even`` allocation, which deals the helpers round-robin over
+    the owners, meets a pipeline with more nodes than the model has layers, or its
+    equal cuts overflow a memory cap whatever the owners' sample counts (up to
+    :data:`EVEN_PRECHECK_MAX_OWNERS` owners; the benchmark round tells the counts,
+    which decide which helpers join which owner).
 
     Raises
     ------
@@ -102,6 +101,7 @@ def precheck(  # noqa: PLR0913
         for name, cap in zip(names, memory_caps, strict=True)
     ]
     feasible_bounds(CostModel(list(layers), nodes, schedule.for_search()))
+    owners = sum(holds_data) if holds_data is not None else 0
     if allocation == "even" and owners:
         largest = 1 + math.ceil((len(nodes) - owners) / owners)  # owner + its helpers
         if len(layers) < largest:
@@ -111,7 +111,7 @@ def precheck(  # noqa: PLR0913
                 f"owner(s), so a pipeline of {largest} nodes. Use allocation=heuristic or "
                 "allocation=optimal, which may leave nodes idle."
             )
-    if allocation == "even" and holds_data is not None:
+    if allocation == "even" and owners:
         _precheck_even(layers, schedule, nodes, holds_data)
 
 
@@ -125,7 +125,7 @@ def _precheck_even(
     round-robin that deals the helpers follows it) overflows a memory cap."""
     nodes = [replace(n, holds_data=h) for n, h in zip(nodes, holds_data, strict=True)]
     owner_names = [n.name for n in nodes if n.holds_data]
-    if not owner_names or len(owner_names) > EVEN_PRECHECK_MAX_OWNERS:
+    if len(owner_names) > EVEN_PRECHECK_MAX_OWNERS:
         return
     base = 1000 * schedule.batch_size  # enough samples for a step; only the order matters
     first: InfeasibleMemoryError | None = None
