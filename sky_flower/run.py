@@ -83,7 +83,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from sky_flower.jobs.added_keys import exit_on_unknown_keys
     from sky_flower.jobs.config_files import exit_on_bad_files
 
     exit_on_bad_files(conf_dir())  # an invalid fleet file: one line, not a traceback
+    exit_on_unknown_keys(conf_dir())  # trian.lr=0.1: "did you mean train?", one line
     main()

@@ -299,6 +299,54 @@ def test_keys_the_user_owns_may_be_added():
     check_added_keys(fine, conf_dir())  # nothing raised
 
 
+# python -m sky_flower.run with a misspelt key set without "+": one answer, before Hydra
+# (Hydra alone would say "use +key", and the "+" key would then be refused in the job)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trian.lr=0.1"], "'trian.lr=0.1' sets the top-level key 'trian', which nothing "),
+        (["fleet=edge3", "alocation=even"], "did you mean allocation?"),
+        (["train.lrr=0.1"], "train.lrr, which is not a setting: did you mean train.lr?"),
+        (["-m", "benchmark.repeat=1,2"], "did you mean benchmark.repeats?"),
+        (["schedule.microbatchs=4"], "did you mean schedule.microbatches?"),
+    ],
+)
+def test_a_misspelt_key_on_the_command_line_is_refused_naming_the_close_key(argv, message, capsys):
+    from sky_flower.jobs.added_keys import exit_on_unknown_keys
+    from sky_flower.jobs.common import conf_dir
+
+    with pytest.raises(SystemExit) as exc:
+        exit_on_unknown_keys(conf_dir(), argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_the_keys_of_the_documented_commands_pass_the_command_line_check():
+    """Every key a documented command sets (groups and their own keys, sections from
+    a transport option, sweeps, ``hydra.*``, ``+``/``~`` overrides, a config of one's
+    own) passes."""
+    from sky_flower.jobs.added_keys import check_overridden_keys
+    from sky_flower.jobs.common import conf_dir
+
+    for argv in (
+        ["allocation=optimal", "fleet=edge3", "num_rounds=5", "seed=1"],
+        ["-m", "schedule.kind=sequential,gpipe", "schedule.microbatches=1,4,8"],
+        ["transport=direct", "schedule.direct_timeout_s=10", "schedule.chunks=2"],
+        ["strategy=ssp", "strategy.staleness=1", "fleet.nodes=16"],
+        ["task=regression", "dataset.float_labels=true", "model.num_classes=1"],
+        ["objective.loss=mypkg.losses:sum_ce", "replan.mode=on", "train.lr=0.003"],
+        ["benchmark.repeats=7", "benchmark.state_probe_mb=64", "hydra.run.dir=/tmp/x"],
+        ["~model", "+model._target_=a.b", "+trian.x=1"],  # "+": check_added_keys's
+        ["--config-dir", "my_conf", "anything=1"],  # its own config: Hydra checks
+        ["hydra/launcher=basic", "--cfg", "job"],
+    ):
+        check_overridden_keys(argv, conf_dir())  # nothing raised
+
+
 @pytest.mark.processes
 def test_the_run_entry_point_refuses_a_misspelt_plus_key_before_flower_starts(tmp_path):
     proc = _run("sky_flower.run", "+trian.lr=0.1", f"hydra.run.dir={tmp_path}")

@@ -1,18 +1,24 @@
-"""Refuse a misspelt setting added with Hydra's ``+`` (``+trian.lr=0.1``).
+"""Refuse a misspelt setting on the command line, naming the close key.
 
 Hydra refuses ``trian.lr=0.1`` (the key is not in the config) and tells the user to
-append it with ``+``; a ``+`` key is then taken silently and nothing reads it. Here an
-added key is refused when it is a new top-level key, or a new key inside one of the
-primary config's own sections (``train``, ``schedule``, ``benchmark``, ...): those hold
-only the settings ``conf/config.yaml`` lists. Keys added under the groups that take
-arbitrary arguments (``model``, ``dataset``, ``fleet``, ``strategy``, ...) are the
-user's own and pass.
+append it with ``+``; a ``+`` key is then taken silently and nothing reads it. Here a key
+is refused when it is a new top-level key, or a new key inside one of the primary
+config's own sections (``train``, ``schedule``, ``benchmark``, ...): those hold only the
+settings ``conf/config.yaml`` lists. Keys under the groups that take arbitrary arguments
+(``model``, ``dataset``, ``fleet``, ``strategy``, ...) are the user's own and pass.
+
+- :func:`check_overridden_keys`: each plain ``key=value`` of the command line, before
+  Hydra starts, so a misspelling gets one answer with the close key instead of Hydra's
+  advice to add it with ``+``.
+- :func:`check_added_keys`: each ``+key=value`` / ``++key=value``, in the job (from
+  Hydra's parsed overrides).
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +58,70 @@ def known_keys(conf_dir: str | Path) -> tuple[set[str], dict[str, set[str]]]:
     return top, sections
 
 
+def unknown_key(key: str, top: set[str], sections: dict[str, set[str]]) -> str:
+    """``""`` if the dotted ``key`` may be set, else what is wrong with it, with the close
+    known key if there is one (``top``, ``sections``: :func:`known_keys`)."""
+    head, _, rest = key.partition(".")
+    if head not in top:
+        close = difflib.get_close_matches(head, sorted(top), n=1)
+        hint = f": did you mean {close[0]}?" if close else ""
+        return (
+            f"the top-level key {head!r}, which nothing reads{hint} "
+            f"(known: {', '.join(sorted(top))})"
+        )
+    if head in sections and rest:
+        sub = rest.split(".")[0]
+        if sub not in sections[head]:
+            close = difflib.get_close_matches(sub, sorted(sections[head]), n=1)
+            hint = f": did you mean {head}.{close[0]}?" if close else ""
+            return (
+                f"{head}.{sub}, which is not a setting{hint} "
+                f"({head} has: {', '.join(sorted(sections[head]))})"
+            )
+    return ""
+
+
+def check_overridden_keys(argv: Sequence[str], conf_dir: str | Path) -> None:
+    """Refuse the first plain ``key=value`` of a ``python -m sky_flower.run`` command line
+    ``argv`` (without the program) that sets a key no part of the program reads (see the
+    module docstring). Left to Hydra: flags (``-m``, ``--cfg job``), ``+`` / ``++`` / ``~``
+    overrides (:func:`check_added_keys` checks the added ones in the job), ``hydra.*``
+    keys, group paths (``hydra/launcher=...``, ``model@x=...``), and the whole command line
+    when it names a config of its own (``--config-dir``, ``--config-name``,
+    ``--config-path`` and their short forms), whose keys these are not.
+
+    Raises
+    ------
+    ValueError
+        Naming the override, the close known key if there is one, and the keys of its
+        section.
+    """
+    own_config = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
+    if any(a.split("=", 1)[0] in own_config for a in argv):
+        return
+    top, sections = known_keys(conf_dir)
+    for raw in argv:
+        if raw.startswith(("-", "+", "~")) or "=" not in raw:
+            continue
+        key = raw.split("=", 1)[0].strip()
+        if not key or "/" in key or "@" in key or key.split(".")[0] == "hydra":
+            continue
+        wrong = unknown_key(key, top, sections)
+        if wrong:
+            raise ValueError(f"{raw!r} sets {wrong}")
+
+
+def exit_on_unknown_keys(conf_dir: str | Path, argv: Sequence[str] | None = None) -> None:
+    """:func:`check_overridden_keys` for this process's command line (default
+    ``sys.argv[1:]``); on an error print it as one line on stderr and exit with status 2
+    (a usage error), before Hydra starts."""
+    try:
+        check_overridden_keys(sys.argv[1:] if argv is None else argv, conf_dir)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def check_added_keys(overrides: Sequence[str], conf_dir: str | Path) -> None:
     """Refuse each ``+key=value`` / ``++key=value`` of ``overrides`` that no part of the
     program reads (see the module docstring).
@@ -65,21 +135,6 @@ def check_added_keys(overrides: Sequence[str], conf_dir: str | Path) -> None:
     for raw in overrides:
         if not raw.startswith("+") or "=" not in raw:
             continue
-        key = raw.lstrip("+").split("=", 1)[0].strip()
-        head, _, rest = key.partition(".")
-        if head not in top:
-            close = difflib.get_close_matches(head, sorted(top), n=1)
-            hint = f": did you mean {close[0]}?" if close else ""
-            raise ValueError(
-                f"{raw!r} adds the top-level key {head!r}, which nothing reads{hint} "
-                f"(known: {', '.join(sorted(top))})"
-            )
-        if head in sections and rest:
-            sub = rest.split(".")[0]
-            if sub not in sections[head]:
-                close = difflib.get_close_matches(sub, sorted(sections[head]), n=1)
-                hint = f": did you mean {head}.{close[0]}?" if close else ""
-                raise ValueError(
-                    f"{raw!r} adds {head}.{sub}, which is not a setting{hint} "
-                    f"({head} has: {', '.join(sorted(sections[head]))})"
-                )
+        wrong = unknown_key(raw.lstrip("+").split("=", 1)[0].strip(), top, sections)
+        if wrong:
+            raise ValueError(f"{raw!r} adds {wrong}")
