@@ -160,6 +160,12 @@ class BenchmarkRound:
         result = BenchmarkResult(nodes=[], node_ids={}, num_examples=0)
         examples: dict[str, int] = {}
         left_out: list[tuple[int, Exception]] = []
+        log(  # the round takes a while (seconds a node, emulated slowdowns included)
+            INFO,
+            "Benchmark: profiling %d node(s) one at a time (each layer's time and memory, "
+            "then the node's link by echoes)",
+            len(node_ids),
+        )
         for nid in node_ids:
             try:
                 node, prof = self.profile(nid, result)
