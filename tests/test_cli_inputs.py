@@ -311,6 +311,9 @@ def test_keys_the_user_owns_may_be_added():
         (["train.lrr=0.1"], "train.lrr, which is not a setting: did you mean train.lr?"),
         (["-m", "benchmark.repeat=1,2"], "did you mean benchmark.repeats?"),
         (["schedule.microbatchs=4"], "did you mean schedule.microbatches?"),
+        # a node count on a fleet that lists its nodes: other nodes under its name
+        (["fleet.nodes=3"], "on fleet edge4, which lists its 4 nodes"),
+        (["-m", "fleet=skycomputing,edge3", "fleet.nodes=3,4"], "fleet edge3, which lists"),
     ],
 )
 def test_a_misspelt_key_on_the_command_line_is_refused_naming_the_close_key(argv, message, capsys):
@@ -337,6 +340,8 @@ def test_the_keys_of_the_documented_commands_pass_the_command_line_check():
         ["-m", "schedule.kind=sequential,gpipe", "schedule.microbatches=1,4,8"],
         ["transport=direct", "schedule.direct_timeout_s=10", "schedule.chunks=2"],
         ["strategy=ssp", "strategy.staleness=1", "fleet.nodes=16"],
+        ["-m", "fleet=skycomputing", "fleet.nodes=4,8"],
+        ["fleet=uniform3", "fleet.nodes=[{name: owner, holds_data: true}]"],
         ["task=regression", "dataset.float_labels=true", "model.num_classes=1"],
         ["objective.loss=mypkg.losses:sum_ce", "replan.mode=on", "train.lr=0.003"],
         ["benchmark.repeats=7", "benchmark.state_probe_mb=64", "hydra.run.dir=/tmp/x"],

@@ -10,6 +10,7 @@ settings ``conf/config.yaml`` lists. Keys under the groups that take arbitrary a
 - :func:`check_overridden_keys`: each plain ``key=value`` of the command line, before
   Hydra starts, so a misspelling gets one answer with the close key instead of Hydra's
   advice to add it with ``+``.
+  It also refuses a node count (``fleet.nodes=3``) on a fleet that lists its nodes.
 - :func:`check_added_keys`: each ``+key=value`` / ``++key=value``, in the job (from
   Hydra's parsed overrides).
 """
@@ -109,6 +110,49 @@ def check_overridden_keys(argv: Sequence[str], conf_dir: str | Path) -> None:
         wrong = unknown_key(key, top, sections)
         if wrong:
             raise ValueError(f"{raw!r} sets {wrong}")
+    _check_node_count(argv, conf_dir)
+
+
+def _check_node_count(argv: Sequence[str], conf_dir: str | Path) -> None:
+    """Refuse ``fleet.nodes=N`` (a count, or a sweep of counts) on a fleet whose file
+    lists its nodes (edge4, federated6, ...): the count would replace them with N
+    generated SkyComputing nodes (:func:`sky_flower.emulation.devices.expand_fleet`),
+    another fleet under the same name. The fleet is the command line's ``fleet=`` (each
+    of a sweep's), else the primary config's default; a ``strategy=`` without ``fleet=``
+    is left alone (Hermes and its baselines choose their own fleet)."""
+    values = {}
+    for raw in argv:
+        key, _, value = raw.lstrip("+").partition("=")
+        if key.strip() in ("fleet", "fleet.nodes", "strategy"):
+            values[key.strip()] = value.strip()
+    count = values.get("fleet.nodes", "")
+    if not count or not all(v.strip().isdigit() for v in count.split(",")):
+        return
+    if "fleet" in values:
+        names = [n.strip() for n in values["fleet"].split(",")]
+    elif "strategy" in values:
+        return
+    else:
+        primary = OmegaConf.load(Path(conf_dir) / "config.yaml")
+        names = [
+            str(e["fleet"])
+            for e in primary.get("defaults", [])
+            if isinstance(e, DictConfig | dict) and "fleet" in e
+        ]
+    for name in names:
+        path = Path(conf_dir) / "fleet" / f"{name}.yaml"
+        if not path.is_file():
+            continue  # an unknown fleet: Hydra names it
+        listed = OmegaConf.load(path).get("nodes")
+        if listed is not None and not isinstance(listed, int):
+            raise ValueError(
+                f"'fleet.nodes={count}' on fleet {name}, which lists its {len(listed)} "
+                f"nodes (conf/fleet/{name}.yaml): a count would replace them with "
+                "generated nodes (SkyComputing's slowdowns, node0 the only data owner). "
+                f"A node count is for fleet=skycomputing (fleet=skycomputing "
+                f"fleet.nodes={count}); for fewer or other nodes, write a fleet file "
+                "(docs/configuration.md, Fleet files)"
+            )
 
 
 def exit_on_unknown_keys(conf_dir: str | Path, argv: Sequence[str] | None = None) -> None:
