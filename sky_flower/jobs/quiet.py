@@ -11,6 +11,9 @@ import warnings
 #: message, category and module (or logger), so any other warning still shows.
 RAY_ACCEL_TIP = r"Tip: In future versions of Ray, Ray will no longer override accelerator"
 RUN_SIMULATION_DEPRECATED = "DEPRECATED FEATURE: The `run_simulation` function is deprecated"
+#: what every ClientApp actor of Flower's simulation engine logs as WARNING when the
+#: engine shuts it down at the end of a run (``flwr.simulation.ray_transport.ray_actor``)
+ACTOR_TERMINATING = "Manually terminating "
 
 
 class _DropMessage(logging.Filter):
@@ -38,3 +41,17 @@ def quiet_third_party() -> None:
     flwr_logger = logging.getLogger("flwr")
     if not any(isinstance(f, _DropMessage) for f in flwr_logger.filters):
         flwr_logger.addFilter(_DropMessage(RUN_SIMULATION_DEPRECATED))
+
+
+def quiet_actor_exit() -> None:
+    """In a ClientApp actor of Flower's simulation engine: drop the WARNING the actor
+    logs when the engine shuts it down at the run's end ("Manually terminating
+    ClientAppActor", one per actor, forwarded by Ray to the console of every run).
+    Called by Sky's node handlers (they run in the actor; the entry points'
+    :func:`quiet_third_party` runs in the driver). Every other record of the ``flwr``
+    logger still shows. Idempotent, cheap."""
+    flwr_logger = logging.getLogger("flwr")
+    if not any(
+        isinstance(f, _DropMessage) and f.prefix == ACTOR_TERMINATING for f in flwr_logger.filters
+    ):
+        flwr_logger.addFilter(_DropMessage(ACTOR_TERMINATING))

@@ -66,6 +66,7 @@ from sky_flower.core.profile import (
 )
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
+from sky_flower.jobs.quiet import quiet_actor_exit
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
@@ -191,6 +192,7 @@ class SkyClient:
 
         def handler(msg: Message, context: Context) -> Message:
             t_start = time.perf_counter()
+            quiet_actor_exit()  # the engine's shutdown notice, in this (actor) process
             again = replay(msg, context)  # a repeat (its first reply) or a stale message
             if again is not None:
                 return Message(again, reply_to=msg)

@@ -1,0 +1,44 @@
+"""The third-party notices a run silences (sky_flower/jobs/quiet.py): only those."""
+
+from __future__ import annotations
+
+import logging
+from logging import WARNING
+
+from flwr.supercore import log
+
+from sky_flower.jobs.quiet import ACTOR_TERMINATING, _DropMessage, quiet_actor_exit
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_actors_shutdown_notice_is_dropped_and_every_other_flower_record_shows():
+    flwr_logger = logging.getLogger("flwr")
+    before = list(flwr_logger.filters)
+    keep = _Keep()
+    flwr_logger.addHandler(keep)
+    try:
+        quiet_actor_exit()
+        quiet_actor_exit()  # idempotent: one filter
+        added = [f for f in flwr_logger.filters if f not in before]
+        assert len(added) <= 1 and all(isinstance(f, _DropMessage) for f in added)
+        # what flwr.simulation.ray_transport.ray_actor logs when the engine ends an actor
+        log(WARNING, "Manually terminating %s", "ClientAppActor")
+        log(WARNING, "Manually terminated nothing: %s", "a notice of another kind")
+        log(WARNING, "node 3 failed: %s", "Manually terminating is only a prefix match")
+    finally:
+        flwr_logger.removeHandler(keep)
+        for f in [f for f in flwr_logger.filters if f not in before]:
+            flwr_logger.removeFilter(f)
+    assert not any(m.startswith(ACTOR_TERMINATING) for m in keep.messages), keep.messages
+    assert keep.messages == [
+        "Manually terminated nothing: a notice of another kind",
+        "node 3 failed: Manually terminating is only a prefix match",
+    ]
