@@ -27,6 +27,14 @@ class _DropMessage(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+def _drop_flwr_records(prefix: str) -> None:
+    """Drop the ``flwr`` logger's records whose message starts with ``prefix``, once per
+    prefix (idempotent: a second call adds no second filter)."""
+    flwr_logger = logging.getLogger("flwr")
+    if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in flwr_logger.filters):
+        flwr_logger.addFilter(_DropMessage(prefix))
+
+
 def quiet_third_party() -> None:
     """Silence the third-party notices of a default run (issue 28): Ray's
     ``FutureWarning`` about accelerator environment variables (this runs on CPUs), the
@@ -38,9 +46,7 @@ def quiet_third_party() -> None:
         "ignore", message=RAY_ACCEL_TIP, category=FutureWarning, module=r"ray\._private\.worker"
     )
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    flwr_logger = logging.getLogger("flwr")
-    if not any(isinstance(f, _DropMessage) for f in flwr_logger.filters):
-        flwr_logger.addFilter(_DropMessage(RUN_SIMULATION_DEPRECATED))
+    _drop_flwr_records(RUN_SIMULATION_DEPRECATED)
 
 
 def quiet_actor_exit() -> None:
@@ -50,8 +56,4 @@ def quiet_actor_exit() -> None:
     Called by Sky's node handlers (they run in the actor; the entry points'
     :func:`quiet_third_party` runs in the driver). Every other record of the ``flwr``
     logger still shows. Idempotent, cheap."""
-    flwr_logger = logging.getLogger("flwr")
-    if not any(
-        isinstance(f, _DropMessage) and f.prefix == ACTOR_TERMINATING for f in flwr_logger.filters
-    ):
-        flwr_logger.addFilter(_DropMessage(ACTOR_TERMINATING))
+    _drop_flwr_records(ACTOR_TERMINATING)
