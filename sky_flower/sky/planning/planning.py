@@ -111,7 +111,6 @@ def precheck(
                 f"owner(s), so a pipeline of {largest} nodes. Use allocation=heuristic or "
                 "allocation=optimal, which may leave nodes idle."
             )
-    if allocation == "even" and owners:
         _precheck_even(layers, schedule, nodes, holds_data)
 
 
