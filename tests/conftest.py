@@ -34,7 +34,10 @@ _process_start = multiprocessing.process.BaseProcess.start
 
 
 def _watched_popen_init(self, args, *rest, **kwargs):  # noqa: ANN001, ANN202
-    if _WATCH["on"]:
+    # matplotlib asks fontconfig once per machine, building its font cache (a fresh
+    # venv's first plot): not the test's own process
+    first = args[0] if isinstance(args, (list, tuple)) and args else args
+    if _WATCH["on"] and first != "fc-list":
         _STARTED.append(f"subprocess {args!r}"[:200])
     _popen_init(self, args, *rest, **kwargs)
 

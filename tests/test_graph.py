@@ -70,7 +70,7 @@ def _assert_same_function(model, seq, x):
 @pytest.mark.parametrize(
     ("make", "units", "names"),
     [
-        (ResidualMLP, 3, [["a"], ["b", "c"], ["d"]]),  # the skip's cut is merged away
+        (ResidualMLP, 4, [["a"], ["b"], ["c"], ["d"]]),  # the skip crosses two cuts
         (DictNet, 4, [["enc"], ["blocks.p"], ["blocks.q"], ["head"]]),
     ],
 )
@@ -102,9 +102,10 @@ def test_chosen_split_points_and_merging():
     x = torch.randn(4, 8)
     seq = as_sequential(DictNet(), x, ["blocks.q"])
     assert len(seq) == 2
-    # every cut of the residual MLP inside the skip is merged: one unit before, one after
+    # the cut inside the residual MLP's skip carries the skip and the branch, packed
     seq = as_sequential(ResidualMLP(), x, ["c"])
-    assert len(seq) == 1
+    assert len(seq) == 2 and seq.split_points == ["c"]
+    assert seq[0](x).shape == (4, 32)  # h (16) and relu(b(h)) (16) side by side
 
 
 def test_tied_parameter_is_never_split():
@@ -165,10 +166,6 @@ class WithDropout(nn.Module):
 
 def test_refusals_are_clear():
     x = torch.randn(2, 4)
-    with pytest.raises(ValueError, match=r"drop \(Dropout\).*train and eval"):
-        as_sequential(WithDropout(), x)
-    with pytest.raises(ValueError, match=r"nn.BatchNorm1d|BatchNorm1d"):
-        as_sequential(nn.ModuleDict({"bn": nn.BatchNorm1d(4)}), x)
     with pytest.raises(ValueError, match="returns 2 values"):
         as_sequential(TwoOut(), x)
     with pytest.raises(ValueError, match="not submodules"):
@@ -225,6 +222,17 @@ class FunctionalDropout(nn.Module):
         return self.b(nn.functional.dropout(self.a(x), 0.5, self.training))
 
 
-def test_a_forward_that_reads_the_mode_is_refused():
-    with pytest.raises(ValueError, match="differs from the model in eval mode"):
-        as_sequential(FunctionalDropout(), torch.randn(8, 4))
+@pytest.mark.parametrize("make", [FunctionalDropout, WithDropout])
+def test_a_forward_that_reads_the_mode_switches_with_train_and_eval(make):
+    """A functional dropout (``self.training`` read in the forward, no layer type shows
+    it) and an ``nn.Dropout``: the unit is traced once per mode and ``eval()`` switches
+    it; the same draws in training mode."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(8, 4)
+    seq = as_sequential(model, x)
+    with torch.random.fork_rng():
+        want = model(x)
+    torch.testing.assert_close(seq(x), want, rtol=0, atol=0)
+    model.eval(), seq.eval()
+    torch.testing.assert_close(seq(x), model(x), rtol=0, atol=0)
+    assert not torch.equal(seq.train()(x), seq.eval()(x))

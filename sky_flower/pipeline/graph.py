@@ -37,8 +37,12 @@ non-persistent buffers dropped), so ``load_state_dict(strict=True)`` loads it.
 from __future__ import annotations
 
 import copy
+import logging
+import math
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +54,13 @@ MODE_DEPENDENT = (
     nn.modules.instancenorm._InstanceNorm,
 )
 _MAX_TRACES = 4
+log = logging.getLogger(__name__)
 
 
-def _check_modes(module: nn.Module) -> None:
-    """Refuse layers whose forward depends on train/eval mode (see the module docstring)."""
+def mode_dependent_layers(module: nn.Module) -> list[str]:
+    """Names of ``module``'s layers whose forward depends on train/eval mode: dropout
+    with ``p > 0``, BatchNorm, InstanceNorm with running statistics."""
+    names = []
     for name, sub in module.named_modules():
         if not isinstance(sub, MODE_DEPENDENT):
             continue
@@ -61,45 +68,222 @@ def _check_modes(module: nn.Module) -> None:
             continue
         if isinstance(sub, nn.modules.instancenorm._InstanceNorm) and not sub.track_running_stats:
             continue
-        raise ValueError(
-            f"{name} ({type(sub).__name__}) behaves differently in train and eval mode, and "
-            "torch.export (which torch.distributed.pipelining traces with) fixes the mode at "
-            "trace time: model.eval() would not switch it. Build this model as an "
-            "nn.Sequential of its blocks instead (each block a top-level entry), or set "
-            "dropout to 0"
+        names.append(name)
+    return names
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How one unit of a model whose cuts carry several tensors reads and writes them
+    (names of the traced ``Pipe``'s root-graph values).
+
+    ``inputs`` arrive packed by ``in_spec`` (unit 0: the model's input, as it is);
+    the unit's graph takes ``args`` and returns ``outputs`` (one name, or ``(name,
+    index)`` pairs of a tuple); ``carry`` leaves it, packed by ``out_spec`` (the last
+    unit: the model's output, as it is). A value an earlier unit made that a later one
+    reads passes through the units between (a skip connection)."""
+
+    inputs: tuple[str, ...]
+    in_spec: CutSpec | None
+    args: tuple[str, ...]
+    outputs: str | tuple[tuple[str, int], ...]
+    carry: tuple[str, ...]
+    out_spec: CutSpec | None
+
+
+class TracedUnit(nn.Module):
+    """One unit of a converted model: its traced graph, once per mode where the forward
+    depends on it, and its :class:`Wiring` where a cut carries several tensors.
+
+    * **Modes.** ``torch.export`` fixes the mode at trace time, so a model with
+      BatchNorm, dropout or ``if self.training`` code is traced in each mode;
+      ``train()`` runs the graph traced in training mode (batch statistics and their
+      running update, dropout's draw from the global generator), ``eval()`` the one
+      traced in eval mode. The unit registers the training graph's submodules,
+      parameters and buffers as its own (its ``state_dict`` keys are the training
+      graph's), and the eval graph's tensors are bound to them again after every
+      ``to()``/``_apply`` (which replace buffer objects); ``deepcopy`` keeps the
+      sharing.
+    * **Several tensors across a cut** (hidden states and an attention mask, a skip
+      connection): the unit unpacks what arrives (one tensor ``(B, n)``,
+      :func:`pack`), runs its graph and packs what leaves, so every transport and
+      schedule carries one tensor per cut and its gradient (none for integer parts).
+    """
+
+    def __init__(
+        self,
+        graphs: Mapping[bool, fx.GraphModule],
+        wirings: Mapping[bool, Wiring | None] | None = None,
+    ) -> None:
+        super().__init__()
+        train = graphs[True]
+        for name, child in train.named_children():
+            self.add_module(name, child)
+        for name, param in train.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in train.named_buffers(recurse=False):
+            self.register_buffer(name, buf, name not in train._non_persistent_buffers_set)
+        # plain attributes, not submodules: no second copy of the weights
+        self.__dict__["_graphs"] = dict(graphs)
+        self.__dict__["_wirings"] = dict(wirings or {})
+        self._share()
+
+    def _share(self) -> None:
+        """Bind every graph's parameters and buffers to the unit's own (the training
+        graph's), path by path.
+
+        Raises
+        ------
+        ValueError
+            If the eval graph reads a tensor the training graph does not hold.
+        """
+        own = dict(self.named_modules())
+        for graph in self._graphs.values():
+            for path, sub in graph.named_modules():
+                src = own.get(path)
+                for table in ("_parameters", "_buffers"):
+                    for name in list(getattr(sub, table)):
+                        held = None if src is None else getattr(src, table).get(name)
+                        if held is None:
+                            raise ValueError(
+                                f"the eval-mode graph reads {path + '.' if path else ''}"
+                                f"{name}, which the training-mode graph of the same unit "
+                                "does not hold"
+                            )
+                        if sub is not src:
+                            getattr(sub, table)[name] = held
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TracedUnit:  # noqa: ANN401
+        super()._apply(fn, recurse)
+        self._share()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: the model's input (unit 0) or what the previous unit returned; the
+        next unit's input (packed where the cut carries several tensors) or the
+        model's output (the last unit)."""
+        graph = self._graphs[self.training] if len(self._graphs) > 1 else self._graphs[True]
+        wiring = self._wirings.get(self.training if len(self._graphs) > 1 else True)
+        if wiring is None:
+            return graph(x)
+        came = [x] if wiring.in_spec is None else unpack(x, wiring.in_spec)
+        values = dict(zip(wiring.inputs, came, strict=True))
+        result = graph(*[values[a] for a in wiring.args])
+        if isinstance(wiring.outputs, str):
+            values[wiring.outputs] = result
+        else:
+            values.update((name, result[k]) for name, k in wiring.outputs)
+        out = [values[n] for n in wiring.carry]
+        return out[0] if wiring.out_spec is None else pack(out, wiring.out_spec)
+
+
+def _wirings(pipe: Any, example: torch.Tensor) -> list[Wiring] | None:  # noqa: ANN401
+    """Each unit's :class:`Wiring` of ``pipe`` (None where every cut carries exactly
+    the previous stage's whole output: the units need none)."""
+    S = pipe.num_stages
+    crossing = [_crossing(pipe, b) for b in range(S - 1)]
+    if all(len(c) == 1 and c[0].op == "call_module" for c in crossing):
+        return None
+    values = _probe_values(pipe, example)
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    wirings = []
+    for i, call in enumerate(calls):
+        came = inputs if i == 0 else crossing[i - 1]
+        leaves = [out] if i == S - 1 else crossing[i]
+        getitems = [u for u in call.users if u.op == "call_function"]
+        outputs: str | tuple[tuple[str, int], ...]
+        if getitems and all(u.target is operator.getitem for u in getitems):
+            outputs = tuple((u.name, int(u.args[1])) for u in getitems)
+        else:
+            outputs = call.name
+        wirings.append(
+            Wiring(
+                inputs=tuple(n.name for n in came),
+                in_spec=None if i == 0 else CutSpec.of([values[n] for n in came]),
+                args=tuple(a.name for a in call.args),
+                outputs=outputs,
+                carry=tuple(n.name for n in leaves),
+                out_spec=None if i == S - 1 else CutSpec.of([values[n] for n in leaves]),
+            )
         )
+    return wirings
 
 
-def _call_order(module: nn.Module, example: torch.Tensor) -> list[str]:
-    """Names of ``module``'s submodules in the order a forward on ``example`` first calls
-    them (a container that is never called itself, e.g. an ``nn.ModuleDict``, is absent)."""
-    order: list[str] = []
+def _call_counts(module: nn.Module, example: torch.Tensor) -> dict[str, int]:
+    """How often a forward on ``example`` calls each of ``module``'s submodules, keyed
+    by name in the order of their first call (a container that is never called itself,
+    e.g. an ``nn.ModuleList``, is absent)."""
+    counts: dict[str, int] = {}
+
+    def seen(name: str) -> None:
+        counts[name] = counts.get(name, 0) + 1
+
     hooks = [
-        sub.register_forward_pre_hook(lambda m, a, n=name: order.append(n))
+        sub.register_forward_pre_hook(lambda m, a, n=name: seen(n))
         for name, sub in module.named_modules()
         if name
     ]
-    try:
-        with torch.no_grad():
+    from sky_flower.pipeline.stage import buffers_kept
+
+    try:  # no side effect on the user's module: running statistics, the random stream
+        with torch.no_grad(), buffers_kept(module), torch.random.fork_rng(devices=[]):
             module(example)
     finally:
         for h in hooks:
             h.remove()
-    return list(dict.fromkeys(order))
+    return counts
 
 
-def default_split_points(module: nn.Module, called: Sequence[str]) -> list[str]:
-    """Every top-level child that the forward calls; a child it does not call (a
-    container such as ``nn.ModuleDict``) stands for its own children, recursively."""
+def no_split_classes(module: nn.Module) -> set[str]:
+    """Class names that a model declares must stay whole: the union of every submodule's
+    ``_no_split_modules`` (Hugging Face ``PreTrainedModel``, e.g. ``LlamaDecoderLayer``;
+    Accelerate's device-map convention)."""
+    names: set[str] = set()
+    for sub in module.modules():
+        declared = getattr(sub, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(str(n) for n in declared)
+    return names
+
+
+def default_split_points(module: nn.Module, calls: Mapping[str, int]) -> list[str]:
+    """Submodules to cut before by default, from how the forward runs (``calls``: the
+    call count of each submodule, :func:`_call_counts`).
+
+    The frontier of the module tree: a child the forward calls once is a point, except
+    that the walk goes down into a child that is never called (a container such as an
+    ``nn.ModuleList``), into the only called child of its parent (a wrapper such as
+    ``self.m = AutoModelForCausalLM...``) and into a child that holds a class the model
+    declares whole (``_no_split_modules``: the walk stops at ``LlamaDecoderLayer``, not
+    above it). A child called more than once (a ``pool`` module reused, a shared
+    activation) is no point: a cut before it would fall at each call."""
+    whole = no_split_classes(module)
+    holds_whole = {
+        name
+        for name, sub in module.named_modules()
+        if any(type(s).__name__ in whole for s in sub.modules())
+    }
     points: list[str] = []
 
     def visit(prefix: str, parent: nn.Module) -> None:
-        for name, _ in parent.named_children():
+        children = list(parent.named_children())
+        called = [n for n, _ in children if calls.get(f"{prefix}{n}", 0) > 0]
+        for name, child in children:
             full = f"{prefix}{name}"
-            if full in called:
+            n_calls = calls.get(full, 0)
+            leaf = not any(True for _ in child.children())
+            if type(child).__name__ in whole:
+                if n_calls == 1:
+                    points.append(full)
+            elif n_calls == 0 or (not leaf and (full in holds_whole or called == [name])):
+                if n_calls <= 1:
+                    visit(f"{full}.", child)
+            elif n_calls == 1:
                 points.append(full)
-            else:
-                visit(f"{full}.", getattr(parent, name))
 
     visit("", module)
     return points
@@ -114,20 +298,35 @@ def _ordered_points(
     Raises
     ------
     ValueError
-        If a name is no submodule, or is not called by the forward.
+        If a name is no submodule, is not called by the forward, or is called more than
+        once.
     """
-    called = _call_order(module, example)
+    calls = _call_counts(module, example)
     if split_points is None:
-        points = set(default_split_points(module, called))
-        return [n for n in called if n in points][1:]
+        points = set(default_split_points(module, calls))
+        ordered = [n for n in calls if n in points]
+        whole = no_split_classes(module)
+        subs = dict(module.named_modules())
+        first = next((i for i, n in enumerate(ordered) if type(subs[n]).__name__ in whole), 0)
+        # what runs before the first declared block (embeddings, rotary tables, their
+        # dropout) is the model's prologue: one unit with the input, not a cut each
+        return ordered[first:] if first else ordered[1:]
     subs = dict(module.named_modules())
     unknown = [n for n in split_points if n not in subs or not n]
     if unknown:
         raise ValueError(f"split points {unknown} are not submodules of {type(module).__name__}")
-    missing = [n for n in split_points if n not in called]
+    missing = [n for n in split_points if n not in calls]
     if missing:
         raise ValueError(f"split points {missing} are never called by the model's forward")
-    return [n for n in called if n in set(split_points)]
+    reused = [f"{n} ({calls[n]} calls)" for n in split_points if calls[n] > 1]
+    if reused:
+        raise ValueError(
+            f"split points {reused} are called more than once by "
+            f"{type(module).__name__}'s forward, so a cut before them would fall at each "
+            "call: choose modules called once (or leave split_points out: the default "
+            "skips reused modules)"
+        )
+    return [n for n in calls if n in set(split_points)]
 
 
 def _stage_of(node: fx.Node) -> int:
@@ -139,32 +338,148 @@ def _stage_of(node: fx.Node) -> int:
     return _stage_of(node.args[0])  # operator.getitem of a stage's tuple output
 
 
-def bad_boundaries(pipe: Any) -> dict[int, str]:  # noqa: ANN401 - a pipelining Pipe
+def _crossing(pipe: Any, b: int) -> list[fx.Node]:  # noqa: ANN401 - a pipelining Pipe
+    """The values of ``pipe``'s root graph that cross boundary ``b`` (between stage
+    ``b`` and ``b + 1``): defined at or before stage ``b`` (the model's input at -1),
+    read after it or returned by the model. A stage that returns several values
+    crosses as its ``getitem`` nodes."""
+    graph = pipe.split_gm.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    return [
+        n
+        for n in graph.nodes
+        if n.op != "output"
+        and _stage_of(n) <= b
+        and any(u is out_node or _stage_of(u) > b for u in n.users)
+    ]
+
+
+def _probe_values(pipe: Any, example: torch.Tensor) -> dict[fx.Node, Any]:  # noqa: ANN401
+    """Every value of ``pipe``'s root graph on ``example`` (no graph, no side effect on
+    buffers or the random stream): what crosses each cut, for its shape and dtype."""
+    from sky_flower.pipeline.stage import buffers_kept
+
+    values: dict[fx.Node, Any] = {}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for node in pipe.split_gm.graph.nodes:
+            if node.op == "placeholder":
+                values[node] = example
+            elif node.op == "call_module":
+                sub = pipe.split_gm.get_submodule(str(node.target))
+                with buffers_kept(sub):
+                    values[node] = sub(*fx.node.map_arg(node.args, values.__getitem__))
+            elif node.op == "call_function":
+                values[node] = node.target(*fx.node.map_arg(node.args, values.__getitem__))
+    return values
+
+
+def bad_boundaries(
+    pipe: Any,  # noqa: ANN401 - a pipelining Pipe
+    values: Mapping[fx.Node, Any] | None = None,
+) -> dict[int, str]:
     """Boundaries of a traced ``Pipe`` that cannot be cut: ``{b: why}``, ``b`` being the
     boundary between stage ``b`` and stage ``b + 1``.
 
-    A boundary is bad if other than exactly one value (the previous stage's whole
-    output) crosses it, or if the stages on either side share a parameter.
+    Without ``values`` (:func:`_probe_values`) a boundary is bad if other than exactly
+    one value (the previous stage's whole output) crosses it; with them, if a crossing
+    value is no tensor whose first dimension is the batch (a size, a tensor shared by
+    all samples: it cannot be cut into micro-batches). Either way, if the stages on
+    either side share a parameter.
     """
-    graph = pipe.split_gm.graph
-    S = pipe.num_stages
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    out_node = next(n for n in graph.nodes if n.op == "output")
     bad: dict[int, str] = {}
-    for b in range(S - 1):
-        crossing = [
-            n
-            for n in nodes
-            if _stage_of(n) <= b and any(u is out_node or _stage_of(u) > b for u in n.users)
-        ]
-        if len(crossing) != 1 or crossing[0].op != "call_module":
-            names = ", ".join(str(n.name) for n in crossing)
-            bad[b] = f"{len(crossing)} values cross it ({names})"
+    for b in range(pipe.num_stages - 1):
+        crossing = _crossing(pipe, b)
+        names = ", ".join(str(n.name) for n in crossing)
+        if values is None:
+            if len(crossing) != 1 or crossing[0].op != "call_module":
+                bad[b] = f"{len(crossing)} values cross it ({names})"
+            continue
+        for n in crossing:
+            v = values[n]
+            batch = values[next(iter(values))].shape[0]
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
+                what = type(v).__name__ if not isinstance(v, torch.Tensor) else tuple(v.shape)
+                bad[b] = f"{n.name} ({what}) crosses it without a batch dimension"
+                break
     for uses in pipe.replicated_params:
         stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
         for b in range(stages[0], stages[-1]):
             bad.setdefault(b, f"parameter {next(iter(uses.values()))} is used on both sides")
     return bad
+
+
+@dataclass(frozen=True)
+class CutSpec:
+    """What one cut carries when it carries several tensors: their trailing shapes
+    (all but the batch dimension) and dtypes, in order, packed as one tensor of shape
+    ``(B, sum of their sizes)`` and ``dtype`` (:func:`pack`)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> CutSpec:
+        """The spec of ``tensors`` (one sample's shapes and the dtypes): packed in the
+        widest floating dtype among them (at least float32 if an integer tensor rides
+        along, whose values must then be exact in it), or the widest integer dtype if
+        none is floating."""
+        dtypes = tuple(t.dtype for t in tensors)
+        floats = [d for d in dtypes if d.is_floating_point]
+        if floats:
+            dtype = floats[0]
+            for d in floats[1:]:
+                dtype = torch.promote_types(dtype, d)
+            if len(floats) < len(dtypes):
+                dtype = torch.promote_types(dtype, torch.float32)
+        else:
+            dtype = torch.int64
+        return cls(tuple(tuple(t.shape[1:]) for t in tensors), dtypes, dtype)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements per sample of each tensor."""
+        return [math.prod(s) for s in self.shapes]
+
+
+def pack(tensors: Sequence[torch.Tensor], spec: CutSpec) -> torch.Tensor:
+    """The tensors that cross one cut as one tensor of shape ``(B, sum(spec.sizes))``:
+    each flattened per sample and cast to ``spec.dtype``, side by side. Gradients flow
+    back to every floating tensor; an integer tensor (an attention mask, position ids)
+    gets none.
+
+    Raises
+    ------
+    ValueError
+        If an integer tensor holds a value that ``spec.dtype`` cannot hold exactly
+        (beyond 2**24 in float32).
+    """
+    batch = tensors[0].shape[0]
+    parts = []
+    for t in tensors:
+        if t.dtype != torch.bool and not t.dtype.is_floating_point and t.numel():
+            if spec.dtype.is_floating_point:
+                limit = 2 ** (round(-math.log2(torch.finfo(spec.dtype).eps)) + 1)
+                biggest = int(t.abs().max())
+                if biggest > limit:
+                    raise ValueError(
+                        f"an integer tensor of dtype {t.dtype} crossing a cut holds "
+                        f"{biggest}, beyond what {spec.dtype} holds exactly ({limit}): "
+                        "cut elsewhere (split_points) so that it does not cross"
+                    )
+        parts.append(t.reshape(batch, -1).to(spec.dtype))
+    return torch.cat(parts, dim=1)
+
+
+def unpack(packed: torch.Tensor, spec: CutSpec) -> list[torch.Tensor]:
+    """The tensors :func:`pack` packed, in their own shapes and dtypes."""
+    batch = packed.shape[0]
+    out, start = [], 0
+    for shape, dtype, size in zip(spec.shapes, spec.dtypes, spec.sizes, strict=True):
+        part = packed[:, start : start + size].reshape(batch, *shape)
+        out.append(part if dtype == packed.dtype else part.to(dtype))
+        start += size
+    return out
 
 
 def _is_split(node: fx.Node) -> bool:
@@ -290,19 +605,63 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     for node in reversed(list(graph.nodes)):  # what no stage reads any more
         if node in free and node.op != "get_attr" and not node.users:
             graph.erase_node(node)
+    _sort_within_stages(graph, part)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _trace(module: nn.Module, example: torch.Tensor, points: Sequence[str]) -> Any:  # noqa: ANN401
-    """``torch.distributed.pipelining`` 's ``Pipe`` of a copy of ``module`` cut before
-    each of ``points``, what no cut needs to carry computed in each stage
-    (:func:`replicate_shared_inputs`)."""
+def _inputs_first(members: Sequence[fx.Node]) -> list[fx.Node]:
+    """``members`` (one stage's nodes) reordered so that each follows its inputs among
+    them, keeping the given order wherever it already does (a depth-first emit)."""
+    inside = set(members)
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    for node in members:
+        stack = [(node, iter(node.all_input_nodes))]
+        while stack:
+            top, inputs = stack[-1]
+            nxt = next((i for i in inputs if i in inside and i not in done), None)
+            if nxt is not None:
+                stack.append((nxt, iter(nxt.all_input_nodes)))
+                continue
+            stack.pop()
+            if top not in done:
+                done.add(top)
+                order.append(top)
+    return order
+
+
+def _sort_within_stages(graph: fx.Graph, part: Mapping[fx.Node, int]) -> None:
+    """Reorder each stage's nodes so that every node follows its inputs, keeping the
+    traced order wherever it already does. A value recomputed in a stage is inserted
+    before its first reader there, and a copy made for one reader may be reused by an
+    earlier one (rotary tables and masks read by every layer); no node leaves its
+    stage."""
+    stages: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if not _is_split(node):
+            stages.setdefault(part[node], []).append(node)
+    for members in stages.values():
+        order = _inputs_first(members)
+        if order == members:
+            continue
+        anchor = members[0].prev
+        for node in order:
+            anchor.append(node)
+            anchor = node
+
+
+def _trace(  # noqa: ANN401 - a pipelining Pipe
+    module: nn.Module, example: torch.Tensor, points: Sequence[str], training: bool = True
+) -> Any:
+    """``torch.distributed.pipelining`` 's ``Pipe`` of a copy of ``module`` in training
+    (or eval) mode cut before each of ``points``, what no cut needs to carry computed in
+    each stage (:func:`replicate_shared_inputs`)."""
     from torch.distributed.pipelining import SplitPoint
     from torch.distributed.pipelining._IR import Pipe, annotate_split_points
 
-    model = copy.deepcopy(module).train()
+    model = copy.deepcopy(module).train(training)
     annotate_split_points(model, {p: SplitPoint.BEGINNING for p in points})
     example = example.detach().clone()
     # a dynamic batch dimension: else torch.export bakes the example's batch size into
@@ -352,31 +711,67 @@ def as_sequential(
         never called, a model that does not take one tensor and return one tensor, or a
         forward torch.export cannot trace.
     """
-    _check_modes(module)
     if example_input.dim() < 1 or example_input.shape[0] < 2:
         raise ValueError(
             f"example_input of shape {tuple(example_input.shape)}: give a batch of at least 2 "
             "samples (torch.export specializes a batch dimension of 1)"
         )
     points = _ordered_points(module, example_input, split_points)
+    # a second trace in eval mode where the forward depends on the mode
+    modal = bool(mode_dependent_layers(module))
     for _ in range(_MAX_TRACES):
-        pipe = _trace(module, example_input, points)
-        if pipe.num_stages != len(points) + 1:
-            raise ValueError(
-                f"the split points {points} gave {pipe.num_stages} stages, not "
-                f"{len(points) + 1}: a split point called more than once?"
-            )
-        _check_io(pipe)
-        bad = bad_boundaries(pipe)
-        if not bad:
+        pipes = {True: _trace(module, example_input, points, training=True)}
+        if modal:
+            pipes[False] = _trace(module, example_input, points, training=False)
+        bad: dict[int, str] = {}
+        for pipe in pipes.values():
+            if pipe.num_stages != len(points) + 1:
+                raise ValueError(
+                    f"{type(module).__name__}: torch.export kept {pipe.num_stages - 1} of the "
+                    f"{len(points)} cuts before {points} (a module whose forward the tracer "
+                    "inlines or runs without the input, e.g. under torch.no_grad, loses its "
+                    "cut): give split_points without it"
+                )
+            _check_io(pipe)
+            for b, why in bad_boundaries(pipe, _probe_values(pipe, example_input)).items():
+                bad.setdefault(b, why)
+        if bad:
+            _warn_ties(module, pipes[True], points, bad)
+            points = [p for b, p in enumerate(points) if b not in bad]
+        elif modal or _same_in_eval_mode(
+            module, _units(pipes[True], None, example_input), example_input
+        ):
             break
-        _warn_ties(module, pipe, points, bad)
-        points = [p for b, p in enumerate(points) if b not in bad]
+        else:  # a forward that reads self.training where no layer type shows it
+            modal = True
     else:  # pragma: no cover - one retrace removes every bad boundary
         raise ValueError(f"could not cut {type(module).__name__} at {points}: {bad}")
-    seq = nn.Sequential(*[pipe.get_stage_module(i) for i in range(pipe.num_stages)])
-    _check_eval_mode(module, seq, example_input)
+    seq = _units(pipes[True], pipes.get(False), example_input)
+    seq.split_points = list(points)
+    log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
+    if not _same_in_eval_mode(module, seq, example_input):
+        raise ValueError(
+            f"the traced {type(module).__name__} differs from the model in eval mode: "
+            "its eval-mode graph does not reproduce model.eval()'s output"
+        )
     return seq
+
+
+def _units(train: Any, eval_: Any, example: torch.Tensor) -> nn.Sequential:  # noqa: ANN401
+    """The stage modules of the training-mode ``Pipe``, as they are or as
+    :class:`TracedUnit` s (paired with the eval-mode ``Pipe``'s where there is one, wired
+    where a cut carries several tensors), as an ``nn.Sequential``."""
+    pipes = {True: train} if eval_ is None else {True: train, False: eval_}
+    wirings = {mode: _wirings(pipe, example) for mode, pipe in pipes.items()}
+    units: list[nn.Module] = []
+    for i in range(train.num_stages):
+        graphs = {mode: pipe.get_stage_module(i) for mode, pipe in pipes.items()}
+        wired = {mode: None if w is None else w[i] for mode, w in wirings.items()}
+        if eval_ is None and wired[True] is None:
+            units.append(graphs[True])
+        else:
+            units.append(TracedUnit(graphs, wired))
+    return nn.Sequential(*units)
 
 
 def _warn_ties(
@@ -402,22 +797,16 @@ def _warn_ties(
             )
 
 
-def _check_eval_mode(module: nn.Module, seq: nn.Sequential, example: torch.Tensor) -> None:
-    """Refuse a conversion whose eval-mode output differs from the model's: its forward
-    depends on the mode in a way :func:`_check_modes` cannot see (e.g. a functional
-    dropout), which the trace fixed to training mode."""
+def _same_in_eval_mode(module: nn.Module, seq: nn.Sequential, example: torch.Tensor) -> bool:
+    """Whether ``seq`` in eval mode computes ``module.eval()``'s output on ``example``
+    (within float rounding): a forward that reads ``self.training`` (a functional
+    dropout, a branch) shows here where no layer type does."""
     if example.device.type == "meta":
-        return
-    with torch.no_grad():
+        return True
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         want = copy.deepcopy(module).eval()(example)
         got = copy.deepcopy(seq).eval()(example)
-    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-        raise ValueError(
-            f"the traced {type(module).__name__} differs from the model in eval mode (max "
-            f"difference {float((got - want).abs().max()):.3g}): its forward depends on "
-            "self.training (e.g. a functional dropout), which torch.export fixes at trace "
-            "time. Build it as an nn.Sequential of its blocks instead"
-        )
+    return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
 
 
 def _check_io(pipe: Any) -> None:  # noqa: ANN401 - a pipelining Pipe
