@@ -457,8 +457,8 @@ def pack(tensors: Sequence[torch.Tensor], spec: CutSpec) -> torch.Tensor:
     batch = tensors[0].shape[0]
     parts = []
     for t in tensors:
-        if t.dtype != torch.bool and not t.dtype.is_floating_point and t.numel():
-            if spec.dtype.is_floating_point:
+        if t.dtype != torch.bool and not t.dtype.is_floating_point and t.device.type != "meta":
+            if spec.dtype.is_floating_point and t.numel():
                 limit = 2 ** (round(-math.log2(torch.finfo(spec.dtype).eps)) + 1)
                 biggest = int(t.abs().max())
                 if biggest > limit:

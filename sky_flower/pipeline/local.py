@@ -245,7 +245,8 @@ def stage_input_shapes(
     """Per-sample input shape of each stage ``(first, last)`` of a layered model.
 
     Runs the model's layers on the meta device (no memory, no compute), on an input of
-    ``input_dtype`` (default float32; int64 for token ids).
+    ``input_dtype`` (default float32; int64 for token ids); a model that cannot run
+    there (a traced one: its graph names devices) on two real samples instead.
 
     Returns
     -------
@@ -253,13 +254,25 @@ def stage_input_shapes(
         ``shapes[k]`` = shape of one sample entering stage ``k`` (no batch dimension).
     """
     from sky_flower.core.profile import as_layers
+    from sky_flower.pipeline.stage import probe_forward
 
-    with torch.device("meta"):
-        layers = as_layers(model_fn())
-        h = example_input(2, input_shape, input_dtype)  # 2: BatchNorm in train mode
+    def run(layers: Sequence[nn.Module], h: torch.Tensor, step: Callable) -> list:  # noqa: ANN001
         shapes = []
         for first, last in bounds:
             shapes.append(tuple(int(d) for d in h.shape[1:]))
             for j in range(first, last + 1):
-                h = layers[j](h)
-    return shapes
+                h = step(layers[j], h)
+        return shapes
+
+    try:
+        with torch.device("meta"):
+            layers = as_layers(model_fn())
+            h = example_input(2, input_shape, input_dtype)  # 2: BatchNorm in train mode
+            return run(layers, h, lambda layer, x: layer(x))
+    except (NotImplementedError, RuntimeError):
+        # a traced model (sky_flower.pipeline.graph.as_sequential) holds its tensors and
+        # the devices its graph names (a mask's .to("cpu")) as traced: run it on two real
+        # samples instead, without side effects on buffers or the random stream
+        layers = as_layers(model_fn())
+        h = example_input(2, input_shape, input_dtype)
+        return run(layers, h, probe_forward)

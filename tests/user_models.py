@@ -1,0 +1,60 @@
+"""Models as Flower users bring them, for the conversion tests (tests/test_user_models.py)
+and the benchmark (python -m sky_flower.bench.models imports the same builders from
+sky_flower.bench.zoo): Flower's quickstart CNN, a torchvision-style ResNet, a BERT
+classifier with its attention mask and default dropout, and tiny random
+``transformers`` decoders (nothing downloaded)."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+
+import numpy as np
+import torch
+from torch import nn
+
+from sky_flower.bench.zoo import ZOO, ZooModel
+from sky_flower.pipeline.data import Split
+from sky_flower.pipeline.graph import as_sequential
+
+__all__ = ["ZOO", "ZooModel", "converted", "data_for", "user_module"]
+
+
+def user_module(name: str) -> nn.Module:
+    """A fresh copy of zoo model ``name`` (seeded: the same weights every call)."""
+    return ZOO[name].build()
+
+
+@cache
+def _converted(name: str) -> nn.Sequential:
+    model = ZOO[name]
+    return as_sequential(user_module(name), model.example(2))
+
+
+def converted(name: str) -> nn.Sequential:
+    """A fresh copy of ``name`` converted (traced once per process and name)."""
+    return copy.deepcopy(_converted(name))
+
+
+def data_for(name: str, n: int = 64, seed: int = 0) -> Split:
+    """``n`` samples of synthetic data in the model's input format: images and class
+    labels, token ids and next-token labels, padded token ids and class labels."""
+    model = ZOO[name]
+    rng = np.random.default_rng(seed)
+    if model.kind == "image":
+        x = rng.normal(0.0, 1.0, size=(n, *model.input_shape)).astype(np.float32)
+        return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
+    T = model.input_shape[0]
+    ids = rng.integers(1, model.vocab, size=(n, T + 1)).astype(np.int64)
+    if model.kind == "lm":
+        return Split(x=ids[:, :T].copy(), y=ids[:, 1:].copy())
+    lengths = rng.integers(T // 2, T + 1, size=n)
+    x = ids[:, :T].copy()
+    x[np.arange(T)[None, :] >= lengths[:, None]] = 0  # pad id 0 after each length
+    return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
+
+
+def example(name: str) -> torch.Tensor:
+    """A batch of 4 of ``name``'s inputs (for the composition tests)."""
+    data = data_for(name, 4, seed=1)
+    return torch.from_numpy(data.x)
