@@ -3,28 +3,32 @@ with PyTorch's own machinery.
 
 :func:`as_sequential` traces the model with ``torch.distributed.pipelining.pipeline``
 (``torch.export`` underneath; GPipe's split API, Huang et al. 2019, arXiv 1811.06965),
-placing a ``SplitPoint.BEGINNING`` before each named submodule, and returns the
-resulting stage graph modules as the entries of an ``nn.Sequential``: each entry then
-is one unit the partitioner may place on a node, and every boundary between entries
-carries exactly one tensor.
+placing a ``SplitPoint.BEGINNING`` before each split point, and returns the resulting
+stage modules as the entries of an ``nn.Sequential``: each entry then is one unit the
+partitioner may place on a node.
 
-What the root module feeds into every block without computing it from the input
-(buffers such as rotary tables, tensors made from them and from constants, a dynamic
-batch size a reshape reads) is computed again in every stage that reads it
-(:func:`replicate_shared_inputs`), its buffers copied into each such stage: it crosses
-no cut, so a Llama-style model is cut between any two blocks.
+* **Default cuts** come from how the forward runs (:func:`default_split_points`): the
+  submodules it calls once, down through containers and wrappers, and for a Hugging
+  Face model each layer it declares whole (``_no_split_modules``). A module called
+  more than once (a reused ``pool``) is no cut point.
+* **Train/eval mode.** ``torch.export`` fixes the mode at trace time; a model with
+  BatchNorm, dropout or ``self.training`` code is traced once per mode and each unit
+  (:class:`TracedUnit`) switches graph with ``train()`` / ``eval()`` over one set of
+  parameters and buffers.
+* **Values the root computes for every block** without the input (buffers such as
+  rotary tables, tensors made from them and from constants, a dynamic batch size a
+  reshape reads) are computed again in every stage that reads it
+  (:func:`replicate_shared_inputs`), its buffers copied into each such stage: they
+  cross no cut, so a Llama-style model is cut between any two blocks.
+* **Several tensors across a cut** (hidden states and an attention mask, a skip
+  connection) are packed into one ``(B, n)`` tensor by the unit before it and unpacked
+  by the unit after it (:func:`pack`, :class:`Wiring`): every transport and schedule
+  carries one tensor per cut. A cut that would carry a value without a batch dimension,
+  or split a trainable parameter shared by two units (a head tied to the embedding), is
+  merged away (the latter with a warning naming it): pipelining would otherwise
+  replicate the parameter and train two copies apart.
 
-A boundary that would still carry several values (a skip connection crossing the cut,
-a tuple) is merged away: its split point is dropped and the two units become one. So
-is every boundary between two units that would share a trainable parameter (a head
-tied to the embedding), with a warning naming it: pipelining would otherwise replicate
-the parameter and train two copies apart.
-
-What the tracer cannot do here, refused with a message: ``torch.export`` fixes the
-train/eval mode at trace time, so a model whose forward depends on it (dropout with
-``p > 0``, BatchNorm, InstanceNorm with running statistics) would keep training-mode
-behaviour under ``model.eval()``; build such a model as an ``nn.Sequential`` of its
-blocks instead (the simple path). Data-dependent control flow fails the trace itself.
+Data-dependent control flow fails the trace itself (torch.export's message).
 
 The converted model's parameter and buffer names are the original's prefixed by the
 unit index (``"2.blocks.q.weight"`` for ``"blocks.q.weight"``; a buffer copied into
@@ -690,26 +694,32 @@ def as_sequential(
         ``B >= 2``; its values do not matter, its shape and dtype do. The batch
         dimension is traced as dynamic: the units take any batch size.
     split_points : sequence of str, optional
-        Submodule names (``named_modules`` keys); a cut is placed before each. Default:
-        every top-level child but the one called first (a child the forward never calls,
-        e.g. an ``nn.ModuleDict``, stands for its children).
+        Submodule names (``named_modules`` keys), each called once by the forward; a
+        cut is placed before each. Default: :func:`default_split_points` (from how the
+        forward runs: modules called once, down through containers, wrappers and to
+        the layers a model declares whole in ``_no_split_modules``).
 
     Returns
     -------
     nn.Sequential
-        Units in execution order; their composition equals ``module``'s forward (same
-        outputs and gradients), each boundary carries exactly one tensor. Buffers and
-        values computed from them alone are computed in every unit that reads them;
-        cuts that would still carry several values or split a shared trainable
-        parameter are merged away (the latter with a warning naming it), so there may
-        be fewer units than split points + 1.
+        Units in execution order, ``split_points`` (the cuts kept) as an attribute;
+        their composition equals ``module``'s forward in train and eval mode (same
+        outputs, dropout draws, BatchNorm statistics and gradients). A unit is the
+        traced stage module, or a :class:`TracedUnit` where the forward depends on the
+        mode (one graph per mode) or a cut carries several tensors (packed as one,
+        :func:`pack`). Values computed from buffers, constants and sizes alone are
+        computed in every unit that reads them; a cut that would carry a value without
+        a batch dimension or split a shared trainable parameter is merged away (the
+        latter with a warning naming it), so there may be fewer units than split
+        points + 1.
 
     Raises
     ------
     ValueError
-        On a train/eval-dependent layer (named), a split point that is no submodule or
-        never called, a model that does not take one tensor and return one tensor, or a
-        forward torch.export cannot trace.
+        On a split point that is no submodule, never called or called more than once,
+        a model that does not take one tensor and return one tensor, a forward
+        torch.export cannot trace (its message), or a conversion whose eval-mode
+        output differs from the model's.
     """
     if example_input.dim() < 1 or example_input.shape[0] < 2:
         raise ValueError(
@@ -792,7 +802,8 @@ def _warn_ties(
                 f"stages {stages[0]} and {stages[-1]}; split training cannot keep copies "
                 "of a trainable parameter equal across stages, so everything between "
                 f"them is one unit (no cut before {', '.join(lost)}). Untie the weights "
-                "(give the head its own parameter) to cut there",
+                "(give the head its own parameter; a transformers model: "
+                "tie_word_embeddings=False in its config) to cut there",
                 stacklevel=3,
             )
 

@@ -1,0 +1,78 @@
+"""Hugging Face ``transformers`` as a model source (sky_flower/pipeline/hf.py): the Hydra
+group ``model=hf``, a local ``save_pretrained`` directory as the base, and the trained
+weights back under the ``transformers`` model's own keys (nothing downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from sky_flower.pipeline.hf import hf_module, hf_sequential, pretrained_state_dict
+from sky_flower.pipeline.models import build_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+QWEN = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": False,
+}
+
+
+def test_model_hf_config_builds_a_split_llama_on_the_lm_task():
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("config", overrides=["model=hf", "model.config.num_hidden_layers=2"])
+    assert cfg.objective.loss.endswith("lm_cross_entropy") and cfg.dataset.name == "pysource"
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True))
+    # embeddings | layer 0 | layer 1 | norm | head
+    assert model.split_points == [
+        "hf.model.layers.0",
+        "hf.model.layers.1",
+        "hf.model.norm",
+        "hf.lm_head",
+    ]
+    ids = torch.randint(0, 256, (2, cfg.model.seq_len))
+    assert model(ids).shape == (2, cfg.model.seq_len, 256)
+
+
+def test_trained_weights_round_trip_through_save_pretrained(tmp_path):
+    """A converted model's weights (changed as training would) load strictly into the
+    transformers model, save_pretrained writes them, and a conversion of
+    model.pretrained=<that directory> starts from exactly them."""
+    seq = hf_sequential([8], config_class="Qwen2Config", config=QWEN)
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.add_(0.01)
+    base = hf_module("Qwen2Config", QWEN).hf
+    base.load_state_dict(pretrained_state_dict(seq.state_dict(), like=base), strict=True)
+    base.save_pretrained(tmp_path)
+    again = hf_sequential([8], pretrained=str(tmp_path))
+    assert again.state_dict().keys() == seq.state_dict().keys()
+    for key, value in seq.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+
+
+def test_bad_sources_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="no transformers config class"):
+        hf_module("NoSuchConfig", {})
+    with pytest.raises(ValueError, match="is no directory"):
+        hf_module(pretrained=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="config_class .* or model.pretrained"):
+        hf_module()
+    with pytest.raises(ValueError, match="unknown task"):
+        hf_module("LlamaConfig", {}, task="translation")
+
+
+def test_a_tied_head_is_named_with_the_config_key_that_unties_it():
+    cfg = {**QWEN, "tie_word_embeddings": True}
+    with pytest.warns(UserWarning, match="tie_word_embeddings=False"):
+        seq = hf_sequential([8], config_class="Qwen2Config", config=cfg)
+    assert len(seq) == 1
