@@ -29,7 +29,7 @@ from user_models import ZOO, converted, data_for, example, user_module
 
 from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
-from sky_flower.pipeline.graph import TracedUnit, as_sequential, original_state_dict
+from sky_flower.pipeline.graph import TracedUnit, as_sequential, original_state_dict, unpack
 from sky_flower.pipeline.lm import lm_cross_entropy, token_correct
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.transport.relay import RelayRunner
@@ -46,6 +46,8 @@ DEFAULT_CUTS = {
     + ["avgpool", "fc"],
     # BertLayer is the model's _no_split_modules: embeddings are the prologue
     "bert_cls": [f"hf.bert.encoder.layer.{i}" for i in range(3)]
+    + ["hf.bert.pooler", "hf.dropout", "hf.classifier"],
+    "bert_2in": [f"hf.bert.encoder.layer.{i}" for i in range(3)]
     + ["hf.bert.pooler", "hf.dropout", "hf.classifier"],
     "gpt2": [f"hf.transformer.h.{i}" for i in range(3)] + ["hf.transformer.ln_f", "hf.lm_head"],
     "opt": [f"hf.model.decoder.layers.{i}" for i in range(3)]
@@ -79,10 +81,11 @@ def test_default_cuts_follow_how_the_model_runs(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_units_compose_to_the_module_in_train_and_eval_mode(name):
     module, seq, x = user_module(name), converted(name), example(name)
+    xs = [x] if seq.input_spec is None else unpack(x, seq.input_spec)  # several inputs
     for training in (True, False):
         module.train(training), seq.train(training)
         torch.manual_seed(7)
-        want = module(x)
+        want = module(*xs)
         torch.manual_seed(7)
         got = seq(x)
         assert torch.equal(got, want), (name, training, float((got - want).abs().max()))
@@ -194,9 +197,10 @@ def _unsplit(name: str, microbatches: int = MICRO) -> dict[str, torch.Tensor]:
     return weights
 
 
-# the fast tier: a tuple cut with dropout (BERT) and rotary tables (Llama); make test:
+# the fast tier: a tuple cut with dropout (BERT; its mask computed in the forward, and
+# given as a second input), rotary tables (Llama); make test:
 # every family (4-21 s each: the relay builds the model for every message)
-RELAY_FAST = ("bert_cls", "llama")
+RELAY_FAST = ("bert_cls", "bert_2in", "llama")
 
 
 @pytest.mark.parametrize(

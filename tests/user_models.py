@@ -13,11 +13,31 @@ import numpy as np
 import torch
 from torch import nn
 
-from sky_flower.bench.zoo import ZOO, ZooModel
+from sky_flower.bench.zoo import BERT, T, TwoInputClassifier, ZooModel
+from sky_flower.bench.zoo import ZOO as _ZOO
 from sky_flower.pipeline.data import Split
-from sky_flower.pipeline.graph import as_sequential
+from sky_flower.pipeline.graph import as_sequential, pack_inputs, sequential_of
+from sky_flower.pipeline.hf import hf_module
 
-__all__ = ["ZOO", "ZooModel", "converted", "data_for", "user_module"]
+
+def _bert_two_inputs() -> nn.Module:
+    return TwoInputClassifier(hf_module("BertConfig", BERT, task="sequence-classification").hf)
+
+
+# the zoo, and BERT taking its attention mask as a second input (packed with the ids)
+ZOO = {
+    **_ZOO,
+    "bert_2in": ZooModel(
+        "bert_2in",
+        "classify",
+        (2 * T,),
+        _bert_two_inputs,
+        classes=3,
+        inputs=(((T,), "int64"), ((T,), "int64")),
+    ),
+}
+
+__all__ = ["ZOO", "ZooModel", "converted", "data_for", "example", "user_module"]
 
 
 def user_module(name: str) -> nn.Module:
@@ -28,6 +48,9 @@ def user_module(name: str) -> nn.Module:
 @cache
 def _converted(name: str) -> nn.Sequential:
     model = ZOO[name]
+    if model.inputs:
+        inputs = [{"shape": list(shape), "dtype": dtype} for shape, dtype in model.inputs]
+        return sequential_of(user_module(name), model.input_shape, model.input_dtype, inputs=inputs)
     return as_sequential(user_module(name), model.example(2))
 
 
@@ -48,9 +71,13 @@ def data_for(name: str, n: int = 64, seed: int = 0) -> Split:
     ids = rng.integers(1, model.vocab, size=(n, T + 1)).astype(np.int64)
     if model.kind == "lm":
         return Split(x=ids[:, :T].copy(), y=ids[:, 1:].copy())
+    if model.inputs:  # the ids and their attention mask, packed
+        T = model.inputs[0][0][0]
     lengths = rng.integers(T // 2, T + 1, size=n)
     x = ids[:, :T].copy()
     x[np.arange(T)[None, :] >= lengths[:, None]] = 0  # pad id 0 after each length
+    if model.inputs:
+        x = pack_inputs([x, (x != 0).astype(np.int64)])
     return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
 
 

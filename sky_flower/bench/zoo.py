@@ -152,6 +152,9 @@ class ZooModel:
     make: Callable[[], nn.Module] = field(repr=False)
     classes: int = 10
     vocab: int = 64
+    # several input tensors ((shape, dtype) each, in the forward's order): the model then
+    # takes them packed as one (input_shape, input_dtype describe the packed tensor)
+    inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     @property
     def input_dtype(self) -> str:
@@ -177,6 +180,19 @@ def _hf(name: str) -> Callable[[], nn.Module]:
 
     config_class, keys = HF_CONFIGS[name]
     return lambda: hf_module(config_class, keys, task="causal-lm", seed=0)
+
+
+class TwoInputClassifier(nn.Module):
+    """A ``transformers`` classifier as ``(input_ids, attention_mask) -> logits``: the
+    mask is a second input, as a tokenizer's batch has it."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, num_labels)``."""
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
 def _bert() -> nn.Module:

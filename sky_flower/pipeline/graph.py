@@ -181,14 +181,34 @@ class TracedUnit(nn.Module):
         return out[0] if wiring.out_spec is None else pack(out, wiring.out_spec)
 
 
-def _wirings(pipe: Any, example: torch.Tensor) -> list[Wiring] | None:  # noqa: ANN401
-    """Each unit's :class:`Wiring` of ``pipe`` (None where every cut carries exactly
-    the previous stage's whole output: the units need none)."""
+def pack_inputs(tensors: Sequence[Any]) -> Any:  # noqa: ANN401 - tensors or arrays
+    """A model's several inputs (``input_ids`` and ``attention_mask``, each ``(B,
+    ...)``) as the one tensor a converted model's first unit takes (``seq.input_spec``
+    describes it): what a data owner's ``load_data`` returns as ``x``. numpy arrays in,
+    a numpy array out.
+
+    Raises
+    ------
+    ValueError
+        As :func:`pack`.
+    """
+    import numpy as np
+
+    arrays = [isinstance(t, np.ndarray) for t in tensors]
+    parts = [torch.from_numpy(t) if a else t for t, a in zip(tensors, arrays, strict=True)]
+    packed = pack(parts, CutSpec.of(parts))
+    return packed.numpy() if all(arrays) else packed
+
+
+def _wirings(pipe: Any, examples: tuple[torch.Tensor, ...]) -> list[Wiring] | None:  # noqa: ANN401
+    """Each unit's :class:`Wiring` of ``pipe`` (None where the model takes one tensor
+    and every cut carries exactly the previous stage's whole output: the units need
+    none). Several model inputs reach unit 0 packed."""
     S = pipe.num_stages
     crossing = [_crossing(pipe, b) for b in range(S - 1)]
-    if all(len(c) == 1 and c[0].op == "call_module" for c in crossing):
+    if len(examples) == 1 and all(len(c) == 1 and c[0].op == "call_module" for c in crossing):
         return None
-    values = _probe_values(pipe, example)
+    values = _probe_values(pipe, examples)
     graph = pipe.split_gm.graph
     calls = [n for n in graph.nodes if n.op == "call_module"]
     out = next(n for n in graph.nodes if n.op == "output").args[0]
@@ -207,7 +227,9 @@ def _wirings(pipe: Any, example: torch.Tensor) -> list[Wiring] | None:  # noqa: 
         wirings.append(
             Wiring(
                 inputs=tuple(n.name for n in came),
-                in_spec=None if i == 0 else CutSpec.of([values[n] for n in came]),
+                in_spec=None
+                if i == 0 and len(came) == 1
+                else CutSpec.of([values[n] for n in came]),
                 args=tuple(a.name for a in call.args),
                 outputs=outputs,
                 carry=tuple(n.name for n in leaves),
@@ -217,7 +239,7 @@ def _wirings(pipe: Any, example: torch.Tensor) -> list[Wiring] | None:  # noqa: 
     return wirings
 
 
-def _call_counts(module: nn.Module, example: torch.Tensor) -> dict[str, int]:
+def _call_counts(module: nn.Module, examples: tuple[torch.Tensor, ...]) -> dict[str, int]:
     """How often a forward on ``example`` calls each of ``module``'s submodules, keyed
     by name in the order of their first call (a container that is never called itself,
     e.g. an ``nn.ModuleList``, is absent)."""
@@ -235,7 +257,7 @@ def _call_counts(module: nn.Module, example: torch.Tensor) -> dict[str, int]:
 
     try:  # no side effect on the user's module: running statistics, the random stream
         with torch.no_grad(), buffers_kept(module), torch.random.fork_rng(devices=[]):
-            module(example)
+            module(*examples)
     finally:
         for h in hooks:
             h.remove()
@@ -294,7 +316,7 @@ def default_split_points(module: nn.Module, calls: Mapping[str, int]) -> list[st
 
 
 def _ordered_points(
-    module: nn.Module, example: torch.Tensor, split_points: Sequence[str] | None
+    module: nn.Module, examples: tuple[torch.Tensor, ...], split_points: Sequence[str] | None
 ) -> list[str]:
     """The split points in execution order (default: :func:`default_split_points` but
     the first one called).
@@ -305,7 +327,7 @@ def _ordered_points(
         If a name is no submodule, is not called by the forward, or is called more than
         once.
     """
-    calls = _call_counts(module, example)
+    calls = _call_counts(module, examples)
     if split_points is None:
         points = set(default_split_points(module, calls))
         ordered = [n for n in calls if n in points]
@@ -358,16 +380,18 @@ def _crossing(pipe: Any, b: int) -> list[fx.Node]:  # noqa: ANN401 - a pipelinin
     ]
 
 
-def _probe_values(pipe: Any, example: torch.Tensor) -> dict[fx.Node, Any]:  # noqa: ANN401
-    """Every value of ``pipe``'s root graph on ``example`` (no graph, no side effect on
-    buffers or the random stream): what crosses each cut, for its shape and dtype."""
+def _probe_values(pipe: Any, examples: tuple[torch.Tensor, ...]) -> dict[fx.Node, Any]:  # noqa: ANN401
+    """Every value of ``pipe``'s root graph on ``examples`` (the model's inputs; no
+    graph, no side effect on buffers or the random stream): what crosses each cut, for
+    its shape and dtype."""
     from sky_flower.pipeline.stage import buffers_kept
 
     values: dict[fx.Node, Any] = {}
+    inputs = iter(examples)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for node in pipe.split_gm.graph.nodes:
             if node.op == "placeholder":
-                values[node] = example
+                values[node] = next(inputs)
             elif node.op == "call_module":
                 sub = pipe.split_gm.get_submodule(str(node.target))
                 with buffers_kept(sub):
@@ -657,7 +681,10 @@ def _sort_within_stages(graph: fx.Graph, part: Mapping[fx.Node, int]) -> None:
 
 
 def _trace(  # noqa: ANN401 - a pipelining Pipe
-    module: nn.Module, example: torch.Tensor, points: Sequence[str], training: bool = True
+    module: nn.Module,
+    examples: tuple[torch.Tensor, ...],
+    points: Sequence[str],
+    training: bool = True,
 ) -> Any:
     """``torch.distributed.pipelining`` 's ``Pipe`` of a copy of ``module`` in training
     (or eval) mode cut before each of ``points``, what no cut needs to carry computed in
@@ -667,20 +694,23 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
 
     model = copy.deepcopy(module).train(training)
     annotate_split_points(model, {p: SplitPoint.BEGINNING for p in points})
-    example = example.detach().clone()
+    examples = tuple(e.detach().clone() for e in examples)
     # a dynamic batch dimension: else torch.export bakes the example's batch size into
     # every reshape, and the units fail (or mix samples) on another batch size
-    torch._dynamo.mark_dynamic(example, 0)
+    for example in examples:
+        torch._dynamo.mark_dynamic(example, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's pytree deprecations
         try:
-            return Pipe.from_tracing(model, (example,), split_policy=replicate_shared_inputs)
+            return Pipe.from_tracing(model, examples, split_policy=replicate_shared_inputs)
         except RuntimeError as err:
             raise ValueError(f"torch.export cannot trace {type(module).__name__}: {err}") from err
 
 
 def as_sequential(
-    module: nn.Module, example_input: torch.Tensor, split_points: Sequence[str] | None = None
+    module: nn.Module,
+    example_input: torch.Tensor | Sequence[torch.Tensor],
+    split_points: Sequence[str] | None = None,
 ) -> nn.Sequential:
     """``module`` as an ``nn.Sequential`` of units cut at module boundaries.
 
@@ -721,18 +751,21 @@ def as_sequential(
         torch.export cannot trace (its message), or a conversion whose eval-mode
         output differs from the model's.
     """
-    if example_input.dim() < 1 or example_input.shape[0] < 2:
+    examples = (example_input,) if torch.is_tensor(example_input) else tuple(example_input)
+    batches = {int(e.shape[0]) if e.dim() else 0 for e in examples}
+    if len(batches) != 1 or min(batches) < 2:
+        shapes = [tuple(e.shape) for e in examples]
         raise ValueError(
-            f"example_input of shape {tuple(example_input.shape)}: give a batch of at least 2 "
-            "samples (torch.export specializes a batch dimension of 1)"
+            f"example_input of shape(s) {shapes}: give a batch of at least 2 samples, the "
+            "same in every input (torch.export specializes a batch dimension of 1)"
         )
-    points = _ordered_points(module, example_input, split_points)
+    points = _ordered_points(module, examples, split_points)
     # a second trace in eval mode where the forward depends on the mode
     modal = bool(mode_dependent_layers(module))
     for _ in range(_MAX_TRACES):
-        pipes = {True: _trace(module, example_input, points, training=True)}
+        pipes = {True: _trace(module, examples, points, training=True)}
         if modal:
-            pipes[False] = _trace(module, example_input, points, training=False)
+            pipes[False] = _trace(module, examples, points, training=False)
         bad: dict[int, str] = {}
         for pipe in pipes.values():
             if pipe.num_stages != len(points) + 1:
@@ -742,24 +775,23 @@ def as_sequential(
                     "inlines or runs without the input, e.g. under torch.no_grad, loses its "
                     "cut): give split_points without it"
                 )
-            _check_io(pipe)
-            for b, why in bad_boundaries(pipe, _probe_values(pipe, example_input)).items():
+            _check_io(pipe, len(examples))
+            for b, why in bad_boundaries(pipe, _probe_values(pipe, examples)).items():
                 bad.setdefault(b, why)
         if bad:
             _warn_ties(module, pipes[True], points, bad)
             points = [p for b, p in enumerate(points) if b not in bad]
-        elif modal or _same_in_eval_mode(
-            module, _units(pipes[True], None, example_input), example_input
-        ):
+        elif modal or _same_in_eval_mode(module, _units(pipes[True], None, examples), examples):
             break
         else:  # a forward that reads self.training where no layer type shows it
             modal = True
     else:  # pragma: no cover - one retrace removes every bad boundary
         raise ValueError(f"could not cut {type(module).__name__} at {points}: {bad}")
-    seq = _units(pipes[True], pipes.get(False), example_input)
+    seq = _units(pipes[True], pipes.get(False), examples)
+    seq.input_spec = CutSpec.of(examples) if len(examples) > 1 else None
     seq.split_points = list(points)
     log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
-    if not _same_in_eval_mode(module, seq, example_input):
+    if not _same_in_eval_mode(module, seq, examples):
         raise ValueError(
             f"the traced {type(module).__name__} differs from the model in eval mode: "
             "its eval-mode graph does not reproduce model.eval()'s output"
@@ -767,12 +799,12 @@ def as_sequential(
     return seq
 
 
-def _units(train: Any, eval_: Any, example: torch.Tensor) -> nn.Sequential:  # noqa: ANN401
+def _units(train: Any, eval_: Any, examples: tuple[torch.Tensor, ...]) -> nn.Sequential:  # noqa: ANN401
     """The stage modules of the training-mode ``Pipe``, as they are or as
     :class:`TracedUnit` s (paired with the eval-mode ``Pipe``'s where there is one, wired
     where a cut carries several tensors), as an ``nn.Sequential``."""
     pipes = {True: train} if eval_ is None else {True: train, False: eval_}
-    wirings = {mode: _wirings(pipe, example) for mode, pipe in pipes.items()}
+    wirings = {mode: _wirings(pipe, examples) for mode, pipe in pipes.items()}
     units: list[nn.Module] = []
     for i in range(train.num_stages):
         graphs = {mode: pipe.get_stage_module(i) for mode, pipe in pipes.items()}
@@ -808,27 +840,32 @@ def _warn_ties(
             )
 
 
-def _same_in_eval_mode(module: nn.Module, seq: nn.Sequential, example: torch.Tensor) -> bool:
-    """Whether ``seq`` in eval mode computes ``module.eval()``'s output on ``example``
+def _same_in_eval_mode(
+    module: nn.Module, seq: nn.Sequential, examples: tuple[torch.Tensor, ...]
+) -> bool:
+    """Whether ``seq`` in eval mode computes ``module.eval()``'s output on ``examples``
     (within float rounding): a forward that reads ``self.training`` (a functional
     dropout, a branch) shows here where no layer type does."""
-    if example.device.type == "meta":
+    if any(e.device.type == "meta" for e in examples):
         return True
+    packed = examples[0] if len(examples) == 1 else pack_inputs(examples)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        want = copy.deepcopy(module).eval()(example)
-        got = copy.deepcopy(seq).eval()(example)
+        want = copy.deepcopy(module).eval()(*examples)
+        got = copy.deepcopy(seq).eval()(packed)
     return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
 
 
-def _check_io(pipe: Any) -> None:  # noqa: ANN401 - a pipelining Pipe
-    """Refuse a model that does not take one tensor and return one tensor."""
+def _check_io(pipe: Any, n_inputs: int = 1) -> None:  # noqa: ANN401 - a pipelining Pipe
+    """Refuse a model that does not take the ``n_inputs`` example tensors and return one
+    tensor."""
     graph = pipe.split_gm.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     out = next(n for n in graph.nodes if n.op == "output").args[0]
-    if len(inputs) != 1 or len(out) != 1:
+    if len(inputs) != n_inputs or len(out) != 1:
         raise ValueError(
-            f"the model takes {len(inputs)} inputs and returns {len(out)} values: a split "
-            "model must take one tensor and return one tensor"
+            f"the model takes {len(inputs)} inputs (the example gave {n_inputs}) and returns "
+            f"{len(out)} values: a split model returns one tensor (the loss's input), and "
+            "takes the tensors example_input gives"
         )
 
 
@@ -894,9 +931,16 @@ def sequential_of(
     input_shape: Sequence[int],
     input_dtype: str = "float32",
     split_points: Sequence[str] | None = None,
+    inputs: Sequence[Mapping[str, Any]] | None = None,
 ) -> nn.Sequential:
     """:func:`as_sequential` on a synthetic input of one sample's ``input_shape`` (a
     Hydra ``_target_`` for a user's own module: ``module`` is instantiated first).
+
+    A module that takes several tensors (``forward(input_ids, attention_mask)``)
+    describes them in ``inputs`` (``[{"shape": [T], "dtype": "int64"}, ...]``, in the
+    forward's order): its converted model takes them packed as one tensor
+    (:func:`pack_inputs`, what the data owner's ``x`` holds), which ``input_shape`` and
+    ``input_dtype`` then describe (the sum of their sizes; their widest dtype).
 
     Each call traces the model (about a second for a small one): build it once per
     process where you can.
@@ -904,8 +948,21 @@ def sequential_of(
     Raises
     ------
     ValueError
-        As :func:`as_sequential`.
+        As :func:`as_sequential`; or when ``input_shape`` / ``input_dtype`` do not
+        describe the packed ``inputs`` (the message gives the values to write).
     """
-    from sky_flower.core.example import example_input
+    from sky_flower.core.example import as_dtype, example_input
 
-    return as_sequential(module, example_input(2, input_shape, input_dtype), split_points)
+    if not inputs:
+        return as_sequential(module, example_input(2, input_shape, input_dtype), split_points)
+    examples = tuple(example_input(2, i["shape"], i.get("dtype", "float32")) for i in inputs)
+    spec = CutSpec.of(examples)
+    packed = [sum(spec.sizes)]
+    if [int(d) for d in input_shape] != packed or as_dtype(input_dtype) != spec.dtype:
+        raise ValueError(
+            f"{type(module).__name__} takes {len(inputs)} inputs, packed for Sky as one "
+            f"tensor: write input_shape: {packed} and input_dtype: "
+            f"{str(spec.dtype).removeprefix('torch.')} (given {list(input_shape)}, "
+            f"{input_dtype})"
+        )
+    return as_sequential(module, examples, split_points)
