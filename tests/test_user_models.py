@@ -42,8 +42,8 @@ SEED, ROUND, STEPS, BATCH, MICRO, LR = 3, 1, 2, 8, 2, 1e-3  # reference_rounds: 
 DEFAULT_CUTS = {
     # the pool module is called twice: no cut before it
     "quickstart_cnn": ["conv2", "fc1", "fc2", "fc3"],
-    "resnet18": ["bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"]
-    + ["avgpool", "fc"],
+    # the top-level ReLU(inplace=True) changes its input: it stays with bn1
+    "resnet18": ["bn1", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc"],
     # BertLayer is the model's _no_split_modules: embeddings are the prologue
     "bert_cls": [f"hf.bert.encoder.layer.{i}" for i in range(3)]
     + ["hf.bert.pooler", "hf.dropout", "hf.classifier"],
@@ -219,6 +219,19 @@ def test_relay_trains_the_split_model_exactly_as_unsplit(name, server_identity):
 def test_a_reused_module_is_refused_as_a_chosen_split_point():
     with pytest.raises(ValueError, match=r"\['pool \(2 calls\)'\] are called more than once"):
         as_sequential(user_module("quickstart_cnn"), example("quickstart_cnn"), ["pool"])
+
+
+def test_an_in_place_module_is_no_cut_and_every_unit_profiles():
+    """torchvision's top-level ReLU(inplace=True) changes its input: a cut before it
+    would hand it a received activation (a leaf autograd refuses to change in place).
+    The default keeps it with bn1, so every unit can start a stage (the profile runs
+    each as one); as a chosen split point it is refused, naming inplace."""
+    from sky_flower.core.profile import profile_layers
+
+    profiles = profile_layers(converted("resnet18"), (3, 32, 32), microbatch_size=2)
+    assert len(profiles) == len(converted("resnet18"))
+    with pytest.raises(ValueError, match=r"\['relu'\] change their input in place"):
+        as_sequential(user_module("resnet18"), example("resnet18"), ["relu"])
 
 
 def test_batchnorm_units_switch_mode_and_follow_the_device_move():

@@ -239,20 +239,31 @@ def _wirings(pipe: Any, examples: tuple[torch.Tensor, ...]) -> list[Wiring] | No
     return wirings
 
 
-def _call_counts(module: nn.Module, examples: tuple[torch.Tensor, ...]) -> dict[str, int]:
-    """How often a forward on ``example`` calls each of ``module``'s submodules, keyed
+def _forward_facts(
+    module: nn.Module, examples: tuple[torch.Tensor, ...]
+) -> tuple[dict[str, int], set[str]]:
+    """How often a forward on ``examples`` calls each of ``module``'s submodules, keyed
     by name in the order of their first call (a container that is never called itself,
-    e.g. an ``nn.ModuleList``, is absent)."""
+    e.g. an ``nn.ModuleList``, is absent), and which of them change their input tensor
+    in place (``ReLU(inplace=True)``: a cut before one would hand it a stage's received
+    activation, which autograd cannot change in place)."""
     counts: dict[str, int] = {}
+    in_place: set[str] = set()
+    versions: dict[str, list[tuple[torch.Tensor, int]]] = {}
 
-    def seen(name: str) -> None:
+    def before(name: str, args: tuple) -> None:
         counts[name] = counts.get(name, 0) + 1
+        versions[name] = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
 
-    hooks = [
-        sub.register_forward_pre_hook(lambda m, a, n=name: seen(n))
-        for name, sub in module.named_modules()
-        if name
-    ]
+    def after(name: str) -> None:
+        if any(a._version != v for a, v in versions.pop(name, [])):
+            in_place.add(name)
+
+    hooks = []
+    for name, sub in module.named_modules():
+        if name:
+            hooks.append(sub.register_forward_pre_hook(lambda m, a, n=name: before(n, a)))
+            hooks.append(sub.register_forward_hook(lambda m, a, o, n=name: after(n)))
     from sky_flower.pipeline.stage import buffers_kept
 
     try:  # no side effect on the user's module: running statistics, the random stream
@@ -261,7 +272,7 @@ def _call_counts(module: nn.Module, examples: tuple[torch.Tensor, ...]) -> dict[
     finally:
         for h in hooks:
             h.remove()
-    return counts
+    return counts, in_place
 
 
 def no_split_classes(module: nn.Module) -> set[str]:
@@ -276,9 +287,12 @@ def no_split_classes(module: nn.Module) -> set[str]:
     return names
 
 
-def default_split_points(module: nn.Module, calls: Mapping[str, int]) -> list[str]:
+def default_split_points(
+    module: nn.Module, calls: Mapping[str, int], in_place: Iterable[str] = ()
+) -> list[str]:
     """Submodules to cut before by default, from how the forward runs (``calls``: the
-    call count of each submodule, :func:`_call_counts`).
+    call count of each submodule; ``in_place``: those that change their input in place;
+    :func:`_forward_facts`).
 
     The frontier of the module tree: a child the forward calls once is a point, except
     that the walk goes down into a child that is never called (a container such as an
@@ -286,8 +300,11 @@ def default_split_points(module: nn.Module, calls: Mapping[str, int]) -> list[st
     ``self.m = AutoModelForCausalLM...``) and into a child that holds a class the model
     declares whole (``_no_split_modules``: the walk stops at ``LlamaDecoderLayer``, not
     above it). A child called more than once (a ``pool`` module reused, a shared
-    activation) is no point: a cut before it would fall at each call."""
+    activation) is no point: a cut before it would fall at each call. Nor is one that
+    changes its input in place (torchvision's top-level ``ReLU(inplace=True)``): it
+    stays with the unit before it."""
     whole = no_split_classes(module)
+    in_place = set(in_place)
     holds_whole = {
         name
         for name, sub in module.named_modules()
@@ -308,7 +325,7 @@ def default_split_points(module: nn.Module, calls: Mapping[str, int]) -> list[st
             elif n_calls == 0 or (not leaf and (full in holds_whole or called == [name])):
                 if n_calls <= 1:
                     visit(f"{full}.", child)
-            elif n_calls == 1:
+            elif n_calls == 1 and full not in in_place:
                 points.append(full)
 
     visit("", module)
@@ -327,9 +344,9 @@ def _ordered_points(
         If a name is no submodule, is not called by the forward, or is called more than
         once.
     """
-    calls = _call_counts(module, examples)
+    calls, in_place = _forward_facts(module, examples)
     if split_points is None:
-        points = set(default_split_points(module, calls))
+        points = set(default_split_points(module, calls, in_place))
         ordered = [n for n in calls if n in points]
         whole = no_split_classes(module)
         subs = dict(module.named_modules())
@@ -351,6 +368,13 @@ def _ordered_points(
             f"{type(module).__name__}'s forward, so a cut before them would fall at each "
             "call: choose modules called once (or leave split_points out: the default "
             "skips reused modules)"
+        )
+    changing = [n for n in split_points if n in in_place]
+    if changing:
+        raise ValueError(
+            f"split points {changing} change their input in place (inplace=True), so a cut "
+            "before them would hand them a stage's received activation, which autograd "
+            "cannot change in place: choose another module, or set inplace=False on them"
         )
     return [n for n in calls if n in set(split_points)]
 
