@@ -344,3 +344,45 @@ def test_direct_trains_the_split_model_exactly_as_unsplit(name):
     assert not errors, errors
     merged = {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
     _assert_equal(merged, _unsplit(name))
+
+
+def test_an_error_in_the_shared_value_policy_names_it_not_the_tracer(monkeypatch):
+    """Without the per-stage reordering (the bug Llama-family models hit: the rotary
+    tables recomputed in a graph that no longer lints) the error names sky-flower's
+    replicate_shared_inputs, the model and the cuts; it used to blame torch.export."""
+    import sky_flower.pipeline.graph as graph
+
+    monkeypatch.setattr(graph, "_sort_within_stages", lambda g, part: None)
+    with pytest.raises(ValueError, match=r"sky-flower could not recompute the values CausalLM"):
+        as_sequential(user_module("llama"), example("llama"))
+
+
+def test_data_dependent_control_flow_is_refused_naming_the_tracer():
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h * 2 if h.sum() > 0 else h)
+
+    with pytest.raises(ValueError, match=r"torch.export cannot trace Branchy \(training mode\)"):
+        as_sequential(Branchy(), torch.randn(4, 4))
+
+
+def test_the_profile_counts_every_tensor_a_cut_carries():
+    """BERT's cuts inside the encoder carry the hidden states and the attention mask,
+    packed: the planner's profile charges both."""
+    from sky_flower.core.profile import profile_layers
+
+    seq = converted("bert_cls")
+    profiles = profile_layers(seq, ZOO["bert_cls"].input_shape, 4, dtype=torch.int64)
+    x = example("bert_cls")
+    with torch.no_grad():
+        h = seq[0](x)
+    spec = seq[0]._wirings[True].out_spec
+    assert len(spec.shapes) == 2  # hidden states (T, d) and the mask
+    per_sample = sum(spec.sizes) * torch.finfo(spec.dtype).bits // 8
+    assert profiles[0].act_out_bytes == per_sample == h[0].numel() * h.element_size()
+    assert per_sample > 8 * 32 * 4  # more than the hidden states alone

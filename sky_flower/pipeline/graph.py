@@ -723,12 +723,33 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
     # every reshape, and the units fail (or mix samples) on another batch size
     for example in examples:
         torch._dynamo.mark_dynamic(example, 0)
+    failed: list[BaseException] = []
+
+    def policy(gm: fx.GraphModule) -> fx.GraphModule:
+        try:
+            return replicate_shared_inputs(gm)
+        except Exception as err:
+            failed.append(err)
+            raise
+
+    mode = "training" if training else "eval"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's pytree deprecations
         try:
-            return Pipe.from_tracing(model, examples, split_policy=replicate_shared_inputs)
-        except RuntimeError as err:
-            raise ValueError(f"torch.export cannot trace {type(module).__name__}: {err}") from err
+            return Pipe.from_tracing(model, examples, split_policy=policy)
+        except Exception as err:
+            if failed:  # our own split policy, not the tracer
+                raise ValueError(
+                    f"sky-flower could not recompute the values {type(module).__name__}'s "
+                    f"units share (replicate_shared_inputs, cuts before {list(points)}, "
+                    f"{mode} mode): {failed[0]}. Give split_points to cut elsewhere, and "
+                    "report the model"
+                ) from failed[0]
+            if isinstance(err, ValueError):
+                raise
+            raise ValueError(
+                f"torch.export cannot trace {type(module).__name__} ({mode} mode): {err}"
+            ) from err
 
 
 def as_sequential(
