@@ -166,7 +166,7 @@ class WithDropout(nn.Module):
 
 def test_refusals_are_clear():
     x = torch.randn(2, 4)
-    with pytest.raises(ValueError, match="returns 2 values"):
+    with pytest.raises(ValueError, match="TwoOut returns tuple, not one tensor"):
         as_sequential(TwoOut(), x)
     with pytest.raises(ValueError, match="not submodules"):
         as_sequential(ResidualMLP(), torch.randn(2, 8), ["nope"])
@@ -236,3 +236,50 @@ def test_a_forward_that_reads_the_mode_switches_with_train_and_eval(make):
     model.eval(), seq.eval()
     torch.testing.assert_close(seq(x), model(x), rtol=0, atol=0)
     assert not torch.equal(seq.train()(x), seq.eval()(x))
+
+
+class NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.a(x)
+        return self.b(h)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.b(self.a(x) + y)
+
+
+def test_what_cannot_be_split_is_named_with_its_fix():
+    with pytest.raises(ValueError, match=r"switches autograd, e.g. torch.no_grad\(\)"):
+        as_sequential(NoGradInside(), torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"TwoInputs cannot run on the example.*inputs=\["):
+        sequential_of(TwoInputs(), [4])
+    with pytest.raises(ValueError, match=r"Flatten cannot run on the example input \(\(2, 3\) "):
+        sequential_of(Flatten(), [3])  # a wrong input_shape
+
+
+def test_several_inputs_are_packed_for_the_first_unit():
+    from sky_flower.pipeline.graph import pack_inputs, unpack
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    inputs = [{"shape": [4], "dtype": "float32"}, {"shape": [4], "dtype": "float32"}]
+    with pytest.raises(ValueError, match=r"write input_shape: \[8\] and input_dtype: float32"):
+        sequential_of(model, [4], inputs=inputs)
+    seq = sequential_of(model, [8], inputs=inputs)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    packed = pack_inputs([x, y])
+    assert packed.shape == (3, 8) and [t.shape for t in unpack(packed, seq.input_spec)] == [
+        (3, 4),
+        (3, 4),
+    ]
+    torch.testing.assert_close(seq(packed), model(x, y), rtol=0, atol=0)

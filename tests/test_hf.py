@@ -76,3 +76,40 @@ def test_a_tied_head_is_named_with_the_config_key_that_unties_it():
     with pytest.warns(UserWarning, match="tie_word_embeddings=False"):
         seq = hf_sequential([8], config_class="Qwen2Config", config=cfg)
     assert len(seq) == 1
+
+
+def test_a_raw_transformers_model_is_refused_naming_the_wrapper():
+    """Its forward returns a ModelOutput, not the loss's input."""
+    from sky_flower.pipeline.graph import sequential_of
+
+    raw = hf_module("Qwen2Config", QWEN).hf
+    with pytest.raises(ValueError, match=r"returns CausalLMOutputWithPast.*hf_sequential"):
+        sequential_of(raw, [8], "int64")
+
+
+def test_aliased_weights_come_back_under_every_key():
+    """T5's encoder reads ``shared`` as ``encoder.embed_tokens``: one tensor, two keys of
+    the module's state dict; the converted model holds it once."""
+    import transformers
+
+    from sky_flower.pipeline.graph import original_state_dict, sequential_of
+
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4
+    )
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.T5EncoderModel(cfg)
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).last_hidden_state
+
+    torch.manual_seed(0)
+    model = Encoder()
+    seq = sequential_of(model, [8], "int64")
+    state = original_state_dict(seq.state_dict(), like=model)
+    assert list(state) == list(model.state_dict())
+    assert torch.equal(state["m.shared.weight"], state["m.encoder.embed_tokens.weight"])
+    model.load_state_dict(state, strict=True)

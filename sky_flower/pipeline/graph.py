@@ -44,6 +44,7 @@ import copy
 import logging
 import math
 import operator
+import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ MODE_DEPENDENT = (
 )
 _MAX_TRACES = 4
 log = logging.getLogger(__name__)
+_SAID: set[tuple[str, tuple[str, ...]]] = set()  # conversions logged
+_TRACE_LOCK = threading.RLock()
 
 
 def mode_dependent_layers(module: nn.Module) -> list[str]:
@@ -266,12 +269,27 @@ def _forward_facts(
             hooks.append(sub.register_forward_hook(lambda m, a, o, n=name: after(n)))
     from sky_flower.pipeline.stage import buffers_kept
 
+    name = type(module).__name__
+    shapes = ", ".join(f"{tuple(e.shape)} {str(e.dtype).removeprefix('torch.')}" for e in examples)
     try:  # no side effect on the user's module: running statistics, the random stream
         with torch.no_grad(), buffers_kept(module), torch.random.fork_rng(devices=[]):
-            module(*examples)
+            out = module(*examples)
+    except (TypeError, RuntimeError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"{name} cannot run on the example input ({shapes}): {err}. Check input_shape "
+            "and input_dtype (one sample's shape, no batch dimension); a model that takes "
+            "several tensors describes them in inputs=[{shape, dtype}, ...]"
+        ) from err
     finally:
         for h in hooks:
             h.remove()
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"{name} returns {type(out).__name__}, not one tensor: a split model's output "
+            "is the loss's input. Wrap it so that its forward returns one tensor (a "
+            "transformers model: sky_flower.pipeline.hf.hf_sequential, or a module whose "
+            "forward returns self.m(input_ids=ids, use_cache=False).logits)"
+        )
     return counts, in_place
 
 
@@ -595,6 +613,32 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
             free.add(node)
         elif _pure(node) and all(i in free for i in node.all_input_nodes):
             free.add(node)
+    # values made by pure ops from one integer tensor that depends on the input (an
+    # attention mask from the token ids): recomputed where read from that source when
+    # the source has fewer elements per sample (BERT's (B, 1, T, T) mask from the (B, T)
+    # ids)
+    source: dict[fx.Node, fx.Node] = {}
+    trained: set[fx.Node] = set()  # reads a parameter: never recomputed elsewhere
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            if isinstance(_attr(gm, str(node.target)), nn.Parameter):
+                trained.add(node)
+        elif any(i in trained for i in node.all_input_nodes):
+            trained.add(node)
+    for node in graph.nodes:
+        if node in free or node in trained or not _pure(node):
+            continue
+        roots = {source.get(i, i) for i in node.all_input_nodes if i not in free}
+        if len(roots) == 1:
+            (root,) = roots
+            val = root.meta.get("val")
+            if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point:
+                source[node] = root
+    cheaper = {
+        n
+        for n, root in source.items()
+        if (k := _sample_numel(root)) is not None and k < (_sample_numel(n) or 0)
+    }
     clones: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def crossing_inputs(q: int, before: fx.Node) -> list[fx.Node]:
@@ -608,8 +652,9 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         return list(dict.fromkeys(seen))
 
     def clone(node: fx.Node, q: int, before: fx.Node) -> fx.Node | None:
-        """``node`` computed again in stage ``q``, inserted before ``before``."""
-        if node.op == "get_attr" or part[node] == q:
+        """``node`` computed again in stage ``q``, inserted before ``before`` (a
+        derived value's integer source is read as it is: it crosses instead)."""
+        if node.op == "get_attr" or part[node] == q or node not in free | source.keys():
             return node
         if (node, q) in clones:
             return clones[(node, q)]
@@ -644,7 +689,7 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         return copy_
 
     for node in list(graph.nodes):
-        if node not in free or node.op == "get_attr":
+        if node not in free | cheaper or node.op == "get_attr":
             continue
         for user in list(node.users):
             q = part[user]
@@ -655,12 +700,34 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
             if got is not None:
                 user.replace_input_with(node, got)
     for node in reversed(list(graph.nodes)):  # what no stage reads any more
-        if node in free and node.op != "get_attr" and not node.users:
+        if node in free | source.keys() and node.op != "get_attr" and not node.users:
             graph.erase_node(node)
     _sort_within_stages(graph, part)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _attr(gm: nn.Module, target: str) -> Any:  # noqa: ANN401 - a tensor or module
+    """``gm``'s attribute at the dotted path ``target`` (None where there is none)."""
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom, None)
+    return obj
+
+
+def _sample_numel(node: fx.Node) -> int | None:
+    """Elements per sample of ``node``'s tensor (what it costs packed across a cut,
+    where every element takes the pack's dtype): its first dimension dynamic (the
+    batch), the others static; None for anything else."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    if not isinstance(val.shape[0], torch.SymInt):
+        return None
+    if not all(isinstance(d, int) for d in val.shape[1:]):
+        return None
+    return math.prod(val.shape[1:])
 
 
 def _inputs_first(members: Sequence[fx.Node]) -> list[fx.Node]:
@@ -747,8 +814,23 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
                 ) from failed[0]
             if isinstance(err, ValueError):
                 raise
+            text = str(err)
+            hint = ""
+            if "nonexistent attribute" in text and "submod_" in text:
+                hint = (
+                    " (its forward switches autograd, e.g. torch.no_grad() or "
+                    "torch.set_grad_enabled inside it, which torch.distributed.pipelining "
+                    "cannot split: detach the tensor instead, or move that code out of "
+                    "the forward)"
+                )
+            elif "data-dependent" in text or "full graph" in text:
+                hint = (
+                    " (the usual cause is control flow on a tensor's values, e.g. "
+                    "`if x.sum() > 0`: write it with torch.where, or move it out of the "
+                    "forward)"
+                )
             raise ValueError(
-                f"torch.export cannot trace {type(module).__name__} ({mode} mode): {err}"
+                f"torch.export cannot trace {type(module).__name__} ({mode} mode){hint}: {text}"
             ) from err
 
 
@@ -796,6 +878,18 @@ def as_sequential(
         torch.export cannot trace (its message), or a conversion whose eval-mode
         output differs from the model's.
     """
+    # torch.export (dynamo) is not thread-safe: a server's pipelines and a node's
+    # threads convert one model at a time; an inference-mode caller still traces
+    with _TRACE_LOCK, torch.inference_mode(False):
+        return _as_sequential(module, example_input, split_points)
+
+
+def _as_sequential(
+    module: nn.Module,
+    example_input: torch.Tensor | Sequence[torch.Tensor],
+    split_points: Sequence[str] | None,
+) -> nn.Sequential:
+    """:func:`as_sequential` (under its lock)."""
     examples = (example_input,) if torch.is_tensor(example_input) else tuple(example_input)
     batches = {int(e.shape[0]) if e.dim() else 0 for e in examples}
     if len(batches) != 1 or min(batches) < 2:
@@ -834,14 +928,32 @@ def as_sequential(
         raise ValueError(f"could not cut {type(module).__name__} at {points}: {bad}")
     seq = _units(pipes[True], pipes.get(False), examples)
     seq.input_spec = CutSpec.of(examples) if len(examples) > 1 else None
+    seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
-    log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
+    said = (type(module).__name__, tuple(points))
+    if said not in _SAID:  # once per process: a node converts the model for each message
+        _SAID.add(said)
+        log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
     if not _same_in_eval_mode(module, seq, examples):
         raise ValueError(
             f"the traced {type(module).__name__} differs from the model in eval mode: "
             "its eval-mode graph does not reproduce model.eval()'s output"
         )
     return seq
+
+
+def _batchnorm_keys(module: nn.Module, seq: nn.Sequential) -> frozenset[str]:
+    """The converted model's state-dict keys that belong to a BatchNorm layer of the
+    user's module (its units hold traced modules that no longer are ``_BatchNorm`` s:
+    ``train.bn_policy=local`` reads these)."""
+    norms = {
+        name
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+    }
+    return frozenset(
+        key for key in seq.state_dict() if key.split(".", 1)[1].rpartition(".")[0] in norms
+    )
 
 
 def _units(train: Any, eval_: Any, examples: tuple[torch.Tensor, ...]) -> nn.Sequential:  # noqa: ANN401
@@ -934,7 +1046,8 @@ def original_state_dict(
     like : nn.Module or iterable of str, optional
         The user's module (or its ``state_dict`` keys): the result then has exactly its
         keys, in its order (non-persistent buffers dropped), and
-        ``module.load_state_dict(..., strict=True)`` loads it.
+        ``module.load_state_dict(..., strict=True)`` loads it. A tensor the module
+        holds under several keys (an alias) fills each of them.
 
     Returns
     -------
@@ -965,6 +1078,16 @@ def original_state_dict(
     if like is None:
         return out
     keys = list(like.state_dict() if isinstance(like, nn.Module) else like)
+    if isinstance(like, nn.Module):  # one tensor under several keys (T5's shared and
+        # encoder.embed_tokens): the converted model holds it under one of them
+        held_by: dict[int, list[str]] = {}
+        for key, value in like.state_dict(keep_vars=True).items():
+            held_by.setdefault(id(value), []).append(key)
+        for names in held_by.values():
+            present = next((k for k in names if k in out), None)
+            for k in names:
+                if present is not None and k not in out:
+                    out[k] = out[present]
     missing = [k for k in keys if k not in out]
     if missing:
         raise ValueError(f"the converted state dict lacks {missing} of the original's keys")

@@ -26,7 +26,9 @@ GPT-2, OPT, Gemma) is one unit: set ``tie_word_embeddings: false`` to cut it.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -163,7 +165,27 @@ def hf_sequential(
         if seq_len is None:
             raise ValueError("give model.input_shape ([T]) or model.seq_len")
         input_shape = [int(seq_len)]
-    return sequential_of(hf_module(**kwargs), input_shape, input_dtype, split_points)
+    # the same arguments give the same model: a node that builds it for every message
+    # traces it once per process (a copy each call; a checkpoint by its files' times)
+    key = _cache_key(list(input_shape), input_dtype, split_points, kwargs)
+    if key not in _CONVERTED:
+        module = hf_module(**kwargs)
+        _CONVERTED[key] = sequential_of(module, input_shape, input_dtype, split_points)
+    return copy.deepcopy(_CONVERTED[key])
+
+
+_CONVERTED: dict[str, nn.Sequential] = {}
+
+
+def _cache_key(*parts: Any) -> str:  # noqa: ANN401 - JSON-able arguments
+    """The conversion's arguments (and a checkpoint directory's file times) as a key."""
+    kwargs = parts[-1]
+    stamp = None
+    if kwargs.get("pretrained"):
+        path = Path(kwargs["pretrained"])
+        if path.is_dir():
+            stamp = sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir())
+    return json.dumps([*parts, stamp, str(torch.get_default_device())], sort_keys=True, default=str)
 
 
 def pretrained_state_dict(

@@ -65,22 +65,18 @@ def build_stage(
     """Layers ``first..last`` (inclusive) of ``model_fn()`` as an ``nn.Sequential`` on
     ``device``.
 
-    The model is built on the meta device (no weight memory, no init cost), the stage's
-    layers are then materialised on ``device`` and loaded from ``weights`` (a state dict
-    keyed like the full model's, e.g. ``"3.0.weight"``, on any device). Without
-    ``weights`` the stage keeps a fresh initialisation of its own layers (drawn on the
-    CPU, then moved).
+    The model is built on the meta device (no weight memory, no init cost;
+    :func:`meta_layers`), the stage's layers are then materialised on ``device`` and
+    loaded from ``weights`` (a state dict keyed like the full model's, e.g.
+    ``"3.0.weight"``, on any device). Without ``weights`` the stage keeps a fresh
+    initialisation of its own layers (drawn on the CPU, then moved).
 
     Raises
     ------
     ValueError
         If the layer range is outside the model.
     """
-    if weights is None:
-        layers = as_layers(model_fn())
-    else:
-        with torch.device("meta"):
-            layers = as_layers(model_fn())
+    layers = as_layers(model_fn()) if weights is None else meta_layers(model_fn)
     if not 0 <= first <= last < len(layers):
         raise ValueError(f"layers {first}..{last} outside a model of {len(layers)} layers")
     stage = nn.Sequential(OrderedDict((str(j), layers[j]) for j in range(first, last + 1)))
@@ -96,6 +92,18 @@ def build_stage(
     elif torch.device(device).type != "cpu":
         stage = stage.to(device)
     return stage
+
+
+def meta_layers(model_fn: Callable[[], nn.Module]) -> list[nn.Module]:
+    """``model_fn()``'s layers built on the meta device (no weight memory, no init
+    cost), or on the CPU where the model cannot be built there: a converted model
+    (:func:`sky_flower.pipeline.graph.sequential_of`) runs its forward to trace it, and
+    a forward may need values (``transformers``' mask checks call ``.item()``)."""
+    try:
+        with torch.device("meta"):
+            return as_layers(model_fn())
+    except Exception:  # noqa: BLE001 - a real error raises again below, on the CPU
+        return as_layers(model_fn())
 
 
 def stage_optimizer(module: nn.Module, name: str, lr: float) -> torch.optim.Optimizer | None:

@@ -25,8 +25,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from sky_flower.core.profile import as_layers
-from sky_flower.pipeline.stage import slice_state
+from sky_flower.pipeline.stage import meta_layers, slice_state
 
 OPTIM_KEY = "sky.optim-state"  # array record: optimizer state by parameter name
 WANT_KEY = "sky.optim-wanted"  # config record of a collect: reply with the state
@@ -38,8 +37,7 @@ def param_names(model_fn: Callable[[], nn.Module], first: int, last: int) -> lis
     """Names (full-model keys, e.g. ``"3.0.weight"``) of the trainable parameters of
     layers ``first..last``, in the order a stage's optimizer holds them (built on the
     meta device: no weight memory)."""
-    with torch.device("meta"):
-        layers = as_layers(model_fn())
+    layers = meta_layers(model_fn)
     stage = nn.Sequential(OrderedDict((str(j), layers[j]) for j in range(first, last + 1)))
     return [n for n, p in stage.named_parameters() if p.requires_grad]
 

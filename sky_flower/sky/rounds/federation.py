@@ -64,7 +64,9 @@ def batchnorm_keys(model: Any) -> frozenset[str]:  # noqa: ANN401 - an nn.Module
     from torch.nn.modules.batchnorm import _BatchNorm
 
     keys = set(model.state_dict())
-    out = set()
+    # a converted model (sky_flower.pipeline.graph.as_sequential) names its own: its
+    # traced units hold no _BatchNorm modules
+    out = set(getattr(model, "batchnorm_state_keys", ()))
     for name, module in model.named_modules():
         if isinstance(module, _BatchNorm):
             prefix = f"{name}." if name else ""
