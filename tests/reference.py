@@ -111,6 +111,32 @@ def forkserver():  # noqa: ANN201 - a multiprocessing context
     return ctx
 
 
+def run_direct_stages(
+    target: Callable[..., None], args: Sequence[tuple], timeout_s: float = 120.0
+) -> dict[str, torch.Tensor]:
+    """One ``direct`` round of ``len(args)`` stages, each in a forkserver process:
+    ``target(rendezvous, *args[k], queue)`` puts ``(rank, state dict of numpy arrays)``
+    (or ``(rank, error text)``) on the queue. Returns the stages' merged state dict;
+    fails naming every stage's error."""
+    from sky_flower.pipeline.direct import RoundHost
+
+    ctx = forkserver()
+    queue = ctx.Queue()
+    with RoundHost(len(args), timeout_s=timeout_s / 2) as host:
+        procs = [
+            ctx.Process(target=target, args=(host.rendezvous(k), *a, queue))
+            for k, a in enumerate(args)
+        ]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=timeout_s) for _ in procs)
+        for p in procs:
+            p.join(timeout=10)
+    errors = {k: v for k, v in got.items() if isinstance(v, str)}
+    assert not errors, errors
+    return {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
+
+
 def make_optimizer(
     name: str, params: Iterable[torch.nn.Parameter], lr: float
 ) -> torch.optim.Optimizer:

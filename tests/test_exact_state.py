@@ -22,8 +22,8 @@ from hypothesis import strategies as hs
 from reference import (
     ConcurrentGrid,
     ProcessPerMessageGrid,
-    forkserver,
     reference_rounds,
+    run_direct_stages,
     run_sky_app,
     sky_app_run_config,
     sky_app_task,
@@ -37,7 +37,7 @@ from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
 from sky_flower.deploy import node_config
 from sky_flower.pipeline.data import Split
-from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
+from sky_flower.pipeline.direct import run_stage, stage_input_shapes
 from sky_flower.pipeline.stage import (
     RngKey,
     StageExecutor,
@@ -267,25 +267,9 @@ def _direct_worker(rdv, kind: str, microbatches: int, shape: tuple, queue) -> No
     ("kind", "microbatches"), [("gpipe", 1), ("gpipe", 4), ("1f1b", 4)]
 )
 def test_direct_equals_whole(kind, microbatches):
-    ctx = forkserver()
-    queue = ctx.Queue()
     shapes = stage_input_shapes(stateful_net, (8,), BOUNDS)
-    with RoundHost(len(BOUNDS), timeout_s=30.0) as host:
-        procs = [
-            ctx.Process(
-                target=_direct_worker,
-                args=(host.rendezvous(k), kind, microbatches, shapes[k], queue),
-            )
-            for k in range(len(BOUNDS))
-        ]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=60) for _ in procs)
-        for p in procs:
-            p.join(timeout=10)
-    errors = {k: v for k, v in got.items() if isinstance(v, str)}
-    assert not errors, errors
-    merged = {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
+    args = [(kind, microbatches, shapes[k]) for k in range(len(BOUNDS))]
+    merged = run_direct_stages(_direct_worker, args, timeout_s=60.0)
     _assert_same(merged, _expected(microbatches))
 
 

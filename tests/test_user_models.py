@@ -316,33 +316,17 @@ def _direct_worker(rdv, name: str, shape: tuple, dtype: str, queue) -> None:  # 
 @pytest.mark.parametrize("name", OTHER_TRANSPORTS)
 def test_direct_trains_the_split_model_exactly_as_unsplit(name):
     """``torch.distributed.pipelining`` (GPipe) peer to peer, one process per stage."""
-    from reference import forkserver
+    from reference import run_direct_stages
 
-    from sky_flower.pipeline.direct import RoundHost, stage_input_shapes
+    from sky_flower.pipeline.direct import stage_input_shapes
 
     bounds = _bounds(len(converted(name)))
     shapes = stage_input_shapes(
         lambda: converted(name), ZOO[name].input_shape, bounds, ZOO[name].input_dtype
     )
     dtypes = [ZOO[name].input_dtype] + ["float32"] * (len(bounds) - 1)
-    ctx = forkserver()
-    queue = ctx.Queue()
-    with RoundHost(len(bounds), timeout_s=60.0) as host:
-        procs = [
-            ctx.Process(
-                target=_direct_worker,
-                args=(host.rendezvous(k), name, shapes[k], dtypes[k], queue),
-            )
-            for k in range(len(bounds))
-        ]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=10)
-    errors = {k: v for k, v in got.items() if isinstance(v, str)}
-    assert not errors, errors
-    merged = {k: torch.from_numpy(v) for st in got.values() for k, v in st.items()}
+    args = [(name, shapes[k], dtypes[k]) for k in range(len(bounds))]
+    merged = run_direct_stages(_direct_worker, args)
     _assert_equal(merged, _unsplit(name))
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 from functools import cache
 
-import numpy as np
 import torch
 from torch import nn
 
 from sky_flower.bench.zoo import BERT, T, TwoInputClassifier, ZooModel
 from sky_flower.bench.zoo import ZOO as _ZOO
 from sky_flower.pipeline.data import Split
-from sky_flower.pipeline.graph import as_sequential, pack_inputs, sequential_of
+from sky_flower.pipeline.graph import as_sequential, sequential_of
 from sky_flower.pipeline.hf import hf_module
 
 
@@ -60,25 +59,9 @@ def converted(name: str) -> nn.Sequential:
 
 
 def data_for(name: str, n: int = 64, seed: int = 0) -> Split:
-    """``n`` samples of synthetic data in the model's input format: images and class
-    labels, token ids and next-token labels, padded token ids and class labels."""
-    model = ZOO[name]
-    rng = np.random.default_rng(seed)
-    if model.kind == "image":
-        x = rng.normal(0.0, 1.0, size=(n, *model.input_shape)).astype(np.float32)
-        return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
-    T = model.input_shape[0]
-    ids = rng.integers(1, model.vocab, size=(n, T + 1)).astype(np.int64)
-    if model.kind == "lm":
-        return Split(x=ids[:, :T].copy(), y=ids[:, 1:].copy())
-    if model.inputs:  # the ids and their attention mask, packed
-        T = model.inputs[0][0][0]
-    lengths = rng.integers(T // 2, T + 1, size=n)
-    x = ids[:, :T].copy()
-    x[np.arange(T)[None, :] >= lengths[:, None]] = 0  # pad id 0 after each length
-    if model.inputs:
-        x = pack_inputs([x, (x != 0).astype(np.int64)])
-    return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
+    """``n`` samples of synthetic data in ``name``'s input format
+    (:meth:`sky_flower.bench.zoo.ZooModel.data`)."""
+    return ZOO[name].data(n, seed)
 
 
 def example(name: str) -> torch.Tensor:

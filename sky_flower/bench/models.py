@@ -68,7 +68,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -83,7 +82,6 @@ from sky_flower.core.profile import (
     time_layers,
 )
 from sky_flower.jobs.common import write_json
-from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.graph import as_sequential
 from sky_flower.pipeline.lm import lm_cross_entropy, token_correct
 from sky_flower.pipeline.stage import (
@@ -133,36 +131,6 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": tf_version,
     }
-
-
-def synthetic_data(model: ZooModel, n: int = 64, seed: int = SEED) -> Split:
-    """``n`` samples in ``model``'s format: float images and class labels; token ids in
-    ``[1, vocab)`` and next-token labels; or token ids padded with 0 after a random
-    length in ``[T/2, T]`` and class labels. A model of several inputs packed as one
-    (a non-empty ``inputs``): ``model.example(n)`` and class labels.
-
-    Raises
-    ------
-    ValueError
-        For a language model of several inputs (no next-token labels to derive).
-    """
-    rng = np.random.default_rng(seed)
-    if getattr(model, "inputs", ()):
-        if model.kind == "lm":
-            raise ValueError(f"{model.name}: a language model of several inputs has no data here")
-        y = rng.integers(0, model.classes, size=n).astype(np.int64)
-        return Split(x=model.example(n).numpy(), y=y)
-    if model.kind == "image":
-        x = rng.normal(0.0, 1.0, size=(n, *model.input_shape)).astype(np.float32)
-        return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
-    T = model.input_shape[0]
-    ids = rng.integers(1, model.vocab, size=(n, T + 1)).astype(np.int64)
-    if model.kind == "lm":
-        return Split(x=ids[:, :T].copy(), y=ids[:, 1:].copy())
-    lengths = rng.integers(T // 2, T + 1, size=n)
-    x = ids[:, :T].copy()
-    x[np.arange(T)[None, :] >= lengths[:, None]] = 0  # the pad id after each length
-    return Split(x=x, y=rng.integers(0, model.classes, size=n).astype(np.int64))
 
 
 def objective(model: ZooModel) -> tuple[Callable | None, Callable | None]:
@@ -293,7 +261,7 @@ def train(
     for a, b in bounds:
         module = build_stage(lambda: copy.deepcopy(seq), a, b, slice_state(weights, a, b))
         stages.append(StageExecutor(module, stage_optimizer(module, "adam", LR), MICRO))
-    data = synthetic_data(model)
+    data = model.data(64, SEED)
     loss_fn, metric_fn = objective(model)
     losses = []
     for step in range(STEPS):

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sky_flower.pipeline.data import Split
+
 
 class QuickstartNet(nn.Module):
     """Flower's quickstart-pytorch CNN, as Flower writes it: ``(B, 3, 32, 32)`` images
@@ -166,6 +168,31 @@ class ZooModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.make()
+
+    def data(self, n: int = 64, seed: int = 0) -> Split:
+        """``n`` samples of synthetic data in the model's format, seeded: float images
+        and class labels; token ids in ``[1, vocab)`` and next-token labels (``lm``);
+        token ids padded with 0 after a random length in ``[T/2, T]`` and class labels
+        (``classify``; with several ``inputs``: the ids and their attention mask,
+        packed)."""
+        import numpy as np
+
+        from sky_flower.pipeline.graph import pack_inputs
+
+        rng = np.random.default_rng(seed)
+        if self.kind == "image":
+            x = rng.normal(0.0, 1.0, size=(n, *self.input_shape)).astype(np.float32)
+            return Split(x=x, y=rng.integers(0, self.classes, size=n).astype(np.int64))
+        T = self.inputs[0][0][0] if self.inputs else self.input_shape[0]
+        ids = rng.integers(1, self.vocab, size=(n, T + 1)).astype(np.int64)
+        if self.kind == "lm":
+            return Split(x=ids[:, :T].copy(), y=ids[:, 1:].copy())
+        lengths = rng.integers(T // 2, T + 1, size=n)
+        x = ids[:, :T].copy()
+        x[np.arange(T)[None, :] >= lengths[:, None]] = 0  # the pad id after each length
+        if self.inputs:
+            x = pack_inputs([x, (x != 0).astype(np.int64)])
+        return Split(x=x, y=rng.integers(0, self.classes, size=n).astype(np.int64))
 
     def example(self, batch: int) -> torch.Tensor:
         """A batch of inputs (random images, token ids 1..vocab-1)."""
