@@ -334,9 +334,9 @@ def test_an_error_in_the_shared_value_policy_names_it_not_the_tracer(monkeypatch
     """Without the per-stage reordering (the bug Llama-family models hit: the rotary
     tables recomputed in a graph that no longer lints) the error names sky-flower's
     replicate_shared_inputs, the model and the cuts; it used to blame torch.export."""
-    import sky_flower.pipeline.graph as graph
+    import sky_flower.pipeline.shared_values as shared_values
 
-    monkeypatch.setattr(graph, "_sort_within_stages", lambda g, part: None)
+    monkeypatch.setattr(shared_values, "_sort_within_stages", lambda g, part: None)
     with pytest.raises(ValueError, match=r"sky-flower could not recompute the values CausalLM"):
         as_sequential(user_module("llama"), example("llama"))
 
