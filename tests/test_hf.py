@@ -113,3 +113,24 @@ def test_aliased_weights_come_back_under_every_key():
     assert list(state) == list(model.state_dict())
     assert torch.equal(state["m.shared.weight"], state["m.encoder.embed_tokens.weight"])
     model.load_state_dict(state, strict=True)
+
+
+def test_stages_of_a_transformers_model_build_where_the_meta_device_cannot_run_it():
+    """Building a stage (and the direct transport's static shapes) starts on the meta
+    device; a transformers forward calls .item() on its mask there, so the converted
+    model is built on the CPU instead (model=hf failed on every node before)."""
+    from sky_flower.pipeline.local import stage_input_shapes
+    from sky_flower.pipeline.stage import build_stage, slice_state
+
+    def model_fn():
+        return hf_sequential([8], config_class="Qwen2Config", config=QWEN)
+
+    with pytest.raises(ValueError, match="cannot be called on meta tensors"):
+        with torch.device("meta"):  # another config: not from the process's cache
+            hf_sequential([8], config_class="Qwen2Config", config={**QWEN, "rope_theta": 1e4})
+    full = model_fn()
+    stage = build_stage(model_fn, 1, 3, slice_state(full.state_dict(), 1, 3))
+    assert [k for k in stage.state_dict()] == [
+        k for k in full.state_dict() if k.split(".")[0] in {"1", "2", "3"}
+    ]
+    assert stage_input_shapes(model_fn, [8], [(0, 1), (2, 4)], "int64") == [(8,), (8, 32)]
