@@ -27,7 +27,9 @@ nothing. Per model:
    needs more; every node 2 ms latency, 12.5 MB/s (100 Mbit/s). Allocation
    ``heuristic``, objective ``step``: the stages (node: first-last unit) and the
    predicted step time.
-5. **Exactness**: two steps (Adam, lr 1e-3, batch 8, 2 micro-batches, seed 0, round 1)
+5. **Overhead**: one forward + backward (training mode) of the user's module and of its
+   conversion on a batch of 8, timed side by side (alternating, median of 20).
+6. **Exactness**: two steps (Adam, lr 1e-3, batch 8, 2 micro-batches, seed 0, round 1)
    of :func:`sky_flower.pipeline.stage.run_split_step` on synthetic data in the model's
    format, once with the converted model as one stage (the unsplit reference: one
    :class:`~sky_flower.pipeline.stage.StageExecutor` over all units) and once cut into
@@ -158,6 +160,26 @@ def convert(model: ZooModel) -> tuple[nn.Sequential, float, list[str]]:
         seconds = time.perf_counter() - t0
     said = [str(w.message) for w in caught if "LeafSpec" not in str(w.message)]
     return seq, seconds, said
+
+
+def overhead(module: nn.Module, seq: nn.Sequential, x: torch.Tensor, repeats: int = 20) -> dict:
+    """Milliseconds of one forward + backward (training mode, a sum of the output as the
+    loss) of the user's module and of its conversion on ``x``, timed side by side
+    (alternating, median of ``repeats`` each, after one warm-up), and their ratio."""
+    import statistics
+
+    module, seq = copy.deepcopy(module).train(), copy.deepcopy(seq).train()
+    times: dict[str, list[float]] = {"module_ms": [], "converted_ms": []}
+    with torch.random.fork_rng(devices=[]):
+        for i in range(repeats + 1):
+            for key, m in (("module_ms", module), ("converted_ms", seq)):
+                t0 = time.perf_counter()
+                m(x).float().sum().backward()
+                if i:
+                    times[key].append((time.perf_counter() - t0) * 1e3)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["ratio"] = out["converted_ms"] / out["module_ms"]
+    return out
 
 
 def cut_bytes(seq: nn.Sequential, x: torch.Tensor) -> list[float]:
@@ -336,6 +358,7 @@ def bench_model(name: str) -> dict[str, Any]:
     row["params"] = sum(p.numel() for p in seq.parameters())
     for key, fn in (
         ("cut_bytes", lambda: cut_bytes(seq, model.example(BATCH))),
+        ("overhead", lambda: overhead(model.build(SEED), seq, model.example(BATCH))),
         ("plan", lambda: plan_model(seq, model)),
         ("exactness", lambda: exactness(seq, model)),
     ):
@@ -404,6 +427,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         points = ", ".join(p.removeprefix("hf.") for p in r["split_points"])
         lines.append(
             f"| {r['model']} | {points} | {', '.join(f'{b:,.0f}' for b in r['cut_bytes'])} |"
+        )
+    lines += ["", f"One forward + backward on a batch of {BATCH} (training mode, median):", ""]
+    lines += ["| model | module ms | converted ms | converted / module |", "|---|---|---|---|"]
+    for r in rows:
+        oh = r.get("overhead")
+        if oh is None or _failed(oh):
+            continue
+        lines.append(
+            f"| {r['model']} | {oh['module_ms']:.2f} | {oh['converted_ms']:.2f} "
+            f"| {oh['ratio']:.2f}x |"
         )
     lines += ["", "Split training (stages as unit ranges; tensors = weights + buffers):", ""]
     lines += [

@@ -662,11 +662,26 @@ def _batchnorm_keys(module: nn.Module, seq: nn.Sequential) -> frozenset[str]:
     )
 
 
+def _compiled(module: nn.Module) -> None:
+    """Run every unflattened submodule of ``module`` by its generated code, not by
+    ``torch.fx.Interpreter`` node by node (torch.export's default for debugging): the
+    same ops in the same order, 1.5-3x less Python overhead per call on small models."""
+    from torch.export.unflatten import InterpreterModule
+
+    for sub in module.modules():
+        # (a value named "self", e.g. BERT's attention.self module's output, would
+        # shadow the generated forward's own self: that one stays interpreted)
+        if isinstance(sub, InterpreterModule) and all(n.name != "self" for n in sub.graph.nodes):
+            sub._run_with_interpreter = False
+
+
 def _units(train: Any, eval_: Any, examples: tuple[torch.Tensor, ...]) -> nn.Sequential:  # noqa: ANN401
     """The stage modules of the training-mode ``Pipe``, as they are or as
     :class:`TracedUnit` s (paired with the eval-mode ``Pipe``'s where there is one, wired
     where a cut carries several tensors), as an ``nn.Sequential``."""
     pipes = {True: train} if eval_ is None else {True: train, False: eval_}
+    for pipe in pipes.values():
+        _compiled(pipe.split_gm)
     wirings = {mode: _wirings(pipe, examples) for mode, pipe in pipes.items()}
     units: list[nn.Module] = []
     for i in range(train.num_stages):
