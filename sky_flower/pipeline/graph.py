@@ -669,10 +669,16 @@ def _compiled(module: nn.Module) -> None:
     from torch.export.unflatten import InterpreterModule
 
     for sub in module.modules():
-        # (a value named "self", e.g. BERT's attention.self module's output, would
-        # shadow the generated forward's own self: that one stays interpreted)
-        if isinstance(sub, InterpreterModule) and all(n.name != "self" for n in sub.graph.nodes):
-            sub._run_with_interpreter = False
+        if not isinstance(sub, InterpreterModule) or sub.__dict__.get("graph_module") is None:
+            continue
+        # a value named "self" (the output of BERT's attention.self module) would
+        # shadow the generated forward's own self: give it another name first
+        named_self = [n for n in sub.graph.nodes if n.name == "self"]
+        for node in named_self:
+            node._rename("self_out")
+        if named_self:
+            sub.graph_module.recompile()
+        sub._run_with_interpreter = False
 
 
 def _units(train: Any, eval_: Any, examples: tuple[torch.Tensor, ...]) -> nn.Sequential:  # noqa: ANN401
