@@ -125,6 +125,7 @@ class EmulatedStage(nn.Module):
         self.plain_output = False  # zero bubble: the output is not a view (see above)
         self._box = [self]
         self._key, self._microbatch = RngKey(), 0
+        self._waiting = 0  # integer input: micro-batches whose backward has not ended
 
     def start_step(self, key: RngKey) -> None:
         """The next forward is micro-batch 0 of step ``key``."""
@@ -140,17 +141,28 @@ class EmulatedStage(nn.Module):
 
     def _end_on_parameter_grads(self) -> None:
         """An integer input (token ids) has no gradient: the backward ends when every
-        parameter's gradient of this micro-batch is computed."""
+        parameter's gradient of this micro-batch is computed.
+
+        One hook at a time: a hook on the parameters fires at the end of the next
+        backward that computes their gradients, so hooks registered by several forwards
+        would all fire in the first micro-batch's backward (each timing the sleeps of
+        the ones before it). The next micro-batch's hook is registered when the
+        previous one has fired."""
         params = [p for p in self.inner.parameters() if p.requires_grad]
         if not params or not torch.is_grad_enabled():
             return
-        handle: list = []
+        self._waiting += 1
+        if self._waiting > 1:  # a hook is pending: this micro-batch's comes after it
+            return
 
         def done(_grads: Any) -> None:  # noqa: ANN401 - autograd's gradients
-            handle[0].remove()
+            handle.pop().remove()
             self._end_backward(None)
+            self._waiting -= 1
+            if self._waiting:
+                handle.append(torch.autograd.graph.register_multi_grad_hook(params, done))
 
-        handle.append(torch.autograd.graph.register_multi_grad_hook(params, done))
+        handle: list = [torch.autograd.graph.register_multi_grad_hook(params, done)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B/M, ...) -> (B/M, ...)``, as ``inner``."""
