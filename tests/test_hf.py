@@ -108,7 +108,8 @@ def test_aliased_weights_come_back_under_every_key():
 
     torch.manual_seed(0)
     model = Encoder()
-    seq = sequential_of(model, [8], "int64")
+    with pytest.warns(UserWarning, match="no cut before m.encoder.block.1"):  # (below)
+        seq = sequential_of(model, [8], "int64")
     state = original_state_dict(seq.state_dict(), like=model)
     assert list(state) == list(model.state_dict())
     assert torch.equal(state["m.shared.weight"], state["m.encoder.embed_tokens.weight"])
@@ -134,3 +135,37 @@ def test_stages_of_a_transformers_model_build_where_the_meta_device_cannot_run_i
         k for k in full.state_dict() if k.split(".")[0] in {"1", "2", "3"}
     ]
     assert stage_input_shapes(model_fn, [8], [(0, 1), (2, 4)], "int64") == [(8,), (8, 32)]
+
+
+def test_a_cut_a_batchless_value_crosses_is_dropped_with_a_warning():
+    """T5's position bias (1, heads, T, T) is made in block 0 from a trainable
+    parameter and read by every later block: no cut between blocks can carry it into
+    micro-batches, and the warning names the cut and the value (it was silent)."""
+    import transformers
+
+    from sky_flower.pipeline.graph import as_sequential
+
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3, num_heads=4
+    )
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.T5EncoderModel(cfg)
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).last_hidden_state
+
+    with pytest.warns(UserWarning, match=r"no cut before m\.encoder\.block\.2 \(.*without a batch"):
+        seq = as_sequential(Encoder(), torch.zeros(2, 8, dtype=torch.long), ["m.encoder.block.2"])
+    assert len(seq) == 1 and seq.split_points == []
+
+
+def test_a_local_checkpoint_is_a_hydra_choice_of_its_own(tmp_path):
+    """model=hf_pretrained model.pretrained=<dir> (a plain override, no '+')."""
+    hf_module("Qwen2Config", {**QWEN, "vocab_size": 256}).hf.save_pretrained(tmp_path)
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("config", overrides=["model=hf_pretrained", f"model.pretrained={tmp_path}"])
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True))
+    assert model.split_points[-1] == "hf.lm_head" and len(model) == 5

@@ -80,6 +80,11 @@ _MAX_TRACES = 4
 log = logging.getLogger(__name__)
 _SAID: set[tuple[str, tuple[str, ...]]] = set()  # conversions logged
 _TRACE_LOCK = threading.RLock()
+# torch 2.13's pytree, when a traced (torch.export) module is deep-copied: a notice to
+# torch's own code, which every copy of a converted model printed
+warnings.filterwarnings(
+    "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+)
 
 
 def mode_dependent_layers(module: nn.Module) -> list[str]:
@@ -625,6 +630,7 @@ def _as_sequential(
                 bad.setdefault(b, why)
         if bad:
             _warn_ties(module, pipes[True], points, bad)
+            _warn_merged(module, points, bad, pipes[True])
             points = [p for b, p in enumerate(points) if b not in bad]
         elif modal or _same_in_eval_mode(module, _units(pipes[True], None, examples), examples):
             break
@@ -722,6 +728,29 @@ def _warn_ties(
                 "tie_word_embeddings=False in its config) to cut there",
                 stacklevel=3,
             )
+
+
+def _warn_merged(
+    module: nn.Module,
+    points: Sequence[str],
+    bad: Mapping[int, str],
+    pipe: Any,  # noqa: ANN401 - a pipelining Pipe
+) -> None:
+    """Warn, naming the cut and the value, when a cut is dropped for a value it cannot
+    carry (one without a batch dimension, e.g. T5's position bias, computed from a
+    trainable parameter in one block and read by every later one). Ties warn apart
+    (:func:`_warn_ties`)."""
+    tied: set[int] = set()
+    for uses in pipe.replicated_params:
+        stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
+        tied.update(range(stages[0], stages[-1]))
+    lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
+    if lost:
+        warnings.warn(
+            f"{type(module).__name__}: no cut before {'; '.join(lost)}: what crosses there "
+            "cannot be cut into micro-batches, so the units on either side are one",
+            stacklevel=3,
+        )
 
 
 def _same_in_eval_mode(
