@@ -192,8 +192,8 @@ class TracedUnit(nn.Module):
         """``x``: the model's input (unit 0) or what the previous unit returned; the
         next unit's input (packed where the cut carries several tensors) or the
         model's output (the last unit)."""
-        graph = self._graphs[self.training] if len(self._graphs) > 1 else self._graphs[True]
-        wiring = self._wirings.get(self.training if len(self._graphs) > 1 else True)
+        mode = self.training if len(self._graphs) > 1 else True  # one graph: either mode
+        graph, wiring = self._graphs[mode], self._wirings.get(mode)
         if wiring is None:
             return graph(x)
         came = [x] if wiring.in_spec is None else unpack(x, wiring.in_spec)
@@ -207,20 +207,19 @@ class TracedUnit(nn.Module):
         return out[0] if wiring.out_spec is None else pack(out, wiring.out_spec)
 
 
-def _wirings(pipe: Any, examples: tuple[torch.Tensor, ...]) -> list[Wiring] | None:  # noqa: ANN401
-    """Each unit's :class:`Wiring` of ``pipe`` (None where the model takes one tensor
-    and every cut carries exactly the previous stage's whole output: the units need
-    none). Several model inputs reach unit 0 packed."""
+def _wirings(pipe: Any, values: Mapping[fx.Node, Any]) -> list[Wiring] | None:  # noqa: ANN401
+    """Each unit's :class:`Wiring` of ``pipe`` (``values``: :func:`_probe_values`; None
+    where the model takes one tensor and every cut carries exactly the previous stage's
+    whole output: the units need none). Several model inputs reach unit 0 packed."""
     S = pipe.num_stages
-    crossing = [_crossing(pipe, b) for b in range(S - 1)]
-    if len(examples) == 1 and all(len(c) == 1 and c[0].op == "call_module" for c in crossing):
-        return None
-    values = _probe_values(pipe, examples)
     graph = pipe.split_gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    crossing = [_crossing(pipe, b) for b in range(S - 1)]
+    if len(inputs) == 1 and all(len(c) == 1 and c[0].op == "call_module" for c in crossing):
+        return None
     calls = [n for n in graph.nodes if n.op == "call_module"]
     out = next(n for n in graph.nodes if n.op == "output").args[0]
     out = out[0] if isinstance(out, (tuple, list)) else out
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
     wirings = []
     for i, call in enumerate(calls):
         came = inputs if i == 0 else crossing[i - 1]
@@ -447,38 +446,40 @@ def _probe_values(pipe: Any, examples: tuple[torch.Tensor, ...]) -> dict[fx.Node
     return values
 
 
+def _tied_spans(pipe: Any) -> list[tuple[list[str], int, int]]:  # noqa: ANN401
+    """Each trainable parameter several stages of ``pipe`` read (a head tied to the
+    embedding): its names, and the first and last stage reading it."""
+    spans = []
+    for uses in pipe.replicated_params:
+        stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
+        spans.append((sorted(set(uses.values())), stages[0], stages[-1]))
+    return spans
+
+
 def bad_boundaries(
     pipe: Any,  # noqa: ANN401 - a pipelining Pipe
-    values: Mapping[fx.Node, Any] | None = None,
+    values: Mapping[fx.Node, Any],
 ) -> dict[int, str]:
     """Boundaries of a traced ``Pipe`` that cannot be cut: ``{b: why}``, ``b`` being the
     boundary between stage ``b`` and stage ``b + 1``.
 
-    Without ``values`` (:func:`_probe_values`) a boundary is bad if other than exactly
-    one value (the previous stage's whole output) crosses it; with them, if a crossing
-    value is no tensor whose first dimension is the batch (a size, a tensor shared by
-    all samples: it cannot be cut into micro-batches). Either way, if the stages on
-    either side share a parameter.
+    A boundary is bad if a value crossing it (``values``: :func:`_probe_values`) is no
+    tensor whose first dimension is the batch (a size, a tensor shared by all samples:
+    it cannot be cut into micro-batches), or if the stages on either side share a
+    parameter.
     """
     bad: dict[int, str] = {}
+    batch = values[next(iter(values))].shape[0]  # the model's first input
     for b in range(pipe.num_stages - 1):
-        crossing = _crossing(pipe, b)
-        names = ", ".join(str(n.name) for n in crossing)
-        if values is None:
-            if len(crossing) != 1 or crossing[0].op != "call_module":
-                bad[b] = f"{len(crossing)} values cross it ({names})"
-            continue
-        for n in crossing:
+        for n in _crossing(pipe, b):
             v = values[n]
-            batch = values[next(iter(values))].shape[0]
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
                 what = type(v).__name__ if not isinstance(v, torch.Tensor) else tuple(v.shape)
                 bad[b] = f"{n.name} ({what}) crosses it without a batch dimension"
                 break
-    for uses in pipe.replicated_params:
-        stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
-        for b in range(stages[0], stages[-1]):
-            bad.setdefault(b, f"parameter {next(iter(uses.values()))} is used on both sides")
+    for names, first, last in _tied_spans(pipe):
+        for b in range(first, last):
+            bad.setdefault(b, f"parameter {names[0]} is used on both sides")
     return bad
 
 
@@ -616,8 +617,9 @@ def _as_sequential(
         pipes = {True: _trace(module, examples, points, training=True)}
         if modal:
             pipes[False] = _trace(module, examples, points, training=False)
+        values = {mode: _probe_values(pipe, examples) for mode, pipe in pipes.items()}
         bad: dict[int, str] = {}
-        for pipe in pipes.values():
+        for mode, pipe in pipes.items():
             if pipe.num_stages != len(points) + 1:
                 raise ValueError(
                     f"{type(module).__name__}: torch.export kept {pipe.num_stages - 1} of the "
@@ -626,19 +628,25 @@ def _as_sequential(
                     "cut): give split_points without it"
                 )
             _check_io(pipe, len(examples))
-            for b, why in bad_boundaries(pipe, _probe_values(pipe, examples)).items():
+            for b, why in bad_boundaries(pipe, values[mode]).items():
                 bad.setdefault(b, why)
         if bad:
             _warn_ties(module, pipes[True], points, bad)
             _warn_merged(module, points, bad, pipes[True])
             points = [p for b, p in enumerate(points) if b not in bad]
-        elif modal or _same_in_eval_mode(module, _units(pipes[True], None, examples), examples):
+            continue
+        seq = _units(pipes, values)
+        if modal or _same_in_eval_mode(module, seq, examples):
             break
-        else:  # a forward that reads self.training where no layer type shows it
-            modal = True
+        modal = True  # a forward that reads self.training where no layer type shows it
     else:  # pragma: no cover - one retrace removes every bad boundary
         raise ValueError(f"could not cut {type(module).__name__} at {points}: {bad}")
-    seq = _units(pipes[True], pipes.get(False), examples)
+    # (a model without a second trace passed this check in the loop)
+    if modal and not _same_in_eval_mode(module, seq, examples):
+        raise ValueError(
+            f"the traced {type(module).__name__} differs from the model in eval mode: "
+            "its eval-mode graph does not reproduce model.eval()'s output"
+        )
     seq.input_spec = CutSpec.of(examples) if len(examples) > 1 else None
     seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
@@ -646,11 +654,6 @@ def _as_sequential(
     if said not in _SAID:  # once per process: a node converts the model for each message
         _SAID.add(said)
         log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
-    if not _same_in_eval_mode(module, seq, examples):
-        raise ValueError(
-            f"the traced {type(module).__name__} differs from the model in eval mode: "
-            "its eval-mode graph does not reproduce model.eval()'s output"
-        )
     return seq
 
 
@@ -687,19 +690,21 @@ def _compiled(module: nn.Module) -> None:
         sub._run_with_interpreter = False
 
 
-def _units(train: Any, eval_: Any, examples: tuple[torch.Tensor, ...]) -> nn.Sequential:  # noqa: ANN401
-    """The stage modules of the training-mode ``Pipe``, as they are or as
-    :class:`TracedUnit` s (paired with the eval-mode ``Pipe``'s where there is one, wired
-    where a cut carries several tensors), as an ``nn.Sequential``."""
-    pipes = {True: train} if eval_ is None else {True: train, False: eval_}
+def _units(
+    pipes: Mapping[bool, Any], values: Mapping[bool, Mapping[fx.Node, Any]]
+) -> nn.Sequential:
+    """The stage modules of the training-mode ``Pipe`` (``pipes[True]``), as they are or
+    as :class:`TracedUnit` s (paired with the eval-mode ``Pipe``'s where there is one,
+    ``pipes[False]``; wired where a cut carries several tensors: ``values`` are each
+    ``Pipe``'s :func:`_probe_values`), as an ``nn.Sequential``."""
     for pipe in pipes.values():
         _compiled(pipe.split_gm)
-    wirings = {mode: _wirings(pipe, examples) for mode, pipe in pipes.items()}
+    wirings = {mode: _wirings(pipe, values[mode]) for mode, pipe in pipes.items()}
     units: list[nn.Module] = []
-    for i in range(train.num_stages):
+    for i in range(pipes[True].num_stages):
         graphs = {mode: pipe.get_stage_module(i) for mode, pipe in pipes.items()}
         wired = {mode: None if w is None else w[i] for mode, w in wirings.items()}
-        if eval_ is None and wired[True] is None:
+        if len(pipes) == 1 and wired[True] is None:
             units.append(graphs[True])
         else:
             units.append(TracedUnit(graphs, wired))
@@ -714,19 +719,17 @@ def _warn_ties(
 ) -> None:
     """Warn, naming the parameter and the split points dropped, when a parameter read
     by several stages (a head tied to the embedding) merges the units between them."""
-    for uses in pipe.replicated_params:
-        stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
-        lost = [points[b] for b in range(stages[0], stages[-1]) if b in bad]
+    for names, first, last in _tied_spans(pipe):
+        lost = [points[b] for b in range(first, last) if b in bad]
         if lost:
-            names = " and ".join(sorted(set(uses.values())))
             warnings.warn(
-                f"{type(module).__name__}: {names} are one trainable parameter read by "
-                f"stages {stages[0]} and {stages[-1]}; split training cannot keep copies "
+                f"{type(module).__name__}: {' and '.join(names)} are one trainable parameter "
+                f"read by stages {first} and {last}; split training cannot keep copies "
                 "of a trainable parameter equal across stages, so everything between "
                 f"them is one unit (no cut before {', '.join(lost)}). Untie the weights "
                 "(give the head its own parameter; a transformers model: "
                 "tie_word_embeddings=False in its config) to cut there",
-                stacklevel=3,
+                stacklevel=4,
             )
 
 
@@ -740,16 +743,13 @@ def _warn_merged(
     carry (one without a batch dimension, e.g. T5's position bias, computed from a
     trainable parameter in one block and read by every later one). Ties warn apart
     (:func:`_warn_ties`)."""
-    tied: set[int] = set()
-    for uses in pipe.replicated_params:
-        stages = sorted(int(s.rsplit("_", 1)[1]) for s in uses)
-        tied.update(range(stages[0], stages[-1]))
+    tied = {b for _, first, last in _tied_spans(pipe) for b in range(first, last)}
     lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
     if lost:
         warnings.warn(
             f"{type(module).__name__}: no cut before {'; '.join(lost)}: what crosses there "
             "cannot be cut into micro-batches, so the units on either side are one",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
