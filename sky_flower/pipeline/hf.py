@@ -167,7 +167,7 @@ def hf_sequential(
         input_shape = [int(seq_len)]
     # the same arguments give the same model: a node that builds it for every message
     # traces it once per process (a copy each call; a checkpoint by its files' times)
-    key = _cache_key(list(input_shape), input_dtype, split_points, kwargs)
+    key = _cache_key([list(input_shape), input_dtype, split_points], kwargs)
     if key not in _CONVERTED:
         module = hf_module(**kwargs)
         _CONVERTED[key] = sequential_of(module, input_shape, input_dtype, split_points)
@@ -177,15 +177,14 @@ def hf_sequential(
 _CONVERTED: dict[str, nn.Sequential] = {}
 
 
-def _cache_key(*parts: Any) -> str:  # noqa: ANN401 - JSON-able arguments
-    """The conversion's arguments (and a checkpoint directory's file times) as a key."""
-    kwargs = parts[-1]
+def _cache_key(conversion: list, kwargs: Mapping[str, Any]) -> str:
+    """The conversion's arguments, :func:`hf_module`'s ``kwargs`` (and a checkpoint
+    directory's file times) and the default device, as a key."""
     stamp = None
-    if kwargs.get("pretrained"):
-        path = Path(kwargs["pretrained"])
-        if path.is_dir():
-            stamp = sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir())
-    return json.dumps([*parts, stamp, str(torch.get_default_device())], sort_keys=True, default=str)
+    if kwargs.get("pretrained") and Path(kwargs["pretrained"]).is_dir():
+        stamp = sorted((f.name, f.stat().st_mtime_ns) for f in Path(kwargs["pretrained"]).iterdir())
+    parts = [conversion, dict(kwargs), stamp, str(torch.get_default_device())]
+    return json.dumps(parts, sort_keys=True, default=str)
 
 
 def pretrained_state_dict(

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 
 def _is_split(node: fx.Node) -> bool:
@@ -81,10 +81,11 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     # the source has fewer elements per sample (BERT's (B, 1, T, T) mask from the (B, T)
     # ids)
     source: dict[fx.Node, fx.Node] = {}
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     trained: set[fx.Node] = set()  # reads a parameter: never recomputed elsewhere
     for node in graph.nodes:
         if node.op == "get_attr":
-            if isinstance(_attr(gm, str(node.target)), nn.Parameter):
+            if node.target in params:
                 trained.add(node)
         elif any(i in trained for i in node.all_input_nodes):
             trained.add(node)
@@ -102,6 +103,7 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         for n, root in source.items()
         if (k := _sample_numel(root)) is not None and k < (_sample_numel(n) or 0)
     }
+    recomputable = free | source.keys()
     clones: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def crossing_inputs(q: int, before: fx.Node) -> list[fx.Node]:
@@ -117,7 +119,7 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     def clone(node: fx.Node, q: int, before: fx.Node) -> fx.Node | None:
         """``node`` computed again in stage ``q``, inserted before ``before`` (a
         derived value's integer source is read as it is: it crosses instead)."""
-        if node.op == "get_attr" or part[node] == q or node not in free | source.keys():
+        if node.op == "get_attr" or part[node] == q or node not in recomputable:
             return node
         if (node, q) in clones:
             return clones[(node, q)]
@@ -151,8 +153,9 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         clones[(node, q)] = copy_
         return copy_
 
+    moved = free | cheaper
     for node in list(graph.nodes):
-        if node not in free | cheaper or node.op == "get_attr":
+        if node not in moved or node.op == "get_attr":
             continue
         for user in list(node.users):
             q = part[user]
@@ -163,20 +166,12 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
             if got is not None:
                 user.replace_input_with(node, got)
     for node in reversed(list(graph.nodes)):  # what no stage reads any more
-        if node in free | source.keys() and node.op != "get_attr" and not node.users:
+        if node in recomputable and node.op != "get_attr" and not node.users:
             graph.erase_node(node)
     _sort_within_stages(graph, part)
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _attr(gm: nn.Module, target: str) -> Any:  # noqa: ANN401 - a tensor or module
-    """``gm``'s attribute at the dotted path ``target`` (None where there is none)."""
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom, None)
-    return obj
 
 
 def _sample_numel(node: fx.Node) -> int | None:
