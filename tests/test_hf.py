@@ -87,27 +87,31 @@ def test_a_raw_transformers_model_is_refused_naming_the_wrapper():
         sequential_of(raw, [8], "int64")
 
 
+class T5Encoder(torch.nn.Module):
+    """A tiny T5 encoder as ``ids (B, T) -> hidden states``: ``shared`` and
+    ``encoder.embed_tokens`` are one tensor, and block 0 makes the position bias every
+    later block reads."""
+
+    def __init__(self, num_layers: int):
+        super().__init__()
+        import transformers
+
+        cfg = transformers.T5Config(
+            vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=num_layers, num_heads=4
+        )
+        self.m = transformers.T5EncoderModel(cfg)
+
+    def forward(self, ids):
+        return self.m(input_ids=ids).last_hidden_state
+
+
 def test_aliased_weights_come_back_under_every_key():
     """T5's encoder reads ``shared`` as ``encoder.embed_tokens``: one tensor, two keys of
     the module's state dict; the converted model holds it once."""
-    import transformers
-
     from sky_flower.pipeline.graph import original_state_dict, sequential_of
 
-    cfg = transformers.T5Config(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4
-    )
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = transformers.T5EncoderModel(cfg)
-
-        def forward(self, ids):
-            return self.m(input_ids=ids).last_hidden_state
-
     torch.manual_seed(0)
-    model = Encoder()
+    model = T5Encoder(num_layers=2)
     with pytest.warns(UserWarning, match="no cut before m.encoder.block.1"):  # (below)
         seq = sequential_of(model, [8], "int64")
     state = original_state_dict(seq.state_dict(), like=model)
@@ -141,24 +145,12 @@ def test_a_cut_a_batchless_value_crosses_is_dropped_with_a_warning():
     """T5's position bias (1, heads, T, T) is made in block 0 from a trainable
     parameter and read by every later block: no cut between blocks can carry it into
     micro-batches, and the warning names the cut and the value (it was silent)."""
-    import transformers
-
     from sky_flower.pipeline.graph import as_sequential
 
-    cfg = transformers.T5Config(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3, num_heads=4
-    )
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = transformers.T5EncoderModel(cfg)
-
-        def forward(self, ids):
-            return self.m(input_ids=ids).last_hidden_state
-
     with pytest.warns(UserWarning, match=r"no cut before m\.encoder\.block\.2 \(.*without a batch"):
-        seq = as_sequential(Encoder(), torch.zeros(2, 8, dtype=torch.long), ["m.encoder.block.2"])
+        seq = as_sequential(
+            T5Encoder(num_layers=3), torch.zeros(2, 8, dtype=torch.long), ["m.encoder.block.2"]
+        )
     assert len(seq) == 1 and seq.split_points == []
 
 

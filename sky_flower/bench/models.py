@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import platform
 import time
 import warnings
@@ -110,15 +109,10 @@ ERROR_CHARS = 420  # of an error's text in the table (results.json keeps all of 
 # the machine, the data
 # --------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    """CPU model, cores, torch threads, Python, torch and transformers versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """CPU model and logical cores, torch threads, Python, torch and transformers
+    versions."""
+    from sky_flower.pipeline.device import cpu_name
+
     try:
         import transformers
 
@@ -126,8 +120,7 @@ def machine() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - the hf extra is installed here
         tf_version = "not installed"
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
+        "cpu": cpu_name(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -490,8 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     info = machine()
     print(
-        f"Machine: {info['cpu']}, {info['cores']} cores (torch on {info['torch_threads']} "
-        f"thread), Python {info['python']}, "
+        f"Machine: {info['cpu']}, torch on {info['torch_threads']} "
+        f"thread, Python {info['python']}, "
         f"torch {info['torch']}, transformers {info['transformers']}"
     )
     print(fleet_line())
