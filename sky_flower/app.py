@@ -390,9 +390,11 @@ def owns_data(context: Context) -> bool:
 def register_sky_client(
     app: ClientApp,
     model_fn: Callable[[], nn.Module],
-    load_data: Callable[[int, int], Split],
+    load_data: Callable[[int, int], Any],
     loss_fn: LossFn | None = None,
     metric_fn: MetricFn | None = None,
+    input_keys: str | Sequence[str] | None = None,
+    label_key: str | None = None,
 ) -> ClientApp:
     """Add Sky's handlers to a ClientApp, beside its own.
 
@@ -401,27 +403,48 @@ def register_sky_client(
     app : ClientApp
         The app's ClientApp (its ``train`` / ``evaluate`` handlers stay).
     model_fn : callable
-        ``() -> nn.Sequential``, the same model as the ServerApp's.
+        ``() -> nn.Sequential``, the same model as the ServerApp's (a module of your
+        own: ``lambda: sequential_of(Net(), input_shape)``).
     load_data : callable
-        ``(partition_id, num_partitions) -> Split``: the app's own partition loader
-        (numpy ``x`` of shape ``(n, *input_shape)``, int64 ``y`` of shape ``(n,)``). It is
-        called only on data owners (:func:`owns_data`), with the node config's
-        ``partition-id`` and ``num-partitions``, and cached per node.
+        ``(partition_id, num_partitions) -> partition``: the app's own partition loader,
+        returning a :class:`~sky_flower.pipeline.data.Split` (numpy ``x`` ``(n,
+        *input_shape)``, ``y`` ``(n,)``), a map-style torch ``Dataset``, a
+        ``DataLoader`` (its data set and ``collate_fn``; Sky draws the batches), a
+        ``datasets.Dataset`` (a ``flwr_datasets`` partition), or a Flower app's
+        ``(trainloader, testloader)`` (the first is trained on); see
+        :mod:`sky_flower.pipeline.sources`. A loader with more arguments goes in as
+        ``functools.partial(load_data, batch_size=32)``. It is called only on data
+        owners (:func:`owns_data`), with the node config's ``partition-id`` and
+        ``num-partitions``, once per node; a sample of it is checked then
+        (:func:`sky_flower.pipeline.sources.check_source`).
     loss_fn, metric_fn : callable, optional
         The last stage's ``(output, labels) -> scalar`` loss and ``(output, labels) ->
         int`` metric (default: those the ServerApp's strategy names; cross-entropy and
         correct predictions), see :class:`sky_flower.sky.node.client.SkyClient`.
+    input_keys, label_key : optional
+        Dict batches (``batch["img"]``, ``batch["input_ids"]``): the model's inputs in
+        its ``forward``'s order and the labels' key (defaults: the one of ``label`` /
+        ``labels``, and the one other key), see
+        :class:`sky_flower.pipeline.sources.DatasetSource`.
 
     Returns
     -------
     ClientApp
         ``app``.
+
+    Raises
+    ------
+    ValueError
+        On a data owner, from the first message that reads its data: a partition of
+        another kind, batches without the named keys, or non-finite values in the
+        sample checked (:func:`sky_flower.pipeline.sources.check_source`).
     """
+    from sky_flower.pipeline.sources import as_source, check_source, model_input_shapes
     from sky_flower.sky.node.client import SkyClient
 
-    cached: dict[tuple[int, int], Split] = {}
+    cached: dict[tuple[int, int], Any] = {}
 
-    def owner_data(context: Context) -> Split | None:
+    def owner_data(context: Context) -> Any:  # noqa: ANN401 - a data source
         if not owns_data(context):
             return None
         key = (
@@ -429,7 +452,10 @@ def register_sky_client(
             int(context.node_config.get("num-partitions", 1)),
         )
         if key not in cached:
-            cached[key] = load_data(*key)
+            shapes = model_input_shapes(model_fn)
+            source = as_source(load_data(*key), input_keys, label_key, shapes)
+            check_source(source, f"partition {key[0]} of {key[1]}")
+            cached[key] = source
         return cached[key]
 
     client = SkyClient(

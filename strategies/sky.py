@@ -50,6 +50,7 @@ from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
+from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.benchmark import Link, benchmark_table, wait_for_nodes
@@ -472,6 +473,10 @@ class SkyStrategy(Strategy):
         hooks' ``on_start`` runs first and ``on_end`` last, with the error if one ends
         the run.
         """
+        keys = self._module_keys(initial_arrays)
+        if keys is not None:  # the app's own Net().state_dict(): the converted model's in
+            initial_arrays = ArrayRecord(keys.to_converted(initial_arrays.to_torch_state_dict()))
+            evaluate_fn = _evaluated_as(keys, evaluate_fn)
         self.hooks.on_start(self)
         try:
             result = self._run(grid, initial_arrays, num_rounds, timeout, evaluate_fn)
@@ -479,7 +484,19 @@ class SkyStrategy(Strategy):
             self.hooks.on_end(self, err)
             raise
         self.hooks.on_end(self, None)
+        if keys is not None:  # and the user's keys out
+            result.arrays = ArrayRecord(keys.to_original(result.arrays.to_torch_state_dict()))
         return result
+
+    def _module_keys(self, arrays: ArrayRecord) -> ModuleKeys | None:
+        """How ``arrays`` (``initial_arrays``) key the model: like the converted model
+        (None) or like the module ``model_fn`` converted (a Flower app's
+        ``ArrayRecord(Net().state_dict())``), see
+        :class:`sky_flower.pipeline.graph.ModuleKeys`."""
+        model = self.model.model_fn()
+        if set(arrays.keys()) == set(model.state_dict()):
+            return None
+        return ModuleKeys.of(model, arrays.to_torch_state_dict())
 
     def _run(
         self,
@@ -529,3 +546,18 @@ class SkyStrategy(Strategy):
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         report.log_final(self.plans, self.settings.allocation, result)
         return result
+
+
+def _evaluated_as(
+    keys: ModuleKeys, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None
+) -> Callable[[int, ArrayRecord], MetricRecord | None] | None:
+    """``evaluate_fn`` handed the global model keyed like the user's module."""
+    if evaluate_fn is None:
+        return None
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        return evaluate_fn(
+            server_round, ArrayRecord(keys.to_original(arrays.to_torch_state_dict()))
+        )
+
+    return evaluate

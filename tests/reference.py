@@ -159,7 +159,9 @@ def _step_batch(data: Any, step: int, rnd: int, batch_size: int, seed: int):  # 
     per_epoch = len(data) // batch_size
     epoch = rnd * 1000 + step // per_epoch
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
-    return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+    if hasattr(data, "batch"):  # a DataLoader's / datasets.Dataset's rows
+        return data.batch(idx)
+    return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])  # a Split's arrays
 
 
 def reference_rounds(  # noqa: PLR0913

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 DATASETS = ("digits",)
 LOADERS = {"digits": "sky_flower.pipeline.data.load_digits"}
@@ -33,6 +37,17 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, labels)`` of samples ``rows`` (int ``(B,)``) as tensors (shared with
+        the arrays' copies ``x[rows]``, ``y[rows]``)."""
+        import torch
+
+        return torch.from_numpy(self.x[rows]), torch.from_numpy(self.y[rows])
+
+    def subset(self, rows: np.ndarray) -> Split:
+        """Samples ``rows`` only."""
+        return Split(self.x[rows], self.y[rows])
 
 
 def load_split(

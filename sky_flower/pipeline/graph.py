@@ -45,7 +45,7 @@ import logging
 import operator
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -648,6 +648,7 @@ def _as_sequential(
             "its eval-mode graph does not reproduce model.eval()'s output"
         )
     seq.input_spec = CutSpec.of(examples) if len(examples) > 1 else None
+    seq.input_shapes = [tuple(e.shape[1:]) for e in examples]  # data sources pad to them
     seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
     said = (type(module).__name__, tuple(points))
@@ -850,6 +851,84 @@ def original_state_dict(
     return {k: out[k] for k in keys}
 
 
+@dataclass(frozen=True)
+class ModuleKeys:
+    """A converted model's state-dict keys (``"<unit>.<name>"``) against those of the
+    module it was converted from (``"<name>"``): what lets a Flower app keep its own
+    ``initial_arrays = ArrayRecord(Net().state_dict())`` and an ``evaluate_fn`` that
+    loads ``Net()`` (:meth:`of`).
+
+    Attributes
+    ----------
+    converted : tuple of str
+        The converted model's keys, in its order.
+    original : tuple of str
+        The user's keys, in their order.
+    aliases : dict
+        A user's key held by no unit -> the user's key holding the same tensor (T5's
+        ``encoder.embed_tokens.weight`` -> ``shared.weight``).
+    """
+
+    converted: tuple[str, ...]
+    original: tuple[str, ...]
+    aliases: Mapping[str, str]
+
+    @classmethod
+    def of(cls, model: nn.Module, state: Mapping[str, Any]) -> ModuleKeys | None:
+        """The translation for ``state`` (keyed like the module ``model`` was converted
+        from), or None when ``state`` is keyed like ``model`` itself (or ``model`` is
+        no converted model: nothing to translate).
+
+        Raises
+        ------
+        ValueError
+            If ``model`` is a converted model and ``state`` is keyed like neither it nor
+            its original module (naming keys of both).
+        """
+        converted = tuple(model.state_dict())
+        if set(state) == set(converted) or not hasattr(model, "split_points"):
+            return None
+        names = {k.split(".", 1)[1] for k in converted}
+        missing = [k for k in converted if k.split(".", 1)[1] not in state]
+        if missing:
+            raise ValueError(
+                f"initial_arrays is keyed neither like the converted model ({converted[:3]}"
+                f"...) nor like the module it was converted from: "
+                f"{[k.split('.', 1)[1] for k in missing[:3]]} are missing; give "
+                "ArrayRecord(Net().state_dict()) of the module model_fn converts"
+            )
+        aliases: dict[str, str] = {}
+        for key in state:
+            if key in names:
+                continue
+            twin = next(
+                (
+                    n
+                    for n in names
+                    if torch.equal(torch.as_tensor(state[n]), torch.as_tensor(state[key]))
+                ),
+                None,
+            )
+            if twin is None:
+                raise ValueError(
+                    f"initial_arrays holds {key!r}, which no unit of the converted model "
+                    "holds: give the state dict of the module model_fn converts"
+                )
+            aliases[key] = twin
+        return cls(converted, tuple(state), aliases)
+
+    def to_converted(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The user's state dict keyed like the converted model (each unit's copy of a
+        shared buffer included)."""
+        return {k: state[k.split(".", 1)[1]] for k in self.converted}
+
+    def to_original(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The converted model's state dict keyed like the user's module, in its order
+        (:func:`original_state_dict`; aliases filled)."""
+        out = original_state_dict(state)
+        return {k: out[self.aliases.get(k, k)] for k in self.original}
+
+
 def sequential_of(
     module: nn.Module,
     input_shape: Sequence[int],
@@ -890,3 +969,41 @@ def sequential_of(
             f"{input_dtype})"
         )
     return as_sequential(module, examples, split_points)
+
+
+def sequential_fn(
+    factory: Callable[[], nn.Module],
+    input_shape: Sequence[int],
+    input_dtype: str = "float32",
+    split_points: Sequence[str] | None = None,
+    inputs: Sequence[Mapping[str, Any]] | None = None,
+) -> Callable[[], nn.Sequential]:
+    """A ``model_fn`` for :func:`sky_flower.app.register_sky_client` and
+    :func:`sky_flower.app.sky_strategy`: ``factory()`` (your ``Net``) converted by
+    :func:`sequential_of`, traced once per process.
+
+    Every call builds a fresh ``factory()`` (its own initialisation) and returns a copy
+    of the first call's conversion holding that module's weights and buffers, so a node
+    that builds the model for every message traces it once (about a second) instead of
+    every time. ``factory`` must build the same architecture on every call.
+
+    Raises
+    ------
+    ValueError
+        As :func:`sequential_of` (on the first call).
+    """
+    template: list[nn.Sequential] = []
+
+    def model_fn() -> nn.Sequential:
+        module = factory()
+        if not template:
+            template.append(sequential_of(module, input_shape, input_dtype, split_points, inputs))
+            return copy.deepcopy(template[0])
+        seq = copy.deepcopy(template[0])
+        keys = ModuleKeys.of(seq, module.state_dict())
+        with torch.no_grad():
+            state = keys.to_converted(module.state_dict()) if keys else module.state_dict()
+            seq.load_state_dict(state)
+        return seq
+
+    return model_fn

@@ -50,6 +50,7 @@ from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
 from sky_flower.pipeline.objective import LossReduction, correct_count
+from sky_flower.pipeline.sources import DataSource, as_source
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -227,12 +228,14 @@ def probe_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def step_batch(
-    data: Split, batch_size: int, server_round: int, seed: int, step: int
+    data: Split | DataSource, batch_size: int, server_round: int, seed: int, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The data owner's batch of training step ``step`` of round ``server_round``.
 
     The owner's examples are shuffled once per epoch (1000 epochs per round at most,
     the order seeded by ``seed``); step ``step`` takes the next ``batch_size`` of them.
+    ``data`` is a numpy :class:`Split` or any :mod:`sky_flower.pipeline.sources` source
+    (a ``DataLoader``'s data set, a ``datasets.Dataset``): the same rows either way.
 
     Returns
     -------
@@ -249,7 +252,7 @@ def step_batch(
         raise ValueError(f"the data owner holds {len(data)} examples, fewer than a batch")
     epoch = server_round * 1000 + step // per_epoch
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
-    return torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
+    return as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
 
 
 def slice_state(full: Mapping, first: int, last: int) -> dict:

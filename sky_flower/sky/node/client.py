@@ -71,6 +71,7 @@ from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
 from sky_flower.pipeline.objective import resolve
+from sky_flower.pipeline.sources import DataSource
 from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
@@ -132,9 +133,10 @@ class SkyClient:
         ``() -> nn.Sequential``: the same model the server uses (only its structure
         matters; weights come from the server).
     load_data : callable
-        ``Context -> Split | None``: this node's local training data (numpy ``x`` of
-        shape ``(n, *input_shape)``, ``y`` int64 labels of shape ``(n,)``), or None if
-        the node holds none. A node whose loader returns data is a data owner. It is
+        ``Context -> Split | DataSource | None``: this node's local training data
+        (numpy ``x`` of shape ``(n, *input_shape)``, ``y`` int64 labels of shape
+        ``(n,)``, or any :mod:`sky_flower.pipeline.sources` source), or None if the
+        node holds none. A node whose loader returns data is a data owner. It is
         called on every training step of the data owner: cache what it loads.
     emulation_fn : callable, optional
         ``Context -> Emulation``: the node's emulated device (slowdown, memory cap,
@@ -153,7 +155,7 @@ class SkyClient:
     def __init__(
         self,
         model_fn: Callable[[], nn.Module],
-        load_data: Callable[[Context], Split | None],
+        load_data: Callable[[Context], Split | DataSource | None],
         emulation_fn: Callable[[Context], Emulation] | None = None,
         loss_fn: LossFn | None = None,
         metric_fn: MetricFn | None = None,

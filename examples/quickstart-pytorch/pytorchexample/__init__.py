@@ -1,0 +1,1 @@
+"""pytorchexample: A Flower / PyTorch app (Flower's quickstart-pytorch, on local data)."""

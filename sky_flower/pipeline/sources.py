@@ -1,0 +1,395 @@
+"""A data owner's partition as Flower apps have it: a map-style PyTorch ``Dataset``, a
+``DataLoader``, a Hugging Face ``datasets.Dataset`` (a ``flwr_datasets`` partition), or
+the numpy :class:`~sky_flower.pipeline.data.Split`; all are read the same way, one
+batch of rows at a time.
+
+Sky's schedule decides every batch (its size and which rows, seeded:
+:func:`sky_flower.pipeline.data.batch_indices`), so a ``DataLoader`` given here lends
+only its ``dataset`` and its ``collate_fn``; its ``batch_size``, ``shuffle`` and
+``sampler`` are not used. The rows of a batch are fetched and collated exactly as a
+``DataLoader`` fetches them (``dataset.__getitems__(rows)`` where the data set has it,
+else ``dataset[i]`` per row, then ``collate_fn``): the transforms a data set applies
+(``datasets.Dataset.with_transform``, a torchvision transform in ``__getitem__``) run
+per batch, on the batch's rows only, and nothing is read whole.
+
+A collated batch becomes the pipeline's ``(x, labels)``:
+
+- a ``(inputs, labels)`` pair (a torchvision-style data set);
+- a mapping (``batch["img"]``, ``batch["label"]``; a tokenizer's ``input_ids``,
+  ``attention_mask`` and ``labels``): ``label_key`` names the labels (default: the
+  one of ``label`` / ``labels`` present) and ``input_keys`` the model's inputs, in the
+  order of its ``forward`` (default: the one other key). Several inputs are packed
+  into one tensor (:func:`sky_flower.pipeline.packing.pack_inputs`), the form a model
+  converted with ``sequential_of(..., inputs=[...])`` takes.
+
+A model converted by :func:`sky_flower.pipeline.graph.sequential_of` has fixed sample
+shapes (``seq.input_shapes``); a batch padded to its own longest sequence (Hugging
+Face's ``DataCollatorWithPadding``) is padded on the right with zeros up to them (an
+attention mask's zeros hide the padding), and labels of a batch's sequence length with
+``-100`` (PyTorch's ignore index). A batch longer than the model's shape is refused,
+naming the input: truncate it in the tokenizer (``max_length``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812 - PyTorch's own alias
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
+
+#: Label keys looked for in a dict batch when ``label_key`` is not given.
+LABEL_KEYS = ("label", "labels")
+#: Rows the up-front checks read from a data source that is not in memory: the first two
+#: and a seeded sample of the rest (:func:`sample_rows`).
+CHECK_ROWS = 256
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """What a data owner trains on: ``len(source)`` samples, read by rows."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, labels)`` of samples ``rows`` (int ``(B,)``), batch dimension first."""
+        ...
+
+    def subset(self, rows: np.ndarray) -> DataSource:
+        """The source of samples ``rows`` only (a partition of it)."""
+        ...
+
+
+class DatasetSource:
+    """A map-style ``Dataset`` (a ``datasets.Dataset`` included) read in batches of rows
+    as a ``DataLoader`` reads it.
+
+    Parameters
+    ----------
+    dataset : torch.utils.data.Dataset
+        Map-style: ``len(dataset)`` and ``dataset[i]`` (or ``__getitems__``).
+    collate_fn : callable, optional
+        ``list of samples -> batch`` (default ``torch.utils.data.default_collate``).
+    input_keys : str or sequence of str, optional
+        Dict batches: the model's inputs, in ``forward``'s order.
+    label_key : str, optional
+        Dict batches: the labels.
+    input_shapes : sequence of shapes, or a callable returning one, optional
+        Each input's sample shape (without the batch dimension) that the model takes:
+        shorter batches are padded up to it. A callable is called once, at the first
+        batch (a converted model's ``input_shapes``, read where the model is built).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,  # noqa: ANN401 - any map-style data set
+        collate_fn: Callable[[list], Any] | None = None,
+        input_keys: str | Sequence[str] | None = None,
+        label_key: str | None = None,
+        input_shapes: Sequence[Sequence[int]] | Callable[[], Any] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
+        self.input_keys = [input_keys] if isinstance(input_keys, str) else input_keys
+        self.label_key = label_key
+        self._shapes = input_shapes
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __repr__(self) -> str:
+        return f"DatasetSource({type(self.dataset).__name__}, {len(self)} samples)"
+
+    def subset(self, rows: np.ndarray) -> DatasetSource:
+        """Samples ``rows`` as a source read the same way (``torch.utils.data.Subset``;
+        a ``datasets.Dataset`` selects them itself, keeping its transform)."""
+        idx = [int(i) for i in rows]
+        hf = _is_hf_dataset(self.dataset)
+        data = self.dataset.select(idx) if hf else Subset(self.dataset, idx)
+        return DatasetSource(data, self.collate_fn, self.input_keys, self.label_key, self._shapes)
+
+    def raw_batch(self, rows: np.ndarray) -> Any:  # noqa: ANN401 - whatever collate_fn makes
+        """Samples ``rows`` fetched and collated by a ``DataLoader`` (one batch, in the
+        order of ``rows``, in this process)."""
+        loader = DataLoader(
+            self.dataset, batch_sampler=[[int(i) for i in rows]], collate_fn=self.collate_fn
+        )
+        return next(iter(loader))
+
+    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, labels)`` of samples ``rows`` (int ``(B,)``): ``x`` ``(B, *input_shape)``
+        (several inputs packed: ``(B, n)``), ``labels`` ``(B, ...)``.
+
+        Raises
+        ------
+        ValueError
+            On a batch that is neither a pair nor a mapping, a label or input key it does
+            not hold (naming the keys it holds), a value that is not a tensor, or an
+            input longer than the model's shape.
+        """
+        inputs, labels = self.split_batch(self.raw_batch(rows))
+        if self._shapes is not None and callable(self._shapes):
+            self._shapes = self._shapes()
+        if self._shapes is not None:
+            inputs, labels = pad_to(inputs, labels, self._shapes, self._names(len(inputs)))
+        if len(inputs) == 1:
+            return inputs[0], labels
+        from sky_flower.pipeline.packing import pack_inputs
+
+        return pack_inputs(inputs), labels
+
+    def _names(self, n: int) -> list[str]:
+        return list(self.input_keys) if self.input_keys else [f"input {i}" for i in range(n)]
+
+    def split_batch(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:  # noqa: ANN401
+        """A collated batch as ``([inputs...], labels)``.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`batch`.
+        """
+        if isinstance(batch, Mapping):
+            label_key = self.label_key or _default_label_key(batch)
+            if label_key not in batch:
+                raise ValueError(
+                    f"label_key={label_key!r} is not in the data set's batches, whose keys "
+                    f"are {sorted(batch)}: give the labels' key as label_key"
+                )
+            keys = self.input_keys or [k for k in batch if k != label_key]
+            missing = [k for k in keys if k not in batch]
+            if missing or len(keys) != 1 and not self.input_keys:
+                what = f"input_keys {missing} are not" if missing else "several inputs are"
+                raise ValueError(
+                    f"{what} in the data set's batches, whose keys are {sorted(batch)} "
+                    f"(labels: {label_key!r}): give the model's inputs in the order its "
+                    f"forward takes them, e.g. input_keys={[k for k in batch if k != label_key]}"
+                )
+            inputs, labels = [batch[k] for k in keys], batch[label_key]
+            names = list(keys) + [label_key]
+        elif isinstance(batch, tuple | list) and len(batch) == 2:
+            inputs, labels = [batch[0]], batch[1]
+            names = ["inputs", "labels"]
+        else:
+            raise ValueError(
+                f"the data set's batches are {type(batch).__name__}"
+                + (f" of {len(batch)} items" if isinstance(batch, tuple | list) else "")
+                + ": give (inputs, labels) pairs or dicts (name the keys with input_keys and "
+                "label_key)"
+            )
+        for name, value in zip(names, [*inputs, labels], strict=True):
+            if not torch.is_tensor(value):
+                raise ValueError(
+                    f"the data set's batch holds {name!r} as {type(value).__name__}, not a "
+                    "tensor: turn it into one in the data set's transform or collate_fn "
+                    "(e.g. datasets.Dataset.with_format('torch'), torchvision's ToTensor, "
+                    "a padding collator for sequences of different lengths)"
+                )
+        return list(inputs), labels
+
+
+def _default_label_key(batch: Mapping) -> str:
+    found = [k for k in LABEL_KEYS if k in batch]
+    return found[0] if len(found) == 1 else "label"
+
+
+def pad_to(
+    inputs: list[torch.Tensor],
+    labels: torch.Tensor,
+    shapes: Sequence[Sequence[int]],
+    names: Sequence[str],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Pad each input ``(B, *s)`` on the right with zeros up to ``(B, *shapes[i])``, and
+    labels ``(B, L)`` whose ``L`` is the first input's padded length with ``-100``
+    (integers; float labels with 0).
+
+    Raises
+    ------
+    ValueError
+        On a count of inputs other than ``len(shapes)``, or an input of another rank or
+        longer than its shape (naming it and the model's shape).
+    """
+    if len(inputs) != len(shapes):
+        raise ValueError(
+            f"the model takes {len(shapes)} input(s) but the data set gives {len(inputs)} "
+            f"({list(names)}): name the model's inputs with input_keys"
+        )
+    out = []
+    for t, shape, name in zip(inputs, shapes, names, strict=True):
+        have, want = tuple(t.shape[1:]), tuple(int(d) for d in shape)
+        if have == want:
+            out.append(t)
+            continue
+        if len(have) != len(want) or any(h > w for h, w in zip(have, want, strict=True)):
+            raise ValueError(
+                f"the data set's {name!r} has samples of shape {list(have)} but the model "
+                f"takes {list(want)}: "
+                + (
+                    f"truncate them to {list(want)} (a tokenizer's max_length={want[-1]}, "
+                    "truncation=True) or convert the model for the longer shape"
+                    if len(have) == len(want)
+                    else "reshape them in the data set's transform"
+                )
+            )
+        pad: list[int] = []
+        for h, w in zip(reversed(have), reversed(want), strict=True):
+            pad += [0, w - h]
+        out.append(F.pad(t, pad))
+    first_have = tuple(inputs[0].shape[1:])
+    first_want = tuple(out[0].shape[1:])
+    if labels.dim() == 2 and first_have != first_want and labels.shape[1] == first_have[-1]:
+        fill = -100 if not labels.dtype.is_floating_point else 0.0
+        labels = F.pad(labels, [0, first_want[-1] - first_have[-1]], value=fill)
+    return out, labels
+
+
+def _is_hf_dataset(obj: object) -> bool:
+    """A Hugging Face ``datasets.Dataset`` (checked only where ``datasets`` is loaded)."""
+    ds = sys.modules.get("datasets")
+    return ds is not None and isinstance(obj, ds.Dataset)
+
+
+def _refuse_hf_kinds(obj: object) -> None:
+    ds = sys.modules.get("datasets")
+    if ds is None:
+        return
+    if isinstance(obj, ds.DatasetDict):
+        raise ValueError(
+            f"a DatasetDict with splits {sorted(obj)} is not one partition: give one split "
+            "(e.g. partition['train'])"
+        )
+    if isinstance(obj, ds.IterableDataset | ds.IterableDatasetDict):
+        raise ValueError(
+            "a streaming datasets.IterableDataset cannot be read by rows, and Sky's schedule "
+            "draws each step's rows itself (seeded, the same on every run): load it without "
+            "streaming=True, or give a map-style torch Dataset"
+        )
+
+
+def as_source(
+    data: Any,  # noqa: ANN401 - any of the kinds in the module docstring
+    input_keys: str | Sequence[str] | None = None,
+    label_key: str | None = None,
+    input_shapes: Sequence[Sequence[int]] | Callable[[], Any] | None = None,
+) -> Any:  # noqa: ANN401 - a Split or a DatasetSource
+    """The data owner's partition ``data`` as a :class:`DataSource`.
+
+    Parameters
+    ----------
+    data
+        A :class:`~sky_flower.pipeline.data.Split` (returned as it is; any object
+        with arrays ``x`` and ``y`` of one length is read as one); a
+        ``DataLoader`` (its ``dataset`` and ``collate_fn``); a map-style ``Dataset`` or
+        ``datasets.Dataset`` (a ``flwr_datasets`` partition); or a Flower app's
+        ``load_data`` result ``(trainloader, testloader)``, whose first item is used.
+    input_keys, label_key, input_shapes
+        As :class:`DatasetSource`.
+
+    Raises
+    ------
+    ValueError
+        On an iterable-style (streaming) data set, a ``DatasetDict`` or a type that is
+        none of the above, naming what to give instead.
+    """
+    from sky_flower.pipeline.data import Split
+
+    if isinstance(data, tuple | list) and len(data) == 2 and not _arrays(data):
+        data = data[0]  # (trainloader, testloader): train on the first
+    if isinstance(data, Split | DatasetSource):
+        return data
+    x, y = getattr(data, "x", None), getattr(data, "y", None)
+    if hasattr(x, "shape") and hasattr(y, "shape") and len(x) == len(y):
+        return Split(np.asarray(x), np.asarray(y))  # an app's own (x, y) dataclass
+    if isinstance(data, DataLoader):
+        if isinstance(data.dataset, IterableDataset):
+            raise ValueError(
+                "a DataLoader over an IterableDataset cannot be read by rows, and Sky's "
+                "schedule draws each step's rows itself (seeded): give a map-style Dataset"
+            )
+        if data.collate_fn is not default_collate:  # the app's own (a padding collator)
+            return DatasetSource(data.dataset, data.collate_fn, input_keys, label_key, input_shapes)
+        data = data.dataset
+    _refuse_hf_kinds(data)
+    if isinstance(data, IterableDataset):
+        raise ValueError(
+            "an IterableDataset cannot be read by rows, and Sky's schedule draws each "
+            "step's rows itself (seeded): give a map-style Dataset (len and __getitem__)"
+        )
+    if _is_hf_dataset(data) and data.format["type"] is None:
+        data = data.with_format("torch")  # python lists -> tensors, as a DataLoader needs
+    if isinstance(data, Dataset) or _is_hf_dataset(data):
+        return DatasetSource(data, None, input_keys, label_key, input_shapes)
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not _arrays([data]):
+        return DatasetSource(data, None, input_keys, label_key, input_shapes)
+    raise ValueError(
+        f"load_data returned {type(data).__name__}: give a Split (numpy x, y), a map-style "
+        "torch Dataset, a DataLoader, a datasets.Dataset (a flwr_datasets partition) or a "
+        "(trainloader, testloader) pair"
+    )
+
+
+def _arrays(items: Sequence) -> bool:
+    return all(isinstance(i, np.ndarray) or torch.is_tensor(i) for i in items)
+
+
+def sample_rows(n: int, k: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
+    """The rows the up-front checks read from a source of ``n`` samples: the first two
+    and a seeded random ``k - 2`` of the rest (all rows when ``n <= k``), sorted."""
+    if n <= k:
+        return np.arange(n)
+    rest = np.random.default_rng(seed).choice(np.arange(2, n), size=k - 2, replace=False)
+    return np.concatenate([[0, 1], np.sort(rest)])
+
+
+def model_input_shapes(model_fn: Callable[[], Any]) -> Callable[[], Any]:
+    """A callable (called at a source's first batch) returning the sample shapes of
+    ``model_fn()``'s inputs where the model records them (a model converted by
+    :func:`sky_flower.pipeline.graph.sequential_of`: ``input_shapes``), else None (an
+    ``nn.Sequential`` of your own takes the data's shape as it is)."""
+
+    def shapes() -> Any:  # noqa: ANN401 - a list of shapes or None
+        return getattr(model_fn(), "input_shapes", None)
+
+    return shapes
+
+
+def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401 - a source
+    """Refuse a data owner's partition that cannot train, before any step runs: it must
+    hold a sample, read into ``(x, labels)`` tensors (keys, types, shapes:
+    :meth:`DatasetSource.batch`), and hold no ``NaN`` / ``inf``.
+
+    A :class:`~sky_flower.pipeline.data.Split` (in memory) is checked whole; any other
+    source on the rows of :func:`sample_rows` only (the first two and a seeded
+    ``CHECK_ROWS - 2`` of the rest), so a data set larger than memory is not read
+    whole: a non-finite value outside the sample is not seen here.
+
+    Raises
+    ------
+    ValueError
+        Naming ``what`` (the partition), the rows read and what is wrong.
+    """
+    from sky_flower.pipeline.data import Split
+    from sky_flower.pipeline.inputs import check_finite_data
+
+    if len(source) < 1:
+        raise ValueError(f"{what} holds no samples: a data owner needs at least one batch")
+    if isinstance(source, Split):
+        check_finite_data(source, what, "training")
+        return
+    rows = sample_rows(len(source), seed=seed)
+    said = f"{len(rows)} of its {len(source)} samples (the first two and a seeded sample)"
+    try:
+        x, y = source.batch(rows)
+    except ValueError as err:
+        raise ValueError(f"{what}: reading {said}: {err}") from err
+    for name, t in (("inputs", x), ("labels", y)):
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).sum())
+            raise ValueError(
+                f"{what} has non-finite {name} (NaN or inf) in {bad} of {said}; training "
+                "on them makes every stage's output non-finite: clean or impute them in "
+                "the data set's transform"
+            )

@@ -1,0 +1,200 @@
+"""Data sources as Flower apps have them (sky_flower.pipeline.sources): a DataLoader, a
+map-style Dataset, a Hugging Face ``datasets.Dataset`` (a flwr_datasets partition) give
+the data owner exactly the batches of the equivalent numpy Split; dict batches, padding
+to the model's shapes, and the refusals (in-process, no engine)."""
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from flwr_datasets.partitioner import IidPartitioner
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from sky_flower.pipeline.data import Split
+from sky_flower.pipeline.packing import pack_inputs
+from sky_flower.pipeline.sources import DatasetSource, as_source, check_source, sample_rows
+from sky_flower.pipeline.stage import step_batch
+
+datasets.disable_progress_bars()
+N, SHAPE = 40, (3, 4, 4)
+
+
+def _split(seed=0):
+    rng = np.random.default_rng(seed)
+    return Split(rng.random((N, *SHAPE), dtype=np.float32), rng.integers(0, 10, N))
+
+
+class Pairs(Dataset):
+    """A torchvision-style data set: ``(image tensor, int label)`` per index."""
+
+    def __init__(self, split):
+        self.split = split
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.split.x[i]), int(self.split.y[i])
+
+
+def _hf(split):
+    return datasets.Dataset.from_dict({"img": list(split.x), "label": split.y.tolist()})
+
+
+def _as_tensor(batch):  # a with_transform: per batch, lazily
+    batch["img"] = [torch.as_tensor(np.asarray(i, dtype=np.float32)) for i in batch["img"]]
+    return batch
+
+
+SOURCES = {
+    "DataLoader(TensorDataset)": lambda s: DataLoader(
+        TensorDataset(torch.from_numpy(s.x), torch.from_numpy(s.y)), batch_size=7, shuffle=True
+    ),
+    "map-style Dataset": Pairs,
+    "DataLoader(Dataset)": lambda s: DataLoader(Pairs(s), batch_size=3),
+    "datasets.Dataset": _hf,
+    "datasets.Dataset.with_transform in a DataLoader": lambda s: DataLoader(
+        _hf(s).with_transform(_as_tensor), batch_size=5
+    ),
+    "(trainloader, testloader)": lambda s: (DataLoader(Pairs(s)), DataLoader(Pairs(s))),
+}
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_source_gives_the_splits_batches(kind):
+    split = _split()
+    source = as_source(SOURCES[kind](split))
+    assert isinstance(source, DatasetSource) and len(source) == N
+    for step in range(7):  # several epochs of the data owner's seeded order
+        x, y = step_batch(source, 8, server_round=2, seed=3, step=step)
+        ex, ey = step_batch(split, 8, server_round=2, seed=3, step=step)
+        assert x.dtype == ex.dtype and torch.equal(x, ex), step
+        assert torch.equal(y.long(), ey), step
+    rows = np.array([9, 1, 30])
+    part = source.subset(rows)
+    assert len(part) == 3
+    assert torch.equal(part.batch(np.array([2, 0]))[0], torch.from_numpy(split.x[[30, 9]]))
+
+
+def test_a_flwr_datasets_partition_with_lazy_transform():
+    split = _split()
+    partitioner = IidPartitioner(num_partitions=4)
+    partitioner.dataset = _hf(split)
+    part = partitioner.load_partition(1)  # what a Flower app's load_data hands Sky
+    calls = []
+
+    def transform(batch):
+        calls.append(len(batch["img"]))
+        return _as_tensor(batch)
+
+    source = as_source(DataLoader(part.with_transform(transform), batch_size=4))
+    x, y = source.batch(np.array([0, 3]))
+    assert calls == [2]  # the transform ran on the batch's rows only
+    plain = [part[i] for i in (0, 3)]  # the partition's rows, read without the transform
+    assert y.tolist() == [r["label"] for r in plain]
+    want = torch.stack([torch.tensor(np.asarray(r["img"], dtype=np.float32)) for r in plain])
+    assert torch.equal(x, want)
+
+
+def _text_batches():
+    """Dict batches as a tokenizer and a padding collator make them: lengths differ."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 7, N)
+    rows = [
+        {
+            "input_ids": rng.integers(1, 50, n).tolist(),
+            "attention_mask": [1] * int(n),
+            "labels": int(rng.integers(0, 2)),
+        }
+        for n in lengths
+    ]
+
+    def pad_collate(batch):
+        longest = max(len(b["input_ids"]) for b in batch)
+        out = {k: [] for k in batch[0]}
+        for b in batch:
+            pad = longest - len(b["input_ids"])
+            out["input_ids"].append(b["input_ids"] + [0] * pad)
+            out["attention_mask"].append(b["attention_mask"] + [0] * pad)
+            out["labels"].append(b["labels"])
+        return {k: torch.tensor(v) for k, v in out.items()}
+
+    return rows, pad_collate
+
+
+def test_dict_batches_pack_the_named_inputs_padded_to_the_models_shape():
+    rows, collate = _text_batches()
+    loader = DataLoader(rows, batch_size=4, collate_fn=collate)
+    source = as_source(loader, input_keys=["input_ids", "attention_mask"], label_key="labels")
+    pick = np.array([0, 5, 2])
+    x, y = as_source(loader, ["input_ids", "attention_mask"], "labels").batch(pick)
+    raw = collate([rows[i] for i in pick])
+    assert torch.equal(x, pack_inputs([raw["input_ids"], raw["attention_mask"]]))
+    assert torch.equal(y, raw["labels"])
+    # a converted model of a fixed length 8: padded with zeros on the right (mask 0)
+    source = as_source(loader, ["input_ids", "attention_mask"], "labels", lambda: [(8,), (8,)])
+    x, _ = source.batch(pick)
+    ids, mask = x[:, :8], x[:, 8:]
+    n = raw["input_ids"].shape[1]
+    assert torch.equal(ids[:, :n], raw["input_ids"]) and not ids[:, n:].any()
+    assert torch.equal(mask[:, :n], raw["attention_mask"]) and not mask[:, n:].any()
+    with pytest.raises(ValueError, match=r"truncate them to \[3\].*max_length=3"):
+        as_source(loader, ["input_ids", "attention_mask"], "labels", [(3,), (3,)]).batch(pick)
+
+
+def test_token_labels_are_padded_with_the_ignore_index():
+    rows, collate = _text_batches()
+
+    def lm_collate(batch):
+        out = collate(batch)
+        return {"input_ids": out["input_ids"], "labels": out["input_ids"].clone()}
+
+    source = as_source(DataLoader(rows, collate_fn=lm_collate), input_shapes=[(9,)])
+    x, y = source.batch(np.array([1, 2]))
+    n = lm_collate([rows[1], rows[2]])["input_ids"].shape[1]
+    assert x.shape == (2, 9) and y.shape == (2, 9)
+    assert (y[:, n:] == -100).all() and torch.equal(y[:, :n], x[:, :n])
+
+
+def test_several_inputs_need_input_keys_and_missing_keys_are_named():
+    rows, collate = _text_batches()
+    loader = DataLoader(rows, collate_fn=collate)
+    with pytest.raises(ValueError, match=r"input_keys=\['input_ids', 'attention_mask'\]"):
+        as_source(loader).batch(np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"label_key='target' is not in .*'labels'"):
+        as_source(loader, "input_ids", "target").batch(np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"\['token_type_ids'\] are not in"):
+        as_source(loader, ["input_ids", "token_type_ids"]).batch(np.array([0, 1]))
+
+
+def test_refusals_name_what_to_give_instead():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ValueError, match="IterableDataset cannot be read by rows"):
+        as_source(Stream())
+    with pytest.raises(ValueError, match="DataLoader over an IterableDataset"):
+        as_source(DataLoader(Stream()))
+    hf = _hf(_split())
+    with pytest.raises(ValueError, match=r"DatasetDict.*give one split"):
+        as_source(hf.train_test_split(test_size=0.5))
+    with pytest.raises(ValueError, match="streaming"):
+        as_source(hf.to_iterable_dataset())
+    with pytest.raises(ValueError, match="load_data returned int"):
+        as_source(3)
+    strings = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
+    with pytest.raises(ValueError, match=r"holds 'text' as list, not a tensor"):
+        as_source(strings, "text").batch(np.array([0, 1]))
+
+
+def test_check_source_samples_a_large_source_and_finds_nan_in_the_sample():
+    split = _split()
+    split.x[17, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"partition 0 of 1 has non-finite inputs .* 1 of 40"):
+        check_source(as_source(Pairs(split)), "partition 0 of 1")
+    rows = sample_rows(10_000)
+    assert len(rows) == 256 and list(rows[:2]) == [0, 1] and len(set(rows)) == 256
+    assert np.array_equal(rows, sample_rows(10_000))  # seeded
+    with pytest.raises(ValueError, match="holds no samples"):
+        check_source(as_source(Pairs(Split(split.x[:0], split.y[:0]))), "partition 3 of 4")
