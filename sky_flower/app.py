@@ -165,10 +165,10 @@ def validate_run_config(
 def sky_strategy(
     run_config: Mapping[str, Any],
     model_fn: Callable[[], nn.Module],
-    input_shape: list[int],
+    input_shape: list[int] | None = None,
     app_keys: tuple[str, ...] = (),
     hooks: Sequence[Any] = (),
-    input_dtype: str = "float32",
+    input_dtype: str | None = None,
     **removed: Any,  # noqa: ANN401 - keywords it once passed on: refused, naming their key
 ) -> Any:  # noqa: ANN401 - sky_flower.strategies.sky.SkyStrategy, imported lazily
     """A :class:`sky_flower.strategies.sky.SkyStrategy` built from the run config.
@@ -183,14 +183,17 @@ def sky_strategy(
         ``context.run_config`` (validated here, see :func:`validate_run_config`).
     model_fn : callable
         ``() -> nn.Module``: the model, as on the nodes.
-    input_shape : list of int
-        One sample's shape, without the batch dimension (e.g. ``[64]``).
+    input_shape : list of int, optional
+        One sample's shape, without the batch dimension (e.g. ``[64]``); default: a
+        converted model's own (:func:`sky_flower.pipeline.graph.sequential_fn`,
+        several inputs packed), required for a model of your own.
     app_keys : tuple of str
         The app's own run-config keys, allowed besides Sky's.
     hooks : sequence of SkyHooks
         Observers of the run (:class:`sky_flower.sky.rounds.hooks.SkyHooks`).
-    input_dtype : str
-        The model input's dtype (``"int64"`` for token ids).
+    input_dtype : str, optional
+        The model input's dtype (``"int64"`` for token ids); default: a converted
+        model's own, else ``"float32"``.
 
     Raises
     ------
@@ -223,6 +226,17 @@ def sky_strategy(
 
     cfg = validate_run_config(run_config, app_keys)
     settings, nodes = cfg.settings, cfg.nodes
+    if input_shape is None or input_dtype is None:
+        from sky_flower.pipeline.graph import model_input
+
+        shape, dtype = model_input(model_fn())
+        if input_shape is None and shape is None:
+            raise ValueError(
+                "sky_strategy needs input_shape (one sample's shape, e.g. [64]) for a model "
+                "that is not converted by sky_flower.pipeline.graph.sequential_fn / sequential_of"
+            )
+        input_shape = list(shape) if input_shape is None else input_shape
+        input_dtype = input_dtype or dtype or "float32"
     hooks = list(hooks)
     if settings.results_path:
         path = Path(settings.results_path)
@@ -387,6 +401,38 @@ def owns_data(context: Context) -> bool:
     return node_emulation(context).holds_data
 
 
+def run_config_arguments(
+    load_data: Callable[..., Any], run_config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The arguments of ``load_data``'s parameters after ``(partition_id,
+    num_partitions)`` that have no default, from the run config: parameter
+    ``batch_size`` is key ``batch-size`` (``_`` read as ``-``), ``model_name`` is
+    ``model-name`` (Flower's quickstart apps' ``load_data(partition_id, num_partitions,
+    batch_size)``).
+
+    Raises
+    ------
+    ValueError
+        If the run config has no such key (naming the parameter and the key to add).
+    """
+    import inspect
+
+    params = list(inspect.signature(load_data).parameters.values())[2:]
+    out = {}
+    for p in params:
+        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        key = p.name.replace("_", "-")
+        if key not in run_config:
+            raise ValueError(
+                f"load_data takes {p.name!r} after (partition_id, num_partitions): add "
+                f"{key} to the app's [tool.flwr.app.config], or bind it "
+                f"(functools.partial(load_data, {p.name}=...))"
+            )
+        out[p.name] = run_config[key]
+    return out
+
+
 def register_sky_client(
     app: ClientApp,
     model_fn: Callable[[], nn.Module],
@@ -412,8 +458,11 @@ def register_sky_client(
         ``DataLoader`` (its data set and ``collate_fn``; Sky draws the batches), a
         ``datasets.Dataset`` (a ``flwr_datasets`` partition), or a Flower app's
         ``(trainloader, testloader)`` (the first is trained on); see
-        :mod:`sky_flower.pipeline.sources`. A loader with more arguments goes in as
-        ``functools.partial(load_data, batch_size=32)``. It is called only on data
+        :mod:`sky_flower.pipeline.sources`. Its further parameters without a default
+        are read from the run config by name (``batch_size`` from ``batch-size``,
+        ``model_name`` from ``model-name``: :func:`run_config_arguments`), as the app's
+        own handlers read them; Sky's schedule decides the batches whatever
+        ``batch_size`` says. It is called only on data
         owners (:func:`owns_data`), with the node config's ``partition-id`` and
         ``num-partitions``, once per node; a sample of it is checked then
         (:func:`sky_flower.pipeline.sources.check_source`).
@@ -453,7 +502,8 @@ def register_sky_client(
         )
         if key not in cached:
             shapes = model_input_shapes(model_fn)
-            source = as_source(load_data(*key), input_keys, label_key, shapes)
+            data = load_data(*key, **run_config_arguments(load_data, context.run_config))
+            source = as_source(data, input_keys, label_key, shapes)
             check_source(source, f"partition {key[0]} of {key[1]}")
             cached[key] = source
         return cached[key]

@@ -17,16 +17,18 @@ import torch
 from flwr.app import Context, RecordDict
 from flwr.common.config import parse_config_args
 from reference import IN_PROCESS_RUN, reference_rounds
+from sky_flower.strategies.sky import SkyStrategy
 
 from sky_flower.app import load_fleet
 from sky_flower.deploy import app_run_config, node_config
 from sky_flower.flower.inprocess import InProcessGrid
-from sky_flower.pipeline.graph import ModuleKeys
-from sky_flower.pipeline.sources import as_source
+from sky_flower.pipeline.graph import ModuleKeys, sequential_fn
+from sky_flower.pipeline.sources import as_source, model_input_shapes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 APPS = {  # FedAvg app (as Flower writes it) -> the same app switched to Sky
     "quickstart-pytorch": ("pytorchexample", "pytorchexample_sky"),
+    "quickstart-huggingface": ("huggingface_example", "huggingface_example_sky"),
 }
 
 
@@ -58,13 +60,17 @@ def _app_modules(app: str):
     return [importlib.import_module(f"{pkg}.{m}") for m in ("task", "client_app", "server_app")]
 
 
-def test_quickstart_pytorch_switched_trains_exactly_as_unsplit(
-    tmp_path, monkeypatch, server_identity
-):
-    task, client_app, server_app = _app_modules("quickstart-pytorch")
+@pytest.mark.parametrize("app", list(APPS))
+def test_the_switched_app_trains_exactly_as_unsplit(app, tmp_path, monkeypatch, server_identity):
+    """Flower's app, switched: its ServerApp's main on an in-process Grid of its
+    ClientApp, split over a data owner and two helpers, equals unsplit training of the
+    same (converted) model on the owner's batches from the app's own load_data."""
+    monkeypatch.setenv("SKY_FLOWER_CACHE", str(tmp_path / "cache"))  # the text app's model
+    monkeypatch.chdir(tmp_path)  # where the image app's ServerApp saves final_model.pt
+    task, client_app, server_app = _app_modules(app)
     rounds, steps = 2, 3
     run = {
-        **app_run_config(EXAMPLES / "quickstart-pytorch-sky"),
+        **app_run_config(EXAMPLES / f"{app}-sky"),
         **IN_PROCESS_RUN,
         "fleet": "edge3",  # one data owner (the phone) and two helpers
         "allocation": "even",  # a split across all three
@@ -75,24 +81,33 @@ def test_quickstart_pytorch_switched_trains_exactly_as_unsplit(
         "state-probe-mb": 0.0,
         "results-path": str(tmp_path / "results.json"),
     }
-    monkeypatch.chdir(tmp_path)  # where the ServerApp saves final_model.pt
     fleet = load_fleet("edge3")  # node configs as `python -m sky_flower.deploy` writes them
     configs = {
         n.name: parse_config_args([node_config(n, i, len(fleet))]) for i, n in enumerate(fleet)
     }
     grid = InProcessGrid(dict.fromkeys(configs, client_app.app), configs, run)
-    torch.manual_seed(0)  # the ServerApp's global_model = Net()
-    initial = task.Net().state_dict()
-    torch.manual_seed(0)
-    server_app.main(grid, Context(0, 0, {}, RecordDict(), run))
-    final = torch.load(tmp_path / "final_model.pt")
-    assert list(final) == list(initial)  # the app's own keys, as FedAvg saves them
+    seen = []
+    start = SkyStrategy.start
 
-    # unsplit: the converted Net, on the owner's batches from the app's own load_data
-    model_fn = task_model_fn(client_app)
+    def start_and_keep(self, *args, **kwargs):  # the ServerApp's own initial_arrays / result
+        seen.append(kwargs["initial_arrays"].to_torch_state_dict())
+        result = start(self, *args, **kwargs)
+        seen.append(result.arrays.to_torch_state_dict())
+        return result
+
+    monkeypatch.setattr(SkyStrategy, "start", start_and_keep)
+    server_app.main(grid, Context(0, 0, {}, RecordDict(), run))
+    initial, final = seen
+    assert list(final) == list(initial)  # the app's own keys in and out, as with FedAvg
+
+    # unsplit: the converted model, on the owner's batches from the app's own load_data
+    model_fn = MODEL_FNS[app](task, client_app)  # as the app passes it to register_sky_client
     keys = ModuleKeys.of(model_fn(), initial)
     phone = configs["phone"]
-    source = as_source(task.load_data(phone["partition-id"], phone["num-partitions"], 32))
+    loaded = client_app.load_data(
+        phone["partition-id"], phone["num-partitions"], **_extra_args(client_app.load_data, run)
+    )
+    source = as_source(loaded, *_keys(app), model_input_shapes(model_fn))
     want = reference_rounds(
         model_fn,
         source,
@@ -110,8 +125,17 @@ def test_quickstart_pytorch_switched_trains_exactly_as_unsplit(
     assert [len(r["stages"]) for r in rows] == [3] * rounds  # split over all three nodes
 
 
-def task_model_fn(client_app):
-    """The model_fn the Sky app registered (its SkyClient's)."""
-    from sky_flower.pipeline.graph import sequential_fn
+MODEL_FNS = {
+    "quickstart-pytorch": lambda task, client_app: sequential_fn(task.Net, [3, 32, 32]),
+    "quickstart-huggingface": lambda task, client_app: client_app.net_fn,
+}
 
-    return sequential_fn(client_app.Net, [3, 32, 32])
+
+def _extra_args(load_data, run):
+    from sky_flower.app import run_config_arguments
+
+    return run_config_arguments(load_data, run)
+
+
+def _keys(app):
+    return (["input_ids", "attention_mask"], "labels") if "huggingface" in app else (None, None)

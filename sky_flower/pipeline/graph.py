@@ -46,7 +46,7 @@ import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -649,8 +649,10 @@ def _as_sequential(
         )
     seq.input_spec = CutSpec.of(examples) if len(examples) > 1 else None
     seq.input_shapes = [tuple(e.shape[1:]) for e in examples]  # data sources pad to them
+    seq.input_dtypes = [str(e.dtype).removeprefix("torch.") for e in examples]
     seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
+    seq.module_prefix = getattr(module, "module_prefix", "")  # a wrapper's (hf.Logits)
     said = (type(module).__name__, tuple(points))
     if said not in _SAID:  # once per process: a node converts the model for each message
         _SAID.add(said)
@@ -851,6 +853,19 @@ def original_state_dict(
     return {k: out[k] for k in keys}
 
 
+def model_input(model: nn.Module) -> tuple[list[int] | None, str | None]:
+    """``(input_shape, input_dtype)`` of one sample of a converted model's input (its
+    several inputs packed as :func:`pack_inputs` packs them), or ``(None, None)`` for a
+    model that does not record them (an ``nn.Sequential`` of your own)."""
+    shapes = getattr(model, "input_shapes", None)
+    if shapes is None:
+        return None, None
+    spec = getattr(model, "input_spec", None)
+    if spec is not None:
+        return [sum(spec.sizes)], str(spec.dtype).removeprefix("torch.")
+    return list(shapes[0]), model.input_dtypes[0]
+
+
 @dataclass(frozen=True)
 class ModuleKeys:
     """A converted model's state-dict keys (``"<unit>.<name>"``) against those of the
@@ -867,11 +882,19 @@ class ModuleKeys:
     aliases : dict
         A user's key held by no unit -> the user's key holding the same tensor (T5's
         ``encoder.embed_tokens.weight`` -> ``shared.weight``).
+    prefix : str
+        Where the converted module wraps the user's (``module_prefix``, e.g.
+        :class:`sky_flower.pipeline.hf.Logits`'s ``"hf."``): left off the user's keys.
+    fixed : dict
+        Converted keys of buffers the user's state dict does not hold (non-persistent:
+        position ids, rotary tables) -> the converted model's own values.
     """
 
     converted: tuple[str, ...]
     original: tuple[str, ...]
     aliases: Mapping[str, str]
+    prefix: str = ""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module, state: Mapping[str, Any]) -> ModuleKeys | None:
@@ -888,8 +911,15 @@ class ModuleKeys:
         converted = tuple(model.state_dict())
         if set(state) == set(converted) or not hasattr(model, "split_points"):
             return None
-        names = {k.split(".", 1)[1] for k in converted}
-        missing = [k for k in converted if k.split(".", 1)[1] not in state]
+        prefix = getattr(model, "module_prefix", "")
+        names = {_name(k, prefix) for k in converted}
+        params = dict(model.named_parameters())
+        absent = [k for k in converted if _name(k, prefix) not in state]
+        # a buffer the user's state dict does not hold (registered persistent=False:
+        # position ids, rotary tables) is the model's own constant: kept from model_fn()
+        own = model.state_dict()
+        fixed = {k: own[k].detach().clone() for k in absent if k not in params}
+        missing = [k for k in absent if k in params]
         if missing:
             raise ValueError(
                 f"initial_arrays is keyed neither like the converted model ({converted[:3]}"
@@ -915,18 +945,26 @@ class ModuleKeys:
                     "holds: give the state dict of the module model_fn converts"
                 )
             aliases[key] = twin
-        return cls(converted, tuple(state), aliases)
+        return cls(converted, tuple(state), aliases, prefix, fixed)
 
     def to_converted(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The user's state dict keyed like the converted model (each unit's copy of a
         shared buffer included)."""
-        return {k: state[k.split(".", 1)[1]] for k in self.converted}
+        return {
+            k: self.fixed[k] if k in self.fixed else state[_name(k, self.prefix)]
+            for k in self.converted
+        }
 
     def to_original(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The converted model's state dict keyed like the user's module, in its order
         (:func:`original_state_dict`; aliases filled)."""
-        out = original_state_dict(state)
+        out = {k.removeprefix(self.prefix): v for k, v in original_state_dict(state).items()}
         return {k: out[self.aliases.get(k, k)] for k in self.original}
+
+
+def _name(key: str, prefix: str) -> str:
+    """A converted key's name in the user's module: ``"<unit>.<prefix><name>"``."""
+    return key.split(".", 1)[1].removeprefix(prefix)
 
 
 def sequential_of(
@@ -1000,10 +1038,9 @@ def sequential_fn(
             template.append(sequential_of(module, input_shape, input_dtype, split_points, inputs))
             return copy.deepcopy(template[0])
         seq = copy.deepcopy(template[0])
-        keys = ModuleKeys.of(seq, module.state_dict())
+        state = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent too
         with torch.no_grad():
-            state = keys.to_converted(module.state_dict()) if keys else module.state_dict()
-            seq.load_state_dict(state)
+            seq.load_state_dict({k: state[k.split(".", 1)[1]] for k in seq.state_dict()})
         return seq
 
     return model_fn

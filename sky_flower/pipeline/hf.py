@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,53 @@ class SequenceClassifier(nn.Module):
         """Logits of the classes."""
         mask = (ids != self.pad_token_id).long()
         return self.hf(input_ids=ids, attention_mask=mask).logits
+
+
+class Logits(nn.Module):
+    """A ``transformers`` model as a Flower app calls it, ``model(**batch).logits``:
+    ``forward(*inputs)`` takes the tensors named ``input_names`` (``input_ids``,
+    ``attention_mask``, ...) in that order and returns the logits."""
+
+    module_prefix = PREFIX  # its state-dict keys are the model's under "hf."
+
+    def __init__(self, hf: nn.Module, input_names: Sequence[str]) -> None:
+        super().__init__()
+        self.hf, self.input_names = hf, tuple(input_names)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The model's ``logits`` for the named inputs."""
+        return self.hf(**dict(zip(self.input_names, inputs, strict=True))).logits
+
+
+def hf_model_fn(
+    factory: Callable[[], nn.Module],
+    input_names: Sequence[str],
+    seq_len: int,
+    split_points: Sequence[str] | None = None,
+) -> Callable[[], nn.Sequential]:
+    """A ``model_fn`` for :func:`sky_flower.app.register_sky_client` and
+    :func:`sky_flower.app.sky_strategy` from a Flower app's own ``transformers`` model
+    (``factory``: ``get_model`` of Flower's quickstart-huggingface, e.g.
+    ``AutoModelForSequenceClassification.from_pretrained(local_dir)``), called with the
+    batch's ``input_names`` (``input_ids``, ``attention_mask``; the data owner's
+    ``input_keys``) of ``seq_len`` int64 tokens each (shorter batches are padded up to
+    it), returning its ``logits``: :class:`Logits` converted by
+    :func:`sky_flower.pipeline.graph.sequential_fn` (traced once per process). The
+    strategy takes and gives the model's own state-dict keys
+    (``ArrayRecord(get_model(...).state_dict())``).
+
+    Raises
+    ------
+    ValueError
+        As :func:`sky_flower.pipeline.graph.sequential_of` (on the first call).
+    """
+    from sky_flower.pipeline.graph import sequential_fn
+
+    n = len(input_names)
+    inputs = [{"shape": [int(seq_len)], "dtype": "int64"}] * n
+    return sequential_fn(
+        lambda: Logits(factory(), input_names), [n * int(seq_len)], "int64", split_points, inputs
+    )
 
 
 def hf_module(

@@ -1,7 +1,5 @@
 """pytorchexample: A Flower / PyTorch app."""
 
-from functools import partial
-
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -15,7 +13,7 @@ from .task import train as train_fn
 
 # Flower ClientApp
 app = ClientApp()
-register_sky_client(app, sequential_fn(Net, [3, 32, 32]), partial(load_data, batch_size=32))
+register_sky_client(app, sequential_fn(Net, [3, 32, 32]), load_data)  # Sky
 
 
 @app.train()

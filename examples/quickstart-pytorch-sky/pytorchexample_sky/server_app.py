@@ -26,7 +26,7 @@ def main(grid: Grid, context: Context) -> None:
     arrays = ArrayRecord(global_model.state_dict())
 
     # Initialize FedAvg strategy
-    strategy = sky_strategy(context.run_config, sequential_fn(Net, [3, 32, 32]), [3, 32, 32])
+    strategy = sky_strategy(context.run_config, sequential_fn(Net, [3, 32, 32]))  # Sky
 
     # Start strategy, run FedAvg for `num_rounds`
     result = strategy.start(
