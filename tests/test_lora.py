@@ -505,3 +505,24 @@ def test_a_node_too_small_for_full_fine_tuning_holds_a_frozen_slice():
         feasible_stages(_cost(_half_frozen(False), caps))
     with pytest.raises(InfeasibleMemoryError):
         feasible_stages(_cost(_half_frozen(True), [caps[0] - 1, caps[1]]))
+
+
+def test_the_strategy_reads_what_is_frozen_from_the_model():
+    """Sky's strategy (its round executor, whose FedAvg keeps the frozen entries) and
+    its runners read the frozen parameters from ``model_fn()``; a model that trains
+    every parameter has none (full fine-tuning, as before)."""
+    from reference import sky_app_run_config
+
+    from sky_flower.app import sky_strategy
+
+    strategy = sky_strategy(
+        {**sky_app_run_config(), "fleet": "edge3"}, model_fn=_tiny, input_shape=[4]
+    )
+    assert strategy.executor.frozen == {"0.weight"}
+    assert RelayRunner(strategy.executor.run_settings()).frozen == {"0.weight"}
+    full = sky_strategy(
+        {**sky_app_run_config(), "fleet": "edge3"},
+        model_fn=lambda: nn.Sequential(nn.Linear(4, 2)),
+        input_shape=[4],
+    )
+    assert full.executor.frozen == frozenset()
