@@ -539,6 +539,7 @@ class SkyStrategy(Strategy):
             label = kinds_label(self.executor.runner_cls, st.runs, self.schedule)
             report.log_stage_report(row, label)
             report.log_pipelines(row)
+            report.log_weights_sent(row)
             self.hooks.on_round(row)
             if row.failed_pipelines:
                 self.recovery.partial_failure(rnd, row)

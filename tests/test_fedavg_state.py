@@ -6,6 +6,7 @@ or ``local`` (FedBN), each against a reference of owners training alone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 
 import numpy as np
@@ -22,7 +23,7 @@ from torch import nn
 from sky_flower.core.partition.plan import Plan, StagePlan
 from sky_flower.core.schedule import Schedule
 from sky_flower.pipeline.data import Split
-from sky_flower.pipeline.stage import step_batch
+from sky_flower.pipeline.stage import frozen_keys, step_batch
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.planning.planning import PipelineRun
 from sky_flower.sky.rounds.federation import (
@@ -38,6 +39,7 @@ from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, RunSettings
 
 BATCH = 8
 STEPS = 7
+ROWS: list = []  # the round records of the last _sky_rounds
 
 
 def _bn_net() -> nn.Sequential:
@@ -151,8 +153,15 @@ def _owner_of(context) -> Split:  # noqa: ANN001
     return OWNERS[str(context.node_config["sky-node"])]
 
 
-def _bn_app() -> ClientApp:
-    return SkyClient(model_fn=_bn_net, load_data=_owner_of).register(ClientApp())
+def _frozen_bn_net() -> nn.Sequential:
+    """:func:`_bn_net` with its first Linear frozen (``requires_grad=False``)."""
+    net = _bn_net()
+    net[0].requires_grad_(False)
+    return net
+
+
+def _bn_app(model_fn: Callable[[], nn.Module] = _bn_net) -> ClientApp:
+    return SkyClient(model_fn=model_fn, load_data=_owner_of).register(ClientApp())
 
 
 def _one_stage_run(name: str, node_id: int) -> PipelineRun:
@@ -162,15 +171,17 @@ def _one_stage_run(name: str, node_id: int) -> PipelineRun:
     return PipelineRun(name, len(OWNERS[name]), STEPS, pipeline)
 
 
-def _sky_rounds(policy: str, rounds: int) -> tuple[dict, LocalBatchNorm | None]:
+def _sky_rounds(
+    policy: str, rounds: int, model_fn: Callable[[], nn.Module] = _bn_net
+) -> tuple[dict, LocalBatchNorm | None]:
     """``rounds`` federated rounds of two owners (each a one-stage pipeline on the
     relay, Sky's own client handlers); the global model after them, and the store of
-    the owners' own BatchNorm entries (``local``)."""
+    the owners' own BatchNorm entries (``local``). The rows are in ``ROWS``."""
     configs = [{"sky-node": name, "partition-id": k} for k, name in enumerate(OWNERS)]
-    grid = ProcessPerMessageGrid(_bn_app, configs, {})
+    grid = ProcessPerMessageGrid(lambda: _bn_app(model_fn), configs, {})
     runs = [_one_stage_run(name, nid) for name, nid in zip(OWNERS, grid.ids, strict=True)]
     settings_ = RunSettings(
-        model_fn=_bn_net,
+        model_fn=model_fn,
         input_shape=(6,),
         schedule=Schedule(batch_size=B, microbatches=1, kind="sequential"),
         optimizer="sgd",
@@ -180,22 +191,32 @@ def _sky_rounds(policy: str, rounds: int) -> tuple[dict, LocalBatchNorm | None]:
         poll_interval_s=0.0,
     )
     local = LocalBatchNorm(batchnorm_keys(_bn_net())) if policy == "local" else None
-    arrays = ArrayRecord(_bn_net().state_dict())
+    arrays = ArrayRecord(model_fn().state_dict())
+    ROWS.clear()
     for rnd in range(1, rounds + 1):
         row, new = federated_round(
-            grid, runs, lambda: RelayRunner(settings_), arrays, rnd, local_bn=local
+            grid,
+            runs,
+            lambda: RelayRunner(settings_),
+            arrays,
+            rnd,
+            local_bn=local,
+            frozen=frozen_keys(model_fn()),
         )
         assert new is not None, row
+        ROWS.append(row)
         arrays = new
     return arrays.to_torch_state_dict(), local
 
 
-def _reference(policy: str, rounds: int) -> tuple[dict, dict[str, dict]]:
+def _reference(
+    policy: str, rounds: int, model_fn: Callable[[], nn.Module] = _bn_net
+) -> tuple[dict, dict[str, dict]]:
     """Each owner trains the whole model alone (``reference_rounds``) from the global
     model, with (``local``) its own BatchNorm entries from its previous round; the
     global model is the equal-weight FedAvg (integers rounded)."""
-    keys = batchnorm_keys(_bn_net())
-    weights = _bn_net().state_dict()
+    keys = batchnorm_keys(model_fn())
+    weights = model_fn().state_dict()
     own: dict[str, dict] = {}
     for rnd in range(1, rounds + 1):
         trained = {}
@@ -203,7 +224,7 @@ def _reference(policy: str, rounds: int) -> tuple[dict, dict[str, dict]]:
             start = {**weights, **own.get(name, {})} if policy == "local" else weights
             batches = [step_batch(data, B, rnd, SEED, s) for s in range(STEPS)]
             ((after, _),) = reference_rounds(
-                _bn_net, batches, 1, STEPS, LR, optimizer="sgd", weights=start
+                model_fn, batches, 1, STEPS, LR, optimizer="sgd", weights=start
             )
             trained[name] = after
         weights = fedavg([_outcome(sd, STEPS * B) for sd in trained.values()]).to_torch_state_dict()
@@ -257,3 +278,22 @@ def test_bn_policy_local_without_batchnorm_and_unknown_policies_are_refused():
         "1.running_var",
         "1.num_batches_tracked",
     }
+
+
+def test_a_frozen_layer_keeps_the_global_models_entries_across_owners(server_identity):
+    """A model whose first Linear is frozen, two owners, two rounds: the global model's
+    frozen entries are the initial ones bit for bit (neither sent back nor averaged),
+    the rest equals the owners-alone reference's FedAvg, and each round's record
+    counts the two stages' replies (the trainable entries and buffers) against the
+    whole model twice."""
+    got, _ = _sky_rounds("average", 2, _frozen_bn_net)
+    start = _frozen_bn_net().state_dict()
+    frozen = frozen_keys(_frozen_bn_net())
+    assert frozen == {"0.weight", "0.bias"}
+    assert all(torch.equal(got[k], start[k]) for k in frozen)
+    _close(got, _reference("average", 2, _frozen_bn_net)[0])
+    assert not torch.allclose(got["3.weight"], start["3.weight"])  # the rest trained
+    trained = ArrayRecord({k: v for k, v in start.items() if k not in frozen})
+    for row in ROWS:
+        assert row.weights_sent_bytes == 2 * trained.count_bytes()
+        assert row.full_weights_bytes == 2 * ArrayRecord(start).count_bytes()

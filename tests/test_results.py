@@ -58,6 +58,9 @@ def test_flwr_run_writes_the_hydra_jobs_results_json(monkeypatch, tmp_path):
     assert [r["round"] for r in saved["rounds"]] == [1, 2]
     assert all(set(r) == set(ROUND_KEYS) for r in saved["rounds"])
     assert all(r["measured_step_time_s"] > 0 and r["steps"] == 2 for r in saved["rounds"])
+    # nothing frozen: every round's replies carried the whole model (full fine-tuning)
+    full = ArrayRecord(task.initial_weights()).count_bytes()
+    assert all(r["weights_sent_bytes"] == r["full_weights_bytes"] == full for r in saved["rounds"])
     initial = float(result.evaluate_metrics_serverapp[0]["accuracy"])
     assert saved["initial_test_accuracy"] == initial
     assert saved["final_test_accuracy"] == saved["rounds"][-1]["test_accuracy"]

@@ -320,9 +320,10 @@ def main(grid: Grid, context: Context) -> None:
 def training_bytes(layers: Sequence[LayerProfile], batch: int) -> float:
     """Bytes to train all of ``layers`` on one node at ``batch`` samples a step, as the
     planner counts a stage (:meth:`sky_flower.core.cost.CostModel.stage_memory` with the
-    whole batch in flight): weights, gradients and optimizer state, plus ``batch`` x the
+    whole batch in flight): weights, gradients and optimizer state (frozen weights
+    without either), plus ``batch`` x the
     activations autograd stashes per sample (the output's size when not measured)."""
-    static = sum(2 * lp.param_bytes + lp.optimizer_state_bytes for lp in layers)
+    static = sum(lp.static_bytes for lp in layers)
     stash = sum(lp.act_out_bytes if lp.stash_bytes is None else lp.stash_bytes for lp in layers)
     return float(static + batch * stash)
 

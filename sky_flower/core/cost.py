@@ -129,7 +129,7 @@ def check_profiles(layers: Sequence[LayerProfile], nodes: Sequence[NodeProfile])
     """
     for lp in layers:
         owner = f"layer {lp.index} ({lp.name})"
-        for f in ("param_bytes", "optimizer_state_bytes", "act_out_bytes"):
+        for f in ("param_bytes", "optimizer_state_bytes", "act_out_bytes", "frozen_bytes"):
             _number(owner, f, getattr(lp, f))
         if lp.stash_bytes is not None:
             _number(owner, "stash_bytes", lp.stash_bytes)
@@ -177,7 +177,8 @@ class CostModel(LowerBounds, Calibration):
     Notes
     -----
     Arrays: ``fwd``, ``bwd`` (N, L) seconds per micro-batch; ``memory_static`` (L,)
-    bytes of parameters + gradients + optimizer state; ``stash`` (L,) bytes of stashed
+    bytes of parameters + gradients + optimizer state (frozen parameters: their
+    weights only, :attr:`LayerProfile.static_bytes`); ``stash`` (L,) bytes of stashed
     activations per sample (``stash_bytes``, else ``act_out_bytes``); ``act_out`` (L,)
     bytes per sample leaving layer j; ``capacity`` (N,) bytes.
     """
@@ -218,13 +219,13 @@ class CostModel(LowerBounds, Calibration):
         self.latency = np.array([n.latency_s for n in nodes], dtype=float)
         self.state_rate = np.array([n.state_s_per_byte for n in nodes], dtype=float)
         self.act_out = np.array([lp.act_out_bytes for lp in layers], dtype=float)
+        # a relay stage's context.state: every weight (frozen ones too) and optimizer state
         self.state_bytes = np.array(
-            [lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
+            [lp.weight_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
         )
         self.param_bytes = np.array([lp.param_bytes for lp in layers], dtype=float)
-        self.memory_static = np.array(
-            [2 * lp.param_bytes + lp.optimizer_state_bytes for lp in layers], dtype=float
-        )
+        # frozen weights are held, without gradient or optimizer state
+        self.memory_static = np.array([lp.static_bytes for lp in layers], dtype=float)
         self.stash = np.array(
             [lp.act_out_bytes if lp.stash_bytes is None else lp.stash_bytes for lp in layers],
             dtype=float,

@@ -54,7 +54,8 @@ class LayerProfile:
     param_bytes : int
         Bytes of trainable parameters. Gradients take the same again.
     optimizer_state_bytes : int
-        Bytes of optimizer state after one step of the configured optimizer.
+        Bytes of optimizer state after one step of the configured optimizer (over the
+        trainable parameters only).
     act_in_bytes : float
         Bytes of this layer's input per sample.
     act_out_bytes : float
@@ -64,6 +65,9 @@ class LayerProfile:
         distinct storage its forward saves (e.g. a Linear's input, a ReLU's output),
         parameters and buffers excluded, views counted once. ``None`` = not measured;
         :class:`sky_flower.core.cost.CostModel` then falls back to ``act_out_bytes``.
+    frozen_bytes : int
+        Bytes of frozen parameters (``requires_grad=False``, e.g. a base model under
+        LoRA adapters): held, never trained, so no gradient and no optimizer state.
     """
 
     index: int
@@ -75,11 +79,24 @@ class LayerProfile:
     act_in_bytes: float
     act_out_bytes: float
     stash_bytes: float | None = None
+    frozen_bytes: int = 0
 
     @property
     def grad_bytes(self) -> int:
         """Bytes of parameter gradients (equal to ``param_bytes``)."""
         return self.param_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters, trainable and frozen (what moving the layer moves)."""
+        return self.param_bytes + self.frozen_bytes
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes a node holds to train the layer, whatever the batch: every weight, the
+        trainable parameters' gradients and optimizer state (``2 * param_bytes +
+        optimizer_state_bytes + frozen_bytes``)."""
+        return 2 * self.param_bytes + self.optimizer_state_bytes + self.frozen_bytes
 
     def to_dict(self) -> dict:
         """Plain-dict form for JSON."""
@@ -314,6 +331,9 @@ def profile_layers(
         param_bytes = sum(
             p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad
         )
+        frozen_bytes = sum(
+            p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad
+        )
         profiles.append(
             LayerProfile(
                 index=index,
@@ -325,6 +345,7 @@ def profile_layers(
                 act_in_bytes=x_in.numel() * x_in.element_size() / microbatch_size,
                 act_out_bytes=y.numel() * y.element_size() / microbatch_size,
                 stash_bytes=sum(saved.values()) / microbatch_size,
+                frozen_bytes=int(frozen_bytes),
             )
         )
         x = y.detach()

@@ -41,6 +41,8 @@ ROUND_KEYS = (
     "predicted_round_time_s",
     "pipelines",
     "failed_pipelines",
+    "weights_sent_bytes",  # frozen parameters stay home (sky_flower.sky.rounds.records)
+    "full_weights_bytes",
 )
 
 

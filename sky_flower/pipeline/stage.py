@@ -261,6 +261,45 @@ def slice_state(full: Mapping, first: int, last: int) -> dict:
     return {k: v for k, v in full.items() if k.split(".", 1)[0] in keep}
 
 
+def frozen_keys(model: nn.Module) -> frozenset[str]:
+    """The state-dict keys of ``model``'s frozen parameters (``requires_grad=False``,
+    e.g. the base weights under LoRA adapters), every name of a shared parameter
+    included. Training never changes them, so a stage's reply after a round leaves them
+    out and FedAvg keeps the global model's (:func:`trained_state`).
+
+    Parameters
+    ----------
+    model : nn.Module
+        A whole model (keys ``"<layer>.<name>"`` of an ``nn.Sequential``) or a stage
+        built by :func:`build_stage` (the same keys).
+
+    Returns
+    -------
+    frozenset of str
+        Empty for a model whose parameters all train (full fine-tuning).
+    """
+    return frozenset(
+        name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+    )
+
+
+def model_frozen_keys(model_fn: Callable[[], nn.Module]) -> frozenset[str]:
+    """:func:`frozen_keys` of ``model_fn()``'s layers, built where they cost nothing
+    (:func:`meta_layers`), under the whole model's keys ``"<layer>.<name>"``."""
+    layers = meta_layers(model_fn)
+    return frozen_keys(nn.Sequential(OrderedDict((str(j), m) for j, m in enumerate(layers))))
+
+
+def trained_state(
+    state: Mapping[str, torch.Tensor], frozen: frozenset[str] | set[str]
+) -> dict[str, torch.Tensor]:
+    """What a stage sends back after a round: the entries of its state dict ``state``
+    that training may change (trainable parameters and buffers such as BatchNorm
+    statistics), detached, on the CPU; the ``frozen`` parameters' entries
+    (:func:`frozen_keys`) are left out."""
+    return {k: v.detach().cpu() for k, v in state.items() if k not in frozen}
+
+
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Flatten an optimizer's per-parameter state into ``{"<param>.<name>": tensor}``, on
     the CPU (what travels and what the server keeps).

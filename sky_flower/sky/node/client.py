@@ -72,7 +72,14 @@ from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
 from sky_flower.pipeline.objective import resolve
 from sky_flower.pipeline.sources import DataSource
-from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor, step_batch
+from sky_flower.pipeline.stage import (
+    LossFn,
+    MetricFn,
+    RngKey,
+    StageExecutor,
+    model_frozen_keys,
+    step_batch,
+)
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.stage_state import (
@@ -466,9 +473,15 @@ class SkyClient:
         return RecordDict(out)
 
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """Return the stage's weights (end of round); its optimizer state too, keyed by
-        the model's parameter names, when the message asks (``optim``)."""
-        out = RecordDict({P.ARRAYS: context.state.array_records[WEIGHTS]})
+        """Return the stage's weights (end of round): its trainable parameters and
+        buffers, not its frozen parameters (``requires_grad=False``, unchanged by
+        training: :func:`sky_flower.pipeline.stage.trained_state`); its optimizer state
+        too, keyed by the model's parameter names, when the message asks (``optim``)."""
+        weights = context.state.array_records[WEIGHTS]
+        frozen = model_frozen_keys(self.model_fn)
+        if frozen & set(weights.keys()):
+            weights = ArrayRecord({k: v for k, v in weights.items() if k not in frozen})
+        out = RecordDict({P.ARRAYS: weights})
         if migration.wants_optimizer(msg.content):
             st = self._stage(context)
             out[migration.OPTIM_KEY] = migration.global_optimizer_state(

@@ -28,10 +28,12 @@ from sky_flower.pipeline.stage import (
     MetricFn,
     RngKey,
     build_stage,
+    frozen_keys,
     optimizer_from_tensors,
     optimizer_to_tensors,
     slice_state,
     stage_optimizer,
+    trained_state,
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
@@ -197,11 +199,12 @@ def run_direct_stage(  # noqa: PLR0913
     )
     record = metrics.to_record()
     record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
+    weights_out: dict[str, torch.Tensor] = {}
+    for ch in chunks:  # back on the CPU for the server, without the frozen parameters
+        weights_out.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
     out = RecordDict(
         {
-            P.ARRAYS: ArrayRecord(  # back on the CPU for the server
-                {k: v.detach().cpu() for ch in chunks for k, v in ch.module.state_dict().items()}
-            ),
+            P.ARRAYS: ArrayRecord(weights_out),
             P.METRICS: record,
         }
     )

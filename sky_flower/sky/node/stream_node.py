@@ -29,10 +29,17 @@ from torch import nn
 from sky_flower.core.profile import default_optimizer_factory
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation
-from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
+from sky_flower.pipeline.stage import (
+    LossFn,
+    MetricFn,
+    RngKey,
+    StageExecutor,
+    frozen_keys,
+    trained_state,
+)
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.node.stage_state import load_stage, save_stage, stage_reduction
+from sky_flower.sky.node.stage_state import load_stage, stage_reduction
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
@@ -271,7 +278,7 @@ def run_stream_stage(  # noqa: PLR0913
         link.close()
     if not ended:
         raise StreamError(f"stage {st.stage}: the endpoint ended the stream before the round's end")
-    weights_out, _ = save_stage(module, opt)
+    weights_out = ArrayRecord(trained_state(module.state_dict(), frozen_keys(module)))
     metrics = MetricRecord(
         {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, FRAMES: frames, BYTES: nbytes}
     )

@@ -81,7 +81,7 @@ def precheck(
         Flower's :data:`CONTEXT_LIMIT_BYTES` (no relay plan can hold it).
     """
     for lp in layers if schedule.transport == "relay" else ():
-        size = 2 * lp.param_bytes + lp.optimizer_state_bytes
+        size = lp.static_bytes
         if size > CONTEXT_LIMIT_BYTES:
             raise StageStateTooLargeError(
                 f"layer {lp.name} alone would keep {size / GIB:.2f} GiB (weights, gradients, "
@@ -171,7 +171,8 @@ def relay_state_bytes(
 ) -> float:
     """Peak bytes of a relay stage's ``context.state`` holding layers ``first..last``:
     its weights, the gradients accumulated over a step and its optimizer state
-    (``2 * param_bytes + optimizer_state_bytes``), and during a step the step's ``B``
+    (``2 * param_bytes + optimizer_state_bytes``, plus ``frozen_bytes`` of frozen
+    weights: :attr:`LayerProfile.static_bytes`), and during a step the step's ``B``
     samples of stashed input (not on the last stage) and the replies kept for a repeat
     (:mod:`sky_flower.sky.node.stage_state`: its outputs, not on the last stage; its input
     gradients, not on stage 0). Buffers (BatchNorm statistics) are not in the layer

@@ -260,7 +260,7 @@ def moved_state(
             src = before.get(owner, {}).get(j)
             if src is None or src == dst:
                 continue
-            nbytes = layers[j].param_bytes + (
+            nbytes = layers[j].weight_bytes + (
                 layers[j].optimizer_state_bytes if optimizer_state else 0
             )
             for name in (src, dst):

@@ -17,6 +17,7 @@ from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from sky_flower.flower.exchange import NodeLedger
+from sky_flower.pipeline.stage import frozen_keys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning.benchmark import LinkTiming
 from sky_flower.sky.rounds import federation
@@ -85,9 +86,11 @@ class RoundExecutor:
         self.stop = threading.Event()
         self.ledger = NodeLedger()
         self.local_bn = None  # train.bn_policy=local: refused up front for a model without BN
+        whole = model.model_fn()
         if settings.train.bn_policy == "local":
-            keys = federation.batchnorm_keys(model.model_fn())
-            self.local_bn = federation.LocalBatchNorm(keys)
+            self.local_bn = federation.LocalBatchNorm(federation.batchnorm_keys(whole))
+        # its frozen parameters (requires_grad=False): FedAvg keeps the global model's
+        self.frozen = frozen_keys(whole)
 
     def run_settings(self) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses."""
@@ -144,7 +147,14 @@ class RoundExecutor:
         and the new global model (``None`` when the round failed; the record has its
         ``exception``)."""
         return federation.federated_round(
-            grid, self.state.runs, self.runner, arrays, server_round, self.guard, self.local_bn
+            grid,
+            self.state.runs,
+            self.runner,
+            arrays,
+            server_round,
+            self.guard,
+            self.local_bn,
+            self.frozen,
         )
 
 

@@ -220,10 +220,17 @@ def run_pipelines(
     return results
 
 
-def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
+def fedavg(
+    outcomes: Sequence[RoundOutcome],
+    frozen: frozenset[str] | set[str] = frozenset(),
+    start: ArrayRecord | None = None,
+) -> ArrayRecord:
     """FedAvg of the pipelines' reassembled models, weighted by the samples each
     trained this round (``RoundOutcome.seen``): ``sum_k n_k / n * w_k`` (McMahan et al.
-    2017, Alg. 1). Every array keeps the dtype and shape of the model's state dict:
+    2017, Alg. 1). The model's ``frozen`` parameters (``requires_grad=False``: no
+    stage trains or returns them) are not averaged: they keep ``start``'s entries, the
+    global model the round started from, bit for bit. Every array keeps the dtype and
+    shape of the model's state dict:
 
     * floating arrays: Flower's ``aggregate_arrayrecords`` (float arithmetic), cast
       back to their dtype;
@@ -235,18 +242,33 @@ def fedavg(outcomes: Sequence[RoundOutcome]) -> ArrayRecord:
     Raises
     ------
     ValueError
-        If ``outcomes`` is empty or no pipeline trained a sample.
+        If ``outcomes`` is empty or no pipeline trained a sample, or ``frozen`` is not
+        empty and ``start`` is not given.
     """
     if not outcomes or sum(o.seen for o in outcomes) <= 0:
         raise ValueError("FedAvg needs at least one pipeline that trained samples")
+    if frozen and start is None:
+        raise ValueError("frozen parameters keep the global model's entries: give start")
+
+    def trained(arrays: ArrayRecord) -> ArrayRecord:
+        return ArrayRecord({k: v for k, v in arrays.items() if k not in frozen})
+
     records = [
-        RecordDict({"arrays": o.arrays, "metrics": MetricRecord({WEIGHT_KEY: o.seen})})
+        RecordDict(
+            {
+                "arrays": trained(o.arrays) if frozen else o.arrays,
+                "metrics": MetricRecord({WEIGHT_KEY: o.seen}),
+            }
+        )
         for o in outcomes
     ]
     avg = aggregate_arrayrecords(records, WEIGHT_KEY)
     first = outcomes[0].arrays
     out = {}
     for key, value in first.items():
+        if key in frozen:
+            out[key] = start[key]  # type: ignore[index]
+            continue
         ref = value.numpy()
         if ref.dtype.kind in "biu":  # bool, signed, unsigned: exact, rounded
             parts = [o.arrays[key].numpy() for o in outcomes]
@@ -316,7 +338,8 @@ def pipeline_row(res: PipelineResult) -> PipelineRecord:
 def round_row(server_round: int, results: Sequence[PipelineResult], seconds: float) -> RoundRecord:
     """The round's record (before the server's evaluation adds its ``test`` metrics)
     from the pipelines that finished: loss and accuracy over every sample trained, the
-    slowest pipeline's step times, every pipeline's stages (each with its ``owner``),
+    slowest pipeline's step times, the bytes of weights their replies carried against
+    full fine-tuning's, every pipeline's stages (each with its ``owner``),
     one :class:`PipelineRecord` per pipeline (:func:`pipeline_row`) and
     ``failed_pipelines`` (owner, nodes, error) for those that failed.
 
@@ -346,6 +369,8 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
         samples_trained=seen,
         round_time_s=seconds,
         predicted_round_time_s=max(r.run.start_s + r.run.time_s for r in results),
+        weights_sent_bytes=sum(o.weights_bytes for o in outs),
+        full_weights_bytes=sum(o.full_weights_bytes for o in outs),
         **extra,
         stages=[
             dataclasses.replace(st, owner=r.run.owner)
@@ -392,13 +417,16 @@ def federated_round(
     server_round: int,
     guard: RoundGuard | None = None,
     local_bn: LocalBatchNorm | None = None,
+    frozen: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[RoundRecord, ArrayRecord | None]:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
     FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
     (:class:`sky_flower.sky.transport.guard.RoundGuard`; default: finite only, no divergence
     guard). With ``local_bn`` (``train.bn_policy=local``), each pipeline starts from
     its owner's own BatchNorm entries and, once the round is accepted, each owner that
-    finished keeps those it returned (a failed round or pipeline changes none).
+    finished keeps those it returned (a failed round or pipeline changes none). The
+    model's ``frozen`` parameters (:func:`sky_flower.pipeline.stage.frozen_keys`) keep
+    ``arrays``' entries (:func:`fedavg`).
 
     Returns
     -------
@@ -431,7 +459,7 @@ def federated_round(
             [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
         )
         return RoundRecord(server_round, seconds, exception=err), None
-    new = ok[0].arrays if len(ok) == 1 else fedavg(ok)
+    new = ok[0].arrays if len(ok) == 1 else fedavg(ok, frozen, arrays)
     row = round_row(server_round, results, seconds)
     err = (guard or RoundGuard()).check(server_round, row, new)
     if err is not None:  # the global model stays the last finite one

@@ -77,6 +77,11 @@ class RoundRecord(RecordFields):
         The longest pipeline's steps; samples trained across pipelines.
     predicted_round_time_s : float or None
         The plan's round time (s).
+    weights_sent_bytes, full_weights_bytes : int or None
+        Bytes of weights the finished pipelines' stages sent back this round (trainable
+        parameters and buffers; frozen parameters stay on the server), and what they
+        would have sent under full fine-tuning (every entry of the model), summed over
+        the pipelines (:meth:`ArrayRecord.count_bytes`).
     microbatches_per_message, setup_s, wall_s : optional
         Transport figures (relay and stream: micro-batches per message; direct and
         stream: set-up and wall seconds), the largest over the pipelines.
@@ -107,6 +112,8 @@ class RoundRecord(RecordFields):
     steps: int | None = optional()
     samples_trained: int | None = optional()
     predicted_round_time_s: float | None = optional()
+    weights_sent_bytes: int | None = optional()
+    full_weights_bytes: int | None = optional()
     microbatches_per_message: int | None = optional()
     setup_s: float | None = optional()
     wall_s: float | None = optional()

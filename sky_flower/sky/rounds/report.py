@@ -97,6 +97,37 @@ def log_round_line(row: dict[str, Any]) -> None:
     )
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"12.3 KiB"``, ``"1.2 MiB"``."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def weights_sent_line(row: dict[str, Any]) -> str | None:
+    """The bytes of weights a round's replies carried against full fine-tuning's, e.g.
+    ``"weights sent 12.3 KiB per round (full fine-tuning: 1.2 MiB, 1.0 %)"``; None for a
+    row without them (a failed round)."""
+    sent, full = row.get("weights_sent_bytes"), row.get("full_weights_bytes")
+    if sent is None or not full:
+        return None
+    return (
+        f"weights sent {human_bytes(sent)} per round "
+        f"(full fine-tuning: {human_bytes(full)}, {100 * sent / full:.1f} %)"
+    )
+
+
+def log_weights_sent(row: dict[str, Any]) -> None:
+    """Log :func:`weights_sent_line` of a round (nothing without it)."""
+    line = weights_sent_line(row)
+    if line is not None:
+        log(INFO, "Round %d: %s", row["round"], line)
+
+
 def pipeline_table(row: dict[str, Any]) -> str:
     """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""

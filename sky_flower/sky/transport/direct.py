@@ -28,7 +28,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.transport.records import StageRecord
-from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -265,9 +265,10 @@ class DirectRunner(Runner):
                 slept.append(rec.get(EMULATED_S) if rec is not None else None)
             except P.ProtocolError as err:
                 raise ex.fail(f"{ex.name(src)}: reply lacks metrics ({err})", [src]) from err
-        new_arrays = merge_weights(replies, ex, self.expected, P.ARRAYS)
+        new_arrays, sent, full = self.merge(replies, ex, arrays)
         check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
         outcome = self.outcome(ex, plan, new_arrays, metrics, steps, wall, slept)
+        outcome.weights_bytes, outcome.full_weights_bytes = sent, full
         if self.s.optimizer_store is not None:  # each layer's state, for the next set-up
             self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
         return outcome

@@ -43,7 +43,6 @@ from sky_flower.sky.transport.runner import (
     Pipeline,
     RoundOutcome,
     Runner,
-    merge_weights,
     message,
 )
 
@@ -78,7 +77,7 @@ class RelayRunner(Runner):
             cfg.update(migration.want_record() if store is not None else {})
             msgs = [message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids]
             collect = ex.request(msgs, self.s.deadline("collect"))
-            new = merge_weights(collect, ex, self.expected, P.ARRAYS)
+            new, sent, full = self.merge(collect, ex, arrays)
             check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.transport.guard)
             if store is not None:  # each layer's optimizer state, for the next set-up
                 store.put(plan.plan.stages[0].node, optimizer_records(ex, collect))
@@ -93,6 +92,8 @@ class RelayRunner(Runner):
             step_times=step_times,
             stages=stage_rows(plan, stats, steps),
             extra={"microbatches_per_message": plan.group_size},
+            weights_bytes=sent,
+            full_weights_bytes=full,
         )
 
     def setup_messages(

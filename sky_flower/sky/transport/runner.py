@@ -29,6 +29,8 @@ from sky_flower.core.cost import Schedule
 from sky_flower.core.partition import Plan
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
+from sky_flower.pipeline.stage import frozen_keys
+from sky_flower.sky import protocol as P
 from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.deadlines import Deadlines
 from sky_flower.sky.transport.records import StageRecord
@@ -203,6 +205,10 @@ class RoundOutcome:
     extra : dict
         Transport-specific row entries (relay: ``microbatches_per_message``; direct:
         ``setup_s``, ``wall_s``), placed before ``stages`` in the row.
+    weights_bytes, full_weights_bytes : int
+        Bytes of weights the stages' replies carried (trainable parameters and
+        buffers), and what they would have carried with every entry of the model (full
+        fine-tuning); :func:`merge_weights`.
     """
 
     arrays: ArrayRecord
@@ -212,6 +218,8 @@ class RoundOutcome:
     step_times: list[float]
     stages: list[StageRecord]
     extra: dict[str, Any] = field(default_factory=dict)
+    weights_bytes: int = 0
+    full_weights_bytes: int = 0
 
     def to_row(
         self, server_round: int, steps: int, predicted_step_time_s: float, round_time_s: float
@@ -246,7 +254,18 @@ class Runner(ABC):
 
     def __init__(self, settings: RunSettings) -> None:
         self.s = settings
-        self.expected = set(settings.model_fn().state_dict().keys())  # the model's keys
+        model = settings.model_fn()
+        self.expected = set(model.state_dict().keys())  # the model's keys
+        # its frozen parameters (requires_grad=False): the stages' replies leave them out,
+        # the round's model keeps those it started from (merge_weights)
+        self.frozen = frozen_keys(model)
+
+    def merge(
+        self, replies: Sequence[Message], ex: Exchange, start: ArrayRecord
+    ) -> tuple[ArrayRecord, int, int]:
+        """:func:`merge_weights` of this model (its keys, its frozen parameters taken
+        from ``start``, the model the round started from)."""
+        return merge_weights(replies, ex, self.expected, P.ARRAYS, start, self.frozen)
 
     @staticmethod  # noqa: B027 - an optional hook
     def check_schedule(schedule: Schedule) -> None:
@@ -271,29 +290,66 @@ class Runner(ABC):
         """
 
 
-def merge_weights(
-    replies: Sequence[Message], ex: Exchange, expected: set[str], key: str
-) -> ArrayRecord:
-    """Reassemble the global model from the stages' weight replies (record ``key``).
+def merge_weights(  # noqa: PLR0913
+    replies: Sequence[Message],
+    ex: Exchange,
+    expected: set[str],
+    key: str,
+    start: ArrayRecord | None = None,
+    frozen: frozenset[str] | set[str] = frozenset(),
+) -> tuple[ArrayRecord, int, int]:
+    """Reassemble the pipeline's model from the stages' weight replies (record ``key``).
+
+    A stage replies with its trainable parameters and buffers only: its ``frozen``
+    parameters (``requires_grad=False``, :func:`sky_flower.pipeline.stage.frozen_keys`
+    of the server's model) never change in training, so they are taken from ``start``,
+    the model the round started from.
+
+    Returns
+    -------
+    (ArrayRecord, int, int)
+        The model (in ``start``'s key order where parameters are frozen), the bytes of weights the
+        replies carried (:meth:`ArrayRecord.count_bytes`, summed over the replies) and
+        the bytes the whole model takes in the same count: what the replies would carry
+        under full fine-tuning.
 
     Raises
     ------
     SkyNodeError
-        If a reply is an error or lacks its weights (naming its node), or a layer
-        tensor comes back twice or not at all.
+        If a reply is an error or lacks its weights (naming its node), a layer tensor
+        comes back twice or not at all, or a reply carries a parameter the server's
+        model freezes (the nodes' and the server's ``model_fn`` disagree on what trains).
+    ValueError
+        If ``frozen`` is not empty and ``start`` is not given.
     """
+    if frozen and start is None:
+        raise ValueError("frozen parameters are taken from the round's start: give start")
     ex.raise_errors(replies)
     merged: dict[str, torch.Tensor] = {}
+    sent = 0
     for reply in replies:
         rec = reply.content.array_records.get(key)
+        src = reply.metadata.src_node_id
         if rec is None:
-            src = reply.metadata.src_node_id
             raise ex.fail(f"{ex.name(src)}: reply lacks its weights", [src])
+        sent += rec.count_bytes()
         for name, value in rec.to_torch_state_dict().items():
             if name in merged:
                 raise ex.fail(f"layer tensor {name} returned twice")
+            if name in frozen:
+                raise ex.fail(
+                    f"{ex.name(src)}: reply carries {name}, a parameter the server's model "
+                    "freezes (requires_grad=False): the nodes' and the server's model_fn "
+                    "disagree on which parameters train",
+                    [src],
+                )
             merged[name] = value
+    if frozen:  # the start's frozen entries, everything in the start's key order
+        base = start.to_torch_state_dict()  # type: ignore[union-attr]
+        merged.update({name: base[name] for name in frozen if name in base})
+        merged = {name: merged[name] for name in base if name in merged} | merged
     if set(merged) != expected:
         missing = sorted(expected - set(merged))
         raise ex.fail(f"stages returned an incomplete model; missing {missing[:5]}")
-    return ArrayRecord(merged)
+    model = ArrayRecord(merged)
+    return model, sent, model.count_bytes()

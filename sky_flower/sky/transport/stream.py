@@ -45,7 +45,7 @@ from sky_flower.sky.transport.hops import (
     stage_rows,
     step_orders,
 )
-from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, merge_weights, message
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
 
 FLOWER_POLL_S = 0.5  # how often the stream loop looks at the stages' Flower replies
 
@@ -111,7 +111,7 @@ class StreamRunner(Runner):
         except Exception:
             ex.abandon()
             raise
-        new = merge_weights(replies, ex, self.expected, P.ARRAYS)
+        new, sent, full = self.merge(replies, ex, arrays)
         check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
         if s.optimizer_store is not None:
             s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
@@ -130,6 +130,8 @@ class StreamRunner(Runner):
                 "setup_s": setup_s,
                 "wall_s": time.perf_counter() - t_start,
             },
+            weights_bytes=sent,
+            full_weights_bytes=full,
         )
 
     def configure(  # noqa: PLR0913
