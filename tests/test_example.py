@@ -63,3 +63,35 @@ def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_process
             pipelines = row["pipelines"]
             assert sorted(p["owner"] for p in pipelines) == sorted(owners), pipelines
             assert all(p["samples_trained"] == 5 * 64 for p in pipelines), pipelines
+
+
+@pytest.mark.simulation
+@pytest.mark.parametrize(
+    "app, rounds", [("quickstart-pytorch-sky", 2), ("quickstart-huggingface-sky", 1)]
+)
+def test_flowers_quickstart_apps_switched_run_with_flwr_run(
+    app, rounds, tmp_path, monkeypatch, no_leftover_processes
+):
+    """Flower's quickstart-pytorch (DataLoaders over a flwr_datasets partition, its CNN)
+    and quickstart-huggingface (a padding collator's dict batches, a transformers
+    classifier) apps, switched to Sky, train under `flwr run`'s simulation runtime."""
+    monkeypatch.setenv("SKY_FLOWER_CACHE", str(tmp_path / "cache"))  # the text app's model
+    text, _, results = run_local(
+        EXAMPLES / app,
+        "edge4",
+        simulation=True,
+        run_config=f"num-server-rounds={rounds} steps-per-round=5",
+        workdir=tmp_path,
+        timeout_s=480,
+        echo=False,
+    )
+    assert "(4 simulated SuperNodes)" in text, text[-3000:]
+    assert results["completed"] and not results["error"], results
+    rows = results["rounds"]
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1)), text[-3000:]
+    for row in rows:  # every SuperNode's partition trained, through Sky's data owners
+        assert sorted(p["samples_trained"] for p in row["pipelines"]) == [5 * 32] * 4, row
+        assert row["train_loss"] > 0
+    if app == "quickstart-pytorch-sky":  # the app's own evaluate_fn, on the app's keys
+        acc = round_accuracies(results)
+        assert acc[rounds] > acc[0] + 0.2, acc  # untrained: ~0.1
