@@ -139,3 +139,21 @@ def _extra_args(load_data, run):
 
 def _keys(app):
     return (["input_ids", "attention_mask"], "labels") if "huggingface" in app else (None, None)
+
+
+@pytest.mark.parametrize(
+    "page, app",
+    [("README.md", "quickstart-pytorch"), ("docs/flower-app.md", "quickstart-huggingface")],
+)
+def test_the_docs_show_the_switch_as_it_is(page, app):
+    """The page's diff block for ``app`` is the switch's changed lines, verbatim."""
+    text = (Path(__file__).resolve().parents[1] / page).read_text()
+    fedavg, sky = APPS[app]
+    block = next(b for b in text.split("```diff\n")[1:] if f"+++ {sky}/" in b)
+    lines = block.split("```", 1)[0].splitlines()
+    shown = [ln for ln in lines if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    changed = []
+    for name in ("client_app.py", "server_app.py"):
+        a = EXAMPLES / app / fedavg / name
+        changed += _changed_lines(a, EXAMPLES / f"{app}-sky" / sky / name)
+    assert shown == changed
