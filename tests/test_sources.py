@@ -198,3 +198,72 @@ def test_check_source_samples_a_large_source_and_finds_nan_in_the_sample():
     assert np.array_equal(rows, sample_rows(10_000))  # seeded
     with pytest.raises(ValueError, match="holds no samples"):
         check_source(as_source(Pairs(Split(split.x[:0], split.y[:0]))), "partition 3 of 4")
+
+
+def digits_as_datasets(test_fraction: float, seed: int):
+    """A Hydra ``dataset._target_`` returning Hugging Face data sets (x, y) instead of
+    Splits: the same rows as the digits loader."""
+    from sky_flower.pipeline.data import load_digits
+
+    train, test = load_digits(test_fraction, seed)
+    return tuple(
+        datasets.Dataset.from_dict({"x": list(s.x), "label": s.y.tolist()}) for s in (train, test)
+    )
+
+
+def digits_as_loaders(test_fraction: float, seed: int):
+    """A Hydra ``dataset._target_`` returning DataLoaders over TensorDatasets."""
+    from sky_flower.pipeline.data import load_digits
+
+    return tuple(
+        DataLoader(TensorDataset(torch.from_numpy(s.x), torch.from_numpy(s.y)), batch_size=9)
+        for s in load_digits(test_fraction, seed)
+    )
+
+
+@pytest.mark.parametrize("loader", ["digits_as_datasets", "digits_as_loaders"])
+def test_a_hydra_dataset_may_return_sources(loader):
+    """``dataset._target_`` returning a datasets.Dataset / DataLoader per split: the job's
+    checks run on a sample, each owner's partition gives the digits Split's batches, and
+    the server-side evaluation equals the Split's."""
+    from sky_flower.app import hydra_parts
+    from sky_flower.jobs.sky import evaluate_fn_for
+    from sky_flower.pipeline.data import load_dataset, owner_partition
+
+    digits = hydra_parts()
+    parts = hydra_parts(["~dataset", f"+dataset._target_=test_sources.{loader}"])
+    assert parts.input_shape == digits.input_shape == [64]
+    for owner in range(2):
+        mine, theirs = parts.load_data(owner, 2), digits.load_data(owner, 2)
+        assert len(mine) == len(theirs)
+        for step in range(3):
+            x, y = step_batch(mine, 32, 1, 0, step)
+            ex, ey = step_batch(theirs, 32, 1, 0, step)
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+    from flwr.app import ArrayRecord
+
+    arrays = ArrayRecord(digits.model_fn().state_dict())
+    got = evaluate_fn_for(parts.model_fn, parts.test, chunk=100)(0, arrays)
+    want = evaluate_fn_for(digits.model_fn, digits.test, chunk=100)(0, arrays)
+    assert dict(got) == dict(want)
+    train, _ = load_dataset({"_target_": f"test_sources.{loader}"})
+    assert len(owner_partition(train, 0, 3)) == len(owner_partition(digits_split(), 0, 3))
+
+
+def digits_split():
+    from sky_flower.pipeline.data import load_digits
+
+    return load_digits(0.2, 0)[0]
+
+
+def test_a_hydra_dataset_of_another_kind_is_refused_naming_the_split():
+    from sky_flower.pipeline.data import load_dataset
+
+    with pytest.raises(
+        ValueError, match=r"its train split must be a Split.*load_data returned int"
+    ):
+        load_dataset({"_target_": "test_sources.bad_loader"})
+
+
+def bad_loader(test_fraction: float, seed: int):
+    return 3, 4

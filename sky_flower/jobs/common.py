@@ -432,6 +432,7 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     from sky_flower.pipeline.inputs import check_finite_data, label_range_error, probe_rows
     from sky_flower.pipeline.models import build_model
     from sky_flower.pipeline.objective import check_objective
+    from sky_flower.pipeline.sources import probe_split
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
@@ -445,7 +446,9 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
     model_fn = partial(build_model, model_cfg)
     model = model_fn()  # fail early on a bad model config
     train, test = load_dataset(dataset, settings.seed)
-    sample = list(train.x.shape[1:])
+    # a source not in memory (a DataLoader, a datasets.Dataset) is checked on a sample
+    probe_train, probe_test = probe_split(train), probe_split(test)
+    sample = list(probe_train.x.shape[1:])
     input_shape = [int(v) for v in model_cfg.get("input_shape", sample)]
     if input_shape != sample:
         raise ValueError(
@@ -454,10 +457,10 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
         )
     loss_fn, metric_fn = settings.objective.functions()
     mb = settings.schedule.batch_size // max(1, settings.schedule.microbatches)
-    check_layers(copy.deepcopy(model), torch.as_tensor(train.x[:2]), mb)  # names the layer
+    check_layers(copy.deepcopy(model), torch.as_tensor(probe_train.x[:2]), mb)  # names the layer
     data_name = str(dataset.get("name") or dataset.get("_target_"))
     reduction = settings.objective.reduction_object()
-    for split, which in ((train, "training"), (test, "test")):
+    for split, which in ((probe_train, "training"), (probe_test, "test")):
         check_finite_data(split, data_name, which)  # NaN / inf features: refused by name
         rows = probe_rows(split)  # the first two and the extreme labels of the whole split
         x, y = torch.as_tensor(split.x[rows]), torch.as_tensor(split.y[rows])
@@ -472,7 +475,7 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
             raise
     from sky_flower.pipeline.engine import LABEL_DTYPES
 
-    y = torch.as_tensor(train.y[:1])
+    y = torch.as_tensor(probe_train.y[:1])
     if transport == "direct" and y.dtype not in LABEL_DTYPES:
         raise ValueError(
             f"transport=direct sends labels of dtype {', '.join(map(str, LABEL_DTYPES))} to "
@@ -486,7 +489,7 @@ def model_and_data(cfg: DictConfig, settings: Any, transport: str) -> dict[str, 
         "train": train,
         "test": test,
         "input_shape": input_shape,
-        "input_dtype": str(model_cfg.get("input_dtype") or train.x.dtype),
+        "input_dtype": str(model_cfg.get("input_dtype") or probe_train.x.dtype),
         "loss_fn": loss_fn,
         "metric_fn": metric_fn,
     }

@@ -87,7 +87,9 @@ def evaluate_fn_for(
     loss reported is then the user's loss on the whole test set."""
     from flwr.app import ArrayRecord, MetricRecord
 
-    x, y = torch.as_tensor(test.x), torch.as_tensor(test.y)
+    from sky_flower.pipeline.sources import as_source, batches
+
+    test = as_source(test)  # a Split, or a DataLoader's / datasets.Dataset's rows
     if with_perplexity is None:
         with_perplexity = loss_fn is lm_cross_entropy
 
@@ -98,7 +100,9 @@ def evaluate_fn_for(
         loss, hits, total = 0.0, 0.0, 0.0
         kind = "mean" if reduction is None else reduction.kind
         with torch.no_grad():
-            for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
+            count = 0
+            for xs, ys in batches(test, chunk):
+                count += ys.numel()
                 out = model(xs)
                 if kind == "mean":
                     w = float(len(ys))
@@ -111,7 +115,7 @@ def evaluate_fn_for(
                 total += w
                 hits += float(metric_fn(out, ys))
         mean = loss if kind == "sum" else loss / total
-        found = {"accuracy": hits / y.numel(), "loss": mean}
+        found = {"accuracy": hits / count, "loss": mean}
         if with_perplexity:
             found["perplexity"] = perplexity(mean)
         return MetricRecord(found)

@@ -14,40 +14,14 @@ Split)``, deterministic in ``seed`` (every node calls it and must get the same s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import torch
+from sky_flower.pipeline.sources import Split
 
 DATASETS = ("digits",)
 LOADERS = {"digits": "sky_flower.pipeline.data.load_digits"}
-
-
-@dataclass(frozen=True)
-class Split:
-    """Inputs ``x`` (``(n, *input_shape)``; digits: float32 ``(n, 64)`` in [0, 1]) and
-    labels ``y`` (``(n, ...)``; class indices int64 for classification, float32 for a
-    regression target, int64 ``(n, seq_len)`` token ids for a language model)."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, labels)`` of samples ``rows`` (int ``(B,)``) as tensors (shared with
-        the arrays' copies ``x[rows]``, ``y[rows]``)."""
-        import torch
-
-        return torch.from_numpy(self.x[rows]), torch.from_numpy(self.y[rows])
-
-    def subset(self, rows: np.ndarray) -> Split:
-        """Samples ``rows`` only."""
-        return Split(self.x[rows], self.y[rows])
 
 
 def load_split(
@@ -94,10 +68,12 @@ def load_digits(
     return Split(xtr, ytr), Split(xte, yte)
 
 
-def load_dataset(cfg: Mapping, seed: int = 0) -> tuple[Split, Split]:
+def load_dataset(cfg: Mapping, seed: int = 0) -> tuple[Any, Any]:
     """``(train, test)`` of data set config ``cfg``: ``cfg["_target_"](test_fraction,
     seed, **other keys)`` (``name`` is a label; ``test_fraction`` defaults to 0.2). The
-    old spelling ``{"name": "digits"}`` (no ``_target_``) still loads digits.
+    old spelling ``{"name": "digits"}`` (no ``_target_``) still loads digits. Each split
+    may be a :class:`Split` or any :mod:`sky_flower.pipeline.sources` source (a
+    ``DataLoader``, a map-style ``Dataset``, a ``datasets.Dataset``), returned as one.
 
     Raises
     ------
@@ -125,20 +101,26 @@ def load_dataset(cfg: Mapping, seed: int = 0) -> tuple[Split, Split]:
         raise ValueError(
             f"dataset._target_={target} must return (train, test) Splits, got {type(out).__name__}"
         )
+    from sky_flower.pipeline.sources import as_source
+
+    parts = []
     for part, split in zip(("train", "test"), out, strict=True):
-        x, y = getattr(split, "x", None), getattr(split, "y", None)
-        if not (hasattr(x, "shape") and hasattr(y, "shape") and len(x) == len(y)):
+        try:
+            parts.append(as_source(split))
+        except ValueError as err:
             raise ValueError(
-                f"dataset._target_={target}: its {part} split needs arrays x and y of equal "
-                "length (sky_flower.pipeline.data.Split)"
-            )
-    if len(out[0]) < 1:
+                f"dataset._target_={target}: its {part} split must be a Split (arrays x and "
+                "y of equal length), a map-style torch Dataset, a DataLoader or a "
+                f"datasets.Dataset ({err})"
+            ) from err
+    if len(parts[0]) < 1:
         raise ValueError(f"dataset._target_={target} returned an empty train split")
-    return Split(out[0].x, out[0].y), Split(out[1].x, out[1].y)
+    return parts[0], parts[1]
 
 
-def owner_partition(train: Split, owner_index: int, num_owners: int, seed: int = 0) -> Split:
-    """IID partition ``owner_index`` of ``num_owners`` of the train split.
+def owner_partition(train: Any, owner_index: int, num_owners: int, seed: int = 0) -> Any:  # noqa: ANN401
+    """IID partition ``owner_index`` of ``num_owners`` of the train split (a
+    :class:`Split` or a source: its ``subset`` of those rows).
 
     Raises
     ------
@@ -149,7 +131,7 @@ def owner_partition(train: Split, owner_index: int, num_owners: int, seed: int =
         raise ValueError(f"owner_index {owner_index} not in [0, {num_owners})")
     order = np.random.default_rng(seed).permutation(len(train))
     part = np.array_split(order, num_owners)[owner_index]
-    return Split(train.x[part], train.y[part])
+    return train.subset(part)
 
 
 def owner_split(

@@ -33,7 +33,8 @@ naming the input: truncate it in the tokenizer (``max_length``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -46,6 +47,28 @@ LABEL_KEYS = ("label", "labels")
 #: Rows the up-front checks read from a data source that is not in memory: the first two
 #: and a seeded sample of the rest (:func:`sample_rows`).
 CHECK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Split:
+    """Inputs ``x`` (``(n, *input_shape)``; digits: float32 ``(n, 64)`` in [0, 1]) and
+    labels ``y`` (``(n, ...)``; class indices int64 for classification, float32 for a
+    regression target, int64 ``(n, seq_len)`` token ids for a language model)."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, labels)`` of samples ``rows`` (int ``(B,)``) as tensors (shared with
+        the arrays' copies ``x[rows]``, ``y[rows]``)."""
+        return torch.from_numpy(self.x[rows]), torch.from_numpy(self.y[rows])
+
+    def subset(self, rows: np.ndarray) -> Split:
+        """Samples ``rows`` only."""
+        return Split(self.x[rows], self.y[rows])
 
 
 @runtime_checkable
@@ -294,8 +317,6 @@ def as_source(
         On an iterable-style (streaming) data set, a ``DatasetDict`` or a type that is
         none of the above, naming what to give instead.
     """
-    from sky_flower.pipeline.data import Split
-
     if isinstance(data, tuple | list) and len(data) == 2 and not _arrays(data):
         data = data[0]  # (trainloader, testloader): train on the first
     if isinstance(data, Split | DatasetSource):
@@ -371,7 +392,6 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
     ValueError
         Naming ``what`` (the partition), the rows read and what is wrong.
     """
-    from sky_flower.pipeline.data import Split
     from sky_flower.pipeline.inputs import check_finite_data
 
     if len(source) < 1:
@@ -393,3 +413,20 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
                 "on them makes every stage's output non-finite: clean or impute them in "
                 "the data set's transform"
             )
+
+
+def probe_split(source: Any, seed: int = 0) -> Any:  # noqa: ANN401 - a source in, a Split out
+    """What the up-front checks read of ``source``: a
+    :class:`~sky_flower.pipeline.data.Split` as it is, any other source as the Split of
+    its :func:`sample_rows` (read as the data owner reads a batch)."""
+    if isinstance(source, Split):
+        return source
+    x, y = source.batch(sample_rows(len(source), seed=seed))
+    return Split(x.numpy(), y.numpy())
+
+
+def batches(source: Any, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN401
+    """``source`` in order, ``size`` samples at a time (the last batch smaller): what a
+    server-side evaluation reads."""
+    for start in range(0, len(source), size):
+        yield source.batch(np.arange(start, min(start + size, len(source))))
