@@ -1,7 +1,6 @@
 """A data owner's partition as Flower apps have it: a map-style PyTorch ``Dataset``, a
 ``DataLoader``, a Hugging Face ``datasets.Dataset`` (a ``flwr_datasets`` partition), or
-the numpy :class:`~sky_flower.pipeline.data.Split`; all are read the same way, one
-batch of rows at a time.
+the numpy :class:`Split`; all are read the same way, one batch of rows at a time.
 
 Sky's schedule decides every batch (its size and which rows, seeded:
 :func:`sky_flower.pipeline.data.batch_indices`), so a ``DataLoader`` given here lends
@@ -303,7 +302,7 @@ def as_source(
     Parameters
     ----------
     data
-        A :class:`~sky_flower.pipeline.data.Split` (returned as it is; any object
+        A :class:`Split` (returned as it is; any object
         with arrays ``x`` and ``y`` of one length is read as one); a
         ``DataLoader`` (its ``dataset`` and ``collate_fn``); a map-style ``Dataset`` or
         ``datasets.Dataset`` (a ``flwr_datasets`` partition); or a Flower app's
@@ -317,7 +316,7 @@ def as_source(
         On an iterable-style (streaming) data set, a ``DatasetDict`` or a type that is
         none of the above, naming what to give instead.
     """
-    if isinstance(data, tuple | list) and len(data) == 2 and not _arrays(data):
+    if isinstance(data, tuple) and len(data) == 2 and not _arrays(data):
         data = data[0]  # (trainloader, testloader): train on the first
     if isinstance(data, Split | DatasetSource):
         return data
@@ -382,7 +381,7 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
     hold a sample, read into ``(x, labels)`` tensors (keys, types, shapes:
     :meth:`DatasetSource.batch`), and hold no ``NaN`` / ``inf``.
 
-    A :class:`~sky_flower.pipeline.data.Split` (in memory) is checked whole; any other
+    A :class:`Split` (in memory) is checked whole; any other
     source on the rows of :func:`sample_rows` only (the first two and a seeded
     ``CHECK_ROWS - 2`` of the rest), so a data set larger than memory is not read
     whole: a non-finite value outside the sample is not seen here.
@@ -417,7 +416,7 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
 
 def probe_split(source: Any, seed: int = 0) -> Any:  # noqa: ANN401 - a source in, a Split out
     """What the up-front checks read of ``source``: a
-    :class:`~sky_flower.pipeline.data.Split` as it is, any other source as the Split of
+    :class:`Split` as it is, any other source as the Split of
     its :func:`sample_rows` (read as the data owner reads a batch)."""
     if isinstance(source, Split):
         return source
