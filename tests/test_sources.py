@@ -12,7 +12,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.packing import pack_inputs
-from sky_flower.pipeline.sources import DatasetSource, as_source, check_source, sample_rows
+from sky_flower.pipeline.sources import (
+    DatasetSource,
+    ModelInputs,
+    as_source,
+    check_source,
+    sample_rows,
+)
 from sky_flower.pipeline.stage import step_batch
 
 datasets.disable_progress_bars()
@@ -132,14 +138,18 @@ def test_dict_batches_pack_the_named_inputs_padded_to_the_models_shape():
     assert torch.equal(x, pack_inputs([raw["input_ids"], raw["attention_mask"]]))
     assert torch.equal(y, raw["labels"])
     # a converted model of a fixed length 8: padded with zeros on the right (mask 0)
-    source = as_source(loader, ["input_ids", "attention_mask"], "labels", lambda: [(8,), (8,)])
+    source = as_source(
+        loader, ["input_ids", "attention_mask"], "labels", lambda: ModelInputs(((8,), (8,)))
+    )
     x, _ = source.batch(pick)
     ids, mask = x[:, :8], x[:, 8:]
     n = raw["input_ids"].shape[1]
     assert torch.equal(ids[:, :n], raw["input_ids"]) and not ids[:, n:].any()
     assert torch.equal(mask[:, :n], raw["attention_mask"]) and not mask[:, n:].any()
     with pytest.raises(ValueError, match=r"truncate them to \[3\].*max_length=3"):
-        as_source(loader, ["input_ids", "attention_mask"], "labels", [(3,), (3,)]).batch(pick)
+        as_source(
+            loader, ["input_ids", "attention_mask"], "labels", ModelInputs(((3,), (3,)))
+        ).batch(pick)
 
 
 def test_token_labels_are_padded_with_the_ignore_index():
@@ -149,7 +159,7 @@ def test_token_labels_are_padded_with_the_ignore_index():
         out = collate(batch)
         return {"input_ids": out["input_ids"], "labels": out["input_ids"].clone()}
 
-    source = as_source(DataLoader(rows, collate_fn=lm_collate), input_shapes=[(9,)])
+    source = as_source(DataLoader(rows, collate_fn=lm_collate), model_inputs=ModelInputs(((9,),)))
     x, y = source.batch(np.array([1, 2]))
     n = lm_collate([rows[1], rows[2]])["input_ids"].shape[1]
     assert x.shape == (2, 9) and y.shape == (2, 9)
@@ -267,3 +277,13 @@ def test_a_hydra_dataset_of_another_kind_is_refused_naming_the_split():
 
 def bad_loader(test_fraction: float, seed: int):
     return 3, 4
+
+
+def test_an_input_of_the_wrong_kind_of_dtype_is_refused_naming_it():
+    images = np.random.default_rng(0).integers(0, 255, (6, 3, 4, 4)).astype(np.uint8)
+    rows = [{"img": torch.from_numpy(a), "label": 1} for a in images]
+    source = as_source(rows, model_inputs=ModelInputs(((3, 4, 4),), ("float32",)))
+    with pytest.raises(ValueError, match=r"'img' is uint8 but the model takes float32"):
+        source.batch(np.array([0, 1]))
+    ok = as_source(rows, model_inputs=ModelInputs(((3, 4, 4),), ("uint8",)))
+    assert ok.batch(np.array([0, 1]))[0].dtype == torch.uint8

@@ -22,7 +22,8 @@ A collated batch becomes the pipeline's ``(x, labels)``:
   converted with ``sequential_of(..., inputs=[...])`` takes.
 
 A model converted by :func:`sky_flower.pipeline.graph.sequential_of` has fixed sample
-shapes (``seq.input_shapes``); a batch padded to its own longest sequence (Hugging
+shapes and dtypes (:class:`ModelInputs`); an input of another kind of dtype is refused,
+and a batch padded to its own longest sequence (Hugging
 Face's ``DataCollatorWithPadding``) is padded on the right with zeros up to them (an
 attention mask's zeros hide the padding), and labels of a batch's sequence length with
 ``-100`` (PyTorch's ignore index). A batch longer than the model's shape is refused,
@@ -70,6 +71,26 @@ class Split:
         return Split(self.x[rows], self.y[rows])
 
 
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a model takes per sample: each input's shape (without the batch dimension)
+    and, where known, its dtype (``"float32"``, ``"int64"``), in ``forward``'s order."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, model: Any) -> ModelInputs | None:  # noqa: ANN401 - an nn.Module
+        """A converted model's (:func:`sky_flower.pipeline.graph.sequential_of`:
+        ``input_shapes``, ``input_dtypes``), else None (an ``nn.Sequential`` of your own
+        takes the data's shape as it is)."""
+        shapes = getattr(model, "input_shapes", None)
+        if shapes is None:
+            return None
+        dtypes = getattr(model, "input_dtypes", None)
+        return cls(tuple(tuple(int(d) for d in s) for s in shapes), dtypes and tuple(dtypes))
+
+
 @runtime_checkable
 class DataSource(Protocol):
     """What a data owner trains on: ``len(source)`` samples, read by rows."""
@@ -99,10 +120,10 @@ class DatasetSource:
         Dict batches: the model's inputs, in ``forward``'s order.
     label_key : str, optional
         Dict batches: the labels.
-    input_shapes : sequence of shapes, or a callable returning one, optional
-        Each input's sample shape (without the batch dimension) that the model takes:
-        shorter batches are padded up to it. A callable is called once, at the first
-        batch (a converted model's ``input_shapes``, read where the model is built).
+    model_inputs : ModelInputs, or a callable returning one (or None), optional
+        What the model takes: shorter inputs are padded up to its shapes, and an input
+        of another shape or kind of dtype is refused by name. A callable is called once,
+        at the first batch (:func:`model_inputs` reads a converted model's).
     """
 
     def __init__(
@@ -111,13 +132,13 @@ class DatasetSource:
         collate_fn: Callable[[list], Any] | None = None,
         input_keys: str | Sequence[str] | None = None,
         label_key: str | None = None,
-        input_shapes: Sequence[Sequence[int]] | Callable[[], Any] | None = None,
+        model_inputs: ModelInputs | Callable[[], ModelInputs | None] | None = None,
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn or default_collate
         self.input_keys = [input_keys] if isinstance(input_keys, str) else input_keys
         self.label_key = label_key
-        self._shapes = input_shapes
+        self._model = model_inputs
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -131,7 +152,7 @@ class DatasetSource:
         idx = [int(i) for i in rows]
         hf = _is_hf_dataset(self.dataset)
         data = self.dataset.select(idx) if hf else Subset(self.dataset, idx)
-        return DatasetSource(data, self.collate_fn, self.input_keys, self.label_key, self._shapes)
+        return DatasetSource(data, self.collate_fn, self.input_keys, self.label_key, self._model)
 
     def raw_batch(self, rows: np.ndarray) -> Any:  # noqa: ANN401 - whatever collate_fn makes
         """Samples ``rows`` fetched and collated by a ``DataLoader`` (one batch, in the
@@ -152,22 +173,19 @@ class DatasetSource:
             not hold (naming the keys it holds), a value that is not a tensor, or an
             input longer than the model's shape.
         """
-        inputs, labels = self.split_batch(self.raw_batch(rows))
-        if self._shapes is not None and callable(self._shapes):
-            self._shapes = self._shapes()
-        if self._shapes is not None:
-            inputs, labels = pad_to(inputs, labels, self._shapes, self._names(len(inputs)))
+        inputs, labels, names = self.split_batch(self.raw_batch(rows))
+        if callable(self._model):
+            self._model = self._model()
+        if self._model is not None:
+            inputs, labels = fit_inputs(inputs, labels, self._model, names)
         if len(inputs) == 1:
             return inputs[0], labels
         from sky_flower.pipeline.packing import pack_inputs
 
         return pack_inputs(inputs), labels
 
-    def _names(self, n: int) -> list[str]:
-        return list(self.input_keys) if self.input_keys else [f"input {i}" for i in range(n)]
-
-    def split_batch(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor]:  # noqa: ANN401
-        """A collated batch as ``([inputs...], labels)``.
+    def split_batch(self, batch: Any) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:  # noqa: ANN401
+        """A collated batch as ``([inputs...], labels, [the inputs' names])``.
 
         Raises
         ------
@@ -194,7 +212,7 @@ class DatasetSource:
             names = list(keys) + [label_key]
         elif isinstance(batch, tuple | list) and len(batch) == 2:
             inputs, labels = [batch[0]], batch[1]
-            names = ["inputs", "labels"]
+            names = ["inputs", "labels"]  # a pair's
         else:
             raise ValueError(
                 f"the data set's batches are {type(batch).__name__}"
@@ -210,7 +228,7 @@ class DatasetSource:
                     "(e.g. datasets.Dataset.with_format('torch'), torchvision's ToTensor, "
                     "a padding collator for sequences of different lengths)"
                 )
-        return list(inputs), labels
+        return list(inputs), labels, names[:-1]
 
 
 def _default_label_key(batch: Mapping) -> str:
@@ -218,22 +236,33 @@ def _default_label_key(batch: Mapping) -> str:
     return found[0] if len(found) == 1 else "label"
 
 
-def pad_to(
+def fit_inputs(
     inputs: list[torch.Tensor],
     labels: torch.Tensor,
-    shapes: Sequence[Sequence[int]],
+    model: ModelInputs,
     names: Sequence[str],
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Pad each input ``(B, *s)`` on the right with zeros up to ``(B, *shapes[i])``, and
-    labels ``(B, L)`` whose ``L`` is the first input's padded length with ``-100``
-    (integers; float labels with 0).
+    """Pad each input ``(B, *s)`` on the right with zeros up to ``(B,
+    *model.shapes[i])``, and labels ``(B, L)`` whose ``L`` is the first input's padded
+    length with ``-100`` (integers; float labels with 0).
 
     Raises
     ------
     ValueError
-        On a count of inputs other than ``len(shapes)``, or an input of another rank or
-        longer than its shape (naming it and the model's shape).
+        On a count of inputs other than the model's, an input of another rank or longer
+        than its shape (naming it and the model's shape), or of integer dtype where the
+        model takes floats or the other way round (an image left as ``uint8``).
     """
+    shapes = model.shapes
+    for i, (t, name) in enumerate(zip(inputs, names, strict=False)):
+        want = model.dtypes[i] if model.dtypes and i < len(model.dtypes) else None
+        if want is None or t.dtype.is_floating_point == want.startswith(("float", "bfloat")):
+            continue
+        raise ValueError(
+            f"the data set's {name!r} is {str(t.dtype).removeprefix('torch.')} but the model "
+            f"takes {want}: convert it in the data set's transform or collate_fn "
+            "(images: to float, e.g. torchvision's ToTensor; token ids: to int64)"
+        )
     if len(inputs) != len(shapes):
         raise ValueError(
             f"the model takes {len(shapes)} input(s) but the data set gives {len(inputs)} "
@@ -295,7 +324,7 @@ def as_source(
     data: Any,  # noqa: ANN401 - any of the kinds in the module docstring
     input_keys: str | Sequence[str] | None = None,
     label_key: str | None = None,
-    input_shapes: Sequence[Sequence[int]] | Callable[[], Any] | None = None,
+    model_inputs: ModelInputs | Callable[[], ModelInputs | None] | None = None,
 ) -> Any:  # noqa: ANN401 - a Split or a DatasetSource
     """The data owner's partition ``data`` as a :class:`DataSource`.
 
@@ -307,7 +336,7 @@ def as_source(
         ``DataLoader`` (its ``dataset`` and ``collate_fn``); a map-style ``Dataset`` or
         ``datasets.Dataset`` (a ``flwr_datasets`` partition); or a Flower app's
         ``load_data`` result ``(trainloader, testloader)``, whose first item is used.
-    input_keys, label_key, input_shapes
+    input_keys, label_key, model_inputs
         As :class:`DatasetSource`.
 
     Raises
@@ -330,7 +359,7 @@ def as_source(
                 "schedule draws each step's rows itself (seeded): give a map-style Dataset"
             )
         if data.collate_fn is not default_collate:  # the app's own (a padding collator)
-            return DatasetSource(data.dataset, data.collate_fn, input_keys, label_key, input_shapes)
+            return DatasetSource(data.dataset, data.collate_fn, input_keys, label_key, model_inputs)
         data = data.dataset
     _refuse_hf_kinds(data)
     if isinstance(data, IterableDataset):
@@ -341,9 +370,9 @@ def as_source(
     if _is_hf_dataset(data) and data.format["type"] is None:
         data = data.with_format("torch")  # python lists -> tensors, as a DataLoader needs
     if isinstance(data, Dataset) or _is_hf_dataset(data):
-        return DatasetSource(data, None, input_keys, label_key, input_shapes)
+        return DatasetSource(data, None, input_keys, label_key, model_inputs)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not _arrays([data]):
-        return DatasetSource(data, None, input_keys, label_key, input_shapes)
+        return DatasetSource(data, None, input_keys, label_key, model_inputs)
     raise ValueError(
         f"load_data returned {type(data).__name__}: give a Split (numpy x, y), a map-style "
         "torch Dataset, a DataLoader, a datasets.Dataset (a flwr_datasets partition) or a "
@@ -364,16 +393,14 @@ def sample_rows(n: int, k: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
     return np.concatenate([[0, 1], np.sort(rest)])
 
 
-def model_input_shapes(model_fn: Callable[[], Any]) -> Callable[[], Any]:
-    """A callable (called at a source's first batch) returning the sample shapes of
-    ``model_fn()``'s inputs where the model records them (a model converted by
-    :func:`sky_flower.pipeline.graph.sequential_of`: ``input_shapes``), else None (an
-    ``nn.Sequential`` of your own takes the data's shape as it is)."""
+def model_inputs(model_fn: Callable[[], Any]) -> Callable[[], ModelInputs | None]:
+    """A callable (called at a source's first batch) returning
+    :meth:`ModelInputs.of` ``model_fn()``."""
 
-    def shapes() -> Any:  # noqa: ANN401 - a list of shapes or None
-        return getattr(model_fn(), "input_shapes", None)
+    def read() -> ModelInputs | None:
+        return ModelInputs.of(model_fn())
 
-    return shapes
+    return read
 
 
 def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401 - a source
