@@ -283,3 +283,36 @@ def test_several_inputs_are_packed_for_the_first_unit():
         (3, 4),
     ]
     torch.testing.assert_close(seq(packed), model(x, y), rtol=0, atol=0)
+
+
+class _Scaled(torch.nn.Module):
+    """A plain tensor attribute (lifted by the trace as a constant) and a submodule the
+    forward never reads (peft's original_module beside modules_to_save)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        self.scale = torch.tensor(0.5)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.scale)
+
+
+def test_sequential_fn_traces_once_and_builds_every_call_from_a_fresh_module():
+    from sky_flower.pipeline.graph import ModuleKeys, sequential_fn
+
+    fn = sequential_fn(_Scaled, [4])
+    first, second = fn(), fn()  # the second: the first's trace, a fresh module's weights
+    assert list(first.state_dict()) == list(second.state_dict())
+    assert not torch.equal(first.state_dict()["0.a.weight"], second.state_dict()["0.a.weight"])
+    with torch.device("meta"):  # stage.meta_layers: shapes only, no values copied
+        assert all(p.is_meta for p in fn().parameters())
+    user = _Scaled().state_dict()
+    keys = ModuleKeys.of(second, user)
+    converted = keys.to_converted(user)
+    trained = {k: v + 1 for k, v in converted.items()}
+    back = keys.to_original(trained)
+    assert list(back) == list(user)
+    assert torch.equal(back["a.weight"], user["a.weight"] + 1)
+    assert torch.equal(back["unused.weight"], user["unused.weight"])  # never read: as given

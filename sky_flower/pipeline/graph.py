@@ -653,11 +653,21 @@ def _as_sequential(
     seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
     seq.module_prefix = getattr(module, "module_prefix", "")  # a wrapper's (hf.Logits)
+    seq.module_aliases = _alias_groups(module)
     said = (type(module).__name__, tuple(points))
     if said not in _SAID:  # once per process: a node converts the model for each message
         _SAID.add(said)
         log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
     return seq
+
+
+def _alias_groups(module: nn.Module) -> list[list[str]]:
+    """The keys of ``module``'s state dict that hold one tensor (tied weights), in
+    groups of two or more."""
+    held_by: dict[int, list[str]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        held_by.setdefault(id(value), []).append(key)
+    return [keys for keys in held_by.values() if len(keys) > 1]
 
 
 def _batchnorm_keys(module: nn.Module, seq: nn.Sequential) -> frozenset[str]:
@@ -880,14 +890,18 @@ class ModuleKeys:
     original : tuple of str
         The user's keys, in their order.
     aliases : dict
-        A user's key held by no unit -> the user's key holding the same tensor (T5's
-        ``encoder.embed_tokens.weight`` -> ``shared.weight``).
+        A user's key held by no unit -> the user's key holding the same tensor in the
+        module (T5's ``encoder.embed_tokens.weight`` -> ``shared.weight``; the model's
+        ``module_aliases``, recorded at conversion).
     prefix : str
         Where the converted module wraps the user's (``module_prefix``, e.g.
         :class:`sky_flower.pipeline.hf.Logits`'s ``"hf."``): left off the user's keys.
     fixed : dict
         Converted keys of buffers the user's state dict does not hold (non-persistent:
         position ids, rotary tables) -> the converted model's own values.
+    kept : dict
+        The user's entries no unit holds and that alias none (the forward never reads
+        them) -> their values in the state given: returned unchanged.
     """
 
     converted: tuple[str, ...]
@@ -895,6 +909,7 @@ class ModuleKeys:
     aliases: Mapping[str, str]
     prefix: str = ""
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    kept: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module, state: Mapping[str, Any]) -> ModuleKeys | None:
@@ -928,24 +943,19 @@ class ModuleKeys:
                 "ArrayRecord(Net().state_dict()) of the module model_fn converts"
             )
         aliases: dict[str, str] = {}
+        kept: dict[str, Any] = {}
+        groups = [[k.removeprefix(prefix) for k in g] for g in getattr(model, "module_aliases", [])]
         for key in state:
             if key in names:
                 continue
-            twin = next(
-                (
-                    n
-                    for n in names
-                    if torch.equal(torch.as_tensor(state[n]), torch.as_tensor(state[key]))
-                ),
-                None,
-            )
-            if twin is None:
-                raise ValueError(
-                    f"initial_arrays holds {key!r}, which no unit of the converted model "
-                    "holds: give the state dict of the module model_fn converts"
-                )
-            aliases[key] = twin
-        return cls(converted, tuple(state), aliases, prefix, fixed)
+            group = next((g for g in groups if key in g), [])
+            twin = next((n for n in group if n in names), None)
+            if twin is not None:  # one tensor under several keys in the user's module
+                aliases[key] = twin
+            else:  # an entry the forward never reads (peft's original_module beside
+                # modules_to_save): handed back as it came in
+                kept[key] = state[key]
+        return cls(converted, tuple(state), aliases, prefix, fixed, kept)
 
     def to_converted(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The user's state dict keyed like the converted model (each unit's copy of a
@@ -959,6 +969,7 @@ class ModuleKeys:
         """The converted model's state dict keyed like the user's module, in its order
         (:func:`original_state_dict`; aliases filled)."""
         out = {k.removeprefix(self.prefix): v for k, v in original_state_dict(state).items()}
+        out.update(self.kept)
         return {k: out[self.aliases.get(k, k)] for k in self.original}
 
 
@@ -1038,9 +1049,13 @@ def sequential_fn(
             template.append(sequential_of(module, input_shape, input_dtype, split_points, inputs))
             return copy.deepcopy(template[0])
         seq = copy.deepcopy(template[0])
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return seq.to("meta")  # built for shapes only (stage.meta_layers): no values
         state = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent too
-        with torch.no_grad():
-            seq.load_state_dict({k: state[k.split(".", 1)[1]] for k in seq.state_dict()})
+        own = seq.state_dict()
+        with torch.no_grad():  # a constant the trace lifted (a plain tensor attribute,
+            # GPT-2's lifted_tensor_0) is no entry of the module's: the template's value
+            seq.load_state_dict({k: state.get(k.split(".", 1)[1], v) for k, v in own.items()})
         return seq
 
     return model_fn
