@@ -107,7 +107,7 @@ def test_the_switched_app_trains_exactly_as_unsplit(app, tmp_path, monkeypatch, 
     loaded = client_app.load_data(
         phone["partition-id"], phone["num-partitions"], **_extra_args(client_app.load_data, run)
     )
-    source = as_source(loaded, *_keys(app), model_inputs(model_fn))
+    source = as_source(loaded, model_inputs=model_inputs(model_fn))
     want = reference_rounds(
         model_fn,
         source,
@@ -135,10 +135,6 @@ def _extra_args(load_data, run):
     from sky_flower.app import run_config_arguments
 
     return run_config_arguments(load_data, run)
-
-
-def _keys(app):
-    return (["input_ids", "attention_mask"], "labels") if "huggingface" in app else (None, None)
 
 
 @pytest.mark.parametrize(

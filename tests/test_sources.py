@@ -194,7 +194,7 @@ def test_refusals_name_what_to_give_instead():
     with pytest.raises(ValueError, match="load_data returned int"):
         as_source(3)
     strings = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
-    with pytest.raises(ValueError, match=r"holds 'text' as list, not a tensor"):
+    with pytest.raises(ValueError, match=r"holds 'text' as text: tokenize it"):
         as_source(strings, "text").batch(np.array([0, 1]))
 
 
@@ -287,3 +287,43 @@ def test_an_input_of_the_wrong_kind_of_dtype_is_refused_naming_it():
         source.batch(np.array([0, 1]))
     ok = as_source(rows, model_inputs=ModelInputs(((3, 4, 4),), ("uint8",)))
     assert ok.batch(np.array([0, 1]))[0].dtype == torch.uint8
+
+
+def test_input_keys_follow_the_models_names_and_a_wrong_order_is_refused():
+    rows, collate = _text_batches()
+    loader = DataLoader(rows, collate_fn=collate)
+    takes = ModelInputs(((8,), (8,)), ("int64", "int64"), ("input_ids", "attention_mask"))
+    x, _ = as_source(loader, model_inputs=takes).batch(np.array([0, 1]))  # no input_keys
+    want, _ = as_source(loader, ["input_ids", "attention_mask"], model_inputs=takes).batch(
+        np.array([0, 1])
+    )
+    assert torch.equal(x, want)
+    swapped = as_source(loader, ["attention_mask", "input_ids"], model_inputs=takes)
+    with pytest.raises(ValueError, match=r"but the model takes \['input_ids', 'attention_mask'\]"):
+        swapped.batch(np.array([0, 1]))
+
+
+def test_tuples_numpy_pairs_and_datasets_with_x_y_attributes():
+    split = _split()
+    pair = as_source((split.x, split.y))  # numpy's (X, y)
+    assert torch.equal(pair.batch(np.array([3]))[0], torch.from_numpy(split.x[[3]]))
+    with pytest.raises(ValueError, match="a tuple of 3 items"):
+        as_source((Pairs(split), Pairs(split), Pairs(split)))
+
+    class Shifted(Pairs):  # x, y attributes, but __getitem__ is what the app trains on
+        def __init__(self, split):
+            super().__init__(split)
+            self.x, self.y = split.x, split.y + 1
+
+        def __getitem__(self, i):
+            return torch.from_numpy(self.x[i]) * 2, int(self.y[i]) - 1
+
+    x, y = as_source(Shifted(split)).batch(np.array([0, 5]))
+    assert torch.equal(x, 2 * torch.from_numpy(split.x[[0, 5]]))
+    assert y.tolist() == split.y[[0, 5]].tolist()
+
+
+def test_ragged_samples_without_a_collator_are_refused_naming_the_fix():
+    rows = [{"input_ids": torch.arange(n), "label": 0} for n in (3, 4, 5)]
+    with pytest.raises(ValueError, match="different shapes .*DataCollatorWithPadding"):
+        as_source(rows).batch(np.array([0, 1]))

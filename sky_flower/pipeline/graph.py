@@ -654,6 +654,7 @@ def _as_sequential(
     seq.split_points = list(points)
     seq.module_prefix = getattr(module, "module_prefix", "")  # a wrapper's (hf.Logits)
     seq.module_aliases = _alias_groups(module)
+    seq.input_names = getattr(module, "input_names", None)  # hf.Logits: the batch's keys
     said = (type(module).__name__, tuple(points))
     if said not in _SAID:  # once per process: a node converts the model for each message
         _SAID.add(said)

@@ -78,6 +78,7 @@ class ModelInputs:
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...] | None = None
+    names: tuple[str, ...] | None = None  # the batch keys it takes (hf_model_fn's)
 
     @classmethod
     def of(cls, model: Any) -> ModelInputs | None:  # noqa: ANN401 - an nn.Module
@@ -88,7 +89,12 @@ class ModelInputs:
         if shapes is None:
             return None
         dtypes = getattr(model, "input_dtypes", None)
-        return cls(tuple(tuple(int(d) for d in s) for s in shapes), dtypes and tuple(dtypes))
+        names = getattr(model, "input_names", None)
+        return cls(
+            tuple(tuple(int(d) for d in s) for s in shapes),
+            dtypes and tuple(dtypes),
+            names and tuple(names),
+        )
 
 
 @runtime_checkable
@@ -160,7 +166,16 @@ class DatasetSource:
         loader = DataLoader(
             self.dataset, batch_sampler=[[int(i) for i in rows]], collate_fn=self.collate_fn
         )
-        return next(iter(loader))
+        try:
+            return next(iter(loader))
+        except RuntimeError as err:
+            if "stack expects each tensor to be equal size" not in str(err):
+                raise
+            raise ValueError(
+                f"the data set's samples have different shapes ({err}): pad them to one "
+                "length in a DataLoader's collate_fn (a tokenizer's DataCollatorWithPadding) "
+                "or in the data set's transform"
+            ) from err
 
     def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, labels)`` of samples ``rows`` (int ``(B,)``): ``x`` ``(B, *input_shape)``
@@ -173,9 +188,9 @@ class DatasetSource:
             not hold (naming the keys it holds), a value that is not a tensor, or an
             input longer than the model's shape.
         """
-        inputs, labels, names = self.split_batch(self.raw_batch(rows))
         if callable(self._model):
             self._model = self._model()
+        inputs, labels, names = self.split_batch(self.raw_batch(rows))
         if self._model is not None:
             inputs, labels = fit_inputs(inputs, labels, self._model, names)
         if len(inputs) == 1:
@@ -199,9 +214,20 @@ class DatasetSource:
                     f"label_key={label_key!r} is not in the data set's batches, whose keys "
                     f"are {sorted(batch)}: give the labels' key as label_key"
                 )
-            keys = self.input_keys or [k for k in batch if k != label_key]
+            model_names = list(self._model.names or []) if self._model else []
+            if self.input_keys and model_names and list(self.input_keys) != model_names:
+                raise ValueError(
+                    f"input_keys={list(self.input_keys)} but the model takes {model_names}, "
+                    "in that order: give input_keys in the model's order"
+                )
+            if self.input_keys:
+                keys = list(self.input_keys)
+            elif model_names and all(k in batch for k in model_names):
+                keys = model_names  # the batch keys the model is called with
+            else:
+                keys = [k for k in batch if k != label_key]
             missing = [k for k in keys if k not in batch]
-            if missing or len(keys) != 1 and not self.input_keys:
+            if missing or len(keys) != 1 and not (self.input_keys or model_names):
                 what = f"input_keys {missing} are not" if missing else "several inputs are"
                 raise ValueError(
                     f"{what} in the data set's batches, whose keys are {sorted(batch)} "
@@ -221,6 +247,12 @@ class DatasetSource:
                 "label_key)"
             )
         for name, value in zip(names, [*inputs, labels], strict=True):
+            if isinstance(value, list | tuple) and value and isinstance(value[0], str):
+                raise ValueError(
+                    f"the data set's batch holds {name!r} as text: tokenize it in the data "
+                    "set (datasets.Dataset.map with a tokenizer) and name the token columns "
+                    "as input_keys"
+                )
             if not torch.is_tensor(value):
                 raise ValueError(
                     f"the data set's batch holds {name!r} as {type(value).__name__}, not a "
@@ -243,8 +275,9 @@ def fit_inputs(
     names: Sequence[str],
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Pad each input ``(B, *s)`` on the right with zeros up to ``(B,
-    *model.shapes[i])``, and labels ``(B, L)`` whose ``L`` is the first input's padded
-    length with ``-100`` (integers; float labels with 0).
+    *model.shapes[i])``, and integer labels ``(B, L)`` whose ``L`` is the first input's
+    length (token labels) with ``-100``; float labels (multi-label targets) stay as
+    they are.
 
     Raises
     ------
@@ -291,9 +324,9 @@ def fit_inputs(
         out.append(F.pad(t, pad))
     first_have = tuple(inputs[0].shape[1:])
     first_want = tuple(out[0].shape[1:])
-    if labels.dim() == 2 and first_have != first_want and labels.shape[1] == first_have[-1]:
-        fill = -100 if not labels.dtype.is_floating_point else 0.0
-        labels = F.pad(labels, [0, first_want[-1] - first_have[-1]], value=fill)
+    token_labels = labels.dim() == 2 and not labels.dtype.is_floating_point
+    if token_labels and first_have != first_want and labels.shape[1] == first_have[-1]:
+        labels = F.pad(labels, [0, first_want[-1] - first_have[-1]], value=-100)
     return out, labels
 
 
@@ -345,13 +378,28 @@ def as_source(
         On an iterable-style (streaming) data set, a ``DatasetDict`` or a type that is
         none of the above, naming what to give instead.
     """
-    if isinstance(data, tuple) and len(data) == 2 and not _arrays(data):
+    if isinstance(data, tuple) and _arrays(data):
+        if len(data) == 2 and len(data[0]) == len(data[1]):
+            return Split(np.asarray(data[0]), np.asarray(data[1]))  # numpy's (X, y)
+        raise ValueError(
+            f"load_data returned a tuple of {len(data)} arrays of lengths "
+            f"{[len(a) for a in data]}: give (x, y) of one length, or a Split"
+        )
+    if isinstance(data, tuple):
+        if len(data) != 2:
+            raise ValueError(
+                f"load_data returned a tuple of {len(data)} items: give the training data "
+                "alone or a (trainloader, testloader) pair, whose first Sky trains on"
+            )
         data = data[0]  # (trainloader, testloader): train on the first
     if isinstance(data, Split | DatasetSource):
         return data
     x, y = getattr(data, "x", None), getattr(data, "y", None)
-    if hasattr(x, "shape") and hasattr(y, "shape") and len(x) == len(y):
-        return Split(np.asarray(x), np.asarray(y))  # an app's own (x, y) dataclass
+    readable = isinstance(data, Dataset | DataLoader) or _is_hf_dataset(data)
+    if not readable and hasattr(x, "shape") and hasattr(y, "shape") and len(x) == len(y):
+        # an app's own (x, y) holder; a Dataset with x, y attributes is read through its
+        # __getitem__ (its transforms), as a DataLoader reads it
+        return Split(np.asarray(x), np.asarray(y))
     if isinstance(data, DataLoader):
         if isinstance(data.dataset, IterableDataset):
             raise ValueError(

@@ -14,7 +14,7 @@ from .task import train as train_fn
 # Flower ClientApp
 app = ClientApp()
 net_fn = hf_model_fn(lambda: get_model(""), ["input_ids", "attention_mask"], 32)  # Sky
-register_sky_client(app, net_fn, load_data, input_keys=["input_ids", "attention_mask"])  # Sky
+register_sky_client(app, net_fn, load_data)  # Sky
 
 
 @app.train()
