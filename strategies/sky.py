@@ -520,13 +520,20 @@ class SkyStrategy(Strategy):
         st.global_arrays = initial_arrays
         report.log_round_header()
         failures = 0  # consecutive failed rounds
+        trained = 0
         for rnd in range(1, num_rounds + 1):
             self.benchmarker.note_returns(rnd, self.settings.replan.mode)  # off: reported only
             row, new = self.executor.run(grid, rnd, st.global_arrays)
             if new is None:
                 failures += 1
                 self.recovery.failed(rnd, row, failures)
+                if rnd == num_rounds and not trained:  # fewer rounds than max_failed_rounds
+                    raise SkyNodeError(
+                        f"none of the {num_rounds} round(s) trained (the last: {row.exception}); "
+                        "the global model is the initial one"
+                    )
                 continue
+            trained += 1
             failures = 0
             self.recovery.round_trained(rnd)  # helpers set aside before it: their own fault
             result.arrays = st.global_arrays = new

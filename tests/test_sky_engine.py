@@ -157,6 +157,17 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
     assert result.arrays is strategy.global_arrays
 
 
+def test_a_run_in_which_no_round_trained_ends_with_an_error(server_identity):
+    """Fewer rounds than max_failed_rounds, all failed: not a run that returns the
+    initial model as if it had trained (found by a new-user trial)."""
+    fleet = list(load_fleet("edge3"))
+    fleet[0] = dataclasses.replace(fleet[0], fail_on=P.FORWARD, fail_mode="raise")
+    strategy, grid = _planned({"max-failed-rounds": 2}, fleet)
+    initial = ArrayRecord(sky_app_task().initial_weights())
+    with pytest.raises(SkyNodeError, match=r"none of the 1 round\(s\) trained .*phone"):
+        strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
+
+
 def test_runner_picked_once_from_the_transport():
     assert set(RUNNERS) == {"relay", "direct", "stream"}
     task = sky_app_task()

@@ -327,3 +327,19 @@ def test_ragged_samples_without_a_collator_are_refused_naming_the_fix():
     rows = [{"input_ids": torch.arange(n), "label": 0} for n in (3, 4, 5)]
     with pytest.raises(ValueError, match="different shapes .*DataCollatorWithPadding"):
         as_source(rows).batch(np.array([0, 1]))
+
+
+def test_a_batch_with_nan_outside_the_checked_sample_is_refused_naming_its_rows():
+    split = _split()
+    split.x[17, 0, 0, 0] = np.inf
+    source = as_source(Pairs(split))
+    steps = [s for s in range(8) if 17 in _rows_of(s)]
+    with pytest.raises(ValueError, match=r"non-finite inputs .* 1 of its 8 samples \(rows \[17\]"):
+        step_batch(source, 8, server_round=1, seed=0, step=steps[0])
+
+
+def _rows_of(step):
+    from sky_flower.pipeline.data import batch_indices
+
+    per_epoch = N // 8
+    return set(batch_indices(N, 8, 1000 + step // per_epoch, 0)[step % per_epoch].tolist())

@@ -245,14 +245,26 @@ def step_batch(
     Raises
     ------
     ValueError
-        If the owner holds fewer than ``batch_size`` examples.
+        If the owner holds fewer than ``batch_size`` examples, or the batch holds NaN or
+        inf (naming the rows: training on it would make every stage's output
+        non-finite and be blamed on divergence).
     """
     per_epoch = len(data) // batch_size
     if per_epoch < 1:
         raise ValueError(f"the data owner holds {len(data)} examples, fewer than a batch")
     epoch = server_round * 1000 + step // per_epoch
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
-    return as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
+    x, y = as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
+    for name, t in (("inputs", x), ("labels", y)):
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            bad = (~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero().flatten()
+            raise ValueError(
+                f"the data owner's batch of round {server_round}, step {step} has non-finite "
+                f"{name} (NaN or inf) in {len(bad)} of its {len(t)} samples (rows "
+                f"{[int(idx[i]) for i in bad[:5]]} of its partition): clean or impute them in "
+                "the data set (the up-front check reads a sample of a large data set only)"
+            )
+    return x, y
 
 
 def slice_state(full: Mapping, first: int, last: int) -> dict:
