@@ -28,7 +28,7 @@ DEPLOY_FILES = $(shell grep -l "mark\.deployment" tests/test_*.py)
 # sets PYTHONDONTWRITEBYTECODE (this machine's does).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run run-full test test-fast test-all lint format docs clean
+.PHONY: install run run-full run-lora test test-fast test-all lint format docs clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -57,6 +57,15 @@ run: install
 FULL := num_rounds=3 benchmark.repeats=7 benchmark.echo_repeats=7 benchmark.state_probe_mb=64
 run-full: install
 	$(PY) -m sky_flower.run $(FULL) $(ARGS)
+
+# LoRA fine-tuning (examples/lora-app, issue 41): a small Llama, frozen, with LoRA
+# adapters, on fleet lora4 (the data owner cannot hold the base model: helpers hold it),
+# on a local SuperLink and one SuperNode per node (transport stream). It prints the plan,
+# each round's loss and the weights sent per round against full fine-tuning. Not
+# --simulation: the simulation runtime makes every SuperNode a data owner (Flower's
+# partition-id), leaving no helper, and no lora4 node alone holds the model.
+run-lora: install
+	$(PY) -m sky_flower.deploy examples/lora-app --fleet lora4 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
