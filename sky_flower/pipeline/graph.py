@@ -1045,6 +1045,11 @@ def sequential_fn(
     template: list[nn.Sequential] = []
 
     def model_fn() -> nn.Sequential:
+        if template and torch.get_default_device().type == "meta":
+            # built for shapes only (stage.meta_layers, under torch.device("meta")): the
+            # trace's copy on meta, without building factory() (a from_pretrained, a
+            # peft wrap: seconds) for values nobody reads
+            return copy.deepcopy(template[0]).to("meta")
         module = factory()
         if not template:
             template.append(sequential_of(module, input_shape, input_dtype, split_points, inputs))
