@@ -24,7 +24,7 @@ from reference import (
     ProcessPerMessageGrid,
     reference_rounds,
     run_direct_stages,
-    run_sky_app,
+    sky_app_on_grid,
     sky_app_run_config,
     sky_app_task,
 )
@@ -335,12 +335,17 @@ class _RaisingLossGrid(ConcurrentGrid):
 def test_a_raising_direct_stage_is_its_error_and_drops_no_node(server_identity):
     """transport=direct: the last stage's loss raises; its peers stop because of it. The
     round fails naming that stage and the reason, no node is dropped, and the run (one
-    round, max-failed-rounds=2) trained no round."""
+    round, max-failed-rounds=2) trained no round, which ends it with that error."""
     run = {"fleet": "uniform3", "allocation": "even", "num-server-rounds": 1}
     run |= {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0}
     run |= {"transport": "direct", "schedule-kind": "gpipe", "microbatches": 4}
     run |= {"steps-per-round": 2, "direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
-    strategy, _, _ = run_sky_app(_RaisingLossGrid, run)
+    strategy, grid, start = sky_app_on_grid(_RaisingLossGrid, run)
+    with pytest.raises(SkyNodeError, match=r"none of the 1 round\(s\) trained .*this loss"):
+        try:
+            strategy.start(**start)
+        finally:
+            grid.close()
     (failed,) = strategy.failed_rounds
     assert failed["dropped_nodes"] == [] and len(strategy.node_profiles) == 3
     assert "stage 2 on node2" in failed["error"]
