@@ -22,9 +22,10 @@ from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.pipeline.stage import frozen_keys, trained_state
 
 pytest.importorskip("peft")
-# a whole round of an 8.2M-parameter model split over four stages, about a minute: the
-# mechanism is covered in-process by tests/test_lora.py (make test-fast)
-pytestmark = pytest.mark.e2e
+# a whole round of an 8.2M-parameter model split over four stages, 85 s here (each relay
+# message rebuilds its stage of the converted model): make test-all; the mechanism is
+# covered in-process by tests/test_lora.py (make test-fast)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "lora-app"
 
