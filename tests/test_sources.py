@@ -343,3 +343,12 @@ def _rows_of(step):
 
     per_epoch = N // 8
     return set(batch_indices(N, 8, 1000 + step // per_epoch, 0)[step % per_epoch].tolist())
+
+
+def test_a_dataloaders_own_sampler_is_named_as_unused():
+    from torch.utils.data import WeightedRandomSampler
+
+    split = _split()
+    sampler = WeightedRandomSampler([1.0] * N, num_samples=N)
+    with pytest.warns(UserWarning, match="WeightedRandomSampler.*is not used"):
+        as_source(DataLoader(Pairs(split), sampler=sampler))

@@ -33,6 +33,7 @@ naming the input: truncate it in the tokenizer (``max_length``).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -40,7 +41,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812 - PyTorch's own alias
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    default_collate,
+)
 
 #: Label keys looked for in a dict batch when ``label_key`` is not given.
 LABEL_KEYS = ("label", "labels")
@@ -405,6 +414,14 @@ def as_source(
             raise ValueError(
                 "a DataLoader over an IterableDataset cannot be read by rows, and Sky's "
                 "schedule draws each step's rows itself (seeded): give a map-style Dataset"
+            )
+        if not isinstance(data.sampler, SequentialSampler | RandomSampler):
+            warnings.warn(
+                f"the DataLoader's sampler ({type(data.sampler).__name__}) is not used: Sky "
+                "draws each step's rows itself (uniformly, seeded); weight or filter the "
+                "samples in the data set instead",
+                UserWarning,
+                stacklevel=2,
             )
         if data.collate_fn is not default_collate:  # the app's own (a padding collator)
             return DatasetSource(data.dataset, data.collate_fn, input_keys, label_key, model_inputs)
