@@ -27,7 +27,8 @@ RUN_CONFIG = {
         # the plain Flower app Sky's diff starts from: the same `flwr run` path as the
         # sky-app's run (make test); its own run is in make test-all
         pytest.param("fedavg-app", marks=pytest.mark.slow),
-        "sky-app",
+        # make test runs Flower's quickstart-pytorch switched (below) on the same path
+        pytest.param("sky-app", marks=pytest.mark.slow),
     ],
 )
 def test_app_runs_with_flwr_run_in_simulation(app, tmp_path, no_leftover_processes):
@@ -92,6 +93,11 @@ def test_flowers_quickstart_apps_switched_run_with_flwr_run(
     for row in rows:  # every SuperNode's partition trained, through Sky's data owners
         assert sorted(p["samples_trained"] for p in row["pipelines"]) == [5 * 32] * 4, row
         assert row["train_loss"] > 0
+    assert "Benchmark round:" in text and "Plan (heuristic):" in text, text[-3000:]
+    assert "one pipeline per data owner" in text, text[-3000:]
+    assert all(r["measured_step_time_s"] > 0 for r in rows)
+    owners = ["phone", "laptop", "cloud-gpu", "edge-box"]  # every SuperNode heads one
+    assert all(sorted(p["owner"] for p in r["pipelines"]) == sorted(owners) for r in rows)
     if app == "quickstart-pytorch-sky":  # the app's own evaluate_fn, on the app's keys
         acc = round_accuracies(results)
         assert acc[rounds] > acc[0] + 0.2, acc  # untrained: ~0.1
