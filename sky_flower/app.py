@@ -488,7 +488,7 @@ def register_sky_client(
         another kind, batches without the named keys, or non-finite values in the
         sample checked (:func:`sky_flower.pipeline.sources.check_source`).
     """
-    from sky_flower.pipeline.sources import as_source, check_source, model_inputs
+    from sky_flower.pipeline.sources import ModelInputs, as_source, check_source
     from sky_flower.sky.node.client import SkyClient
 
     cached: dict[tuple[int, int], Any] = {}
@@ -502,8 +502,9 @@ def register_sky_client(
         )
         if key not in cached:
             data = load_data(*key, **run_config_arguments(load_data, context.run_config))
-            source = as_source(data, input_keys, label_key, model_inputs(model_fn))
-            check_source(source, f"partition {key[0]} of {key[1]}")
+            model = model_fn()  # once: its input shapes and dtypes, its parameters' dtype
+            source = as_source(data, input_keys, label_key, ModelInputs.of(model))
+            check_source(source, f"partition {key[0]} of {key[1]}", model=model)
             cached[key] = source
         return cached[key]
 

@@ -352,3 +352,14 @@ def test_a_dataloaders_own_sampler_is_named_as_unused():
     sampler = WeightedRandomSampler([1.0] * N, num_samples=N)
     with pytest.warns(UserWarning, match="WeightedRandomSampler.*is not used"):
         as_source(DataLoader(Pairs(split), sampler=sampler))
+
+
+def test_float64_features_against_a_float32_model_are_refused_up_front():
+    split = _split()
+    wide = Split(split.x.astype(np.float64), split.y)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    with pytest.raises(ValueError, match=r"float64 inputs but the model's parameters are float32"):
+        check_source(wide, "partition 0 of 1", model=model)
+    with pytest.raises(ValueError, match=r"float64 inputs"):
+        check_source(as_source(Pairs(wide)), "partition 0 of 1", model=model)
+    check_source(split, "partition 0 of 1", model=model)  # float32: fine

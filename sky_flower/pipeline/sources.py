@@ -468,10 +468,17 @@ def model_inputs(model_fn: Callable[[], Any]) -> Callable[[], ModelInputs | None
     return read
 
 
-def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401 - a source
+def check_source(
+    source: Any,  # noqa: ANN401 - a source
+    what: str,
+    seed: int = 0,
+    model: torch.nn.Module | None = None,
+) -> None:
     """Refuse a data owner's partition that cannot train, before any step runs: it must
     hold a sample, read into ``(x, labels)`` tensors (keys, types, shapes:
-    :meth:`DatasetSource.batch`), and hold no ``NaN`` / ``inf``.
+    :meth:`DatasetSource.batch`), hold no ``NaN`` / ``inf``, and (given the ``model``)
+    hold float inputs of the float dtype of the model's parameters (numpy's default
+    float64 against a float32 model fails mid-round otherwise).
 
     A :class:`Split` (in memory) is checked whole; any other
     source on the rows of :func:`sample_rows` only (the first two and a seeded
@@ -487,8 +494,10 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
 
     if len(source) < 1:
         raise ValueError(f"{what} holds no samples: a data owner needs at least one batch")
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()] if model else []
     if isinstance(source, Split):
         check_finite_data(source, what, "training")
+        _check_float_dtype(torch.from_numpy(source.x[:1]), floats, what)
         return
     rows = sample_rows(len(source), seed=seed)
     said = f"{len(rows)} of its {len(source)} samples (the first two and a seeded sample)"
@@ -496,6 +505,7 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
         x, y = source.batch(rows)
     except ValueError as err:
         raise ValueError(f"{what}: reading {said}: {err}") from err
+    _check_float_dtype(x, floats, what)
     for name, t in (("inputs", x), ("labels", y)):
         if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).sum())
@@ -504,6 +514,16 @@ def check_source(source: Any, what: str, seed: int = 0) -> None:  # noqa: ANN401
                 "on them makes every stage's output non-finite: clean or impute them in "
                 "the data set's transform"
             )
+
+
+def _check_float_dtype(x: torch.Tensor, floats: list[torch.dtype], what: str) -> None:
+    """Float inputs of another float dtype than the model's parameters are refused."""
+    if floats and x.dtype.is_floating_point and x.dtype != floats[0]:
+        raise ValueError(
+            f"{what} has {str(x.dtype).removeprefix('torch.')} inputs but the model's "
+            f"parameters are {str(floats[0]).removeprefix('torch.')}: convert them in "
+            "load_data (numpy: x.astype(np.float32)) or in the data set's transform"
+        )
 
 
 def probe_split(source: Any, seed: int = 0) -> Any:  # noqa: ANN401 - a source in, a Split out
