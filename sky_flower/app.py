@@ -485,10 +485,12 @@ def register_sky_client(
     ------
     ValueError
         On a data owner, from the first message that reads its data: a partition of
-        another kind, batches without the named keys, or non-finite values in the
-        sample checked (:func:`sky_flower.pipeline.sources.check_source`).
+        another kind, batches without the named keys, non-finite values in the sample
+        checked (:func:`sky_flower.pipeline.sources.check_source`), or labels the loss
+        cannot take (:func:`sky_flower.pipeline.sources.check_labels`).
     """
-    from sky_flower.pipeline.sources import ModelInputs, as_source, check_source
+    from sky_flower.pipeline.objective import resolve
+    from sky_flower.pipeline.sources import ModelInputs, as_source, check_labels, check_source
     from sky_flower.sky.node.client import SkyClient
 
     cached: dict[tuple[int, int], Any] = {}
@@ -504,7 +506,10 @@ def register_sky_client(
             data = load_data(*key, **run_config_arguments(load_data, context.run_config))
             model = model_fn()  # once: its input shapes and dtypes, its parameters' dtype
             source = as_source(data, input_keys, label_key, ModelInputs.of(model))
-            check_source(source, f"partition {key[0]} of {key[1]}", model=model)
+            what = f"partition {key[0]} of {key[1]}"
+            check_source(source, what, model=model)
+            loss = str(context.run_config.get("loss", RUN_CONFIG_KEYS["loss"][1]))
+            check_labels(source, model, loss_fn or resolve(loss), what)
             cached[key] = source
         return cached[key]
 

@@ -363,3 +363,16 @@ def test_float64_features_against_a_float32_model_are_refused_up_front():
     with pytest.raises(ValueError, match=r"float64 inputs"):
         check_source(as_source(Pairs(wide)), "partition 0 of 1", model=model)
     check_source(split, "partition 0 of 1", model=model)  # float32: fine
+
+
+def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
+    from sky_flower.pipeline.sources import check_labels
+
+    split = _split()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    ce = torch.nn.functional.cross_entropy
+    check_labels(as_source(Pairs(split)), model, ce, "partition 0 of 1")  # 0-9: fine
+    shifted = Split(split.x, split.y + 1)  # 1-based labels: 10 is out of the 10 outputs
+    shifted.y[5] = 10
+    with pytest.raises(ValueError, match=r"labels in \[1, 10\].*outputs 10 values"):
+        check_labels(as_source(Pairs(shifted)), model, ce, "partition 0 of 1")

@@ -516,6 +516,42 @@ def check_source(
             )
 
 
+def check_labels(
+    source: Any,  # noqa: ANN401 - a source
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    what: str,
+) -> None:
+    """Refuse labels the loss cannot take, on the data owner before any step: ``loss_fn``
+    on ``model``'s output (eval mode, no gradient) for the samples
+    :func:`sky_flower.pipeline.inputs.probe_rows` picks from what
+    :func:`probe_split` reads (the first two and those holding the smallest and the
+    largest label and token id), so a label outside the model's outputs fails here,
+    naming the labels and the width, instead of on the last stage's helper mid-round.
+
+    A loss that fails for another reason is left to fail where it runs in training (the
+    last stage, which names itself).
+
+    Raises
+    ------
+    ValueError
+        When the loss fails and integer labels lie outside the model's output width:
+        naming ``what``, the labels' range, the width and the loss's error.
+    """
+    from sky_flower.pipeline.inputs import label_range_error, probe_rows
+
+    probe = probe_split(source)
+    x, y = probe.batch(np.asarray(probe_rows(probe)))
+    with torch.no_grad():
+        out = model.eval()(x)
+        try:
+            loss_fn(out, y)
+        except (IndexError, RuntimeError, ValueError) as err:
+            words = label_range_error(probe.y, int(out.shape[-1]), what, type(model).__name__)
+            if words:  # another failure of the loss is the last stage's to report
+                raise ValueError(f"{words} ({err})") from err
+
+
 def _check_float_dtype(x: torch.Tensor, floats: list[torch.dtype], what: str) -> None:
     """Float inputs of another float dtype than the model's parameters are refused."""
     if floats and x.dtype.is_floating_point and x.dtype != floats[0]:
