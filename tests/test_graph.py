@@ -316,3 +316,16 @@ def test_sequential_fn_traces_once_and_builds_every_call_from_a_fresh_module():
     assert list(back) == list(user)
     assert torch.equal(back["a.weight"], user["a.weight"] + 1)
     assert torch.equal(back["unused.weight"], user["unused.weight"])  # never read: as given
+
+
+def test_sequential_fn_first_called_under_meta_still_traces_on_the_cpu():
+    """A node process whose first build is for shapes only (stage.meta_layers): the trace
+    is made on the CPU, so later CPU builds hold no meta constant."""
+    from sky_flower.pipeline.graph import sequential_fn
+
+    fn = sequential_fn(_Scaled, [4])
+    with torch.device("meta"):
+        assert all(p.is_meta for p in fn().parameters())
+    model = fn()
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert model(torch.ones(3, 4)).shape == (3, 2)

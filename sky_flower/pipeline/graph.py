@@ -1045,10 +1045,16 @@ def sequential_fn(
     template: list[nn.Sequential] = []
 
     def model_fn() -> nn.Sequential:
-        if template and torch.get_default_device().type == "meta":
+        if torch.get_default_device().type == "meta":
             # built for shapes only (stage.meta_layers, under torch.device("meta")): the
             # trace's copy on meta, without building factory() (a from_pretrained, a
-            # peft wrap: seconds) for values nobody reads
+            # peft wrap: seconds) for values nobody reads. The trace itself is always
+            # made on the CPU: one made on meta would keep meta constants for good
+            if not template:
+                with torch.device("cpu"):
+                    template.append(
+                        sequential_of(factory(), input_shape, input_dtype, split_points, inputs)
+                    )
             return copy.deepcopy(template[0]).to("meta")
         module = factory()
         if not template:
