@@ -507,9 +507,9 @@ def register_sky_client(
             model = model_fn()  # once: its input shapes and dtypes, its parameters' dtype
             source = as_source(data, input_keys, label_key, ModelInputs.of(model))
             what = f"partition {key[0]} of {key[1]}"
-            check_source(source, what, model=model)
+            probe = check_source(source, what, model=model)
             loss = str(context.run_config.get("loss", RUN_CONFIG_KEYS["loss"][1]))
-            check_labels(source, model, loss_fn or resolve(loss), what)
+            check_labels(probe, model, loss_fn or resolve(loss), what)
             cached[key] = source
         return cached[key]
 

@@ -23,7 +23,7 @@ from sky_flower.app import load_fleet
 from sky_flower.deploy import app_run_config, node_config
 from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.pipeline.graph import ModuleKeys, sequential_fn
-from sky_flower.pipeline.sources import as_source, model_inputs
+from sky_flower.pipeline.sources import ModelInputs, as_source
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 APPS = {  # FedAvg app (as Flower writes it) -> the same app switched to Sky
@@ -107,7 +107,7 @@ def test_the_switched_app_trains_exactly_as_unsplit(app, tmp_path, monkeypatch, 
     loaded = client_app.load_data(
         phone["partition-id"], phone["num-partitions"], **_extra_args(client_app.load_data, run)
     )
-    source = as_source(loaded, model_inputs=model_inputs(model_fn))
+    source = as_source(loaded, model_inputs=ModelInputs.of(model_fn()))
     want = reference_rounds(
         model_fn,
         source,

@@ -138,9 +138,7 @@ def test_dict_batches_pack_the_named_inputs_padded_to_the_models_shape():
     assert torch.equal(x, pack_inputs([raw["input_ids"], raw["attention_mask"]]))
     assert torch.equal(y, raw["labels"])
     # a converted model of a fixed length 8: padded with zeros on the right (mask 0)
-    source = as_source(
-        loader, ["input_ids", "attention_mask"], "labels", lambda: ModelInputs(((8,), (8,)))
-    )
+    source = as_source(loader, ["input_ids", "attention_mask"], "labels", ModelInputs(((8,), (8,))))
     x, _ = source.batch(pick)
     ids, mask = x[:, :8], x[:, 8:]
     n = raw["input_ids"].shape[1]
@@ -371,8 +369,8 @@ def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
     split = _split()
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
     ce = torch.nn.functional.cross_entropy
-    check_labels(as_source(Pairs(split)), model, ce, "partition 0 of 1")  # 0-9: fine
+    check_labels(check_source(as_source(Pairs(split)), "p"), model, ce, "partition 0 of 1")
     shifted = Split(split.x, split.y + 1)  # 1-based labels: 10 is out of the 10 outputs
     shifted.y[5] = 10
     with pytest.raises(ValueError, match=r"labels in \[1, 10\].*outputs 10 values"):
-        check_labels(as_source(Pairs(shifted)), model, ce, "partition 0 of 1")
+        check_labels(check_source(as_source(Pairs(shifted)), "p"), model, ce, "partition 0 of 1")

@@ -1045,24 +1045,23 @@ def sequential_fn(
     template: list[nn.Sequential] = []
 
     def model_fn() -> nn.Sequential:
-        if torch.get_default_device().type == "meta":
-            # built for shapes only (stage.meta_layers, under torch.device("meta")): the
-            # trace's copy on meta, without building factory() (a from_pretrained, a
-            # peft wrap: seconds) for values nobody reads. The trace itself is always
-            # made on the CPU: one made on meta would keep meta constants for good
-            if not template:
-                with torch.device("cpu"):
-                    template.append(
-                        sequential_of(factory(), input_shape, input_dtype, split_points, inputs)
-                    )
+        meta = torch.get_default_device().type == "meta"
+        if not template:  # the trace, made once and always on the CPU: one made on meta
+            # (a first build for shapes only) would keep meta constants for good
+            with torch.device("cpu"):
+                template.append(
+                    sequential_of(factory(), input_shape, input_dtype, split_points, inputs)
+                )
+            if not meta:
+                return copy.deepcopy(template[0])
+        if meta:  # built for shapes only (stage.meta_layers, under torch.device("meta")):
+            # the trace's copy on meta, without building factory() (a from_pretrained, a
+            # peft wrap: seconds) for values nobody reads
             return copy.deepcopy(template[0]).to("meta")
         module = factory()
-        if not template:
-            template.append(sequential_of(module, input_shape, input_dtype, split_points, inputs))
-            return copy.deepcopy(template[0])
         seq = copy.deepcopy(template[0])
         if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            return seq.to("meta")  # built for shapes only (stage.meta_layers): no values
+            return seq.to("meta")  # a factory that builds on meta itself: no values to copy
         state = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent too
         own = seq.state_dict()
         with torch.no_grad():  # a constant the trace lifted (a plain tensor attribute,

@@ -135,10 +135,10 @@ class DatasetSource:
         Dict batches: the model's inputs, in ``forward``'s order.
     label_key : str, optional
         Dict batches: the labels.
-    model_inputs : ModelInputs, or a callable returning one (or None), optional
-        What the model takes: shorter inputs are padded up to its shapes, and an input
-        of another shape or kind of dtype is refused by name. A callable is called once,
-        at the first batch (:func:`model_inputs` reads a converted model's).
+    model_inputs : ModelInputs, optional
+        What the model takes (:meth:`ModelInputs.of` a converted model): shorter inputs
+        are padded up to its shapes, and an input of another shape or kind of dtype is
+        refused by name.
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class DatasetSource:
         collate_fn: Callable[[list], Any] | None = None,
         input_keys: str | Sequence[str] | None = None,
         label_key: str | None = None,
-        model_inputs: ModelInputs | Callable[[], ModelInputs | None] | None = None,
+        model_inputs: ModelInputs | None = None,
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn or default_collate
@@ -197,8 +197,6 @@ class DatasetSource:
             not hold (naming the keys it holds), a value that is not a tensor, or an
             input longer than the model's shape.
         """
-        if callable(self._model):
-            self._model = self._model()
         inputs, labels, names = self.split_batch(self.raw_batch(rows))
         if self._model is not None:
             inputs, labels = fit_inputs(inputs, labels, self._model, names)
@@ -366,7 +364,7 @@ def as_source(
     data: Any,  # noqa: ANN401 - any of the kinds in the module docstring
     input_keys: str | Sequence[str] | None = None,
     label_key: str | None = None,
-    model_inputs: ModelInputs | Callable[[], ModelInputs | None] | None = None,
+    model_inputs: ModelInputs | None = None,
 ) -> Any:  # noqa: ANN401 - a Split or a DatasetSource
     """The data owner's partition ``data`` as a :class:`DataSource`.
 
@@ -458,22 +456,12 @@ def sample_rows(n: int, k: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
     return np.concatenate([[0, 1], np.sort(rest)])
 
 
-def model_inputs(model_fn: Callable[[], Any]) -> Callable[[], ModelInputs | None]:
-    """A callable (called at a source's first batch) returning
-    :meth:`ModelInputs.of` ``model_fn()``."""
-
-    def read() -> ModelInputs | None:
-        return ModelInputs.of(model_fn())
-
-    return read
-
-
 def check_source(
     source: Any,  # noqa: ANN401 - a source
     what: str,
     seed: int = 0,
     model: torch.nn.Module | None = None,
-) -> None:
+) -> Split:
     """Refuse a data owner's partition that cannot train, before any step runs: it must
     hold a sample, read into ``(x, labels)`` tensors (keys, types, shapes:
     :meth:`DatasetSource.batch`), hold no ``NaN`` / ``inf``, and (given the ``model``)
@@ -484,6 +472,12 @@ def check_source(
     source on the rows of :func:`sample_rows` only (the first two and a seeded
     ``CHECK_ROWS - 2`` of the rest), so a data set larger than memory is not read
     whole: a non-finite value outside the sample is not seen here.
+
+    Returns
+    -------
+    Split
+        What was checked (the source itself, or its sample): :func:`check_labels`'s
+        probe, so the sample is read once.
 
     Raises
     ------
@@ -498,7 +492,7 @@ def check_source(
     if isinstance(source, Split):
         check_finite_data(source, what, "training")
         _check_float_dtype(torch.from_numpy(source.x[:1]), floats, what)
-        return
+        return source
     rows = sample_rows(len(source), seed=seed)
     said = f"{len(rows)} of its {len(source)} samples (the first two and a seeded sample)"
     try:
@@ -514,18 +508,19 @@ def check_source(
                 "on them makes every stage's output non-finite: clean or impute them in "
                 "the data set's transform"
             )
+    return Split(x.numpy(), y.numpy())
 
 
 def check_labels(
-    source: Any,  # noqa: ANN401 - a source
+    probe: Split,
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     what: str,
 ) -> None:
     """Refuse labels the loss cannot take, on the data owner before any step: ``loss_fn``
     on ``model``'s output (eval mode, no gradient) for the samples
-    :func:`sky_flower.pipeline.inputs.probe_rows` picks from what
-    :func:`probe_split` reads (the first two and those holding the smallest and the
+    :func:`sky_flower.pipeline.inputs.probe_rows` picks from ``probe`` (what
+    :func:`check_source` read: the first two and those holding the smallest and the
     largest label and token id), so a label outside the model's outputs fails here,
     naming the labels and the width, instead of on the last stage's helper mid-round.
 
@@ -540,7 +535,6 @@ def check_labels(
     """
     from sky_flower.pipeline.inputs import label_range_error, probe_rows
 
-    probe = probe_split(source)
     x, y = probe.batch(np.asarray(probe_rows(probe)))
     with torch.no_grad():
         out = model.eval()(x)
