@@ -481,8 +481,10 @@ class SkyStrategy(Strategy):
         try:
             result = self._run(grid, initial_arrays, num_rounds, timeout, evaluate_fn)
         except BaseException as err:
+            self.executor.close()
             self.hooks.on_end(self, err)
             raise
+        self.executor.close()  # stage sessions end with the run
         self.hooks.on_end(self, None)
         if keys is not None:  # and the user's keys out
             result.arrays = ArrayRecord(keys.to_original(result.arrays.to_torch_state_dict()))

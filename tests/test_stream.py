@@ -322,9 +322,10 @@ def test_sky_app_on_stream_equals_unsplit_training(server_identity):
     """The sky-app through Sky's strategy (benchmark, plan, 2 rounds of 3 steps) on
     ``transport=stream`` with TLS, every message handled in a fresh ClientApp process
     (``ConcurrentGrid``, the deployment engine's semantics): the stages connect from
-    their processes to the ServerApp's endpoint; the global model and each round's mean
-    loss equal unsplit training's (tolerance as ``test_process_per_message``: the
-    same operations, float32 through the protobuf round trip, rtol 1e-4)."""
+    their processes to the ServerApp's endpoint, once for both rounds (a stage session);
+    the global model and each round's mean loss equal unsplit training's (tolerance as
+    ``test_process_per_message``: the same operations, float32 through the protobuf
+    round trip, rtol 1e-4)."""
     from reference import ConcurrentGrid, run_sky_app
     from test_process_per_message import QUICK, _assert_weights
     from test_process_per_message import _expected as expected_rounds
@@ -338,7 +339,12 @@ def test_sky_app_on_stream_equals_unsplit_training(server_identity):
     expected = expected_rounds(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
         assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
-        assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
+        assert row["measured_step_time_s"] > 0
+    # one stage session for both rounds: set up in round 1, no Flower message in round 2
+    first, second = strategy.rounds
+    assert first["setup_s"] > 0 and first["session_round"] == 1 and first["flower_messages"] == 3
+    assert second["setup_s"] == 0 and second["session_round"] == 2
+    assert second["flower_messages"] == 0
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
     assert not _stream_threads()
 

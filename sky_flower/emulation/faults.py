@@ -107,6 +107,46 @@ def _mid_round(emu: Emulation, timeout_s: float, called: list[int]) -> StepHook:
     return fault
 
 
+def round_hook(
+    emu: Emulation, message_type: str, server_round: int, timeout_s: float
+) -> StepHook | None:
+    """The per-step hook of round ``server_round`` inside a message that serves several
+    rounds (a ``stream`` stage session, :func:`sky_flower.sky.node.stream_node.
+    run_stream_session`), or None: ``crash`` / ``stall`` as :func:`step_hook`'s (a
+    stall lasts 1.5 x ``timeout_s``, the server's silence bound, or ``fail_delay_s``),
+    ``raise`` strikes before step ``fail_step`` too. The other modes spoil the round's
+    reply instead (:func:`spoil_reply`)."""
+    if not fails_in(emu, message_type, server_round):
+        return None
+    if emu.fail_mode in MID_ROUND:
+        return _mid_round(emu, timeout_s, [])
+    if emu.fail_mode != "raise":
+        return None
+
+    def fault(step: int) -> None:
+        if step == emu.fail_step:
+            raise FaultInjected(
+                f"node {emu.name!r}: fault injected on {message_type} in round {server_round} "
+                "(fleet fail_on)"
+            )
+
+    return fault
+
+
+def spoil_reply(emu: Emulation, message_type: str, server_round: int, content: RecordDict) -> None:
+    """Round ``server_round``'s reply ``content`` of a message serving several rounds,
+    spoiled in place as the fleet entry says (``malformed``, ``nan``; ``late`` sleeps
+    ``fail_delay_s``); nothing for other modes or rounds."""
+    if not fails_in(emu, message_type, server_round):
+        return
+    if emu.fail_mode == "late":
+        time.sleep(emu.fail_delay_s)
+    elif emu.fail_mode == "malformed":
+        _malform(content)
+    elif emu.fail_mode == "nan":
+        _poison(content)
+
+
 def _malform(content: RecordDict) -> None:
     """Cut every array of ``content`` to one element, in place."""
     from flwr.app import ArrayRecord

@@ -90,6 +90,10 @@ class NodeLedger:
         self.lock = threading.Lock()
         self.unanswered: dict[str, tuple[int, float, int]] = {}  # id -> node, deadline, owner
         self.contacted: set[int] = set()
+        # messages meant to run beside others on their node (a stage session: its own
+        # ClientApp process, no context.state written while others run); never stale
+        # while their Exchange keeps them (see Exchange.push's ``concurrent``)
+        self.concurrent: set[str] = set()
 
     def pushed(self, mid: str, node_id: int, deadline: float, owner: int) -> None:
         """Record message ``mid`` to ``node_id`` (monotonic ``deadline``) of Exchange
@@ -102,6 +106,7 @@ class NodeLedger:
         with self.lock:
             for reply in replies:
                 self.unanswered.pop(reply.metadata.reply_to_message_id, None)
+                self.concurrent.discard(reply.metadata.reply_to_message_id)
                 self.contacted.add(reply.metadata.src_node_id)
 
     def stale(self, node_ids: Iterable[int], owner: int, live: set[str]) -> dict[str, int]:
@@ -113,7 +118,9 @@ class NodeLedger:
             return {
                 mid: nid
                 for mid, (nid, dl, own) in self.unanswered.items()
-                if nid in wanted and (own != owner or mid not in live or now > dl)
+                if nid in wanted
+                and mid not in self.concurrent
+                and (own != owner or mid not in live or now > dl)
             }
 
 
@@ -190,7 +197,10 @@ class Exchange:
         return set(self.deadline)
 
     def push(
-        self, messages: Sequence[Message], timeout_s: float | Sequence[float] | None = None
+        self,
+        messages: Sequence[Message],
+        timeout_s: float | Sequence[float] | None = None,
+        concurrent: bool = False,
     ) -> list[str]:
         """Push ``messages``; each must be answered within ``timeout_s`` (one for all, or
         one per message; default: the exchange's) from now, at least ``first_contact_s``
@@ -198,6 +208,9 @@ class Exchange:
 
         A destination node with a stale message in flight (timed out or abandoned, see
         the module docstring) is waited for first, at most ``busy_wait_s``.
+        ``concurrent``: these messages run beside the node's others (a stage session,
+        :mod:`sky_flower.sky.transport.session`); other pushes to their nodes do not wait
+        for them until :meth:`abandon` gives them up.
 
         Raises
         ------
@@ -229,6 +242,9 @@ class Exchange:
             self.deadline[mid] = now + budget
             self.budget[mid] = budget
             self.ledger.pushed(mid, self.dst[mid], now + budget, id(self))
+        if concurrent:
+            with self.ledger.lock:
+                self.ledger.concurrent.update(ids)
         return ids
 
     def settle(self, node_ids: Iterable[int]) -> None:
@@ -270,7 +286,9 @@ class Exchange:
     def abandon(self) -> None:
         """Stop waiting for every pending message, at once (a failed round, a run that
         gives up). They stay in flight in the ledger: a later push to their nodes waits
-        for them first (:meth:`settle`)."""
+        for them first (:meth:`settle`), ``concurrent`` ones included."""
+        with self.ledger.lock:
+            self.ledger.concurrent.difference_update(self.deadline)
         self.deadline.clear()
 
     def shorten(self, limit_s: float) -> None:

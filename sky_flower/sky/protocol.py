@@ -474,13 +474,19 @@ class StreamLink(Record):
 class StreamConfig(Record):
     """``train.sky_stream``'s :data:`CONFIG`: a stage's whole round on the server's
     stream endpoint, flattened into one record with the keys of :class:`StageConfig`
-    and :class:`StreamLink`; ``steps`` of the round, ``node_id`` it is planned for."""
+    and :class:`StreamLink`; ``steps`` of the round, ``node_id`` it is planned for.
+    ``across_rounds``: a stage session (:mod:`sky_flower.sky.transport.session`): the
+    stage serves every round the server drives over its stream until ``close``;
+    ``silence_s``: the server's silence bound (``stream-timeout-s``; an injected stall
+    lasts 1.5 x it)."""
 
     stage: StageConfig
     link: StreamLink
     steps: int
     node_id: int
     input_dtype: str = "float32"
+    across_rounds: bool = False
+    silence_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,14 @@ class StreamSettings:
         256.0, "stream-max-frame-mb", "schedule.stream_max_frame_mb", POSITIVE
     )
     timeout_s: float = _setting(30.0, "stream-timeout-s", "schedule.stream_timeout_s", POSITIVE)
+    # stage sessions (sky_flower.sky.transport.session): one Flower message per stage node
+    # per plan, every round driven over the stream; False: one set-up message per round
+    sessions: bool = _setting(True, "stream-sessions", "schedule.stream_sessions")
+    # a session hands over to a fresh one (at a round's start) before it is this old:
+    # below Flower's message TTL (flwr.app.DEFAULT_TTL, 12 h)
+    session_max_s: float = _setting(
+        36000.0, "stream-session-max-s", "schedule.stream_session_max_s", POSITIVE
+    )
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -90,6 +90,8 @@ from sky_flower.sky.node.stage_state import (
     remember,
     replay,
     save_stage,
+    session_ran,
+    session_repeat,
     stage_reduction,
     time_state_roundtrip,
 )
@@ -120,6 +122,13 @@ def stage_errors(fn: Handler) -> Handler:
 
     handler.__name__ = getattr(fn, "__name__", "handler")
     return handler
+
+
+def _across_rounds(msg: Message) -> bool:
+    """Whether ``msg`` starts a stage session (``train.sky_stream`` with
+    ``across_rounds``)."""
+    cfg = msg.content.config_records.get(P.CONFIG)
+    return bool(cfg is not None and cfg.get("across_rounds", False))
 
 
 def _payload_bytes(content: RecordDict) -> int:
@@ -209,7 +218,9 @@ class SkyClient:
             emu = self.emulation_fn(context)
             if emu.drifts:  # fleet drift: this round's slowdown; absent: fails (raises)
                 emu = emu.at_round(message_round(msg))
-            content = (faulty if emu.fail_on else fn)(msg, context, emu)
+            # a stage session applies faults round by round itself (faults.round_hook)
+            faults_here = emu.fail_on and not _across_rounds(msg)
+            content = (faulty if faults_here else fn)(msg, context, emu)
             delay = emu.link_delay_s(_payload_bytes(msg.content) + _payload_bytes(content))
             if delay > 0:
                 time.sleep(delay)
@@ -542,10 +553,31 @@ class SkyClient:
 
     def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """This node's stage for a whole ``stream`` round, once per set-up
-        (:func:`sky_flower.sky.node.stream_node.run_stream_stage`)."""
-        from sky_flower.sky.node.stream_node import run_stream_stage
+        (:func:`sky_flower.sky.node.stream_node.run_stream_stage`), or for every round
+        of a stage session (:func:`sky_flower.sky.node.stream_node.run_stream_session`:
+        the session applies the fleet's faults round by round itself)."""
+        from sky_flower.sky.node.stream_node import run_stream_session, run_stream_stage
 
-        return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
+        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        if not cfg.across_rounds:
+            return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
+        refused = session_repeat(cfg.stage, context)  # a repeat never runs twice
+        if refused is not None:
+            return refused
+        session_ran(cfg.stage, context)
+        loss_fn, metric_fn = self._objective(cfg.stage)
+        base = self.emulation_fn(context)
+        return run_stream_session(
+            cfg,
+            msg.content.array_records[P.ARRAYS],
+            self.model_fn,
+            int(context.node_id),
+            base.at_round if base.drifts else (lambda rnd: base),
+            lambda rnd, step: self._batch(context, replace(cfg.stage, round=rnd), step),
+            loss_fn,
+            metric_fn,
+            optim=msg.content.array_records.get(migration.OPTIM_KEY),
+        )
 
 
 # --- a node's defaults in the simulation engine: its emulation and its data by partition --

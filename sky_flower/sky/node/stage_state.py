@@ -44,6 +44,8 @@ from sky_flower.sky import protocol as P
 APPLIED = "sky.applied"  # ConfigRecord {round, session, step, ids}: what the stage applied
 REPLY = "sky.reply."  # + "<identity key>|<record key>": a record of an applied message's reply
 DIRECT_RAN = "sky.direct.ran"  # ConfigRecord {round, session}: the last direct round run
+SESSIONS_RAN = "sky.sessions.ran"  # ConfigRecord {ids}: the stage sessions this node started
+SESSIONS_KEPT = 64  # how many of them it remembers
 
 
 class NodeStateError(RuntimeError):
@@ -259,3 +261,27 @@ def direct_repeat(st: P.StageConfig, context: Context) -> RecordDict | None:
 def direct_ran(st: P.StageConfig, context: Context) -> None:
     """Record that this node ran the ``train.sky_direct`` round of ``st``'s set-up."""
     context.state[DIRECT_RAN] = ConfigRecord({"round": st.round, "session": st.session})
+
+
+def session_repeat(st: P.StageConfig, context: Context) -> RecordDict | None:
+    """A :data:`~sky_flower.sky.protocol.STAGE_ERROR` refusal of a stage session's
+    set-up (``train.sky_stream`` with ``across_rounds``) this node has started before (a
+    repeat of its message: it is refused, never run twice); None if it is new. Sessions
+    of several pipelines run on one node at once, so they are told apart by their own
+    ``st.session``, not ordered by round."""
+    ran = context.state.config_records.get(SESSIONS_RAN)
+    if ran is None or str(st.session) not in list(ran["ids"]):  # type: ignore[arg-type]
+        return None
+    err = StaleMessageError(
+        f"the stage session {st.session} (stage {st.stage}, from round {st.round}) already "
+        "ran on this node; a repeat is refused, not run again"
+    )
+    return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
+
+
+def session_ran(st: P.StageConfig, context: Context) -> None:
+    """Record that this node started the stage session ``st.session`` (the last
+    :data:`SESSIONS_KEPT`)."""
+    ran = context.state.config_records.get(SESSIONS_RAN)
+    ids = [str(i) for i in ran["ids"]] if ran is not None else []  # type: ignore[union-attr]
+    context.state[SESSIONS_RAN] = ConfigRecord({"ids": [*ids, str(st.session)][-SESSIONS_KEPT:]})

@@ -35,6 +35,7 @@ from sky_flower.pipeline.stage import (
     RngKey,
     StageExecutor,
     frozen_keys,
+    make_stage_optimizer,
     trained_state,
 )
 from sky_flower.sky import migration
@@ -81,6 +82,8 @@ class LiveStage:
     ) -> None:
         self.st, self.module, self.optimizer = st, module, optimizer
         self.batch_fn, self.loss_fn, self.metric_fn = batch_fn, loss_fn, metric_fn
+        # a session's stage serves several rounds: the data owner's batch of round r
+        self.round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self.device = torch.device(device)
         self.reduction = stage_reduction(st)
         self.stash: dict[tuple[int, int], torch.Tensor] = {}
@@ -128,7 +131,11 @@ class LiveStage:
         total = None  # reduction "weighted": the whole step's label weight
         if op == "F":
             if st.is_first:
-                x, labels = self.batch_fn(step)
+                x, labels = (
+                    self.batch_fn(step)
+                    if self.round_batch_fn is None
+                    else self.round_batch_fn(st.round, step)
+                )
                 total = self.reduction.total(labels)
                 rows = slice(
                     first * st.batch_size // st.microbatches,
@@ -291,3 +298,167 @@ def run_stream_stage(  # noqa: PLR0913
             model_fn, st.first, st.last, local
         )
     return result
+
+
+def _changed_entries(records: RecordDict) -> dict[str, torch.Tensor]:
+    """The weights a ``begin`` frame carries (those that changed since the stage last
+    had them), by model key; none if it carries none."""
+    rec = records.array_records.get(P.ARRAYS)
+    return {} if rec is None else rec.to_torch_state_dict()
+
+
+def run_stream_session(  # noqa: PLR0913, PLR0915
+    cfg: P.StreamConfig,
+    weights: ArrayRecord,
+    model_fn: Callable[[], nn.Module],
+    node_id: int,
+    emulation_at: Callable[[int], Emulation],
+    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    metric_fn: MetricFn,
+    optim: ArrayRecord | None = None,
+) -> RecordDict:
+    """Serve this node's stage for every round of a stage session on ``stream``
+    (:mod:`sky_flower.sky.transport.session`), until the server's ``close`` frame.
+
+    The set-up message carried the stage's layer slice (``weights``) and, with
+    ``train.optimizer_state=keep``, its optimizer state (``optim``). Over the stream,
+    per round: ``begin`` (``round``, ``steps``; the entries of the round's global
+    weights that differ from what the stage holds), the op frames exactly as in
+    :func:`run_stream_stage` (:meth:`LiveStage.op`), then ``end``, answered by an
+    ``end`` frame with the stage's trainable weights and buffers, its figures and (keep)
+    its optimizer state. Each round starts as a per-round set-up would: the global
+    weights loaded, gradients cleared, a fresh optimizer (unless kept), the round's
+    randomness key and data order, the node's emulation at that round (fleet drift):
+    the session computes what per-round messages compute, bit for bit.
+
+    Returns
+    -------
+    RecordDict
+        The Flower reply at ``close``: figures over the session (``rounds``, ``frames``,
+        ``bytes``, ``compute_s``), or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of
+        the stage's own error (also sent as a frame).
+
+    Raises
+    ------
+    StageRefusedError
+        If the message was planned for another node.
+    StreamRefusedError
+        A certificate other than the pinned one, a refused ticket, an endpoint not reached.
+    StreamError
+        If the stream breaks or ends before ``close``, or a frame is malformed.
+    FaultInjected
+        A fleet fault of the round it strikes in (:func:`faults.round_hook`).
+    """
+    from dataclasses import replace
+
+    from sky_flower.pipeline.stage import optimizer_to_tensors
+
+    st0 = cfg.stage
+    if cfg.node_id != int(node_id):
+        raise StageRefusedError(
+            f"stage {st0.stage} refused: it is planned for node {cfg.node_id}, not for "
+            f"this node ({node_id})"
+        )
+    factory = default_optimizer_factory(st0.optimizer, st0.lr)
+    device = emulation_at(st0.round).torch_device()
+    module, opt = load_stage(model_fn, st0.first, st0.last, (weights, None), factory, device)
+    keep = optim is not None
+    if keep and opt is not None:  # migrated (train.optimizer_state=keep), then kept live
+        from sky_flower.pipeline.stage import optimizer_from_tensors
+
+        local = migration.local_optimizer_state(model_fn, st0.first, st0.last, optim)
+        optimizer_from_tensors(opt, local.to_torch_state_dict())
+    if st0.is_first:  # the data owner's first draw loads its data: in the set-up
+        round_batch_fn(st0.round, 0)
+    link = connect(cfg.link, st0.stage)
+    live: LiveStage | None = None
+    emu, hook, at_step, rnd = emulation_at(st0.round), None, -1, st0.round
+    frames = nbytes = rounds = 0
+    compute_total = slept = 0.0
+    closed = False
+    try:
+        for header, records in link.frames():
+            op = header.get("op")
+            if op == "close":
+                closed = True
+                break
+            if op == "begin":
+                rnd = int(header["round"])
+                emu = emulation_at(rnd)
+                loaded = _changed_entries(records)
+                if loaded:
+                    module.load_state_dict(
+                        {k: v.to(device) for k, v in loaded.items()}, strict=False
+                    )
+                for p in module.parameters():
+                    p.grad = None
+                if not keep:  # a fresh optimizer every round, as a per-round set-up
+                    opt = make_stage_optimizer(module, factory)
+                live = LiveStage(
+                    replace(st0, round=rnd), module, opt, lambda step: (None, None), loss_fn,
+                    metric_fn, device,
+                )  # fmt: skip
+                live.round_batch_fn = round_batch_fn
+                hook, at_step = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s), -1
+                slept = 0.0
+                continue
+            if live is None:
+                raise StreamError(f"a {op!r} frame before the session's first begin")
+            if op == "end":
+                out = RecordDict(
+                    {
+                        P.ARRAYS: ArrayRecord(
+                            trained_state(module.state_dict(), frozen_keys(module))
+                        ),
+                        P.METRICS: MetricRecord(
+                            {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, "round": rnd}
+                        ),
+                    }
+                )
+                if keep:
+                    local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
+                    out[migration.OPTIM_KEY] = migration.global_optimizer_state(
+                        model_fn, st0.first, st0.last, local
+                    )
+                faults.spoil_reply(emu, P.STREAM, rnd, out)
+                link.send({"op": "end", "round": rnd}, out)
+                compute_total += live.compute_s
+                rounds, live = rounds + 1, None
+                continue
+            step = int(header.get("step", -1))
+            if hook is not None and step > at_step:  # mid-step: the step's first frame
+                at_step = step
+                hook(step)
+            try:
+                with _RNG_LOCK:
+                    out = live.op(header, records)
+            except (P.ProtocolError, KeyError) as err:
+                raise StreamError(f"a malformed op frame: {err}") from err
+            except Exception as err:  # noqa: BLE001 - the stage's own error, reported
+                link.send(
+                    {**header, "error": True}, RecordDict({P.STAGE_ERROR: P.stage_error(err)})
+                )
+                return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
+            compute = float(out.metric_records[P.METRICS][P.COMPUTE_S])
+            s = emu.after_compute(compute)
+            slept += s
+            out.metric_records[P.METRICS][EMULATED_S] = s
+            size = link.send(header, out)
+            delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
+            if delay > 0:
+                time.sleep(delay)
+            frames, nbytes = frames + 1, nbytes + size
+    finally:
+        link.close()
+    if not closed:
+        raise StreamError(
+            f"stage {st0.stage}: the endpoint ended the stream before the session's close"
+        )
+    return RecordDict(
+        {
+            P.METRICS: MetricRecord(
+                {"rounds": rounds, FRAMES: frames, BYTES: nbytes, P.COMPUTE_S: compute_total}
+            )
+        }
+    )

@@ -91,6 +91,16 @@ class RoundExecutor:
             self.local_bn = federation.LocalBatchNorm(federation.batchnorm_keys(whole))
         # its frozen parameters (requires_grad=False): FedAvg keeps the global model's
         self.frozen = frozen_keys(whole)
+        # transport=stream: stage sessions that live across rounds (one per pipeline)
+        self.sessions = None
+        if schedule.transport == "stream" and settings.stream.sessions:
+            from sky_flower.sky.transport.session import StreamSessions
+
+            self.sessions = StreamSessions(
+                settings.stream.session_max_s,
+                deadlines_of(settings.deadlines).of("collect", settings.failure.message_timeout_s)
+                + settings.stream.timeout_s,
+            )
 
     def run_settings(self) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses."""
@@ -123,7 +133,14 @@ class RoundExecutor:
             deadlines=deadlines_of(s.deadlines),
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
+            sessions=self.sessions,
         )
+
+    def close(self) -> None:
+        """End the run's stage sessions (their endpoints, ports and threads); the
+        strategy calls it when the run ends, however it ends."""
+        if self.sessions is not None:
+            self.sessions.close_all()
 
     def runner(self) -> Runner:
         """A fresh runner of the configured transport (one per pipeline)."""
@@ -145,7 +162,9 @@ class RoundExecutor:
         """Round ``server_round`` of every pipeline from the global model ``arrays``
         (:func:`sky_flower.sky.rounds.federation.federated_round`): the round's record
         and the new global model (``None`` when the round failed; the record has its
-        ``exception``)."""
+        ``exception``). Stage sessions of data owners no longer planned end first."""
+        if self.sessions is not None:
+            self.sessions.retain({run.pipeline.plan.stages[0].node for run in self.state.runs})
         return federation.federated_round(
             grid,
             self.state.runs,

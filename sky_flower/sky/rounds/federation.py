@@ -358,7 +358,10 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
     extra: dict[str, Any] = {}
     for o in outs:
         for key, value in o.extra.items():
-            extra[key] = max(extra.get(key, value), value)
+            if key == "flower_messages":  # a count: every pipeline's
+                extra[key] = extra.get(key, 0) + value
+            else:
+                extra[key] = max(extra.get(key, value), value)
     return RoundRecord(
         round=server_round,
         train_loss=float(np.average(losses, weights=weights)),

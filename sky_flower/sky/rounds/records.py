@@ -85,6 +85,13 @@ class RoundRecord(RecordFields):
     microbatches_per_message, setup_s, wall_s : optional
         Transport figures (relay and stream: micro-batches per message; direct and
         stream: set-up and wall seconds), the largest over the pipelines.
+    flower_messages, session_round : int or None
+        ``stream``: Flower messages the round cost (set-up messages pushed and replies
+        pulled; summed over the pipelines), and the round's place in its stage session
+        (1: the session was set up for it; the largest over the pipelines).
+    predicted_setup_s : float or None
+        ``stream`` with sessions: the cost model's set-up of the sessions this round set
+        up (0: none), against ``setup_s`` measured.
     stages : list of StageRecord or None
         Every pipeline's stages (each with its ``owner``).
     pipelines : list of PipelineRecord or None
@@ -117,6 +124,9 @@ class RoundRecord(RecordFields):
     microbatches_per_message: int | None = optional()
     setup_s: float | None = optional()
     wall_s: float | None = optional()
+    flower_messages: int | None = optional()
+    session_round: int | None = optional()
+    predicted_setup_s: float | None = optional()
     stages: list[StageRecord] | None = optional()
     pipelines: list[PipelineRecord] | None = optional()
     failed_pipelines: list[dict[str, Any]] | None = optional()

@@ -70,6 +70,10 @@ class Pipeline:
         Per stage, the node's ``(host, device)`` as its benchmark reported them
         (``host`` ``""`` when not measured); ``()``: not known (every stage on the CPU).
         ``direct`` picks NCCL from them (:func:`sky_flower.pipeline.device.direct_backend`).
+    setup_s : float
+        Predicted seconds of a stage session's set-up (``stream``: its Flower set-up
+        messages until every stage has joined), charged once per session; 0: not
+        predicted.
     """
 
     plan: Plan
@@ -79,6 +83,7 @@ class Pipeline:
     slowdowns: tuple[float, ...]
     links: tuple[tuple[float, float], ...]
     devices: tuple[tuple[str, str], ...] = ()
+    setup_s: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -142,6 +147,9 @@ class RunSettings:
     # train.optimizer_state=keep: the pipelines' optimizer states between rounds
     # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
     optimizer_store: Any = None
+    # transport=stream with schedule.stream_sessions: the run's live stage sessions
+    # (sky_flower.sky.transport.session.StreamSessions); None: a set-up every round
+    sessions: Any = None
 
     def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
         """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`, on the

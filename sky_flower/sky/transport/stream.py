@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import DEFAULT_TTL, ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from sky_flower.flower.exchange import Exchange, short_reason
@@ -46,6 +46,7 @@ from sky_flower.sky.transport.hops import (
     step_orders,
 )
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
+from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
 
 FLOWER_POLL_S = 0.5  # how often the stream loop looks at the stages' Flower replies
 
@@ -86,6 +87,8 @@ class StreamRunner(Runner):
     ) -> RoundOutcome:
         """Host the endpoint, set the stages up over Flower, run ``steps`` steps over
         the streams, end them, merge the stages' weights (see :meth:`Runner.run_round`)."""
+        if self.s.sessions is not None:
+            return self.session_round(grid, plan, arrays, steps, server_round)
         s, S = self.s, plan.num_stages
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget + s.stream_timeout_s)
@@ -129,6 +132,7 @@ class StreamRunner(Runner):
                 "microbatches_per_message": plan.group_size,
                 "setup_s": setup_s,
                 "wall_s": time.perf_counter() - t_start,
+                "flower_messages": 2 * S,  # the set-up messages and their replies
             },
             weights_bytes=sent,
             full_weights_bytes=full,
@@ -142,8 +146,10 @@ class StreamRunner(Runner):
         server_round: int,
         ep: Endpoint,
         budget: float,
+        across_rounds: bool = False,
     ) -> list[Message]:
-        """One ``train.sky_stream`` per stage: its layer slice and :class:`StreamConfig`."""
+        """One ``train.sky_stream`` per stage: its layer slice and :class:`StreamConfig`
+        (``across_rounds``: a stage session's set-up, its call bounded by ``budget``)."""
         full, session = arrays.to_torch_state_dict(), P.new_session()
         msgs = []
         for k, st in enumerate(plan.plan.stages):
@@ -153,6 +159,8 @@ class StreamRunner(Runner):
                 steps=steps,
                 node_id=plan.node_ids[k],
                 input_dtype=self.s.input_dtype if k == 0 else "float32",
+                across_rounds=across_rounds,
+                silence_s=self.s.stream_timeout_s,
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content: dict[str, Any] = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
@@ -321,3 +329,177 @@ class StreamRunner(Runner):
                 )
             time.sleep(max(ex.poll_interval_s, 0.01))
         return [self.got[mid] for mid in ids]
+
+    # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
+    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+        """What a session is set up for: a round whose pipeline differs needs another."""
+        stages = tuple(
+            stage_config(self.s, k, st.first_layer, st.last_layer, 0, 0)
+            for k, st in enumerate(plan.plan.stages)
+        )
+        return (plan.node_ids, plan.group_size, self.s.input_dtype, stages)
+
+    def open_session(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> StreamSession:
+        """Host a session's endpoint, push its set-up messages (one per stage), wait
+        until every stage has joined.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stages that did not join or whose set-up failed (the endpoint
+            is closed and the messages abandoned).
+        """
+        s, pool = self.s, self.s.sessions
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
+        ep = Endpoint(plan.num_stages, **s.stream_endpoint()).__enter__()
+        ex = s.exchange(grid, timeout_s=life + s.stream_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            msgs = self.configure(plan, arrays, steps, server_round, ep, life, across_rounds=True)
+            ids = ex.push(msgs, concurrent=True)
+            session = StreamSession(
+                key=self.session_key(plan),
+                ep=ep,
+                ex=ex,
+                ids=ids,
+                held=[
+                    slice_state(arrays.to_torch_state_dict(), st.first_layer, st.last_layer)
+                    for st in plan.plan.stages
+                ],
+                opened_s=time.monotonic(),
+                ends_s=time.monotonic() + life,
+            )
+            self.got, self._next_poll = session.got, 0.0
+            self.join(ex, ep, plan, ids)
+        except BaseException:
+            ex.abandon()
+            ep.close()
+            raise
+        session.setup_s = time.perf_counter() - t0
+        pool.opened += 1
+        return session
+
+    def session_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """Round ``server_round`` of ``plan`` in its stage session (opened, or handed
+        over, first where needed): ``begin`` with the changed weights, the steps, ``end``
+        with every stage's weights as frames; the outcome as a per-round set-up's.
+        A round that fails ends its session at once."""
+        s, S, pool = self.s, plan.num_stages, self.s.sessions
+        owner = plan.plan.stages[0].node
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
+        losses, step_times, correct, seen = [], [], 0, 0
+        t_start = time.perf_counter()
+        messages, setup_s = 0, 0.0
+        session = pool.take(owner)
+        try:
+            if session is not None and (
+                session.key != self.session_key(plan)
+                or not session.fits(budget, s.stream_timeout_s, pool.max_age_s)
+            ):
+                messages += pool.end(session, graceful=True)
+                session = None
+            if session is None:
+                session = self.open_session(grid, plan, arrays, steps, server_round)
+                messages, setup_s = messages + S, session.setup_s
+            ex, ep, ids = session.ex, session.ep, session.ids
+            ex.grid = grid  # this round's (locked) grid
+            self.got, self._next_poll = session.got, 0.0
+            full = arrays.to_torch_state_dict()
+            for k, st in enumerate(plan.plan.stages):
+                changed = session.changed(k, slice_state(full, st.first_layer, st.last_layer))
+                header = {"op": "begin", "round": server_round, "steps": steps}
+                records = RecordDict({P.ARRAYS: ArrayRecord(changed)}) if changed else None
+                self._send(ex, ep, plan, k, header, records)
+                session.held[k].update(changed)
+            for step in range(steps):
+                t0 = time.perf_counter()
+                st_ = self.step(ex, ep, plan, ids, step, stats)
+                step_times.append(time.perf_counter() - t0)
+                losses.append(st_.loss)
+                correct, seen = correct + st_.correct, seen + st_.seen
+            for k in range(S):
+                self._send(ex, ep, plan, k, {"op": "end"})
+            replies = self.round_end(ex, ep, plan, ids, server_round)
+            new, sent, full_bytes = self.merge(replies, ex, arrays)  # type: ignore[arg-type]
+            check_stages(ex, plan, replies)  # type: ignore[arg-type]
+            if s.optimizer_store is not None:
+                s.optimizer_store.put(owner, optimizer_records(ex, replies))  # type: ignore[arg-type]
+            for k, reply in enumerate(replies):
+                session.held[k].update(reply.content.array_records[P.ARRAYS].to_torch_state_dict())
+        except BaseException:
+            if session is not None:
+                pool.end(session, graceful=False)
+            raise
+        session.rounds += 1
+        pool.put(owner, session)
+        return RoundOutcome(
+            arrays=new,
+            losses=losses,
+            correct=correct,
+            seen=seen,
+            step_times=step_times,
+            stages=stage_rows(plan, stats, steps, busy=False),
+            extra={
+                "microbatches_per_message": plan.group_size,
+                "setup_s": setup_s,
+                "wall_s": time.perf_counter() - t_start,
+                "flower_messages": messages,
+                "session_round": session.rounds,
+                # the cost model's set-up, charged to the round that set the session up
+                "predicted_setup_s": plan.setup_s if setup_s > 0 else 0.0,
+            },
+            weights_bytes=sent,
+            full_weights_bytes=full_bytes,
+        )
+
+    def _send(  # noqa: PLR0913
+        self,
+        ex: Exchange,
+        ep: Endpoint,
+        plan: Pipeline,
+        k: int,
+        header: dict[str, Any],
+        records: RecordDict | None = None,
+    ) -> None:
+        """A frame to stage ``k``; a stream that is gone fails the round by name."""
+        try:
+            ep.send(k, header, records)
+        except StreamError as err:
+            raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])}: {err}") from err
+
+    def round_end(
+        self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], server_round: int
+    ) -> list[FrameReply]:
+        """Every stage's ``end`` frame of the round (its weights, figures and, keep, its
+        optimizer state), as replies in stage order, within ``stream_timeout_s``
+        each.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stage that sent another frame, broke its stream or stayed silent.
+        """
+        got: dict[int, FrameReply] = {}
+        while len(got) < plan.num_stages:
+            owing = [k for k in range(plan.num_stages) if k not in got]
+            waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
+            k, header, records = self._inbound(ex, ep, plan, ids, waiting)
+            if (
+                header.get("op") != "end"
+                or int(header.get("round", -1)) != server_round
+                or k in got
+            ):
+                nid = plan.node_ids[k]
+                raise ex.fail(
+                    f"stage {k} on {ex.name(nid)} sent a frame that is not its end of "
+                    f"round {server_round} ({header})",
+                    [nid],
+                )
+            got[k] = FrameReply(records, _Meta(plan.node_ids[k], "stream frame end", ""))
+        return [got[k] for k in range(plan.num_stages)]

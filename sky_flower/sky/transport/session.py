@@ -1,0 +1,195 @@
+"""Stage sessions on the ``stream`` transport: one Flower message per stage node per
+plan, every round driven over the session's stream.
+
+Flower 1.42 charges a deployed message seconds (a fresh ``flwr-clientapp`` process per
+message, a SuperNode that sleeps 3 s after an empty pull), but a message may run as long
+as its TTL (``flwr.app.DEFAULT_TTL``, 12 h). A session spends the set-up message once:
+
+1. the first round of a plan (per data owner's pipeline) hosts an endpoint
+   (:class:`sky_flower.sky.transport.channel.Endpoint`, a fresh certificate and fresh
+   tickets: a ticket admits one session) and pushes one ``train.sky_stream`` message per
+   stage with ``across_rounds`` (:class:`sky_flower.sky.protocol.StreamConfig`): the
+   stage's layer slice, and its optimizer state under ``train.optimizer_state=keep``;
+2. every round, the server sends each stage ``begin`` (the round, its steps, and the
+   entries of the stage's slice of the round's global model that differ, bit for bit,
+   from what the stage holds: after FedAvg across data owners, most of them; with one
+   data owner, none), runs the steps over the streams exactly as a per-round set-up does
+   (:class:`sky_flower.sky.transport.stream.StreamRunner`), then ``end``: each stage
+   answers with an ``end`` frame holding its trainable weights and buffers and (keep)
+   its optimizer state. FedAvg and evaluation follow on the server, as every round;
+3. the session ends (``close``; its Flower replies come then, one per stage) when the
+   plan of its pipeline changes (re-planning, a join, a dropped node), when a round of
+   it fails (then at once: its endpoint closes, its stages' messages end with an error
+   and are no longer waited for), when the run ends, or at a round's start when it
+   could outlive ``schedule.stream_session_max_s`` or Flower's TTL: it hands over to a
+   fresh session, which loses nothing because the server holds every stage's state at
+   each round's end.
+
+A node whose stages sit in several pipelines runs one session per pipeline at once:
+Flower 1.42's SuperNode stores every message it pulls as a task, and SuperExec's
+subprocess executor launches each task's ClientApp with no capacity gate
+(``supercore/superexec/executor/subprocess_executor.py``), so two messages to one node
+run in two processes; the simulation engine runs them on two workers. Session messages
+are pushed ``concurrent`` (:meth:`sky_flower.flower.exchange.Exchange.push`) so that
+they do not hold back other messages to their nodes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import DEFAULT_TTL, Message
+
+from sky_flower.flower.exchange import Exchange
+from sky_flower.sky.transport.channel import Endpoint, StreamError
+
+TTL_MARGIN_S = 600.0  # a session ends this long before its messages' TTL at the latest
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (dtype, shape, every byte: ``-0.0``
+    and ``0.0`` differ, a NaN equals itself)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+    )
+
+
+@dataclass
+class StreamSession:
+    """One pipeline's live session: its endpoint, the Exchange of its set-up messages,
+    and what each stage holds.
+
+    Attributes
+    ----------
+    key : tuple
+        What the session was set up for (node ids, layer ranges, stage configs without
+        the round): a round whose pipeline differs needs a new session.
+    ep : Endpoint
+        The session's endpoint (its streams, tickets, certificate).
+    ex : Exchange
+        The Exchange the set-up messages were pushed on (their replies come at close).
+    ids : list of str
+        The set-up messages' ids, shape (S,).
+    held : list of dict
+        Per stage, the model entries it holds (name -> tensor, CPU): what the set-up
+        sent, updated by every round's ``end`` frame.
+    opened_s, ends_s : float
+        ``time.monotonic()`` at the set-up and the stream call's deadline.
+    rounds : int
+        Rounds it has served.
+    setup_s : float
+        Seconds from the set-up messages' push until every stage had joined.
+    got : dict
+        Flower replies of its set-up messages that have come (an error ends it).
+    """
+
+    key: tuple[Any, ...]
+    ep: Endpoint
+    ex: Exchange
+    ids: list[str]
+    held: list[dict[str, torch.Tensor]]
+    opened_s: float
+    ends_s: float
+    rounds: int = 0
+    setup_s: float = 0.0
+    got: dict[str, Message] = field(default_factory=dict)
+
+    def fits(self, budget_s: float, timeout_s: float, max_age_s: float) -> bool:
+        """Whether a round of ``budget_s`` (plus the silence bound ``timeout_s``) ends
+        before the stream call's deadline and the session is younger than
+        ``max_age_s``."""
+        now = time.monotonic()
+        return now - self.opened_s < max_age_s and now + budget_s + timeout_s < self.ends_s
+
+    def changed(self, k: int, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The ``entries`` of stage ``k``'s slice whose bits differ from what it holds."""
+        held = self.held[k]
+        return {n: v for n, v in entries.items() if n not in held or not same_bits(v, held[n])}
+
+    def close(self, graceful: bool, deadline_s: float) -> int:
+        """End the session: ``close`` to every stage and their Flower replies within
+        ``deadline_s`` (graceful), else (or when they do not come) the set-up messages
+        are abandoned; the endpoint closes either way. Returns the replies pulled."""
+        pulled = 0
+        try:
+            if graceful:
+                for k in range(len(self.ids)):
+                    try:
+                        self.ep.send(k, {"op": "close"})
+                    except StreamError:
+                        pass
+                until = time.monotonic() + deadline_s
+                while len(self.got) < len(self.ids) and time.monotonic() < until:
+                    for reply in self.ex.poll(self.ids, raise_late=False):
+                        self.got[reply.metadata.reply_to_message_id] = reply
+                    time.sleep(max(self.ex.poll_interval_s, 0.01))
+                pulled = len(self.got)
+        except Exception:  # noqa: BLE001, S110 - closing is best effort: abandoned below
+            pass
+        finally:
+            self.ex.abandon()  # what has not come is no longer waited for
+            self.ep.close()
+        return pulled
+
+
+class StreamSessions:
+    """The run's live stage sessions, one per data owner's pipeline (thread-safe: each
+    pipeline's runner takes its own, on its own thread).
+
+    Parameters
+    ----------
+    max_age_s : float
+        ``schedule.stream_session_max_s``: a session is handed over before this age.
+    close_deadline_s : float
+        How long a graceful close waits for the stages' Flower replies.
+    """
+
+    def __init__(self, max_age_s: float, close_deadline_s: float) -> None:
+        self.max_age_s = min(max_age_s, DEFAULT_TTL - TTL_MARGIN_S)
+        self.close_deadline_s = close_deadline_s
+        self._by_owner: dict[str, StreamSession] = {}
+        self._lock = threading.Lock()
+        self.opened = 0  # sessions set up in the run
+        self.closed_replies = 0  # Flower replies pulled at their ends
+
+    def take(self, owner: str) -> StreamSession | None:
+        """``owner``'s session, out of the pool while a round uses it (None: none)."""
+        with self._lock:
+            return self._by_owner.pop(owner, None)
+
+    def put(self, owner: str, session: StreamSession) -> None:
+        """Give ``owner``'s session back after a round it served."""
+        with self._lock:
+            self._by_owner[owner] = session
+
+    def end(self, session: StreamSession, graceful: bool) -> int:
+        """Close ``session`` (see :meth:`StreamSession.close`); replies pulled."""
+        got = session.close(graceful, self.close_deadline_s)
+        with self._lock:
+            self.closed_replies += got
+        return got
+
+    def retain(self, owners: set[str]) -> None:
+        """Close (gracefully) the sessions of data owners no longer planned."""
+        with self._lock:
+            gone = [o for o in self._by_owner if o not in owners]
+            ended = [self._by_owner.pop(o) for o in gone]
+        for session in ended:
+            self.end(session, graceful=True)
+
+    def close_all(self) -> None:
+        """Close every session (the run's end): no endpoint, port or thread is left."""
+        self.retain(set())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_owner)

@@ -1,0 +1,222 @@
+"""Stage sessions on ``stream`` (:mod:`sky_flower.sky.transport.session`): one Flower
+message per stage for many rounds, every round driven over the session's stream.
+
+Real parts: Sky's ClientApp handlers on their own threads (``test_stream``'s
+``ThreadedGrid``: a stage session blocks its handler for the whole session, as a
+SuperNode's ClientApp process does), a real gRPC endpoint and real TLS on 127.0.0.1.
+The session must compute exactly what per-round set-up messages compute: the same ops
+in the same order on the same weights, so the comparison is bit for bit
+(``torch.equal``); against the unsplit reference (``reference_rounds``) it is
+``test_exact_state``'s tolerance (the reference orders floating-point sums differently).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from flwr.clientapp import ClientApp
+from reference import reference_rounds
+from test_exact_state import (
+    BATCH,
+    BOUNDS,
+    DATA,
+    LR,
+    SEED,
+    STEPS,
+    _assert_same,
+    _owner_data,
+    _weights,
+    stateful_net,
+)
+from test_stream import ThreadedGrid, _stream_threads
+
+from sky_flower.core.partition.plan import Plan, StagePlan
+from sky_flower.core.schedule import Schedule
+from sky_flower.emulation.devices import Emulation
+from sky_flower.sky import protocol as P
+from sky_flower.sky.migration import OptimizerStore
+from sky_flower.sky.node.client import SkyClient
+from sky_flower.sky.transport.runner import Pipeline, RunSettings, SkyNodeError
+from sky_flower.sky.transport.session import StreamSessions, same_bits
+from sky_flower.sky.transport.stream import StreamRunner
+
+ROUNDS = 3
+BOUND_S = 15.0  # a broken stream must fail its round within this (silence bound: 3 s)
+
+
+class Counted(ThreadedGrid):
+    """A :class:`ThreadedGrid` that counts the Flower messages pushed and replies pulled."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.pushed = 0
+        self.pulled = 0
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        messages = list(messages)
+        self.pushed += len(messages)
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        got = super().pull_messages(message_ids)
+        self.pulled += len(got)
+        return got
+
+
+def _fleet(fault: dict | None = None) -> tuple[Counted, Pipeline]:
+    names = [f"n{k}" for k in range(len(BOUNDS))]
+
+    def emulation(context) -> Emulation:  # noqa: ANN001
+        name = str(context.node_config["sky-node"])
+        return Emulation(name=name, **(fault or {}) if name == "n1" else {})
+
+    apps = {
+        n: SkyClient(model_fn=stateful_net, load_data=_owner_data, emulation_fn=emulation).register(
+            ClientApp()
+        )
+        for n in names
+    }
+    configs = {n: {"sky-node": n, "partition-id": k} for k, n in enumerate(names)}
+    grid = Counted(apps, configs)
+    stages = [
+        StagePlan(name, k, a, b, 0.0, 0.0, 0.0, 0.0)
+        for k, (name, (a, b)) in enumerate(zip(names, BOUNDS, strict=True))
+    ]
+    pred = tuple({"node": n, "messages": 0, "compute_s": 0.0, "busy_s": 0.0} for n in names)
+    pipeline = Pipeline(
+        Plan("even", stages, 0.0, 0.0, 0.0), tuple(grid.ids), 1, pred, (0.0,) * 3, ((0, 0),) * 3
+    )
+    return grid, pipeline
+
+
+def _settings(grid: Counted, kind: str, microbatches: int, **kw) -> RunSettings:  # noqa: ANN003
+    return RunSettings(
+        model_fn=stateful_net,
+        input_shape=(8,),
+        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
+        optimizer="adam",
+        lr=LR,
+        seed=SEED,
+        num_layers=9,
+        poll_interval_s=0.0,
+        message_timeout_s=30.0,
+        stream_timeout_s=kw.pop("stream_timeout_s", 20.0),
+        describe=grid.names.get,
+        **kw,
+    )
+
+
+def _rounds(kind: str, microbatches: int, sessions: bool, keep: bool = False) -> tuple:
+    """``ROUNDS`` rounds of one pipeline, each from the last one's model: the models,
+    and the grid's message counts."""
+    grid, pipeline = _fleet()
+    pool = StreamSessions(max_age_s=3600.0, close_deadline_s=20.0) if sessions else None
+    store = OptimizerStore() if keep else None
+    s = _settings(grid, kind, microbatches, sessions=pool, optimizer_store=store)
+    arrays, models = ArrayRecord(_weights()), []
+    try:
+        for rnd in range(1, ROUNDS + 1):
+            out = StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, rnd)
+            arrays = out.arrays
+            models.append(arrays.to_torch_state_dict())
+            assert out.extra["flower_messages"] == ((3 if rnd == 1 else 0) if sessions else 6), (
+                out.extra
+            )
+            if sessions:
+                assert out.extra["session_round"] == rnd
+    finally:
+        if pool is not None:
+            pool.close_all()
+        grid.join()
+    return models, grid.pushed, grid.pulled
+
+
+def _assert_bits(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert same_bits(torch.as_tensor(got[key]), torch.as_tensor(value)), key
+
+
+@pytest.mark.parametrize(
+    ("kind", "microbatches", "keep"),
+    [
+        ("gpipe", 4, False),
+        ("1f1b", 4, True),
+        pytest.param("sequential", 2, False, marks=pytest.mark.slow),
+    ],
+)
+def test_a_session_equals_per_round_set_ups_bit_for_bit(kind, microbatches, keep, server_identity):
+    """Three rounds in one session: one set-up message per stage in all (and its reply
+    at the end), the same weights, buffers (BatchNorm) and dropout masks as a set-up
+    message per round, bit for bit; and unsplit training's within 1e-6."""
+    per_round, pushed_r, pulled_r = _rounds(kind, microbatches, sessions=False, keep=keep)
+    in_session, pushed, pulled = _rounds(kind, microbatches, sessions=True, keep=keep)
+    assert (pushed_r, pulled_r) == (3 * ROUNDS, 3 * ROUNDS)
+    assert (pushed, pulled) == (3, 3)  # one set-up per stage, its reply at the close
+    for got, expected in zip(in_session, per_round, strict=True):
+        _assert_bits(got, expected)
+    reference = reference_rounds(
+        stateful_net, DATA, ROUNDS, STEPS, LR, BATCH, microbatches, SEED,
+        weights=_weights(), keep_optimizer=keep,
+    )  # fmt: skip
+    for got, (expected, _) in zip(in_session, reference, strict=True):
+        _assert_same(got, expected)
+    assert not _stream_threads()
+
+
+def test_a_changed_plan_or_an_old_session_starts_a_fresh_one(server_identity):
+    """A session older than its bound hands over at the next round's start (one more
+    set-up per stage) without changing what is computed."""
+    grid, pipeline = _fleet()
+    pool = StreamSessions(max_age_s=1e-3, close_deadline_s=20.0)  # every round: a new one
+    s = _settings(grid, "gpipe", 2, sessions=pool)
+    arrays = ArrayRecord(_weights())
+    try:
+        for rnd in (1, 2):
+            out = StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, rnd)
+            arrays = out.arrays
+            assert out.extra["session_round"] == 1
+        assert out.extra["flower_messages"] == 6  # the old one's 3 replies, 3 set-ups
+    finally:
+        pool.close_all()
+        grid.join()
+    assert pool.opened == 2 and (grid.pushed, grid.pulled) == (6, 6)
+    expected = reference_rounds(
+        stateful_net, DATA, 2, STEPS, LR, BATCH, 2, SEED, weights=_weights()
+    )[-1][0]
+    _assert_same(arrays.to_torch_state_dict(), expected)
+
+
+def test_a_stage_that_crashes_mid_session_fails_its_round_by_name(server_identity):
+    """Round 1 trains in the session; in round 2 stage 1's node crashes before step 1:
+    the round fails naming it within the bound, the session ends (no port or thread
+    left), and round 3 sets a fresh session up and trains."""
+    fault = {"fail_on": P.STREAM, "fail_mode": "crash", "fail_round": 2, "fail_step": 1}
+    grid, pipeline = _fleet(fault)
+    pool = StreamSessions(max_age_s=3600.0, close_deadline_s=20.0)
+    s = _settings(grid, "gpipe", 2, sessions=pool, stream_timeout_s=3.0)
+    arrays = ArrayRecord(_weights())
+    try:
+        arrays = StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, 1).arrays
+        t0 = time.perf_counter()
+        with pytest.raises(SkyNodeError) as err:
+            StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, 2)
+        assert time.perf_counter() - t0 < BOUND_S
+        assert "stage 1 on n1" in str(err.value), err.value
+        assert err.value.nodes == ["n1"], err.value.nodes
+        assert len(pool) == 0  # the failed session is gone
+        out = StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, 3)
+        assert out.extra["session_round"] == 1 and out.extra["flower_messages"] == 3
+    finally:
+        pool.close_all()
+        grid.join()
+    assert pool.opened == 2
+    deadline = time.monotonic() + 5.0
+    while _stream_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _stream_threads()
+    assert not [t for t in threading.enumerate() if t.name.startswith("sky-pipeline")]
