@@ -220,3 +220,98 @@ def test_a_stage_that_crashes_mid_session_fails_its_round_by_name(server_identit
         time.sleep(0.05)
     assert not _stream_threads()
     assert not [t for t in threading.enumerate() if t.name.startswith("sky-pipeline")]
+
+
+# -- several data owners, FedAvg across their pipelines, BatchNorm both ways -------------
+def _owner_pipelines(grid: ThreadedGrid) -> list:
+    """Two owners' pipelines, each its owner (layers 0-1: Linear, BatchNorm) then one
+    shared helper (2-3); the second starts after the first (they share the helper), so
+    the helper runs both pipelines' sessions at once, in two handlers."""
+    from test_fedavg_state import OWNERS
+    from test_fedavg_state import STEPS as OWNER_STEPS
+
+    from sky_flower.sky.planning.planning import PipelineRun
+
+    runs = []
+    for i, owner in enumerate(OWNERS):
+        stages = [
+            StagePlan(owner, 0, 0, 1, 0.0, 0.0, 0.0, 0.0),
+            StagePlan("helper", 1, 2, 3, 0.0, 0.0, 0.0, 0.0),
+        ]
+        pred = tuple(
+            {"node": st.node, "messages": 0, "compute_s": 0.0, "busy_s": 0.0} for st in stages
+        )
+        ids = (grid.ids[i], grid.ids[2])
+        pipeline = Pipeline(
+            Plan("even", stages, 0.0, 0.0, 0.0), ids, 1, pred, (0.0,) * 2, ((0, 0),) * 2
+        )
+        runs.append(
+            PipelineRun(owner, len(OWNERS[owner]), OWNER_STEPS, pipeline, after=(0,) if i else ())
+        )
+    return runs
+
+
+def _federated(policy: str, sessions: bool, rounds: int = 3) -> tuple[list[dict], int, int]:
+    """``rounds`` federated rounds of :func:`_owner_pipelines` on ``stream`` (FedAvg
+    across the owners; ``policy``: train.bn_policy): the global model after each, and
+    the Flower messages pushed and pulled."""
+    from test_fedavg_state import LR as BN_LR
+    from test_fedavg_state import SEED as BN_SEED
+    from test_fedavg_state import B, _bn_net, _owner_of
+
+    from sky_flower.sky.rounds.federation import LocalBatchNorm, batchnorm_keys, federated_round
+
+    names = ["owner-a", "owner-b", "helper"]
+    apps = {
+        n: SkyClient(model_fn=_bn_net, load_data=_owner_of).register(ClientApp()) for n in names
+    }
+    grid = Counted(apps, {n: {"sky-node": n, "partition-id": k} for k, n in enumerate(names)})
+    runs = _owner_pipelines(grid)
+    pool = StreamSessions(max_age_s=3600.0, close_deadline_s=20.0) if sessions else None
+    s = RunSettings(
+        model_fn=_bn_net,
+        input_shape=(6,),
+        schedule=Schedule(batch_size=B, microbatches=1, kind="gpipe"),  # as _reference
+        optimizer="sgd",
+        lr=BN_LR,
+        seed=BN_SEED,
+        num_layers=4,
+        poll_interval_s=0.0,
+        message_timeout_s=30.0,
+        stream_timeout_s=20.0,
+        describe=grid.names.get,
+        sessions=pool,
+    )
+    local = LocalBatchNorm(batchnorm_keys(_bn_net())) if policy == "local" else None
+    arrays, models = ArrayRecord(_bn_net().state_dict()), []
+    try:
+        for rnd in range(1, rounds + 1):
+            row, new = federated_round(
+                grid, runs, lambda: StreamRunner(s), arrays, rnd, local_bn=local
+            )
+            assert new is not None, row.exception
+            assert row.flower_messages == ((4 if rnd == 1 else 0) if sessions else 8), row
+            arrays = new
+            models.append(arrays.to_torch_state_dict())
+    finally:
+        if pool is not None:
+            pool.close_all()
+        grid.join()
+    return models, grid.pushed, grid.pulled
+
+
+@pytest.mark.parametrize("policy", ["average", "local"])
+def test_owners_with_fedavg_in_sessions_equal_per_round_set_ups(policy, server_identity):
+    """Two data owners, FedAvg across their pipelines, a helper in both (two sessions
+    on one node at once), BatchNorm averaged or kept per owner (FedBN): three rounds in
+    sessions (one set-up per stage in all) equal set-ups every round bit for bit, and
+    (``average``) the owners training alone, FedAvg across them."""
+    per_round, pushed_r, _ = _federated(policy, sessions=False)
+    in_session, pushed, pulled = _federated(policy, sessions=True)
+    assert pushed_r == 4 * 3 and (pushed, pulled) == (4, 4)
+    for got, expected in zip(in_session, per_round, strict=True):
+        _assert_bits(got, expected)
+    if policy == "average":
+        from test_fedavg_state import _close, _reference
+
+        _close(in_session[-1], _reference("average", 3)[0])
