@@ -46,8 +46,10 @@ install: $(STAMP)
 # sets each round up and collects it, activations and gradients travel on its gRPC
 # stream). On the relay (the library default, `make run-full`) each hop is a Flower
 # message that waits for the simulation engine's 0.1 s polling tick: the same steps and
-# accuracy, rounds about 3x as long.
-DEMO := transport=stream_sequential
+# accuracy, rounds about 3x as long. Stage sessions (one set-up message per stage for
+# the whole run) hold a simulation worker per stage of every pipeline: 0.4 CPUs per
+# node gives the engine 5 workers on 2 cores, the edge4 plan's 5 stages.
+DEMO := transport=stream_sequential simulation.num_cpus_per_node=0.4
 run: install
 	$(PY) -m sky_flower.run $(DEMO) $(ARGS)
 

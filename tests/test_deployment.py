@@ -137,30 +137,43 @@ def test_sky_app_trains_on_superlink_with_3_supernodes_tls(tmp_path):
 
 def test_sky_app_trains_on_stream_transport_with_tls(tmp_path):
     """transport=stream (the launcher's default for a Sky app) over TLS + SuperNode
-    authentication: the round's stages connect from their ClientApp processes to the
-    ServerApp's endpoint (its certificate pinned through the set-up message) and run 3
-    steps of 4 micro-batches (1f1b) over it; equal to unsplit training, nothing left
-    behind (no process, and the endpoint's port closed with the run)."""
-    # one round: a round on the stream costs ~22 s deployed (its set-up message, a fresh
-    # ClientApp process importing torch, ~17 s); two rounds of the stream, the second
-    # from the first's global model, are tests/test_stream.py's in-process run
+    authentication, in stage sessions: each stage's ClientApp process connects once to
+    the ServerApp's endpoint (its certificate pinned through the set-up message) and
+    serves 4 rounds of 3 steps of 4 micro-batches (1f1b) over it: exactly one
+    ``train.sky_stream`` message per stage node for the whole run (counted in the
+    SuperNodes' own logs), equal to unsplit training, nothing left behind (no process,
+    and the endpoint's port closed with the run)."""
+    rounds = 4
     config = QUICK.replace(f"steps-per-round={STEPS} ", "steps-per-round=3 ")
-    config = config.replace(f"num-server-rounds={ROUNDS} ", "num-server-rounds=1 ")
-    assert "steps-per-round=3 " in config and "num-server-rounds=1 " in config, config
+    config = config.replace(f"num-server-rounds={ROUNDS} ", f"num-server-rounds={rounds} ")
+    assert "steps-per-round=3 " in config and f"num-server-rounds={rounds} " in config, config
     # allocation=even: one stage per SuperNode, so activations and gradients cross the
     # data plane between all three
     extra = "allocation='even' schedule-kind='1f1b' microbatches=4"
     text, pids, saved = _run(True, tmp_path, extra, config)
     assert "Final results:" in text and "transport stream" in text, text[-3000:]
     assert saved["completed"] and not saved["error"] and not saved["failed_rounds"], saved
-    assert [r["round"] for r in saved["rounds"]] == [1]
+    assert [r["round"] for r in saved["rounds"]] == list(range(1, rounds + 1))
     for r in saved["rounds"]:
         assert r["steps"] == 3 and len(r["stages"]) == 3, r
-        assert r["setup_s"] > 0 and all(s["measured_compute_s"] > 0 for s in r["stages"]), r
+        assert all(s["measured_compute_s"] > 0 for s in r["stages"]), r
+    # one session: set up in round 1 (3 set-up messages), no Flower message after it
+    assert [r["session_round"] for r in saved["rounds"]] == list(range(1, rounds + 1))
+    assert [r["flower_messages"] for r in saved["rounds"]] == [3] + [0] * (rounds - 1)
+    assert saved["rounds"][0]["setup_s"] > 0
+    for i in range(3):  # what each SuperNode itself received
+        log = (tmp_path / f"supernode{i}.log").read_text()
+        assert log.count("Receiving: train.sky_stream message") == 1, (i, log[-2000:])
     task, lr = sky_app_task(), float(app_run_config(SKY_APP)["lr"])
     model = task.Net()
     want = reference_rounds(
-        task.Net, task.load_data(0, 3), 1, 3, lr, microbatches=4, weights=task.initial_weights()
+        task.Net,
+        task.load_data(0, 3),
+        rounds,
+        3,
+        lr,
+        microbatches=4,
+        weights=task.initial_weights(),
     )
     test = task.load_test()
     for row, (weights, losses) in zip(saved["rounds"], want, strict=True):

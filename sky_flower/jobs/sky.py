@@ -223,6 +223,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         hooks=[EventCallback(on_event), recorder],
     )
     recorder.strategy = strategy  # results.json is written even if the run never starts
+    if strategy.executor.sessions is not None:  # stream: the engine's concurrent ClientApps
+        strategy.executor.sessions.capacity = int(inputs["cpus"] / inputs["per_node"] + 1e-9)
     strategy.precheck(
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],

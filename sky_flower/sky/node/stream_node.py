@@ -327,10 +327,15 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     weights that differ from what the stage holds), the op frames exactly as in
     :func:`run_stream_stage` (:meth:`LiveStage.op`), then ``end``, answered by an
     ``end`` frame with the stage's trainable weights and buffers, its figures and (keep)
-    its optimizer state. Each round starts as a per-round set-up would: the global
-    weights loaded, gradients cleared, a fresh optimizer (unless kept), the round's
-    randomness key and data order, the node's emulation at that round (fleet drift):
-    the session computes what per-round messages compute, bit for bit.
+    its optimizer state. An ``end`` with ``release`` (the node runs stages of other
+    pipelines too, which the plan runs one after another) frees the stage's layers and
+    optimizer after the reply; the next ``begin`` then carries the whole slice (and, keep,
+    the optimizer state) and the stage is rebuilt from it, so the node holds one
+    pipeline's stage at a time, as the planner's memory budget assumes. Each round
+    starts as a per-round set-up would: the global weights loaded, gradients cleared, a
+    fresh optimizer (unless kept), the round's randomness key and data order, the
+    node's emulation at that round (fleet drift): the session computes what per-round
+    messages compute, bit for bit.
 
     Returns
     -------
@@ -386,8 +391,22 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             if op == "begin":
                 rnd = int(header["round"])
                 emu = emulation_at(rnd)
-                loaded = _changed_entries(records)
-                if loaded:
+                if header.get("rebuild"):  # released after the last round: from the slice
+                    whole = records.array_records.get(P.ARRAYS, ArrayRecord())
+                    module, opt = load_stage(
+                        model_fn, st0.first, st0.last, (whole, None), factory, device
+                    )
+                    if keep and opt is not None:
+                        from sky_flower.pipeline.stage import optimizer_from_tensors
+
+                        local = migration.local_optimizer_state(
+                            model_fn,
+                            st0.first,
+                            st0.last,
+                            records.array_records[migration.OPTIM_KEY],
+                        )
+                        optimizer_from_tensors(opt, local.to_torch_state_dict())
+                elif loaded := _changed_entries(records):
                     module.load_state_dict(
                         {k: v.to(device) for k, v in loaded.items()}, strict=False
                     )
@@ -425,6 +444,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
                 link.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s
                 rounds, live = rounds + 1, None
+                if header.get("release"):  # the node serves another pipeline's stage too:
+                    module = opt = None  # hold this one's memory only during its rounds
                 continue
             step = int(header.get("step", -1))
             if hook is not None and step > at_step:  # mid-step: the step's first frame

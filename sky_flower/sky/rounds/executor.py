@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, MetricRecord
@@ -93,6 +93,7 @@ class RoundExecutor:
         self.frozen = frozen_keys(whole)
         # transport=stream: stage sessions that live across rounds (one per pipeline)
         self.sessions = None
+        self.sessions_fit = True  # the plan's stages fit the runtime (StreamSessions.usable)
         if schedule.transport == "stream" and settings.stream.sessions:
             from sky_flower.sky.transport.session import StreamSessions
 
@@ -133,7 +134,7 @@ class RoundExecutor:
             deadlines=deadlines_of(s.deadlines),
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
-            sessions=self.sessions,
+            sessions=self.sessions if self.sessions_fit else None,
         )
 
     def close(self) -> None:
@@ -165,6 +166,22 @@ class RoundExecutor:
         ``exception``). Stage sessions of data owners no longer planned end first."""
         if self.sessions is not None:
             self.sessions.retain({run.pipeline.plan.stages[0].node for run in self.state.runs})
+            self.sessions.plan([run.pipeline.node_ids for run in self.state.runs])
+            stages = sum(run.pipeline.num_stages for run in self.state.runs)
+            fit = self.sessions.usable(stages)
+            if not fit and self.sessions_fit:
+                log(
+                    WARNING,
+                    "stream stage sessions hold one ClientApp per stage of every pipeline "
+                    "(%d here) for the whole run, but the simulation engine runs %s at once: "
+                    "this plan sets its stages up every round instead (lower "
+                    "simulation.num_cpus_per_node, or run it deployed)",
+                    stages,
+                    self.sessions.capacity,
+                )
+            if not fit:
+                self.sessions.close_all()
+            self.sessions_fit = fit
         return federation.federated_round(
             grid,
             self.state.runs,

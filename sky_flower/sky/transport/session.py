@@ -25,7 +25,10 @@ as its TTL (``flwr.app.DEFAULT_TTL``, 12 h). A session spends the set-up message
    fresh session, which loses nothing because the server holds every stage's state at
    each round's end.
 
-A node whose stages sit in several pipelines runs one session per pipeline at once:
+A node whose stages sit in several pipelines runs one session per pipeline at once
+(the plan runs those pipelines one after another, so each stage frees its layers after
+its round's ``end`` and is rebuilt from the next ``begin``'s whole slice: the node holds
+one pipeline's stage at a time, as the planner's memory budget assumes):
 Flower 1.42's SuperNode stores every message it pulls as a task, and SuperExec's
 subprocess executor launches each task's ClientApp with no capacity gate
 (``supercore/superexec/executor/subprocess_executor.py``), so two messages to one node
@@ -82,6 +85,9 @@ class StreamSession:
     held : list of dict
         Per stage, the model entries it holds (name -> tensor, CPU): what the set-up
         sent, updated by every round's ``end`` frame.
+    released : list of bool
+        Per stage, whether it freed its layers after the last round (``release``): the
+        next ``begin`` rebuilds it from the whole slice.
     opened_s, ends_s : float
         ``time.monotonic()`` at the set-up and the stream call's deadline.
     rounds : int
@@ -97,6 +103,7 @@ class StreamSession:
     ex: Exchange
     ids: list[str]
     held: list[dict[str, torch.Tensor]]
+    released: list[bool]
     opened_s: float
     ends_s: float
     rounds: int = 0
@@ -151,13 +158,25 @@ class StreamSessions:
         ``schedule.stream_session_max_s``: a session is handed over before this age.
     close_deadline_s : float
         How long a graceful close waits for the stages' Flower replies.
+    capacity : int or None
+        How many ClientApps the runtime runs at once (Flower's simulation engine: its
+        workers, ``floor(CPUs / simulation.num_cpus_per_node)``); None: no bound (a
+        deployment runs each message in a process of its own). Sessions hold one per
+        stage of every pipeline for the whole run: a plan with more stages than this
+        runs with a set-up per round instead (:meth:`usable`).
     """
 
-    def __init__(self, max_age_s: float, close_deadline_s: float) -> None:
+    def __init__(
+        self, max_age_s: float, close_deadline_s: float, capacity: int | None = None
+    ) -> None:
         self.max_age_s = min(max_age_s, DEFAULT_TTL - TTL_MARGIN_S)
         self.close_deadline_s = close_deadline_s
+        self.capacity = capacity
         self._by_owner: dict[str, StreamSession] = {}
         self._lock = threading.Lock()
+        # Flower node ids that run stages of several pipelines: their stages free their
+        # layers after each round (StreamSession's release), see the module docstring
+        self.shared: set[int] = set()
         self.opened = 0  # sessions set up in the run
         self.closed_replies = 0  # Flower replies pulled at their ends
 
@@ -177,6 +196,20 @@ class StreamSessions:
         with self._lock:
             self.closed_replies += got
         return got
+
+    def plan(self, node_ids: list[tuple[int, ...]]) -> None:
+        """The round's pipelines (their stages' node ids): which nodes several share."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for ids in node_ids:
+            shared |= seen & set(ids)
+            seen |= set(ids)
+        self.shared = shared
+
+    def usable(self, stages: int) -> bool:
+        """Whether sessions for ``stages`` stages (over every pipeline) fit the runtime's
+        :attr:`capacity`."""
+        return self.capacity is None or stages <= self.capacity
 
     def retain(self, owners: set[str]) -> None:
         """Close (gracefully) the sessions of data owners no longer planned."""

@@ -369,6 +369,7 @@ class StreamRunner(Runner):
                     slice_state(arrays.to_torch_state_dict(), st.first_layer, st.last_layer)
                     for st in plan.plan.stages
                 ],
+                released=[False] * plan.num_stages,
                 opened_s=time.monotonic(),
                 ends_s=time.monotonic() + life,
             )
@@ -413,9 +414,15 @@ class StreamRunner(Runner):
             full = arrays.to_torch_state_dict()
             for k, st in enumerate(plan.plan.stages):
                 changed = session.changed(k, slice_state(full, st.first_layer, st.last_layer))
+                rebuild = session.released[k]  # the whole slice, the optimizer (keep)
                 header = {"op": "begin", "round": server_round, "steps": steps}
-                records = RecordDict({P.ARRAYS: ArrayRecord(changed)}) if changed else None
-                self._send(ex, ep, plan, k, header, records)
+                header["rebuild"] = rebuild
+                content: dict[str, Any] = {}
+                if changed or rebuild:
+                    content[P.ARRAYS] = ArrayRecord(changed)
+                if rebuild:
+                    content.update(migrated_state(s, plan, k))
+                self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
                 session.held[k].update(changed)
             for step in range(steps):
                 t0 = time.perf_counter()
@@ -423,15 +430,22 @@ class StreamRunner(Runner):
                 step_times.append(time.perf_counter() - t0)
                 losses.append(st_.loss)
                 correct, seen = correct + st_.correct, seen + st_.seen
+            release = [nid in pool.shared for nid in plan.node_ids]
             for k in range(S):
-                self._send(ex, ep, plan, k, {"op": "end"})
+                self._send(ex, ep, plan, k, {"op": "end", "release": release[k]})
             replies = self.round_end(ex, ep, plan, ids, server_round)
             new, sent, full_bytes = self.merge(replies, ex, arrays)  # type: ignore[arg-type]
             check_stages(ex, plan, replies)  # type: ignore[arg-type]
             if s.optimizer_store is not None:
                 s.optimizer_store.put(owner, optimizer_records(ex, replies))  # type: ignore[arg-type]
             for k, reply in enumerate(replies):
-                session.held[k].update(reply.content.array_records[P.ARRAYS].to_torch_state_dict())
+                session.released[k] = release[k]
+                if release[k]:  # the stage freed its layers: the next begin rebuilds it
+                    session.held[k] = {}
+                else:
+                    session.held[k].update(
+                        reply.content.array_records[P.ARRAYS].to_torch_state_dict()
+                    )
         except BaseException:
             if session is not None:
                 pool.end(session, graceful=False)
