@@ -340,11 +340,19 @@ def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, co
     conn.close()
 
 
+def _stage_session(msg: Message) -> bool:
+    """Whether ``msg`` starts a ``stream`` stage session (it serves many rounds)."""
+    cfg = msg.content.config_records.get("config")
+    return bool(cfg is not None and cfg.get("across_rounds", False))
+
+
 class ConcurrentGrid(ProcessPerMessageGrid):
     """:class:`ProcessPerMessageGrid`'s semantics with the nodes running at once.
 
     ``push_messages`` returns at once; each node has one thread that handles its
-    messages one at a time, in the order pushed. With ``processes`` (default: unless
+    messages one at a time, in the order pushed, except a ``stream`` stage session's
+    set-up, which runs beside them on a thread of its own (Flower 1.42's SuperExec
+    launches a ClientApp process per message, with no capacity gate). With ``processes`` (default: unless
     the run config's transport is the relay) each message runs in a fresh process (a
     ``forkserver`` child: ``torch.distributed`` allows one default process group per
     process, so the direct transport's stages cannot share one; a stream stage's link
@@ -383,9 +391,19 @@ class ConcurrentGrid(ProcessPerMessageGrid):
         for msg in messages:
             mid = str(uuid.uuid4())
             msg.metadata.__dict__["_message_id"] = mid
-            self._queues[msg.metadata.dst_node_id].put(message_to_proto(msg).SerializeToString())
+            raw = message_to_proto(msg).SerializeToString()
+            nid = msg.metadata.dst_node_id
+            if _stage_session(msg):  # beside the node's others, as SuperExec launches it
+                threading.Thread(target=self._serve_one, args=(nid, raw), daemon=True).start()
+            else:
+                self._queues[nid].put(raw)
             ids.append(mid)
         return ids
+
+    def _serve_one(self, nid: int, msg: bytes) -> None:
+        reply = (self._run_in_child if self.processes else self._run_here)(nid, msg)
+        with self._lock:
+            self._record(nid, reply)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         with self._lock:

@@ -315,3 +315,38 @@ def test_owners_with_fedavg_in_sessions_equal_per_round_set_ups(policy, server_i
         from test_fedavg_state import _close, _reference
 
         _close(in_session[-1], _reference("average", 3)[0])
+
+
+def test_a_helper_crashing_mid_session_is_dropped_and_the_sessions_replanned(server_identity):
+    """The sky-app through Sky's strategy on ``stream`` in sessions, three data owners,
+    each message in a fresh process (``ConcurrentGrid``): helper-x crashes before step
+    1 of round 2, mid-session. Round 2 averages the pipelines it is not in and names it;
+    helper-x is dropped and the federation re-planned; round 3 trains every owner in
+    fresh sessions, the re-planned pipelines set up anew; nothing is left behind."""
+    from reference import sky_app_run_config
+    from test_federation import BATCH as FED_BATCH
+    from test_federation import QUICK, _run
+
+    run = {**sky_app_run_config(), "fleet": "federated6", "num-server-rounds": 3}
+    run |= {"batch-size": FED_BATCH, "steps-per-round": 2, "max-failed-rounds": 1, **QUICK}
+    run |= {"transport": "stream", "schedule-kind": "gpipe", "microbatches": 2}
+    run |= {"stream-timeout-s": 10.0}
+    fault = {
+        "sky-fail-on": P.STREAM,
+        "sky-fail-mode": "crash",
+        "sky-fail-round": 2,
+        "sky-fail-step": 1,
+    }
+    strategy, _ = _run(run, 3, fault, on=3)  # node 3: helper-x
+    first, second, third = strategy.rounds
+    assert first["failed_pipelines"] == [] and first["session_round"] == 1
+    assert first["flower_messages"] == sum(len(p["nodes"]) for p in first["pipelines"])
+    (failed,) = second["failed_pipelines"]
+    assert failed["nodes"] == ["helper-x"] and "helper-x" in failed["error"], failed
+    assert second["samples_trained"] == 2 * 2 * FED_BATCH
+    assert third["failed_pipelines"] == []
+    assert third["samples_trained"] == 3 * 2 * FED_BATCH
+    assert all("helper-x" not in p["nodes"] for p in third["pipelines"])
+    assert third["flower_messages"] > 0  # the re-planned pipelines' new sessions
+    assert "helper-x" not in {n.name for n in strategy.node_profiles}
+    assert not _stream_threads()
