@@ -352,8 +352,8 @@ class ConcurrentGrid(ProcessPerMessageGrid):
     ``push_messages`` returns at once; each node has one thread that handles its
     messages one at a time, in the order pushed, except a ``stream`` stage session's
     set-up, which runs beside them on a thread of its own (Flower 1.42's SuperExec
-    launches a ClientApp process per message, with no capacity gate). With ``processes`` (default: unless
-    the run config's transport is the relay) each message runs in a fresh process (a
+    launches a ClientApp process per message, with no capacity gate). With
+    ``processes`` (default: unless the run config's transport is the relay) each message runs in a fresh process (a
     ``forkserver`` child: ``torch.distributed`` allows one default process group per
     process, so the direct transport's stages cannot share one; a stream stage's link
     must not outlive its ClientApp process) and a child that dies without replying
