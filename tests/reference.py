@@ -352,13 +352,13 @@ class ConcurrentGrid(ProcessPerMessageGrid):
     ``push_messages`` returns at once; each node has one thread that handles its
     messages one at a time, in the order pushed, except a ``stream`` stage session's
     set-up, which runs beside them on a thread of its own (Flower 1.42's SuperExec
-    launches a ClientApp process per message, with no capacity gate). With
-    ``processes`` (default: unless the run config's transport is the relay) each message runs in a fresh process (a
-    ``forkserver`` child: ``torch.distributed`` allows one default process group per
-    process, so the direct transport's stages cannot share one; a stream stage's link
-    must not outlive its ClientApp process) and a child that dies without replying
-    gives an error reply naming its exit code; otherwise on the node's thread in this
-    process (about 0.3 s a message cheaper). Either way a fresh ClientApp
+    launches a ClientApp process per message, with no capacity gate). With ``processes``
+    (default: unless the run config's transport is the relay) each message runs in a
+    fresh process (a ``forkserver`` child: ``torch.distributed`` allows one default
+    process group per process, so the direct transport's stages cannot share one; a
+    stream stage's link must not outlive its ClientApp process) and a child that dies
+    without replying gives an error reply naming its exit code; otherwise on the node's
+    thread in this process (about 0.3 s a message cheaper). Either way a fresh ClientApp
     handles each message and the node's context travels to and from it as protobuf
     bytes; a raising handler gives an error reply. Replies are collected by
     ``pull_messages``. ``app_fn`` must be picklable (a module-level function such as
