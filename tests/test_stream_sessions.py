@@ -317,6 +317,7 @@ def test_owners_with_fedavg_in_sessions_equal_per_round_set_ups(policy, server_i
         _close(in_session[-1], _reference("average", 3)[0])
 
 
+@pytest.mark.processes  # ConcurrentGrid: a fresh ClientApp process per message
 def test_a_helper_crashing_mid_session_is_dropped_and_the_sessions_replanned(server_identity):
     """The sky-app through Sky's strategy on ``stream`` in sessions, three data owners,
     each message in a fresh process (``ConcurrentGrid``): helper-x crashes before step
