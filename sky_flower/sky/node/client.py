@@ -50,7 +50,7 @@ handlers (failure tests).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, replace
 
 import torch
@@ -82,6 +82,7 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node.stage_ops import run_op
 from sky_flower.sky.node.stage_state import (
     NodeStateError,
     direct_ran,
@@ -131,13 +132,35 @@ def _across_rounds(msg: Message) -> bool:
     return bool(cfg is not None and cfg.get("across_rounds", False))
 
 
+class _ContextStash(MutableMapping[int, torch.Tensor]):
+    """A relay stage's stashed forward inputs in ``context.state``, by a group's first
+    micro-batch (``ArrayRecord`` ``{"x": input}`` under ``sky.stash.<first>``)."""
+
+    def __init__(self, context: Context) -> None:
+        self.state = context.state
+
+    def __getitem__(self, first: int) -> torch.Tensor:
+        key = f"{STASH_MB}{first}"
+        if key not in self.state:
+            raise KeyError(first)
+        return self.state.array_records[key].to_torch_state_dict()["x"]
+
+    def __setitem__(self, first: int, x: torch.Tensor) -> None:
+        self.state[f"{STASH_MB}{first}"] = ArrayRecord({"x": x})
+
+    def __delitem__(self, first: int) -> None:
+        del self.state[f"{STASH_MB}{first}"]
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(STASH_MB)
+        return iter(int(k[n:]) for k in self.state if k.startswith(STASH_MB))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def _payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.values())
-
-
-def _tensor(msg: Message, key: str) -> torch.Tensor:
-    """Array ``key`` of the message's array record ``key`` (act, grad, labels)."""
-    return msg.content.array_records[key].to_torch_state_dict()[key]
 
 
 class SkyClient:
@@ -406,81 +429,35 @@ class SkyClient:
     def forward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Forward of one group of micro-batches (the last stage: loss and backward too,
         gradients accumulated; the optimizer steps after the step's last micro-batch)."""
-        st, grp = self._group(msg, context)
-        ex = self._executor(context, st, grp, emu)
-        out: dict[str, ArrayRecord | MetricRecord] = {}
-        total = None  # reduction "weighted": the whole step's label weight
-        if st.is_first:  # drawn before the timer: a worker's first draw loads the data
-            x, labels = self._batch(context, st, grp.step)
-            total = ex.reduction.total(labels)
-            rows = slice(
-                grp.first * st.batch_size // st.microbatches,
-                (grp.first + grp.count) * st.batch_size // st.microbatches,
-            )
-            x, labels = x[rows], labels[rows]
-        else:
-            x = _tensor(msg, P.ACT)
-            labels = _tensor(msg, P.LABELS) if st.is_last else None
-            if st.is_last and ex.reduction.kind == "weighted":
-                total = float(_tensor(msg, P.LABEL_TOTAL))
-        t0 = time.perf_counter()
-        if st.is_last:
-            done = self._accumulated(context, st, grp)
-            loss_fn, metric_fn = self._objective(st)
-            grad, loss, correct = ex.forward_backward_loss(
-                x,
-                labels,
-                input_grad=not st.is_first,
-                loss_fn=loss_fn,
-                step=done >= st.microbatches,
-                metric_fn=metric_fn,
-                total=total,
-            )
-            compute = time.perf_counter() - t0
-            self._keep(context, ex, grp.step, done, st.microbatches)
-            n = int(labels.numel())  # labels counted: tokens for an LM (accuracy = correct / n)
-            out[P.METRICS] = P.StepMetrics(loss, correct, n, compute).to_record()
-        else:
-            y = ex.forward(x)
-            compute = time.perf_counter() - t0
-            context.state[f"{STASH_MB}{grp.first}"] = ArrayRecord({"x": x})
-            grad = None
-            out[P.ACT] = ArrayRecord({P.ACT: y})
-            if st.is_first:
-                out[P.LABELS] = ArrayRecord({P.LABELS: labels})
-                if total is not None:
-                    out[P.LABEL_TOTAL] = ArrayRecord(
-                        {P.LABEL_TOTAL: torch.tensor(total, dtype=torch.float64)}
-                    )
-            out[P.METRICS] = MetricRecord({P.COMPUTE_S: compute})
-        if grad is not None:
-            out[P.GRAD] = ArrayRecord({P.GRAD: grad})
-        out[P.METRICS][EMULATED_S] = emu.after_compute(compute)  # type: ignore[index]
-        return RecordDict(out)
+        return self._op("F", msg, context, emu)
 
     def backward(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Backward of one group from its stashed input; gradients accumulate, the
         optimizer steps after the step's last micro-batch."""
+        return self._op("B", msg, context, emu)
+
+    def _op(self, op: str, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """Op ``op`` of the message's group (:func:`sky_flower.sky.node.stage_ops.run_op`)
+        on the stage rebuilt from ``context.state``, saved back after it."""
         st, grp = self._group(msg, context)
-        key = f"{STASH_MB}{grp.first}"
-        if key not in context.state:
-            raise NodeStateError(f"no stashed input for micro-batch {grp.first}: forward first")
         ex = self._executor(context, st, grp, emu)
-        x = context.state.array_records[key].to_torch_state_dict()["x"]
-        done = self._accumulated(context, st, grp)
-        t0 = time.perf_counter()
-        grad = ex.backward(
-            x, _tensor(msg, P.GRAD), input_grad=not st.is_first, step=done >= st.microbatches
+        loss_fn, metric_fn = self._objective(st)
+        out, compute, done = run_op(
+            op,
+            st,
+            ex,
+            msg.content,
+            grp,
+            (lambda: self._batch(context, st, grp.step)) if st.is_first else None,
+            _ContextStash(context),
+            lambda: self._accumulated(context, st, grp),
+            loss_fn,
+            metric_fn,
+            missing=NodeStateError,
         )
-        compute = time.perf_counter() - t0
-        del context.state[key]
-        self._keep(context, ex, grp.step, done, st.microbatches)
-        slept = emu.after_compute(compute)
-        out: dict[str, ArrayRecord | MetricRecord] = {
-            P.METRICS: MetricRecord({P.COMPUTE_S: compute, EMULATED_S: slept})
-        }
-        if grad is not None:
-            out[P.GRAD] = ArrayRecord({P.GRAD: grad})
+        if done >= 0:  # back-propagated: the accumulation (or the stepped stage) saved
+            self._keep(context, ex, grp.step, done, st.microbatches)
+        out[P.METRICS][EMULATED_S] = emu.after_compute(compute)
         return RecordDict(out)
 
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:

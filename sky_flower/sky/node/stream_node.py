@@ -40,6 +40,7 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node.stage_ops import run_op
 from sky_flower.sky.node.stage_state import load_stage, stage_reduction
 from sky_flower.sky.transport.channel import StreamError, connect
 
@@ -64,8 +65,9 @@ class LiveStage:
         The stage.
     module, optimizer
         Its layers and optimizer (None: no trainable parameters).
-    batch_fn : callable
-        ``step -> (x, labels)``: the data owner's batch (stage 0 only).
+    batch_fn : callable or None
+        ``step -> (x, labels)``: the data owner's batch (stage 0 only); a session's
+        stage sets :attr:`round_batch_fn` (``(round, step) -> (x, labels)``) instead.
     loss_fn, metric_fn : callable
         The last stage's objective.
     """
@@ -75,7 +77,7 @@ class LiveStage:
         st: P.StageConfig,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
         loss_fn: LossFn,
         metric_fn: MetricFn,
         device: torch.device | str = "cpu",
@@ -86,7 +88,7 @@ class LiveStage:
         self.round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self.device = torch.device(device)
         self.reduction = stage_reduction(st)
-        self.stash: dict[tuple[int, int], torch.Tensor] = {}
+        self.stash: dict[int, torch.Tensor] = {}  # by a group's first micro-batch
         self.acc_step, self.acc_done = -1, 0
         self.compute_s = 0.0
 
@@ -121,78 +123,30 @@ class LiveStage:
         return done
 
     def op(self, header: dict[str, Any], records: RecordDict) -> RecordDict:
-        """Run one op frame; the records of the reply frame (compute seconds in
-        :data:`~sky_flower.sky.protocol.METRICS`)."""
-        st, op = self.st, header["op"]
+        """Run one op frame (:func:`sky_flower.sky.node.stage_ops.run_op`); the records
+        of the reply frame (compute seconds in :data:`~sky_flower.sky.protocol.METRICS`)."""
+        st = self.st
         step, first, count = int(header["step"]), int(header["first"]), int(header["count"])
-        P.MicroBatchGroup(step, first, count, st.round, st.session).check(st.microbatches)
-        ex = self._executor(step, first, count)
-        out: dict[str, Any] = {}
-        total = None  # reduction "weighted": the whole step's label weight
-        if op == "F":
-            if st.is_first:
-                x, labels = (
-                    self.batch_fn(step)
-                    if self.round_batch_fn is None
-                    else self.round_batch_fn(st.round, step)
-                )
-                total = self.reduction.total(labels)
-                rows = slice(
-                    first * st.batch_size // st.microbatches,
-                    (first + count) * st.batch_size // st.microbatches,
-                )
-                x, labels = x[rows], labels[rows]
+        group = P.MicroBatchGroup(step, first, count, st.round, st.session)
+        group.check(st.microbatches)
+        batch = None
+        if st.is_first:
+            if self.round_batch_fn is not None:
+                batch = lambda: self.round_batch_fn(st.round, step)  # noqa: E731
             else:
-                x = records.array_records[P.ACT].to_torch_state_dict()[P.ACT]
-                labels = (
-                    records.array_records[P.LABELS].to_torch_state_dict()[P.LABELS]
-                    if st.is_last
-                    else None
-                )
-                if st.is_last and self.reduction.kind == "weighted":
-                    total = float(records.array_records[P.LABEL_TOTAL][P.LABEL_TOTAL].numpy())
-            t0 = time.perf_counter()
-            if st.is_last:
-                done = self._accumulated(step, count)
-                grad, loss, correct = ex.forward_backward_loss(
-                    x,
-                    labels,
-                    input_grad=not st.is_first,
-                    loss_fn=self.loss_fn,
-                    step=done >= st.microbatches,
-                    metric_fn=self.metric_fn,
-                    total=total,
-                )
-                compute = time.perf_counter() - t0
-                n = int(labels.numel())
-                out[P.METRICS] = P.StepMetrics(loss, correct, n, compute).to_record()
-            else:
-                y = ex.forward(x)
-                compute = time.perf_counter() - t0
-                self.stash[(step, first)] = x
-                grad = None
-                out[P.ACT] = ArrayRecord({P.ACT: y})
-                if st.is_first:
-                    out[P.LABELS] = ArrayRecord({P.LABELS: labels})
-                    if total is not None:
-                        out[P.LABEL_TOTAL] = ArrayRecord(
-                            {P.LABEL_TOTAL: torch.tensor(total, dtype=torch.float64)}
-                        )
-                out[P.METRICS] = MetricRecord({P.COMPUTE_S: compute})
-        elif op == "B":
-            x = self.stash.pop((step, first), None)
-            if x is None:
-                raise P.ProtocolError(f"no stashed input for micro-batch {first}: forward first")
-            g = records.array_records[P.GRAD].to_torch_state_dict()[P.GRAD]
-            done = self._accumulated(step, count)
-            t0 = time.perf_counter()
-            grad = ex.backward(x, g, input_grad=not st.is_first, step=done >= st.microbatches)
-            compute = time.perf_counter() - t0
-            out[P.METRICS] = MetricRecord({P.COMPUTE_S: compute})
-        else:
-            raise P.ProtocolError(f"unknown op {op!r} in a stream frame")
-        if grad is not None:
-            out[P.GRAD] = ArrayRecord({P.GRAD: grad})
+                batch = lambda: self.batch_fn(step)  # type: ignore[misc] # noqa: E731
+        out, compute, _ = run_op(
+            str(header["op"]),
+            st,
+            self._executor(step, first, count),
+            records,
+            group,
+            batch,
+            self.stash,
+            lambda: self._accumulated(step, count),
+            self.loss_fn,
+            self.metric_fn,
+        )
         self.compute_s += compute
         return RecordDict(out)
 
@@ -262,35 +216,72 @@ def run_stream_stage(  # noqa: PLR0913
             if hook is not None and step > at_step:  # mid-step: the step's first frame is here
                 at_step = step
                 hook(step)
-            try:
-                with _RNG_LOCK:
-                    out = live.op(header, records)
-            except (P.ProtocolError, KeyError) as err:  # a malformed frame: the server's
-                raise StreamError(f"a malformed op frame: {err}") from err
-            except Exception as err:  # noqa: BLE001 - the stage's own error, reported
-                link.send(
-                    {**header, "error": True}, RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-                )
-                return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-            compute = float(out.metric_records[P.METRICS][P.COMPUTE_S])
-            s = emu.after_compute(compute)
-            slept += s
-            out.metric_records[P.METRICS][EMULATED_S] = s
-            size = link.send(header, out)
-            delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
-            if delay > 0:
-                time.sleep(delay)
-            frames, nbytes = frames + 1, nbytes + size
+            error, size, s = answer_op(live, link, header, records, emu)
+            if error is not None:
+                return error
+            frames, nbytes, slept = frames + 1, nbytes + size, slept + s
     finally:
         link.close()
     if not ended:
         raise StreamError(f"stage {st.stage}: the endpoint ended the stream before the round's end")
-    weights_out = ArrayRecord(trained_state(module.state_dict(), frozen_keys(module)))
-    metrics = MetricRecord(
-        {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, FRAMES: frames, BYTES: nbytes}
-    )
-    result = RecordDict({P.ARRAYS: weights_out, P.METRICS: metrics})
-    if optim is not None:
+    figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, FRAMES: frames, BYTES: nbytes}
+    return stage_result(module, opt, figures, model_fn, st, optim is not None)
+
+
+def answer_op(
+    live: LiveStage,
+    link: Any,  # noqa: ANN401 - a channel.StageLink
+    header: dict[str, Any],
+    records: RecordDict,
+    emu: Emulation,
+) -> tuple[RecordDict | None, int, float]:
+    """Run one op frame on ``live`` and send its reply frame, the node's emulation
+    applied (its slowdown after the compute, its link delay on the bytes both ways).
+
+    Returns
+    -------
+    (RecordDict or None, int, float)
+        ``None`` (or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` record of the
+        stage's own error, sent as a frame too), the reply's bytes and the emulated
+        seconds slept.
+
+    Raises
+    ------
+    StreamError
+        On a malformed op frame (the server's fault, not the stage's).
+    """
+    try:
+        with _RNG_LOCK:
+            out = live.op(header, records)
+    except (P.ProtocolError, KeyError) as err:  # a malformed frame: the server's
+        raise StreamError(f"a malformed op frame: {err}") from err
+    except Exception as err:  # noqa: BLE001 - the stage's own error, reported
+        error = RecordDict({P.STAGE_ERROR: P.stage_error(err)})
+        link.send({**header, "error": True}, error)
+        return error, 0, 0.0
+    slept = emu.after_compute(float(out.metric_records[P.METRICS][P.COMPUTE_S]))
+    out.metric_records[P.METRICS][EMULATED_S] = slept
+    size = link.send(header, out)
+    delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
+    if delay > 0:
+        time.sleep(delay)
+    return None, size, slept
+
+
+def stage_result(  # noqa: PLR0913
+    module: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    figures: dict[str, Any],
+    model_fn: Callable[[], nn.Module],
+    st: P.StageConfig,
+    keep: bool,
+) -> RecordDict:
+    """A stage's round result: its trainable weights and buffers
+    (:data:`~sky_flower.sky.protocol.ARRAYS`), ``figures`` (:data:`METRICS`) and, with
+    ``keep`` (``train.optimizer_state=keep``), its optimizer state by parameter name."""
+    weights = ArrayRecord(trained_state(module.state_dict(), frozen_keys(module)))
+    result = RecordDict({P.ARRAYS: weights, P.METRICS: MetricRecord(figures)})
+    if keep:
         from sky_flower.pipeline.stage import optimizer_to_tensors
 
         local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
@@ -357,8 +348,6 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     """
     from dataclasses import replace
 
-    from sky_flower.pipeline.stage import optimizer_to_tensors
-
     st0 = cfg.stage
     if cfg.node_id != int(node_id):
         raise StageRefusedError(
@@ -414,10 +403,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
                     p.grad = None
                 if not keep:  # a fresh optimizer every round, as a per-round set-up
                     opt = make_stage_optimizer(module, factory)
-                live = LiveStage(
-                    replace(st0, round=rnd), module, opt, lambda step: (None, None), loss_fn,
-                    metric_fn, device,
-                )  # fmt: skip
+                st = replace(st0, round=rnd)
+                live = LiveStage(st, module, opt, None, loss_fn, metric_fn, device)
                 live.round_batch_fn = round_batch_fn
                 hook, at_step = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s), -1
                 slept = 0.0
@@ -425,21 +412,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             if live is None:
                 raise StreamError(f"a {op!r} frame before the session's first begin")
             if op == "end":
-                out = RecordDict(
-                    {
-                        P.ARRAYS: ArrayRecord(
-                            trained_state(module.state_dict(), frozen_keys(module))
-                        ),
-                        P.METRICS: MetricRecord(
-                            {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, "round": rnd}
-                        ),
-                    }
-                )
-                if keep:
-                    local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
-                    out[migration.OPTIM_KEY] = migration.global_optimizer_state(
-                        model_fn, st0.first, st0.last, local
-                    )
+                figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, "round": rnd}
+                out = stage_result(module, opt, figures, model_fn, st0, keep)
                 faults.spoil_reply(emu, P.STREAM, rnd, out)
                 link.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s
@@ -451,25 +425,10 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             if hook is not None and step > at_step:  # mid-step: the step's first frame
                 at_step = step
                 hook(step)
-            try:
-                with _RNG_LOCK:
-                    out = live.op(header, records)
-            except (P.ProtocolError, KeyError) as err:
-                raise StreamError(f"a malformed op frame: {err}") from err
-            except Exception as err:  # noqa: BLE001 - the stage's own error, reported
-                link.send(
-                    {**header, "error": True}, RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-                )
-                return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-            compute = float(out.metric_records[P.METRICS][P.COMPUTE_S])
-            s = emu.after_compute(compute)
-            slept += s
-            out.metric_records[P.METRICS][EMULATED_S] = s
-            size = link.send(header, out)
-            delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
-            if delay > 0:
-                time.sleep(delay)
-            frames, nbytes = frames + 1, nbytes + size
+            error, size, s = answer_op(live, link, header, records, emu)
+            if error is not None:
+                return error
+            frames, nbytes, slept = frames + 1, nbytes + size, slept + s
     finally:
         link.close()
     if not closed:

@@ -93,7 +93,6 @@ class StreamRunner(Runner):
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget + s.stream_timeout_s)
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
-        losses, step_times, correct, seen = [], [], 0, 0
         t_start = time.perf_counter()
         try:
             with Endpoint(S, **s.stream_endpoint()) as ep:
@@ -102,22 +101,54 @@ class StreamRunner(Runner):
                 self._next_poll = 0.0
                 self.join(ex, ep, plan, ids)
                 setup_s = time.perf_counter() - t_start
-                for step in range(steps):
-                    t0 = time.perf_counter()
-                    st = self.step(ex, ep, plan, ids, step, stats)
-                    step_times.append(time.perf_counter() - t0)
-                    losses.append(st.loss)
-                    correct, seen = correct + st.correct, seen + st.seen
+                trained = self.train(ex, ep, plan, ids, steps, stats)
                 for k in range(S):
                     ep.send(k, {"op": "end"})
                 replies = self.collect(ex, plan, ids)
         except Exception:
             ex.abandon()
             raise
+        extra = {"setup_s": setup_s, "wall_s": time.perf_counter() - t_start}
+        extra["flower_messages"] = 2 * S  # the set-up messages and their replies
+        return self.outcome(ex, plan, replies, arrays, trained, stats, extra)
+
+    def train(  # noqa: PLR0913
+        self,
+        ex: Exchange,
+        ep: Endpoint,
+        plan: Pipeline,
+        ids: list[str],
+        steps: int,
+        stats: list[dict[str, Any]],
+    ) -> tuple[list[float], list[float], int, int]:
+        """The round's ``steps`` steps over the streams (:meth:`step`): per-step losses
+        and wall seconds, correct predictions and samples."""
+        losses, step_times, correct, seen = [], [], 0, 0
+        for step in range(steps):
+            t0 = time.perf_counter()
+            st = self.step(ex, ep, plan, ids, step, stats)
+            step_times.append(time.perf_counter() - t0)
+            losses.append(st.loss)
+            correct, seen = correct + st.correct, seen + st.seen
+        return losses, step_times, correct, seen
+
+    def outcome(  # noqa: PLR0913
+        self,
+        ex: Exchange,
+        plan: Pipeline,
+        replies: list[Any],
+        arrays: ArrayRecord,
+        trained: tuple[list[float], list[float], int, int],
+        stats: list[dict[str, Any]],
+        extra: dict[str, Any],
+    ) -> RoundOutcome:
+        """The round's outcome from the stages' weight replies (Flower replies, or a
+        session's ``end`` frames): merged, checked finite, the optimizer states kept."""
         new, sent, full = self.merge(replies, ex, arrays)
         check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
-        if s.optimizer_store is not None:
-            s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+        if self.s.optimizer_store is not None:
+            self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+        losses, step_times, correct, seen = trained
         return RoundOutcome(
             arrays=new,
             losses=losses,
@@ -127,13 +158,8 @@ class StreamRunner(Runner):
             # no busy time: a stage's steps are frames on its stream, not Flower
             # messages each timed in a handler (the column showed 0 against the
             # relay's prediction)
-            stages=stage_rows(plan, stats, steps, busy=False),
-            extra={
-                "microbatches_per_message": plan.group_size,
-                "setup_s": setup_s,
-                "wall_s": time.perf_counter() - t_start,
-                "flower_messages": 2 * S,  # the set-up messages and their replies
-            },
+            stages=stage_rows(plan, stats, len(step_times), busy=False),
+            extra={"microbatches_per_message": plan.group_size, **extra},
             weights_bytes=sent,
             full_weights_bytes=full,
         )
@@ -394,7 +420,6 @@ class StreamRunner(Runner):
         owner = plan.plan.stages[0].node
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
-        losses, step_times, correct, seen = [], [], 0, 0
         t_start = time.perf_counter()
         messages, setup_s = 0, 0.0
         session = pool.take(owner)
@@ -424,20 +449,13 @@ class StreamRunner(Runner):
                     content.update(migrated_state(s, plan, k))
                 self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
                 session.held[k].update(changed)
-            for step in range(steps):
-                t0 = time.perf_counter()
-                st_ = self.step(ex, ep, plan, ids, step, stats)
-                step_times.append(time.perf_counter() - t0)
-                losses.append(st_.loss)
-                correct, seen = correct + st_.correct, seen + st_.seen
+            trained = self.train(ex, ep, plan, ids, steps, stats)
             release = [nid in pool.shared for nid in plan.node_ids]
             for k in range(S):
                 self._send(ex, ep, plan, k, {"op": "end", "release": release[k]})
             replies = self.round_end(ex, ep, plan, ids, server_round)
-            new, sent, full_bytes = self.merge(replies, ex, arrays)  # type: ignore[arg-type]
-            check_stages(ex, plan, replies)  # type: ignore[arg-type]
-            if s.optimizer_store is not None:
-                s.optimizer_store.put(owner, optimizer_records(ex, replies))  # type: ignore[arg-type]
+            extra = {"setup_s": setup_s, "flower_messages": messages}
+            out = self.outcome(ex, plan, replies, arrays, trained, stats, extra)
             for k, reply in enumerate(replies):
                 session.released[k] = release[k]
                 if release[k]:  # the stage freed its layers: the next begin rebuilds it
@@ -452,25 +470,11 @@ class StreamRunner(Runner):
             raise
         session.rounds += 1
         pool.put(owner, session)
-        return RoundOutcome(
-            arrays=new,
-            losses=losses,
-            correct=correct,
-            seen=seen,
-            step_times=step_times,
-            stages=stage_rows(plan, stats, steps, busy=False),
-            extra={
-                "microbatches_per_message": plan.group_size,
-                "setup_s": setup_s,
-                "wall_s": time.perf_counter() - t_start,
-                "flower_messages": messages,
-                "session_round": session.rounds,
-                # the cost model's set-up, charged to the round that set the session up
-                "predicted_setup_s": plan.setup_s if setup_s > 0 else 0.0,
-            },
-            weights_bytes=sent,
-            full_weights_bytes=full_bytes,
-        )
+        out.extra["wall_s"] = time.perf_counter() - t_start
+        out.extra["session_round"] = session.rounds
+        # the cost model's set-up, charged to the round that set the session up
+        out.extra["predicted_setup_s"] = plan.setup_s if setup_s > 0 else 0.0
+        return out
 
     def _send(  # noqa: PLR0913
         self,
