@@ -42,7 +42,7 @@ def check_timeline(f, b, fl, bl, m, kind, res):
     eps = 1e-9
     orders = stage_order(kind, s, m)
     for k in range(s):
-        seq = [ops[(f"stage{k}", c, i)] for c, i in orders[k]]
+        seq = [ops[(f"stage{k}", a.op, a.microbatch)] for a in orders[k]]
         free = 0.0
         for o in seq:
             want = f[k] if o.kind == "F" else b[k]
@@ -188,7 +188,8 @@ def test_1f1b_order_matches_torch_schedule():
 
     for s in range(1, 7):
         for m in range(1, 9):
-            assert stage_order("1f1b", s, m) == [torch_order(s, m, k) for k in range(s)]
+            got = [[(a.op, a.microbatch) for a in o] for o in stage_order("1f1b", s, m)]
+            assert got == [torch_order(s, m, k) for k in range(s)]
 
 
 def test_accepts_numpy_arrays():

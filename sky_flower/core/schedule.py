@@ -180,15 +180,14 @@ class SchedulePrediction:
 
 
 def orders_for(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[ChunkOp]]:
-    """Per-rank orders of any direct schedule: GPipe / 1F1B from
-    :func:`sky_flower.core.simulate.stage_order` (one chunk per rank), the others from
-    :func:`rank_orders`."""
+    """Per-rank :class:`~sky_flower.core.virtual.Action` lists of any schedule kind:
+    ``sequential`` / GPipe / 1F1B from :func:`sky_flower.core.simulate.stage_order` (one
+    chunk per rank), the others from :func:`rank_orders`."""
     if kind in VIRTUAL_KINDS:
         return rank_orders(kind, stages, chunks, microbatches)
     from sky_flower.core.simulate import stage_order
 
-    orders = stage_order(kind, stages, microbatches)
-    return [[(op, k, m) for op, m in order] for k, order in enumerate(orders)]
+    return stage_order(kind, stages, microbatches)
 
 
 def predict(

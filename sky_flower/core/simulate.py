@@ -77,6 +77,8 @@ from typing import Literal
 
 import numpy as np
 
+from sky_flower.core.virtual import Action
+
 PipelineKind = Literal["sequential", "gpipe", "1f1b"]
 KINDS: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
 
@@ -169,7 +171,7 @@ def _validate(
 
 def stage_order(
     kind: str, stages: int, microbatches: int, interleave_last: bool = False
-) -> list[list[tuple[str, int]]]:
+) -> list[list[Action]]:
     """Per-stage op order of a schedule.
 
     Parameters
@@ -186,9 +188,10 @@ def stage_order(
 
     Returns
     -------
-    list[list[tuple[str, int]]]
+    list[list[Action]]
         Length ``S``; entry ``k`` lists stage ``k``'s ops in execution order as
-        ``("F" | "B", microbatch)``, ``2 M`` of them.
+        :class:`sky_flower.core.virtual.Action` ``(op, k, microbatch)``, ``op`` ``F``
+        or ``B``, ``2 M`` of them.
 
     Raises
     ------
@@ -214,7 +217,7 @@ def stage_order(
             order += [("B", m) for m in range(microbatches - w, microbatches)]
         if interleave_last and k == stages - 1:
             order = [(c, m) for m in m_all for c in ("F", "B")]
-        orders.append(order)
+        orders.append([Action(c, k, m) for c, m in order])
     return orders
 
 
@@ -283,7 +286,7 @@ def simulate(
         k = work.pop()
         order = orders[k]
         while ptr[k] < len(order):
-            c, m = order[ptr[k]]
+            c, _, m = order[ptr[k]]
             if c == "F":
                 ready = act_in[k][m]
                 if ready != ready:  # NaN: not arrived yet
@@ -353,7 +356,7 @@ def _result(
     peak = []
     for order in orders:
         live = top = 0
-        for c, _ in order:
+        for c, _, _ in order:
             live += 1 if c == "F" else -1
             top = max(top, live)
         peak.append(top)

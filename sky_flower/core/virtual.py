@@ -34,12 +34,39 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 VIRTUAL_KINDS = ("interleaved", "zero_bubble")
 WEIGHT_GRAD_SHARE = 0.5
-ChunkOp = tuple[str, int, int]  # ("F" | "B" | "I" | "W", chunk, micro-batch)
+
+
+class Action(NamedTuple):
+    """One op of a pipeline schedule, as every schedule kind produces it and every
+    consumer reads it: the relay's and the stream's drivers
+    (:func:`sky_flower.sky.transport.hops.step_orders`), the direct schedules' cost
+    model (:func:`simulate_chunks`) and the relay's and stream's
+    (:func:`sky_flower.core.simulate.simulate`). torch's pipelining names the same
+    thing ``_Action(stage_index, computation_type, microbatch_index)``.
+
+    Attributes
+    ----------
+    op : {"F", "B", "I", "W"}
+        Forward, full backward, input gradient, weight gradient (zero bubble).
+    stage : int
+        The (virtual) stage the op runs: the stage index, or the model chunk under
+        ``interleaved`` / ``zero_bubble`` (chunk ``c`` on rank ``c mod S``).
+    microbatch : int
+        The micro-batch (the relay's and stream's message group).
+    """
+
+    op: str
+    stage: int
+    microbatch: int
+
+
+ChunkOp = Action  # (op, chunk, micro-batch): a direct schedule's op
 
 
 def check_virtual(kind: str, stages: int, chunks: int, microbatches: int) -> None:
@@ -105,7 +132,7 @@ def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
     def nxt(op: str, c: int) -> ChunkOp:
         m = count[op][c]
         count[op][c] += 1
-        return ("I" if zb and op == "B" else op, c, m)
+        return Action("I" if zb and op == "B" else op, c, m)
 
     ops: list[ChunkOp] = []
     backward_ops: list[int] = []

@@ -23,6 +23,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 
 from sky_flower.core.simulate import stage_order
+from sky_flower.core.virtual import Action
 from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import migration
@@ -37,7 +38,7 @@ class StepState:
     """One step's state on the server: the ops still to push and the payloads waiting
     for them."""
 
-    orders: list[list[tuple[str, int]]]
+    orders: list[list[Action]]
     ptr: list[int]
     acts: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)  # (stage, group)
     grads: dict[tuple[int, int], ArrayRecord] = field(default_factory=dict)
@@ -55,13 +56,14 @@ class StepState:
         )
 
 
-def step_orders(kind: str, num_stages: int, groups: int) -> list[list[tuple[str, int]]]:
-    """Every stage's ops of one step, ``("F" | "B", group)`` in the order it runs them
+def step_orders(kind: str, num_stages: int, groups: int) -> list[list[Action]]:
+    """Every stage's ops of one step, :class:`~sky_flower.core.virtual.Action` ``(op,
+    stage, group)`` in the order it runs them, the cost model's own list
     (:func:`sky_flower.core.simulate.stage_order`); the last stage's backward runs
     inside its forward, so it has forwards only."""
     S = num_stages
     return [
-        [op for op in order if k < S - 1 or op[0] == "F"]
+        [a for a in order if k < S - 1 or a.op == "F"]
         for k, order in enumerate(stage_order(kind, S, groups, interleave_last=True))
     ]
 
@@ -77,7 +79,7 @@ def ready_ops(
     S = len(st.orders)
     for k in range(S):
         while st.ptr[k] < len(st.orders[k]) and (busy is None or k not in busy):
-            op, g = st.orders[k][st.ptr[k]]
+            op, _, g = st.orders[k][st.ptr[k]]
             payload: dict[str, ArrayRecord] = {}
             if op == "F" and k > 0:
                 if (k, g) not in st.acts or (k == S - 1 and g not in st.labels):
