@@ -182,50 +182,17 @@ def run_stream_stage(  # noqa: PLR0913
     FaultInjected
         A fleet fault (``crash`` / ``stall`` before step ``fail_step``: the stream closes).
     """
-    st = cfg.stage
-    if cfg.node_id != int(node_id):
-        raise StageRefusedError(
-            f"stage {st.stage} refused: it is planned for node {cfg.node_id}, not for "
-            f"this node ({node_id})"
-        )
-    module, opt = load_stage(
+    return _serve(
+        cfg,
+        weights,
         model_fn,
-        st.first,
-        st.last,
-        (weights, None),
-        default_optimizer_factory(st.optimizer, st.lr),
-        emu.torch_device(),  # the node's device: frames carry CPU bytes, moved at the edges
+        node_id,
+        lambda rnd: emu,
+        lambda rnd, step: batch_fn(step),
+        loss_fn,
+        metric_fn,
+        optim,
     )
-    if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
-        from sky_flower.pipeline.stage import optimizer_from_tensors
-
-        local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
-        optimizer_from_tensors(opt, local.to_torch_state_dict())
-    live = LiveStage(st, module, opt, batch_fn, loss_fn, metric_fn, emu.torch_device())
-    if st.is_first:  # the data owner's first draw loads its data: in the set-up, not step 0
-        batch_fn(0)
-    link = connect(cfg.link, st.stage)
-    hook, frames, nbytes, slept, at_step = faults.step_hook(), 0, 0, 0.0, -1
-    ended = False
-    try:
-        for header, records in link.frames():
-            if header.get("op") == "end":
-                ended = True
-                break
-            step = int(header.get("step", -1))
-            if hook is not None and step > at_step:  # mid-step: the step's first frame is here
-                at_step = step
-                hook(step)
-            error, size, s = answer_op(live, link, header, records, emu)
-            if error is not None:
-                return error
-            frames, nbytes, slept = frames + 1, nbytes + size, slept + s
-    finally:
-        link.close()
-    if not ended:
-        raise StreamError(f"stage {st.stage}: the endpoint ended the stream before the round's end")
-    figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, FRAMES: frames, BYTES: nbytes}
-    return stage_result(module, opt, figures, model_fn, st, optim is not None)
 
 
 def answer_op(
@@ -346,23 +313,56 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     FaultInjected
         A fleet fault of the round it strikes in (:func:`faults.round_hook`).
     """
+    return _serve(
+        cfg,
+        weights,
+        model_fn,
+        node_id,
+        emulation_at,
+        round_batch_fn,
+        loss_fn,
+        metric_fn,
+        optim,
+    )
+
+
+def _serve(  # noqa: PLR0913, PLR0915
+    cfg: P.StreamConfig,
+    weights: ArrayRecord,
+    model_fn: Callable[[], nn.Module],
+    node_id: int,
+    emulation_at: Callable[[int], Emulation],
+    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    metric_fn: MetricFn,
+    optim: ArrayRecord | None,
+) -> RecordDict:
+    """The node's one stream loop: a per-round set-up (one round, begun by the set-up
+    itself, its ``end`` answered by the Flower reply) or a stage session (``begin`` /
+    ``end`` per round as frames, the Flower reply at ``close``); see
+    :func:`run_stream_stage` and :func:`run_stream_session`."""
     from dataclasses import replace
 
-    st0 = cfg.stage
+    st0, session = cfg.stage, cfg.across_rounds
     if cfg.node_id != int(node_id):
         raise StageRefusedError(
             f"stage {st0.stage} refused: it is planned for node {cfg.node_id}, not for "
             f"this node ({node_id})"
         )
     factory = default_optimizer_factory(st0.optimizer, st0.lr)
-    device = emulation_at(st0.round).torch_device()
-    module, opt = load_stage(model_fn, st0.first, st0.last, (weights, None), factory, device)
+    device = emulation_at(st0.round).torch_device()  # frames carry CPU bytes
     keep = optim is not None
-    if keep and opt is not None:  # migrated (train.optimizer_state=keep), then kept live
-        from sky_flower.pipeline.stage import optimizer_from_tensors
 
-        local = migration.local_optimizer_state(model_fn, st0.first, st0.last, optim)
-        optimizer_from_tensors(opt, local.to_torch_state_dict())
+    def build(whole: ArrayRecord, state: ArrayRecord | None) -> tuple[Any, Any]:
+        module, opt = load_stage(model_fn, st0.first, st0.last, (whole, None), factory, device)
+        if keep and opt is not None:  # migrated (train.optimizer_state=keep), kept live
+            from sky_flower.pipeline.stage import optimizer_from_tensors
+
+            local = migration.local_optimizer_state(model_fn, st0.first, st0.last, state)
+            optimizer_from_tensors(opt, local.to_torch_state_dict())
+        return module, opt
+
+    module, opt = build(weights, optim)
     if st0.is_first:  # the data owner's first draw loads its data: in the set-up
         round_batch_fn(st0.round, 0)
     link = connect(cfg.link, st0.stage)
@@ -370,50 +370,49 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     emu, hook, at_step, rnd = emulation_at(st0.round), None, -1, st0.round
     frames = nbytes = rounds = 0
     compute_total = slept = 0.0
-    closed = False
+
+    def begin(header: dict[str, Any], records: RecordDict) -> LiveStage:
+        """A round's start, as a per-round set-up starts it (the global weights, no
+        gradients, a fresh optimizer unless kept, the round's key and data order)."""
+        nonlocal module, opt, emu, hook, at_step, rnd, slept
+        rnd = int(header["round"])
+        emu = emulation_at(rnd)
+        if header.get("rebuild"):  # released after the last round: from the slice
+            module, opt = build(
+                records.array_records.get(P.ARRAYS, ArrayRecord()),
+                records.array_records.get(migration.OPTIM_KEY),
+            )
+        elif loaded := _changed_entries(records):
+            module.load_state_dict({k: v.to(device) for k, v in loaded.items()}, strict=False)
+        for p in module.parameters():
+            p.grad = None
+        if not keep:  # a fresh optimizer every round
+            opt = make_stage_optimizer(module, factory)
+        stage = LiveStage(replace(st0, round=rnd), module, opt, None, loss_fn, metric_fn, device)
+        stage.round_batch_fn = round_batch_fn
+        # faults: per round inside a session; a per-round set-up's come with its message
+        hook = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s) if session else None
+        hook, at_step, slept = hook or faults.step_hook(), -1, 0.0
+        return stage
+
+    if not session:  # the set-up begins its one round
+        live = begin({"round": st0.round}, RecordDict())
     try:
         for header, records in link.frames():
             op = header.get("op")
-            if op == "close":
-                closed = True
+            if op == "close" and session:
                 break
-            if op == "begin":
-                rnd = int(header["round"])
-                emu = emulation_at(rnd)
-                if header.get("rebuild"):  # released after the last round: from the slice
-                    whole = records.array_records.get(P.ARRAYS, ArrayRecord())
-                    module, opt = load_stage(
-                        model_fn, st0.first, st0.last, (whole, None), factory, device
-                    )
-                    if keep and opt is not None:
-                        from sky_flower.pipeline.stage import optimizer_from_tensors
-
-                        local = migration.local_optimizer_state(
-                            model_fn,
-                            st0.first,
-                            st0.last,
-                            records.array_records[migration.OPTIM_KEY],
-                        )
-                        optimizer_from_tensors(opt, local.to_torch_state_dict())
-                elif loaded := _changed_entries(records):
-                    module.load_state_dict(
-                        {k: v.to(device) for k, v in loaded.items()}, strict=False
-                    )
-                for p in module.parameters():
-                    p.grad = None
-                if not keep:  # a fresh optimizer every round, as a per-round set-up
-                    opt = make_stage_optimizer(module, factory)
-                st = replace(st0, round=rnd)
-                live = LiveStage(st, module, opt, None, loss_fn, metric_fn, device)
-                live.round_batch_fn = round_batch_fn
-                hook, at_step = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s), -1
-                slept = 0.0
+            if op == "begin" and session:
+                live = begin(header, records)
                 continue
             if live is None:
                 raise StreamError(f"a {op!r} frame before the session's first begin")
             if op == "end":
-                figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept, "round": rnd}
-                out = stage_result(module, opt, figures, model_fn, st0, keep)
+                figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept}
+                if not session:  # the round's result is the Flower reply
+                    figures |= {FRAMES: frames, BYTES: nbytes}
+                    return stage_result(module, opt, figures, model_fn, st0, keep)
+                out = stage_result(module, opt, {**figures, "round": rnd}, model_fn, st0, keep)
                 faults.spoil_reply(emu, P.STREAM, rnd, out)
                 link.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s
@@ -429,16 +428,10 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             if error is not None:
                 return error
             frames, nbytes, slept = frames + 1, nbytes + size, slept + s
+        else:
+            what = "session's close" if session else "round's end"
+            raise StreamError(f"stage {st0.stage}: the endpoint ended the stream before the {what}")
     finally:
         link.close()
-    if not closed:
-        raise StreamError(
-            f"stage {st0.stage}: the endpoint ended the stream before the session's close"
-        )
-    return RecordDict(
-        {
-            P.METRICS: MetricRecord(
-                {"rounds": rounds, FRAMES: frames, BYTES: nbytes, P.COMPUTE_S: compute_total}
-            )
-        }
-    )
+    figures = {"rounds": rounds, FRAMES: frames, BYTES: nbytes, P.COMPUTE_S: compute_total}
+    return RecordDict({P.METRICS: MetricRecord(figures)})
