@@ -133,6 +133,7 @@ class StreamRunner(Runner):
                 "setup_s": setup_s,
                 "wall_s": time.perf_counter() - t_start,
                 "flower_messages": 2 * S,  # the set-up messages and their replies
+                "predicted_setup_s": plan.setup_s,  # every round sets its stages up
             },
             weights_bytes=sent,
             full_weights_bytes=full,
