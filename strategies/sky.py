@@ -549,6 +549,7 @@ class SkyStrategy(Strategy):
             report.log_stage_report(row, label)
             report.log_pipelines(row)
             report.log_weights_sent(row)
+            report.log_session(row)  # stream: the stage session's set-up and round times
             self.hooks.on_round(row)
             if row.failed_pipelines:
                 self.recovery.partial_failure(rnd, row)

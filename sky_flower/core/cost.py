@@ -49,8 +49,11 @@ plays that schedule per message group (:meth:`CostModel.relay_pipeline_time`). W
 message: every hop passes through the server, one op at a time per stage, each costing
 the node's link latency (no Flower message and no ``context.state``: no state term),
 the payload over each node's own bandwidth, recomputation in ``b_k``; Flower's set-up
-and weights messages once per round. The partitioners search with the closed forms
-above; the plan's predicted step time is this model.
+and weights messages are not in the step: a stage session's set-up is charged once per
+session, to the round that sets it up (:meth:`CostModel.session_setup_s`: its slowest
+stage's measured Flower round trip plus its weight bytes over the node's bandwidth).
+The partitioners search with the closed forms above; the plan's predicted step time is
+this model.
 
 The **steady-state period** (seconds per micro-batch once the pipeline is full, which
 sets throughput) is ``max(max_k (f_k + b_k), max_links link)``.
@@ -148,6 +151,7 @@ def check_profiles(layers: Sequence[LayerProfile], nodes: Sequence[NodeProfile])
             "microbatch_overhead_s",
             "peer_latency_s",
             "host_parallelism",
+            "setup_s",
         ):
             _number(owner, f, getattr(node, f))
         _number(owner, "bandwidth_bps", node.bandwidth_bps, positive=True)
@@ -218,6 +222,7 @@ class CostModel(LowerBounds, Calibration):
         )
         self.latency = np.array([n.latency_s for n in nodes], dtype=float)
         self.state_rate = np.array([n.state_s_per_byte for n in nodes], dtype=float)
+        self.setup = np.array([n.setup_s for n in nodes], dtype=float)  # stream sessions
         self.act_out = np.array([lp.act_out_bytes for lp in layers], dtype=float)
         # a relay stage's context.state: every weight (frozen ones too) and optimizer state
         self.state_bytes = np.array(
@@ -240,6 +245,8 @@ class CostModel(LowerBounds, Calibration):
         self.stash_prefix = np.concatenate([[0.0], np.cumsum(self.stash)])
         self.state_prefix = np.concatenate([[0.0], np.cumsum(self.state_bytes)])
         self.param_prefix = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
+        weights = np.array([lp.weight_bytes for lp in layers], dtype=float)
+        self.weight_prefix = np.concatenate([[0.0], np.cumsum(weights)])
 
     # --- per-stage terms -------------------------------------------------------------
     def stage_fwd(self, node: int, first: int, last: int) -> float:
@@ -296,6 +303,39 @@ class CostModel(LowerBounds, Calibration):
         return float(static + n * self.schedule.microbatch_size * stash)
 
     # --- whole plans -----------------------------------------------------------------
+    def session_setup_s(self, plan: Sequence[Sequence[int]]) -> float:
+        """Predicted seconds to set a ``stream`` stage session up for ``plan`` (every
+        stage's set-up message runs at once, so the slowest stage's):
+
+        ``setup = max_k (setup_i + W_k / bw_i)``
+
+        with, for stage ``k`` on node ``i``, ``setup_i`` the node's measured Flower
+        round trip (:attr:`NodeProfile.setup_s`), ``W_k`` the bytes of the stage's
+        weights (trainable and frozen: :attr:`LayerProfile.weight_bytes` over its
+        layers, what its set-up message carries) and ``bw_i`` the node's bandwidth
+        (bytes/s; ``inf``: no term). Charged once per session, not per step or round.
+
+        Parameters
+        ----------
+        plan : sequence of (node, first, last) or (first, last)
+            As :meth:`as_stages`.
+
+        Returns
+        -------
+        float
+            Seconds; 0 (not predicted) if a stage's node has no measured set-up
+            (``setup_s == 0``: a transport other than ``stream``, or a profile from
+            elsewhere).
+        """
+        stages = self.as_stages(plan)
+        if not stages or any(self.setup[i] <= 0 for i, _, _ in stages):
+            return 0.0
+        return max(
+            float(self.setup[i])
+            + float(self.weight_prefix[b + 1] - self.weight_prefix[a]) * float(self.inv_bw[i])
+            for i, a, b in stages
+        )
+
     def as_stages(self, plan: Sequence[Sequence[int]]) -> list[Stage]:
         """Stages from ``(node, first, last)`` triples, or from ``(first, last)`` pairs
         meaning node ``k`` holds stage ``k`` (configured order, every node used)."""

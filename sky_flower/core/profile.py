@@ -408,6 +408,12 @@ class NodeProfile:
     device, device_name : str
         Where the node's stages compute (``"cpu"``, ``"cuda:N"``: what the times and
         ``memory_bytes`` are of) and its name (``""`` = not reported).
+    setup_s : float
+        ``stream``: seconds of one Flower message round trip server -> node -> server
+        carrying the model's weight bytes each way (a ``query.sky_echo``, timed in the
+        benchmark round): what a stage session's set-up message costs the node in
+        Flower (a deployment's ClientApp start, the SuperNode's pull, the payload's
+        serialisation). 0 = not measured.
     """
 
     name: str
@@ -427,6 +433,7 @@ class NodeProfile:
     layer_step_s: tuple[float, ...] = ()
     device: str = "cpu"
     device_name: str = ""
+    setup_s: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain-dict form for JSON (infinite bandwidth as ``None``)."""

@@ -43,9 +43,9 @@ ROUND_KEYS = (
     "failed_pipelines",
     "weights_sent_bytes",  # frozen parameters stay home (sky_flower.sky.rounds.records)
     "full_weights_bytes",
-    "flower_messages",  # stream stage sessions (sky_flower.sky.transport.session)
+    "flower_messages",  # stream: Flower messages a round cost, its stage session's round
     "session_round",
-    "predicted_setup_s",
+    "predicted_setup_s",  # and the session set-up predicted (setup_s: measured)
 )
 
 

@@ -1,7 +1,9 @@
 """The benchmark round: every node times the model's own layers
 (``query.sky_profile``), the server times each node's link with echoes
-(``query.sky_echo``: latency, bandwidth, ``context.state`` cost per byte), and the nodes
-are ordered for the pipeline (the data owner first)."""
+(``query.sky_echo``: latency, bandwidth, ``context.state`` cost per byte; on ``stream``
+the link over the data plane, and one Flower echo of the model's weight bytes: what a
+stage session's set-up message costs), and the nodes are ordered for the pipeline (the
+data owner first)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ class LinkTiming:
     stream : dict, optional
         ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.transport.channel.
         Endpoint` keywords): each node's link is timed over the data plane itself
-        (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes.
+        (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes;
+        and each node's Flower set-up cost by one echo of the model's weight bytes
+        (:meth:`BenchmarkRound.flower_setup`, :attr:`NodeProfile.setup_s`).
     """
 
     peer_links: bool = False
@@ -260,10 +264,12 @@ class BenchmarkRound:
         # one optimizer step per training step, spread over its micro-batches
         M = self.schedule.microbatches
         bwd = tuple(t + o / M for t, o in zip(bwd, steps, strict=True))
+        setup_s = 0.0  # stream only: a stage session's Flower set-up
         if self.links.peer_links:
             lat, bw, state_rate = peer_link(prof)
         elif self.links.stream is not None:
             lat, bw, state_rate = self.stream_link(nid)
+            setup_s = self.flower_setup(nid)
         else:
             lat, bw, state_rate = self.link(nid)
             # every stage message rebuilds its stage from the state; about half of
@@ -284,9 +290,40 @@ class BenchmarkRound:
             node_id=nid,
             device=prof.device,
             device_name="" if prof.device_name == P.NO_HOST else prof.device_name,
+            setup_s=setup_s,
             **calibration(prof),
         )
         return node, prof
+
+    def setup_bytes(self) -> int:
+        """Bytes the set-up probe carries each way: the model's weights (trainable and
+        frozen, :attr:`LayerProfile.weight_bytes`), the most a stage's set-up message
+        carries, capped at :data:`SETUP_PROBE_MAX_BYTES`; at least 1."""
+        total = sum(lp.weight_bytes for lp in self.layers)
+        return max(1, min(int(total), SETUP_PROBE_MAX_BYTES))
+
+    def flower_setup(self, nid: int) -> float:
+        """``transport=stream``: seconds of one Flower message round trip to node
+        ``nid`` carrying :meth:`setup_bytes` each way (``query.sky_echo``, after the echo
+        jitter's pause; one echo, no warm-up: a deployment's set-up message is a cold
+        one, in a fresh ClientApp process), what the planner charges a stage
+        session's set-up for the node (:attr:`NodeProfile.setup_s`). Logged per node.
+
+        Raises
+        ------
+        SkyNodeError
+            If the node fails the echo or answers with an error.
+        """
+        size = self.setup_bytes()
+        seconds = self.echo(nid, size)
+        log(
+            INFO,
+            "Flower set-up of %s: %s (a Flower echo of %.2f MiB, the model's weights, each way)",
+            self.ex.name(nid),
+            duration(seconds),
+            size / 2**20,
+        )
+        return seconds
 
     def echo(self, nid: int, size: int, store_bytes: int = 0) -> float:
         """Seconds for one echo of ``size`` bytes (after a random pause: Flower's nodes
@@ -358,6 +395,11 @@ class BenchmarkRound:
         return link
 
 
+# the set-up probe's payload at most (bytes each way): a stage's weights travel in one
+# Flower message (protobuf's 2 GiB), and an echo of more holds several copies in memory
+SETUP_PROBE_MAX_BYTES = 1 << 30
+
+
 def peer_link(prof: P.ProfileReply) -> Link:
     """``transport=direct``: a stage's peer link as the fleet emulates it (latency s,
     bandwidth bytes/s, no per-message state cost). Stages talk over loopback here, so
@@ -409,7 +451,7 @@ def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | No
             f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
             f"{emulation.get(n.name, '')}"
         )
-    return "\n".join(rows + device_lines(nodes) + calibration_lines(nodes))
+    return "\n".join(rows + device_lines(nodes) + calibration_lines(nodes) + setup_lines(nodes))
 
 
 def device_lines(nodes: Sequence[NodeProfile]) -> list[str]:
@@ -428,6 +470,21 @@ def calibration_lines(nodes: Sequence[NodeProfile]) -> list[str]:
         f"{n.host_parallelism:.2f} workers at once"
         for n in nodes
     ]
+
+
+def setup_lines(nodes: Sequence[NodeProfile]) -> list[str]:
+    """Each node's measured Flower set-up (``stream``: :attr:`NodeProfile.setup_s`), if
+    any node has one."""
+    if not any(n.setup_s > 0 for n in nodes):
+        return []
+    return ["Flower set-up (stream sessions: one echo of the model's weights):"] + [
+        f"  {n.name:<12} {duration(n.setup_s) if n.setup_s > 0 else '-'}" for n in nodes
+    ]
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as text: ``"18.200 s"`` from 0.1 s, else ``"0.42 ms"``."""
+    return f"{seconds:.3f} s" if seconds >= 0.1 else f"{seconds * 1e3:.2f} ms"
 
 
 def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> dict[str, Any]:

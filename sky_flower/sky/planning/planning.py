@@ -255,6 +255,17 @@ def stage_predictions(
     return out
 
 
+def session_setup_s(planned: Planned) -> float:
+    """Predicted seconds of a ``stream`` stage session's set-up for ``planned``: the
+    slowest stage's, ``max_k (setup_i + W_k / bw_i)`` (node ``i`` of stage ``k``: its
+    measured Flower round trip :attr:`NodeProfile.setup_s`, s; ``W_k`` the stage's
+    weight bytes; ``bw_i`` the node's bandwidth, bytes/s;
+    :meth:`sky_flower.core.cost.CostModel.session_setup_s`). 0 on another transport, or
+    when a stage's node has no measured set-up (not predicted)."""
+    cost = planned.cost
+    return cost.session_setup_s(plan_spec(planned.plan)) if cost.stream else 0.0
+
+
 def pipeline(
     planned: Planned,
     nodes: Sequence[NodeProfile],
@@ -262,7 +273,16 @@ def pipeline(
     handler_rate: Mapping[str, float] | None = None,
 ) -> Pipeline:
     """The :class:`Pipeline` a runner executes for ``planned`` (``nodes``: the profiled
-    nodes by name; ``node_ids``: name -> Flower node id)."""
+    nodes by name; ``node_ids``: name -> Flower node id).
+
+    On ``stream``, its ``setup_s`` is the predicted set-up of a stage session
+    (:func:`session_setup_s`): the slowest stage's
+    ``max_k (setup_i + W_k / bw_i)``, with ``setup_i`` the stage node's measured Flower
+    round trip (s), ``W_k`` the bytes of the stage's weights (trainable and frozen) and
+    ``bw_i`` the node's bandwidth (bytes/s). The round that sets a session up is
+    charged it once (:func:`sky_flower.sky.rounds.federation.round_row`); the
+    steady-state rounds of the session are not. 0 on the other transports.
+    """
     by_name = {n.name: n for n in nodes}
     stages = [by_name[st.node] for st in planned.plan.stages]
     return Pipeline(
@@ -276,6 +296,7 @@ def pipeline(
             for n in stages
         ),
         devices=tuple((n.host, n.device) for n in stages),
+        setup_s=session_setup_s(planned),
     )
 
 
@@ -306,6 +327,7 @@ class FederatedPlanned:
                 "after": list(p.after),
                 "predicted_start_s": p.start_s,
                 "predicted_time_s": p.time_s,
+                "predicted_setup_s": session_setup_s(pl),  # stream: once per session
                 "microbatches_per_message": pl.group_size,
                 **pl.plan.to_dict(),  # the schedule it runs (auto: the one picked)
             }
@@ -462,10 +484,29 @@ def make_federated_plan(  # noqa: PLR0913
 
 
 def log_plan_tables(fplan: FederatedPlan, planned: tuple[Planned, ...], allocation: str) -> None:
-    """Log the federated plan's table and each pipeline's stage table."""
-    log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, fplan.table())
+    """Log the federated plan's table (on ``stream``, then each pipeline's predicted
+    stage-session set-up: :func:`setup_lines`) and each pipeline's stage table."""
+    text = "\n".join([fplan.table(), *setup_lines(fplan, planned)])
+    log(INFO, "Federated plan (%s), one pipeline per data owner:\n%s", allocation, text)
     for p, pl in zip(fplan.pipelines, planned, strict=True):
         log(INFO, "Pipeline of %s (%s):\n%s", p.owner, allocation, pl.plan.table())
+
+
+def setup_lines(fplan: FederatedPlan, planned: Sequence[Planned]) -> list[str]:
+    """The predicted stage-session set-up of each pipeline (:func:`session_setup_s`, s),
+    as lines under the federated plan's table; none where nothing is predicted (a
+    transport other than ``stream``)."""
+    setups = [session_setup_s(pl) for pl in planned]
+    if not any(setups):
+        return []
+    return [
+        "predicted stage-session set-up (stream; once per session, in the round that "
+        "sets it up, not in the round times above):",
+        *(
+            f"  {p.owner:<12} {t:.3f} s" if t > 0 else f"  {p.owner:<12} not predicted"
+            for p, t in zip(fplan.pipelines, setups, strict=True)
+        ),
+    ]
 
 
 @dataclass(frozen=True)

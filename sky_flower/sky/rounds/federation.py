@@ -313,10 +313,43 @@ def integer_mean(arrays: Sequence[np.ndarray], weights: Sequence[int]) -> np.nda
     return np.asarray(flat, dtype=object).reshape(np.shape(arrays[0]))
 
 
-def pipeline_row(res: PipelineResult) -> PipelineRecord:
+def predicted_setups(results: Sequence[PipelineResult]) -> list[tuple[float, float]]:
+    """What the stage-session set-ups of a round add to its predicted timeline, per
+    pipeline (in ``results`` order): ``(shift_s, setup_s)`` in seconds, how far its
+    predicted start moves (the largest ``shift_s + setup_s`` of the pipelines it waits
+    for, ``after``) and its own predicted set-up this round (``stream``: its outcome's
+    ``predicted_setup_s``, non-zero only in a round that set a session up; 0 for a
+    pipeline that failed). All 0 in a round that set no session up.
+
+    Raises
+    ------
+    ValueError
+        If an ``after`` index is out of range (as :func:`run_pipelines`).
+    """
+    own = [
+        float(r.outcome.extra.get("predicted_setup_s", 0.0)) if r.outcome is not None else 0.0
+        for r in results
+    ]
+    shift: dict[int, float] = {}
+
+    def moved(i: int) -> float:  # the planner's after: earlier pipelines only, no cycle
+        if i not in shift:
+            after = results[i].run.after
+            if any(not 0 <= j < len(results) or j == i for j in after):
+                raise ValueError(f"pipeline {i} waits on {after}: not in 0..{len(results) - 1}")
+            shift[i] = max((moved(j) + own[j] for j in after), default=0.0)
+        return shift[i]
+
+    return [(moved(i), own[i]) for i in range(len(results))]
+
+
+def pipeline_row(res: PipelineResult, setup: tuple[float, float] = (0.0, 0.0)) -> PipelineRecord:
     """One pipeline's entry of a round record: owner, nodes, samples trained, steps,
-    loss, predicted and measured time (s), and its error if it failed."""
+    loss, predicted and measured time (s), and its error if it failed. ``setup``: its
+    :func:`predicted_setups` entry (the prediction's start moves by the first, its
+    duration grows by the second: a session set up this round)."""
     run, out = res.run, res.outcome
+    shift_s, setup_s = setup
     return PipelineRecord(
         owner=run.owner,
         nodes=[st.node for st in run.pipeline.plan.stages],
@@ -324,9 +357,9 @@ def pipeline_row(res: PipelineResult) -> PipelineRecord:
         steps=run.steps,
         samples_trained=out.seen if out is not None else 0,
         train_loss=float(np.mean(out.losses)) if out is not None and out.losses else None,
-        predicted_time_s=run.time_s,
+        predicted_time_s=run.time_s + setup_s,
         measured_time_s=res.wall_s,
-        predicted_start_s=run.start_s,
+        predicted_start_s=run.start_s + shift_s,
         measured_start_s=res.started_s,
         predicted_step_time_s=run.pipeline.plan.predicted_step_time_s,
         measured_step_time_s=float(np.median(out.step_times)) if out is not None else None,
@@ -343,6 +376,11 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
     one :class:`PipelineRecord` per pipeline (:func:`pipeline_row`) and
     ``failed_pipelines`` (owner, nodes, error) for those that failed.
 
+    ``predicted_round_time_s`` is the plan's round, ``max(start_s + time_s)`` over the
+    pipelines, plus, in a round that set a ``stream`` stage session up, the predicted
+    set-ups (:func:`predicted_setups`: ``max(start_s + shift_s + setup_s + time_s)``);
+    a session's steady-state rounds are charged no set-up.
+
     Raises
     ------
     ValueError
@@ -355,6 +393,7 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
     seen = sum(o.seen for o in outs)
     losses = [loss for o in outs for loss in o.losses]
     weights = [o.seen / max(len(o.losses), 1) for o in outs for _ in o.losses]
+    setups = predicted_setups(results)
     extra: dict[str, Any] = {}
     for o in outs:
         for key, value in o.extra.items():
@@ -371,7 +410,10 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
         steps=max(r.run.steps for r in ok),
         samples_trained=seen,
         round_time_s=seconds,
-        predicted_round_time_s=max(r.run.start_s + r.run.time_s for r in results),
+        predicted_round_time_s=max(
+            r.run.start_s + shift + setup + r.run.time_s
+            for r, (shift, setup) in zip(results, setups, strict=True)
+        ),
         weights_sent_bytes=sum(o.weights_bytes for o in outs),
         full_weights_bytes=sum(o.full_weights_bytes for o in outs),
         **extra,
@@ -380,7 +422,7 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
             for r in ok
             for st in r.outcome.stages  # type: ignore[union-attr]
         ],
-        pipelines=[pipeline_row(r) for r in results],
+        pipelines=[pipeline_row(r, su) for r, su in zip(results, setups, strict=True)],
         failed_pipelines=[
             {
                 "owner": r.run.owner,

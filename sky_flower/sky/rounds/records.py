@@ -32,7 +32,9 @@ class PipelineRecord(RecordFields):
         Its mean training loss (``None`` if it failed).
     predicted_time_s, measured_time_s, predicted_start_s, measured_start_s : float
         When it started and how long it ran, predicted and measured (s from the round's
-        start; pipelines that share a node run one after another).
+        start; pipelines that share a node run one after another). In a round that set
+        ``stream`` stage sessions up, the prediction carries their predicted set-up
+        (:func:`sky_flower.sky.rounds.federation.predicted_setups`).
     predicted_step_time_s : float
         The cost model's step time.
     measured_step_time_s : float or None
@@ -76,7 +78,9 @@ class RoundRecord(RecordFields):
     steps, samples_trained : int or None
         The longest pipeline's steps; samples trained across pipelines.
     predicted_round_time_s : float or None
-        The plan's round time (s).
+        The plan's round time (s); in a round that set ``stream`` stage sessions up,
+        their predicted set-up included (once per session: the session's other rounds
+        are charged none).
     weights_sent_bytes, full_weights_bytes : int or None
         Bytes of weights the finished pipelines' stages sent back this round (trainable
         parameters and buffers; frozen parameters stay on the server), and what they
@@ -90,8 +94,9 @@ class RoundRecord(RecordFields):
         pulled; summed over the pipelines), and the round's place in its stage session
         (1: the session was set up for it; the largest over the pipelines).
     predicted_setup_s : float or None
-        ``stream`` with sessions: the cost model's set-up of the sessions this round set
-        up (0: none), against ``setup_s`` measured.
+        ``stream``: the cost model's set-up of the sessions this round set up (0: none;
+        without sessions every round sets its stages up), against ``setup_s`` measured
+        (the largest over the pipelines).
     stages : list of StageRecord or None
         Every pipeline's stages (each with its ``owner``).
     pipelines : list of PipelineRecord or None

@@ -128,6 +128,41 @@ def log_weights_sent(row: dict[str, Any]) -> None:
         log(INFO, "Round %d: %s", row["round"], line)
 
 
+def session_line(row: dict[str, Any]) -> str | None:
+    """A ``stream`` round's stage-session figures: its place in the session, the
+    Flower messages it cost, the session's set-up measured against predicted (in the
+    round that set it up: charged once per session) and the round's time measured
+    against predicted, e.g. ``"session: round 1 of the session, 3 Flower messages;
+    set-up measured 18.200 s (predicted 17.500 s); round measured 20.100 s (predicted
+    19.000 s)"``. None for a row without a session (another transport, sessions off, a
+    failed round)."""
+    if row.get("session_round") is None:
+        return None
+    messages = row.get("flower_messages") or 0
+    line = (
+        f"session: round {row['session_round']} of the session, {messages} Flower "
+        f"message{'' if messages == 1 else 's'}"
+    )
+    measured, predicted = row.get("setup_s") or 0.0, row.get("predicted_setup_s") or 0.0
+    if measured > 0:  # a session was set up in this round
+        line += f"; set-up measured {measured:.3f} s (predicted " + (
+            f"{predicted:.3f} s)" if predicted > 0 else "not predicted)"
+        )
+    if row.get("predicted_round_time_s") is not None:
+        line += (
+            f"; round measured {row['round_time_s']:.3f} s (predicted "
+            f"{row['predicted_round_time_s']:.3f} s)"
+        )
+    return line
+
+
+def log_session(row: dict[str, Any]) -> None:
+    """Log :func:`session_line` of a round (nothing without a stage session)."""
+    line = session_line(row)
+    if line is not None:
+        log(INFO, "Round %d: %s", row["round"], line)
+
+
 def pipeline_table(row: dict[str, Any]) -> str:
     """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""

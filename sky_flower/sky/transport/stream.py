@@ -110,6 +110,7 @@ class StreamRunner(Runner):
             raise
         extra = {"setup_s": setup_s, "wall_s": time.perf_counter() - t_start}
         extra["flower_messages"] = 2 * S  # the set-up messages and their replies
+        extra["predicted_setup_s"] = plan.setup_s  # every round sets its stages up
         return self.outcome(ex, plan, replies, arrays, trained, stats, extra)
 
     def train(  # noqa: PLR0913
