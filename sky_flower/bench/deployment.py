@@ -28,15 +28,19 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
    the sum of the rounds' times up to it is kept beside it. Also: the share of the
    owners' data trained.
 4. **Stage sessions round by round** (``--only rounds``): per fleet (``--fleets``), the
-   sky-app on ``transport='stream'``, ``allocation=even`` (the same plan in all three:
-   equal layer counts, nodes in fleet order), ``gpipe`` with 4 micro-batches, ``--rounds``
-   rounds of ``--round-steps`` steps (0: one local epoch): (a) deployed with sessions
+   sky-app on ``transport='stream'``, ``allocation=even`` (equal layer counts, nodes in
+   fleet order: the same plan in every variant), ``gpipe`` with 4 micro-batches of 16,
+   ``--rounds`` rounds of ``--round-steps`` steps: (a) deployed with stage sessions
    (``stream-sessions=true``), (b) deployed with a set-up message per stage per round
-   (``stream-sessions=false``), both on the launcher with ``--tls``, (c) the same app
-   and run config under ``flwr run`` in Flower's simulation engine (the SuperLink's
-   simulation runtime, one worker per fleet node). Per variant: round 1 and the median
-   steady-state round (rounds 2 on), Flower messages per round, measured / predicted
-   per round (round time and step), and the steady-state round against simulation's.
+   (``stream-sessions=false``), both on the launcher with ``--tls``, (c) the same plan in
+   Flower's simulation engine: the Hydra job (``python -m sky_flower.run``) with the
+   sky-app's model shape, batch, schedule, steps, optimizer, benchmark and polling
+   settings (:func:`hydra_overrides`; the app itself under ``flwr run``'s simulation
+   runtime would plan differently: its SuperNodes carry no ``sky-holds-data``, so each
+   owns data; ``--variants`` ``flwr_simulation`` runs it anyway). Per variant: round 1
+   and the median steady-state round (rounds 2 on), Flower messages per round, measured
+   / predicted per round (round time and step), and the steady-state round against the
+   simulation engine's.
 
 Usage::
 
@@ -64,6 +68,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -648,17 +653,96 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
 
 # --- table 4: stage sessions round by round -----------------------------------------------
 ROUND_FLEETS = ("edge3", "straggler_owners4")
-# variant -> (the launcher's simulation runtime, --tls, the run config's stream-sessions)
-ROUND_VARIANTS = {
-    "sessions": (False, True, "true"),
-    "no_sessions": (False, True, "false"),
-    "simulation": (True, False, "true"),
-}
+ROUND_STEPS = 7  # one epoch of edge3's data owner in the sky-app (479 samples, batch 64)
 ROUND_LABELS = {
     "sessions": "deployed, sessions",
     "no_sessions": "deployed, set-up per round",
-    "simulation": "simulation engine, sessions",
+    "simulation": "simulation engine (Hydra job), sessions",
+    # the same app under flwr run's simulation runtime: its SuperNodes carry only
+    # partition-id / num-partitions, so every one owns data (sky_flower.app.owns_data):
+    # another plan, kept as an extra
+    "flwr_simulation": "flwr run simulation runtime, sessions (another plan)",
 }
+ROUND_VARIANTS = ("sessions", "no_sessions", "simulation")
+
+
+def hydra_overrides(fleet: str, rounds: int, steps: int, sessions: bool) -> list[str]:
+    """The Hydra job's overrides for the sky-app's table-4 run config: its model (the
+    digits MLP, 3 hidden blocks of 256), batch, schedule, optimizer, lr, benchmark and
+    polling, ``allocation=even``, ``steps`` steps a round."""
+    return [
+        f"fleet={fleet}",
+        "allocation=even",
+        "transport=stream",
+        "schedule.kind=gpipe",
+        "schedule.microbatches=4",
+        "schedule.batch_size=64",
+        f"schedule.stream_sessions={str(sessions).lower()}",
+        f"num_rounds={rounds}",
+        f"train.steps_per_round={steps}",
+        "train.lr=0.001",
+        "train.optimizer=adam",
+        "model.hidden_width=256",
+        "model.hidden_layers=3",
+        "benchmark.warmup=2",
+        "benchmark.repeats=2",
+        "benchmark.echo_repeats=1",
+        "benchmark.state_probe_mb=0",
+        "message_timeout_s=120",
+        "messaging.poll_interval_s=0.05",
+    ]
+
+
+def hydra_job(
+    overrides: Sequence[str], workdir: Path, timeout_s: float
+) -> tuple[dict[str, Any] | None, dict[str, Any], str | None]:
+    """``python -m sky_flower.run <overrides>`` (Flower's simulation engine) with its
+    output in ``workdir``, every line stamped from the launch as :func:`timed_run`
+    does: its ``results.json``, :func:`log_marks` (with ``run_wall_s``, ``load_avg``)
+    and the error that ended it. Past ``timeout_s`` the job and its children are
+    stopped by PID."""
+    import psutil
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "sky_flower.run", *overrides, f"hydra.run.dir={workdir}"]
+    (workdir / "job.cmd").write_text(" ".join(cmd) + "\n")
+    t0, load0 = time.time(), os.getloadavg()[0]
+    sink, err = TimedLines(t0, workdir / "run.timed.log"), None
+    proc = subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sink.write(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+        if code != 0:
+            err = f"python -m sky_flower.run exited with code {code} (see run.timed.log)"
+    except subprocess.TimeoutExpired:
+        err = f"the Hydra job did not finish within {timeout_s:g} s"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+            for q in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    q.kill()
+        proc.wait(timeout=30)
+    reader.join(timeout=30)
+    sink.close()
+    marks = log_marks(sink.lines)
+    marks["run_wall_s"] = time.time() - t0
+    marks["load_avg"] = [load0, os.getloadavg()[0]]
+    return read_results(workdir / "results.json"), marks, err
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -727,13 +811,13 @@ def session_rounds(
     fleets: Sequence[str],
     rounds: int,
     steps: int,
-    variants: Sequence[str] = tuple(ROUND_VARIANTS),
+    variants: Sequence[str] = ROUND_VARIANTS,
     out: dict[str, Any] | None = None,
     save: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Table 4's figures: per fleet and variant (:data:`ROUND_VARIANTS`), the run's
-    :func:`session_summary`, its run wall time and load, filled into ``out`` run by
-    run (``save()`` after each)."""
+    """Table 4's figures: per fleet and variant (:data:`ROUND_LABELS`), the run's
+    :func:`session_summary`, its plan, run wall time and load, filled into ``out`` run
+    by run (``save()`` after each)."""
     base = (
         f"num-server-rounds={rounds} steps-per-round={steps} echo-repeats=1 "
         "state-probe-mb=0.0 benchmark-repeats=2 message-timeout-s=120.0 allocation='even' "
@@ -743,29 +827,35 @@ def session_rounds(
     for fleet in fleets:
         entry: dict[str, Any] = out.setdefault(fleet, {})
         for variant in variants:
-            simulation, tls, sessions = ROUND_VARIANTS[variant]
-            res, marks, err = timed_run(
-                SKY_APP,
-                fleet,
-                workdir / f"rounds-{fleet}-{variant}",
-                1200,
-                run_config=f"{base} stream-sessions={sessions}",
-                simulation=simulation,
-                tls=tls,
-                echo=True,
-            )
+            where = workdir / f"rounds-{fleet}-{variant}"
+            sessions = variant != "no_sessions"
+            if variant == "simulation":
+                overrides = hydra_overrides(fleet, rounds, steps, sessions)
+                res, marks, err = hydra_job(overrides, where, 1200)
+            else:
+                simulation = variant == "flwr_simulation"
+                res, marks, err = timed_run(
+                    SKY_APP,
+                    fleet,
+                    where,
+                    1200,
+                    run_config=f"{base} stream-sessions={str(sessions).lower()}",
+                    simulation=simulation,
+                    tls=not simulation,
+                    echo=True,
+                )
             row = session_summary((res or {}).get("rounds") or [])
             row["error"] = err or (res or {}).get("error")
             if res and res.get("rounds"):
                 first = min(res["rounds"], key=lambda r: r["round"])
-                row["plan"] = "; ".join("+".join(p["nodes"]) for p in first.get("pipelines") or [])
+                pipes = first.get("pipelines") or []
+                row["plan"] = "; ".join("+".join(p["nodes"]) for p in pipes)
+                row["test_accuracy"] = [r.get("test_accuracy") for r in res["rounds"]]
             row.update(
                 run_wall_s=marks["run_wall_s"],
                 load_avg=marks["load_avg"],
                 round1_start_s=marks["round1_start_s"],
-                simulation=simulation,
-                tls=tls,
-                stream_sessions=sessions == "true",
+                stream_sessions=sessions,
             )
             entry[variant] = row
             save()
@@ -901,10 +991,12 @@ def main(argv: list[str] | None = None) -> None:
         "--fedavg-epochs", default="1,2,4", help="table 3: FedAvg's local epochs, one run each"
     )
     parser.add_argument(
-        "--round-steps", type=int, default=0, help="table 4: steps per round (0: one epoch)"
+        "--round-steps", type=int, default=ROUND_STEPS, help="table 4: steps per round"
     )
     parser.add_argument(
-        "--variants", default=",".join(ROUND_VARIANTS), help="table 4's runs per fleet"
+        "--variants",
+        default=",".join(ROUND_VARIANTS),
+        help=f"table 4's runs per fleet, of {','.join(ROUND_LABELS)}",
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -951,9 +1043,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "rounds"):
         fleets = tuple(args.fleets.split(",")) if args.fleets else ROUND_FLEETS
         variants = tuple(args.variants.split(","))
-        unknown = sorted(set(variants) - set(ROUND_VARIANTS))
+        unknown = sorted(set(variants) - set(ROUND_LABELS))
         if unknown:
-            parser.error(f"--variants {unknown}: choose from {', '.join(ROUND_VARIANTS)}")
+            parser.error(f"--variants {unknown}: choose from {', '.join(ROUND_LABELS)}")
         res["rounds"] = {}
         session_rounds(
             args.out.resolve(),
