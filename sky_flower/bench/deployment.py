@@ -473,6 +473,7 @@ def timed_run(
     finally:
         sink.close()
     marks = log_marks(sink.lines)
+    marks["launch_unix_s"] = t0
     marks["run_wall_s"] = time.time() - t0
     marks["load_avg"] = [load0, os.getloadavg()[0]]
     return res, marks, err
@@ -635,7 +636,7 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
             if key == best:
                 method += " (best FedAvg)"
             accs = " ".join("-" if a is None else f"{a:.3f}" for a in row["accuracies"])
-            times = " ".join(f"{t:.0f}" for t in row["round_times_s"] if t is not None)
+            times = " ".join(f"{t:.1f}" for t in row["round_times_s"] if t is not None)
             err = f" (error: {row['error']})" if row.get("error") else ""
             load = row.get("load_avg")
             load_note = f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""
@@ -740,6 +741,7 @@ def hydra_job(
     reader.join(timeout=30)
     sink.close()
     marks = log_marks(sink.lines)
+    marks["launch_unix_s"] = t0
     marks["run_wall_s"] = time.time() - t0
     marks["load_avg"] = [load0, os.getloadavg()[0]]
     return read_results(workdir / "results.json"), marks, err
