@@ -44,13 +44,16 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 
 Usage::
 
-    python -m sky_flower.bench.deployment                  # all tables, about 2 h
+    python -m sky_flower.bench.deployment                  # all tables, about 70 min
     python -m sky_flower.bench.deployment --only hops      # table 1, about 2 min
-    python -m sky_flower.bench.deployment --only accuracy  # table 3, about 70 min
-    python -m sky_flower.bench.deployment --only rounds    # table 4, about 25 min
+    python -m sky_flower.bench.deployment --only accuracy  # table 3, about 40 min
+    python -m sky_flower.bench.deployment --only rounds    # table 4, about 15 min
+    # the reduced runs of docs/benchmarks/2026-12-06-stream-sessions.md (4 and 9 min)
     python -m sky_flower.bench.deployment --only rounds --fleets edge3 --rounds 6
-    python -m sky_flower.bench.deployment --only accuracy --fleets straggler_owners4 \
+    python -m sky_flower.bench.deployment --only accuracy --fleets straggler_owners4 \\
         --fedavg-epochs 1,2
+
+(Times on the project's shared 2-core VM.)
 
 Prints the tables and writes ``table.md`` and ``results.json`` into ``--out`` (both
 rewritten after every run, so a cut benchmark keeps what it measured).
