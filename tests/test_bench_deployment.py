@@ -1,4 +1,4 @@
-"""The pure parts of table 3 of the deployment benchmark (no SuperLink)."""
+"""The pure parts of tables 3 and 4 of the deployment benchmark (no SuperLink)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import pytest
 
 from sky_flower.bench.deployment import (
     accuracy_row,
+    best_fedavg,
     fedavg_owners,
+    log_marks,
+    rounds_table,
     rounds_to_target,
+    session_summary,
     time_to_target,
     training_bytes,
 )
@@ -88,7 +92,7 @@ def test_accuracy_row_reads_a_sky_results_file():
         ]
     }
     row = accuracy_row(res, 0.9)
-    assert row["rounds_to_target"] == 2 and row["time_to_target_s"] == 50.0
+    assert row["rounds_to_target"] == 2 and row["rounds_sum_to_target_s"] == 50.0
     assert row["plan"] == "a; c+helper" and row["owner_samples"] == 1020
     assert row["accuracies"] == [0.8, 0.93] and row["error"] is None
 
@@ -105,14 +109,95 @@ def test_accuracy_table_puts_fedavg_over_sky_on_the_sky_row():
         "accuracies": [0.8, 0.92],
         "round_times_s": [30.0, 30.0],
         "rounds_to_target": 2,
-        "time_to_target_s": 60.0,
+        "time_to_target_s": 90.0,
+        "rounds_sum_to_target_s": 60.0,
+        "round1_start_s": 25.0,
         "samples_trained": 700,
         "run_wall_s": 100.0,
     }
+    fed2 = {**fed, "time_to_target_s": 60.0}
     sky = {**fed, "time_to_target_s": 30.0, "rounds_to_target": 1, "samples_trained": 1050}
     sky.update(plan="a; b; c+helper", owner_samples=1050, load_avg=[7.0, 9.5])
-    entry = {"owners": ["a", "b", "c"], "fedavg_owners": ["a", "b"], "fedavg": fed, "sky": sky}
-    header, _, fed_line, sky_line = accuracy_table({"phone": entry}, 0.9)
-    assert "rounds to 0.9" in header
+    entry = {
+        "owners": ["a", "b", "c"],
+        "fedavg_owners": ["a", "b"],
+        "fedavg_e1": fed,
+        "fedavg_e2": fed2,
+        "sky": sky,
+    }
+    assert best_fedavg(entry) == "fedavg_e2"
+    header, _, fed_line, fed2_line, sky_line = accuracy_table({"phone": entry}, 0.9)
+    assert "rounds to 0.9" in header and "from launch" in header
     assert "alone: a, b" in fed_line and "700/1050 (67%)" in fed_line
-    assert sky_line.endswith("| 2.00x |") and "(load 7.0 to 9.5)" in sky_line
+    assert "| 90.0 s | 25 s | 60.0 s |" in fed_line
+    assert "2 epoch(s) (best FedAvg)" in fed2_line
+    assert sky_line.endswith("| 3.00x (1 ep); 2.00x (2 ep, best) |")
+    assert "(load 7.0 to 9.5)" in sky_line
+
+
+def test_log_marks_reads_sky_and_flower_round_lines():
+    green = "\x1b[92mINFO \x1b[0m:      "
+    sky = [
+        (5.0, green + "Starting SkyStrategy strategy:"),
+        (40.0, green + "round  train loss   test acc  step time (s)   predicted (s)  round (s)"),
+        (52.0, green + "    1      1.2345     0.8123         0.0712          0.1010      11.9"),
+        (60.0, green + "    2      0.5432     0.9012         0.0700          0.1010       7.9"),
+        (61.0, "    0  phone            479      7    0.1791     0.000     0.895  -      phone"),
+    ]
+    marks = log_marks(sky)
+    assert marks["strategy_start_s"] == 5.0 and marks["round1_start_s"] == 40.0
+    assert marks["evaluated_s"] == {1: 52.0, 2: 60.0}
+    flower = [
+        (3.0, "INFO :      Starting CountingFedAvg strategy:"),
+        (4.0, "INFO :      [ROUND 1/2]"),
+        (9.0, "INFO :      \t└──> Aggregated MetricRecord: {'train_loss': 1.0}"),
+        (9.5, "INFO :      Global evaluation"),
+        (10.0, "INFO :      \t└──> MetricRecord: {'accuracy': 0.8}"),
+        (11.0, "INFO :      [ROUND 2/2]"),
+        (16.0, "INFO :      Global evaluation"),
+        (17.0, "INFO :      \t└──> MetricRecord: {'accuracy': 0.9}"),
+    ]
+    marks = log_marks(flower)
+    assert marks["strategy_start_s"] == 3.0 and marks["round1_start_s"] == 4.0
+    assert marks["evaluated_s"] == {1: 10.0, 2: 17.0}
+
+
+def _round(r: int, t: float, pred: float, step: float, msgs: int, setup: float = 0.0) -> dict:
+    return {
+        "round": r,
+        "round_time_s": t,
+        "predicted_round_time_s": pred,
+        "measured_step_time_s": step,
+        "predicted_step_time_s": 0.1,
+        "flower_messages": msgs,
+        "setup_s": setup,
+        "session_round": r,
+        "steps": 7,
+    }
+
+
+def test_session_summary_sets_round_one_apart_from_the_steady_state():
+    rows = [
+        _round(3, 1.2, 1.0, 0.11, 0),
+        _round(1, 20.0, 1.0, 0.12, 3, setup=18.0),
+        _round(2, 1.0, 1.0, 0.2, 0),
+        _round(4, 1.4, 1.0, 0.1, 0),
+    ]
+    s = session_summary(rows)
+    assert s["round1_s"] == 20.0 and s["round1_setup_s"] == 18.0 and s["round1_messages"] == 3
+    assert s["steady_rounds"] == 3 and s["steady_round_s"] == 1.2
+    assert s["steady_messages"] == (0, 0)
+    assert s["steady_round_ratio"] == pytest.approx(1.2)
+    assert s["steady_round_within_25"] == 2  # 1.0 and 1.2, not 1.4
+    assert s["steady_step_within_25"] == 2  # 1.1 and 1.0, not 2.0
+    assert s["step_ratio_range"] == pytest.approx((1.0, 2.0))
+    entry = {"sessions": {**s, "run_wall_s": 80.0}, "simulation": {**s, "run_wall_s": 90.0}}
+    entry["simulation"]["steady_round_s"] = 1.0
+    lines = rounds_table({"edge3": entry})
+    assert "| edge3 | deployed, sessions | 20.0 s (18.0 s, 3) | 1.20 s | 0 |" in lines[2]
+    assert "| 1.20x | 80 s |" in lines[2]
+
+
+def test_session_summary_of_a_run_without_rounds():
+    s = session_summary([])
+    assert s["round1_s"] is None and s["steady_round_s"] is None and s["steady_rounds"] == 0
