@@ -254,11 +254,14 @@ def test_disconnect_mid_step_fails_the_round_by_name(server_identity, op_count):
 
 @pytest.mark.realtime
 def test_a_stalled_stage_is_named_after_stream_timeout(server_identity):
-    _fails(
+    """The stalled stage alone owed a reply: its node is blamed (dropped by the
+    failure policy), as a node whose stream breaks is."""
+    err = _fails(
         r"stage 1 on n1 \(node 102\) sent nothing for 3 s \(stream-timeout-s\)",
         client_cls=_faulty("stall"),
         stream_timeout_s=3.0,
     )
+    assert err.node_ids == [102]
 
 
 def test_oversize_frame_fails_the_round_by_name(server_identity, monkeypatch):

@@ -215,9 +215,8 @@ def test_a_stage_that_crashes_mid_session_fails_its_round_by_name(mode, says, se
         assert time.perf_counter() - t0 < BOUND_S
         assert "stage 1 on n1" in str(err.value), err.value
         assert re.search(says, str(err.value)), err.value  # a crash: closed, or broke
-        # a broken stream blames its node; silence names who owed a reply, as the
-        # per-round path does (it blames no node: several stages may be owing)
-        assert err.value.nodes == (["n1"] if mode == "crash" else None), err.value.nodes
+        # a broken stream blames its node; so does silence when it alone owed a reply
+        assert err.value.nodes == ["n1"], err.value.nodes
         assert len(pool) == 0  # the failed session is gone
         out = StreamRunner(s).run_round(grid, pipeline, arrays, STEPS, 3)
         assert out.extra["session_round"] == 1 and out.extra["flower_messages"] == 3
@@ -361,3 +360,25 @@ def test_a_helper_crashing_mid_session_is_dropped_and_the_sessions_replanned(ser
     assert third["flower_messages"] > 0  # the re-planned pipelines' new sessions
     assert "helper-x" not in {n.name for n in strategy.node_profiles}
     assert not _stream_threads()
+
+
+def test_a_pipeline_with_more_stages_than_the_engines_workers_is_refused():
+    """In the simulation engine every stage of a ``stream`` pipeline runs at once: a
+    plan with a pipeline of 3 stages on an engine of 2 workers is refused after
+    planning, naming the setting (not run into 150 s join failures each round); 3
+    workers run it."""
+    from reference import sky_app_run_config, sky_app_task
+
+    from sky_flower.app import sky_strategy
+
+    run = {**sky_app_run_config(), "fleet": "edge3", "transport": "stream"}
+    strategy = sky_strategy(run, model_fn=sky_app_task().Net, input_shape=[64])
+    grid, pipeline = _fleet()
+    grid.join()
+    sessions = strategy.executor.sessions
+    assert sessions is not None
+    sessions.capacity = 2
+    with pytest.raises(ValueError, match=r"pipeline of n0 has 3 stages.*runs only 2"):
+        strategy.executor.check_plan(pipeline)
+    sessions.capacity = 3
+    strategy.executor.check_plan(pipeline)

@@ -148,8 +148,20 @@ class RoundExecutor:
         return self.runner_cls(self.run_settings())
 
     def check_plan(self, pipeline: Any) -> None:  # noqa: ANN401 - a Pipeline
-        """Raise ``ValueError`` if the transport cannot run ``pipeline``."""
+        """Raise ``ValueError`` if the transport cannot run ``pipeline``: its own
+        check, and (``stream`` in Flower's simulation engine) a pipeline with more
+        stages than the engine runs ClientApps at once (every stage of a pipeline runs
+        at the same time, with or without sessions: such a round could only fail)."""
         self.runner().check_plan(pipeline)
+        capacity = None if self.sessions is None else self.sessions.capacity
+        if capacity is not None and pipeline.num_stages > capacity:
+            raise ValueError(
+                f"transport=stream runs every stage of a pipeline at once, but the plan's "
+                f"pipeline of {pipeline.plan.stages[0].node} has {pipeline.num_stages} "
+                f"stages and the simulation engine runs only {capacity} ClientApps at "
+                "once: lower simulation.num_cpus_per_node (CPUs / it is the engine's "
+                "workers), or use transport=relay"
+            )
 
     def link_timing(self) -> LinkTiming:
         """How the benchmark round times links for this transport."""

@@ -220,7 +220,7 @@ class StreamRunner(Runner):
                 raise ex.fail(f"{who} raised {error}", [])
 
     def _inbound(
-        self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], waiting: str
+        self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], owing: list[int]
     ) -> tuple[int, dict[str, Any], RecordDict]:
         """The next frame, within ``stream_timeout_s``.
 
@@ -228,8 +228,13 @@ class StreamRunner(Runner):
         ------
         SkyNodeError
             Naming the stage whose stream closed, broke or sent a bad frame, whose Flower
-            reply is an error, or (``waiting``) the stages that stayed silent.
+            reply is an error, or the stages that owed a reply (``owing``) and stayed
+            silent. A silent stage's node is blamed (dropped, as a node that stalls is)
+            when it alone owed a reply: every other stage had answered what it was sent,
+            so the silence is its own; when several owe, none is blamed.
         """
+        waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
+        silent = [plan.node_ids[owing[0]]] if len(owing) == 1 else None
         until = time.perf_counter() + self.s.stream_timeout_s
         while True:
             if self.s.stop.is_set():
@@ -241,7 +246,8 @@ class StreamRunner(Runner):
                 if time.perf_counter() > until:
                     raise ex.fail(
                         f"{waiting} sent nothing for {self.s.stream_timeout_s:g} s "
-                        "(stream-timeout-s)"
+                        "(stream-timeout-s)",
+                        silent,
                     ) from None
                 continue
             if header is None:  # the stream ended: its Flower reply may say why too
@@ -308,8 +314,7 @@ class StreamRunner(Runner):
             if not st.inflight:  # cannot happen for GPipe / 1F1B orders
                 raise ex.fail(f"{kind} schedule stalled at ops {st.ptr}")
             owing = sorted({k for k, _, _ in st.inflight.values()})
-            waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
-            k, header, records = self._inbound(ex, ep, plan, ids, waiting)
+            k, header, records = self._inbound(ex, ep, plan, ids, owing)
             where = self._where(ex, plan, st, k, header, step)
             reply = FrameReply(records, _Meta(plan.node_ids[k], f"stream frame {header['op']}", ""))
             file_reply(ex, plan, st, where, reply, stats[k], rows)  # type: ignore[arg-type]
@@ -507,8 +512,7 @@ class StreamRunner(Runner):
         got: dict[int, FrameReply] = {}
         while len(got) < plan.num_stages:
             owing = [k for k in range(plan.num_stages) if k not in got]
-            waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
-            k, header, records = self._inbound(ex, ep, plan, ids, waiting)
+            k, header, records = self._inbound(ex, ep, plan, ids, owing)
             if (
                 header.get("op") != "end"
                 or int(header.get("round", -1)) != server_round
