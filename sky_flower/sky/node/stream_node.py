@@ -182,7 +182,7 @@ def run_stream_stage(  # noqa: PLR0913
     FaultInjected
         A fleet fault (``crash`` / ``stall`` before step ``fail_step``: the stream closes).
     """
-    return _serve(
+    return run_stream_session(
         cfg,
         weights,
         model_fn,
@@ -277,7 +277,10 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     optim: ArrayRecord | None = None,
 ) -> RecordDict:
     """Serve this node's stage for every round of a stage session on ``stream``
-    (:mod:`sky_flower.sky.transport.session`), until the server's ``close`` frame.
+    (:mod:`sky_flower.sky.transport.session`), until the server's ``close`` frame; or,
+    without ``cfg.across_rounds``, for the one round a per-round set-up begins, its
+    ``end`` answered by the Flower reply (:func:`run_stream_stage`): the node's one
+    stream loop.
 
     The set-up message carried the stage's layer slice (``weights``) and, with
     ``train.optimizer_state=keep``, its optimizer state (``optim``). Over the stream,
@@ -313,34 +316,6 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     FaultInjected
         A fleet fault of the round it strikes in (:func:`faults.round_hook`).
     """
-    return _serve(
-        cfg,
-        weights,
-        model_fn,
-        node_id,
-        emulation_at,
-        round_batch_fn,
-        loss_fn,
-        metric_fn,
-        optim,
-    )
-
-
-def _serve(  # noqa: PLR0913, PLR0915
-    cfg: P.StreamConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emulation_at: Callable[[int], Emulation],
-    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None,
-) -> RecordDict:
-    """The node's one stream loop: a per-round set-up (one round, begun by the set-up
-    itself, its ``end`` answered by the Flower reply) or a stage session (``begin`` /
-    ``end`` per round as frames, the Flower reply at ``close``); see
-    :func:`run_stream_stage` and :func:`run_stream_session`."""
     from dataclasses import replace
 
     st0, session = cfg.stage, cfg.across_rounds
