@@ -310,7 +310,8 @@ class CostModel(LowerBounds, Calibration):
         ``setup = max_k (setup_i + W_k / bw_i)``
 
         with, for stage ``k`` on node ``i``, ``setup_i`` the node's measured Flower
-        round trip (:attr:`NodeProfile.setup_s`), ``W_k`` the bytes of the stage's
+        set-up without weights (:attr:`NodeProfile.setup_s`: a message pushed until
+        its stage joined), ``W_k`` the bytes of the stage's
         weights (trainable and frozen: :attr:`LayerProfile.weight_bytes` over its
         layers, what its set-up message carries) and ``bw_i`` the node's bandwidth
         (bytes/s; ``inf``: no term). Charged once per session, not per step or round.

@@ -409,11 +409,11 @@ class NodeProfile:
         Where the node's stages compute (``"cpu"``, ``"cuda:N"``: what the times and
         ``memory_bytes`` are of) and its name (``""`` = not reported).
     setup_s : float
-        ``stream``: seconds of one Flower message round trip server -> node -> server
-        carrying the model's weight bytes each way (a ``query.sky_echo``, timed in the
-        benchmark round): what a stage session's set-up message costs the node in
-        Flower (a deployment's ClientApp start, the SuperNode's pull, the payload's
-        serialisation). 0 = not measured.
+        ``stream``: seconds from the push of the benchmark's stream-link probe message
+        (``query.sky_stream_echo``) until the node had joined the probe's endpoint:
+        what a stage session's set-up costs the node in Flower but for its weights (the
+        SuperNode's pull, a deployment's ClientApp start, connecting). 0 = not
+        measured.
     """
 
     name: str

@@ -1,9 +1,9 @@
 """The benchmark round: every node times the model's own layers
 (``query.sky_profile``), the server times each node's link with echoes
 (``query.sky_echo``: latency, bandwidth, ``context.state`` cost per byte; on ``stream``
-the link over the data plane, and one Flower echo of the model's weight bytes: what a
-stage session's set-up message costs), and the nodes are ordered for the pipeline (the
-data owner first)."""
+the link over the data plane, and how long its probe's Flower message took to bring the
+node onto the endpoint: what a stage session's set-up costs but for its weights), and
+the nodes are ordered for the pipeline (the data owner first)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class LinkTiming:
         ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.transport.channel.
         Endpoint` keywords): each node's link is timed over the data plane itself
         (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes;
-        and each node's Flower set-up cost by one echo of the model's weight bytes
-        (:meth:`BenchmarkRound.flower_setup`, :attr:`NodeProfile.setup_s`).
+        and each node's Flower set-up cost by that probe's own message, from its push
+        until the node joined the endpoint (:attr:`NodeProfile.setup_s`; no extra
+        message).
     """
 
     peer_links: bool = False
@@ -150,6 +151,9 @@ class BenchmarkRound:
         self.settings, self.names, self.links = settings, names, links
         self.rng = np.random.default_rng(seed)
         self.link_cache = link_cache
+        # stream: node id -> its Flower set-up, timed with its link (a node whose link
+        # comes from link_cache keeps 0: not measured, no set-up predicted for its plan)
+        self.setups: dict[int, float] = {}
 
     def run(self, node_ids: Sequence[int], node_order: Sequence[str] = ()) -> BenchmarkResult:
         """Profile every node (one at a time: concurrent timing on shared cores lies),
@@ -269,7 +273,7 @@ class BenchmarkRound:
             lat, bw, state_rate = peer_link(prof)
         elif self.links.stream is not None:
             lat, bw, state_rate = self.stream_link(nid)
-            setup_s = self.flower_setup(nid)
+            setup_s = self.setups.get(nid, 0.0)
         else:
             lat, bw, state_rate = self.link(nid)
             # every stage message rebuilds its stage from the state; about half of
@@ -294,36 +298,6 @@ class BenchmarkRound:
             **calibration(prof),
         )
         return node, prof
-
-    def setup_bytes(self) -> int:
-        """Bytes the set-up probe carries each way: the model's weights (trainable and
-        frozen, :attr:`LayerProfile.weight_bytes`), the most a stage's set-up message
-        carries, capped at :data:`SETUP_PROBE_MAX_BYTES`; at least 1."""
-        total = sum(lp.weight_bytes for lp in self.layers)
-        return max(1, min(int(total), SETUP_PROBE_MAX_BYTES))
-
-    def flower_setup(self, nid: int) -> float:
-        """``transport=stream``: seconds of one Flower message round trip to node
-        ``nid`` carrying :meth:`setup_bytes` each way (``query.sky_echo``, after the echo
-        jitter's pause; one echo, no warm-up: a deployment's set-up message is a cold
-        one, in a fresh ClientApp process), what the planner charges a stage
-        session's set-up for the node (:attr:`NodeProfile.setup_s`). Logged per node.
-
-        Raises
-        ------
-        SkyNodeError
-            If the node fails the echo or answers with an error.
-        """
-        size = self.setup_bytes()
-        seconds = self.echo(nid, size)
-        log(
-            INFO,
-            "Flower set-up of %s: %s (a Flower echo of %.2f MiB, the model's weights, each way)",
-            self.ex.name(nid),
-            duration(seconds),
-            size / 2**20,
-        )
-        return seconds
 
     def echo(self, nid: int, size: int, store_bytes: int = 0) -> float:
         """Seconds for one echo of ``size`` bytes (after a random pause: Flower's nodes
@@ -358,12 +332,15 @@ class BenchmarkRound:
         )
         log(
             INFO,
-            "Stream link of %s: %.2f ms round trip, %.1f MB/s down, %.1f MB/s up",
+            "Stream link of %s: %.2f ms round trip, %.1f MB/s down, %.1f MB/s up; "
+            "Flower set-up %s (its message pushed until it joined)",
             self.ex.name(nid),
             fig.latency_s * 1e3,
             fig.down_bps / 1e6,
             fig.up_bps / 1e6,
+            duration(fig.join_s),
         )
+        self.setups[nid] = fig.join_s
         link = (fig.latency_s, fig.bandwidth_bps, 0.0)
         if self.link_cache is not None:
             self.link_cache[nid] = link
@@ -393,11 +370,6 @@ class BenchmarkRound:
         if self.link_cache is not None:
             self.link_cache[nid] = link
         return link
-
-
-# the set-up probe's payload at most (bytes each way): a stage's weights travel in one
-# Flower message (protobuf's 2 GiB), and an echo of more holds several copies in memory
-SETUP_PROBE_MAX_BYTES = 1 << 30
 
 
 def peer_link(prof: P.ProfileReply) -> Link:
@@ -477,7 +449,7 @@ def setup_lines(nodes: Sequence[NodeProfile]) -> list[str]:
     any node has one."""
     if not any(n.setup_s > 0 for n in nodes):
         return []
-    return ["Flower set-up (stream sessions: one echo of the model's weights):"] + [
+    return ["Flower set-up (stream sessions: a message pushed until its stage joined):"] + [
         f"  {n.name:<12} {duration(n.setup_s) if n.setup_s > 0 else '-'}" for n in nodes
     ]
 

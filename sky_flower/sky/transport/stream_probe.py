@@ -72,13 +72,16 @@ def echo_frames(link: P.StreamLink, emu: Emulation) -> RecordDict:
 @dataclass
 class StreamLinkFigures:
     """A node's stream link: ``latency_s`` (small round trip), ``down_bps`` /
-    ``up_bps`` (bytes/s, server to node / node to server) and every timed round trip,
-    ``rtts[(down_bytes, up_bytes)]`` (seconds)."""
+    ``up_bps`` (bytes/s, server to node / node to server), every timed round trip,
+    ``rtts[(down_bytes, up_bytes)]``, and ``join_s``, from the probe's Flower message's
+    push until the node had connected to the endpoint: what a stage session's set-up
+    costs but for its weights (seconds)."""
 
     latency_s: float
     down_bps: float
     up_bps: float
     rtts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    join_s: float = 0.0  # the probe's Flower message pushed until its stage joined
 
     @property
     def bandwidth_bps(self) -> float:
@@ -114,6 +117,7 @@ def probe_link(  # noqa: PLR0913
     who = ex.name(node_id)
     with endpoint(1) as ep:
         content = {P.CONFIG: ep.link(0, timeout_s + 60.0).to_config_record()}
+        t_push = time.perf_counter()
         (mid,) = ex.push([message(node_id, P.STREAM_ECHO, content, group)])
         until = time.perf_counter() + timeout_s
         while not ep.joined:
@@ -123,6 +127,7 @@ def probe_link(  # noqa: PLR0913
             if time.perf_counter() > until:
                 raise ex.fail(f"{who} did not connect to the stream endpoint", [node_id])
             time.sleep(0.01)
+        join_s = time.perf_counter() - t_push
         rtts: dict[tuple[int, int], list[float]] = {}
         seq = 0
         for down, up in ((small, small), (big, small), (small, big), *extra):
@@ -148,4 +153,4 @@ def probe_link(  # noqa: PLR0913
         dt = statistics.median(rtts[key]) - lat
         return (big - small) / dt if dt > 1e-6 else float("inf")
 
-    return StreamLinkFigures(lat, rate((big, small)), rate((small, big)), rtts)
+    return StreamLinkFigures(lat, rate((big, small)), rate((small, big)), rtts, join_s)
