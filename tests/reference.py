@@ -44,6 +44,7 @@ from flwr.serverapp import Grid
 from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.pipeline.data import batch_indices
 from sky_flower.pipeline.stage import RngKey, forward_layers
+from sky_flower.sky.protocol import starts_session
 from sky_flower.sky.settings import auto_transport
 
 SKY_APP = Path(__file__).resolve().parents[1] / "examples" / "sky-app"
@@ -340,12 +341,6 @@ def _handle_in_child(app_fn: Callable[[], ClientApp], msg: bytes, ctx: bytes, co
     conn.close()
 
 
-def _stage_session(msg: Message) -> bool:
-    """Whether ``msg`` starts a ``stream`` stage session (it serves many rounds)."""
-    cfg = msg.content.config_records.get("config")
-    return bool(cfg is not None and cfg.get("across_rounds", False))
-
-
 class ConcurrentGrid(ProcessPerMessageGrid):
     """:class:`ProcessPerMessageGrid`'s semantics with the nodes running at once.
 
@@ -393,7 +388,7 @@ class ConcurrentGrid(ProcessPerMessageGrid):
             msg.metadata.__dict__["_message_id"] = mid
             raw = message_to_proto(msg).SerializeToString()
             nid = msg.metadata.dst_node_id
-            if _stage_session(msg):  # beside the node's others, as SuperExec launches it
+            if starts_session(msg.content):  # beside the node's others, as SuperExec launches it
                 threading.Thread(target=self._serve_one, args=(nid, raw), daemon=True).start()
             else:
                 self._queues[nid].put(raw)
@@ -415,11 +410,8 @@ class ConcurrentGrid(ProcessPerMessageGrid):
             q.put(None)
 
     def _serve(self, nid: int) -> None:
-        run = self._run_in_child if self.processes else self._run_here
         while (msg := self._queues[nid].get()) is not None:
-            reply = run(nid, msg)
-            with self._lock:
-                self._record(nid, reply)
+            self._serve_one(nid, msg)
 
     def _record(self, nid: int, reply: Message) -> None:
         """Keep node ``nid``'s reply for ``pull_messages`` (called holding the lock)."""

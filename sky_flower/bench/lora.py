@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from sky_flower.bench.models import machine
+from sky_flower.bench.models import machine, stage_rows
 from sky_flower.jobs.common import write_json
 
 APP = Path(__file__).resolve().parents[2] / "examples" / "lora-app"
@@ -141,16 +141,7 @@ def bench_run(lora_r: int, fleet: str, rounds: int, steps: int, work: Path) -> d
     plan = strategy.plan
     cost = strategy.cost
     row["model_memory_bytes"] = float(cost.stage_memory(0, len(seq) - 1))
-    row["stages"] = [
-        {
-            "node": s.node,
-            "first": s.first_layer,
-            "last": s.last_layer,
-            "memory_bytes": s.memory_bytes,
-            "capacity_bytes": s.memory_capacity_bytes,
-        }
-        for s in plan.stages
-    ]
+    row["stages"] = stage_rows(plan)
     row["predicted_step_time_s"] = plan.predicted_step_time_s
     init = evaluate(0, initial)
     row["initial_test_loss"] = float(init["loss"])

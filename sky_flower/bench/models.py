@@ -238,22 +238,28 @@ def plan_model(seq: nn.Sequential, model: ZooModel) -> dict[str, Any]:
         "nodes": [
             {"name": n.name, "slowdown": n.slowdown, "memory_bytes": n.memory_bytes} for n in nodes
         ],
-        "stages": [
-            {
-                "node": s.node,
-                "first": s.first_layer,
-                "last": s.last_layer,
-                "memory_bytes": s.memory_bytes,
-                "capacity_bytes": s.memory_capacity_bytes,
-            }
-            for s in plan.stages
-        ],
+        "stages": stage_rows(plan),
         "idle_nodes": plan.idle_nodes,
         "predicted_step_time_s": plan.predicted_step_time_s,
         "solve_time_s": plan.solve_time_s,
         "profile_s": profile_s,
         "table": plan.table(),
     }
+
+
+def stage_rows(plan: Plan) -> list[dict[str, Any]]:
+    """A plan's stages as a benchmark's result rows: node, layers ``first..last``, the
+    stage's memory and its node's capacity (bytes)."""
+    return [
+        {
+            "node": s.node,
+            "first": s.first_layer,
+            "last": s.last_layer,
+            "memory_bytes": s.memory_bytes,
+            "capacity_bytes": s.memory_capacity_bytes,
+        }
+        for s in plan.stages
+    ]
 
 
 def stage_bounds(units: int) -> list[tuple[int, int]]:

@@ -489,6 +489,13 @@ class StreamConfig(Record):
     silence_s: float = 0.0
 
 
+def starts_session(content: Mapping[str, Any]) -> bool:
+    """Whether a message's ``content`` (a ``RecordDict``) starts a ``stream`` stage
+    session: a :class:`StreamConfig` with ``across_rounds`` (it serves many rounds)."""
+    cfg = content.get(CONFIG)
+    return bool(cfg is not None and cfg.get("across_rounds", False))
+
+
 @dataclass(frozen=True)
 class StepMetrics(Record):
     """The last stage's figures for one forward message (:data:`METRICS`)."""
@@ -576,4 +583,5 @@ __all__ = [
     "action",
     "new_session",
     "stage_error",
+    "starts_session",
 ]

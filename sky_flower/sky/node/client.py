@@ -125,13 +125,6 @@ def stage_errors(fn: Handler) -> Handler:
     return handler
 
 
-def _across_rounds(msg: Message) -> bool:
-    """Whether ``msg`` starts a stage session (``train.sky_stream`` with
-    ``across_rounds``)."""
-    cfg = msg.content.config_records.get(P.CONFIG)
-    return bool(cfg is not None and cfg.get("across_rounds", False))
-
-
 class _ContextStash(MutableMapping[int, torch.Tensor]):
     """A relay stage's stashed forward inputs in ``context.state``, by a group's first
     micro-batch (``ArrayRecord`` ``{"x": input}`` under ``sky.stash.<first>``)."""
@@ -242,7 +235,7 @@ class SkyClient:
             if emu.drifts:  # fleet drift: this round's slowdown; absent: fails (raises)
                 emu = emu.at_round(message_round(msg))
             # a stage session applies faults round by round itself (faults.round_hook)
-            faults_here = emu.fail_on and not _across_rounds(msg)
+            faults_here = emu.fail_on and not P.starts_session(msg.content)
             content = (faulty if faults_here else fn)(msg, context, emu)
             delay = emu.link_delay_s(_payload_bytes(msg.content) + _payload_bytes(content))
             if delay > 0:

@@ -65,9 +65,9 @@ class LiveStage:
         The stage.
     module, optimizer
         Its layers and optimizer (None: no trainable parameters).
-    batch_fn : callable or None
-        ``step -> (x, labels)``: the data owner's batch (stage 0 only); a session's
-        stage sets :attr:`round_batch_fn` (``(round, step) -> (x, labels)``) instead.
+    batch_fn : callable
+        ``(round, step) -> (x, labels)``: the data owner's batch (stage 0 only; a
+        session's stage serves several rounds).
     loss_fn, metric_fn : callable
         The last stage's objective.
     """
@@ -77,15 +77,13 @@ class LiveStage:
         st: P.StageConfig,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+        batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
         loss_fn: LossFn,
         metric_fn: MetricFn,
         device: torch.device | str = "cpu",
     ) -> None:
         self.st, self.module, self.optimizer = st, module, optimizer
         self.batch_fn, self.loss_fn, self.metric_fn = batch_fn, loss_fn, metric_fn
-        # a session's stage serves several rounds: the data owner's batch of round r
-        self.round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         self.device = torch.device(device)
         self.reduction = stage_reduction(st)
         self.stash: dict[int, torch.Tensor] = {}  # by a group's first micro-batch
@@ -129,12 +127,7 @@ class LiveStage:
         step, first, count = int(header["step"]), int(header["first"]), int(header["count"])
         group = P.MicroBatchGroup(step, first, count, st.round, st.session)
         group.check(st.microbatches)
-        batch = None
-        if st.is_first:
-            if self.round_batch_fn is not None:
-                batch = lambda: self.round_batch_fn(st.round, step)  # noqa: E731
-            else:
-                batch = lambda: self.batch_fn(step)  # type: ignore[misc] # noqa: E731
+        batch = (lambda: self.batch_fn(st.round, step)) if st.is_first else None
         out, compute, _ = run_op(
             str(header["op"]),
             st,
@@ -363,8 +356,9 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             p.grad = None
         if not keep:  # a fresh optimizer every round
             opt = make_stage_optimizer(module, factory)
-        stage = LiveStage(replace(st0, round=rnd), module, opt, None, loss_fn, metric_fn, device)
-        stage.round_batch_fn = round_batch_fn
+        stage = LiveStage(
+            replace(st0, round=rnd), module, opt, round_batch_fn, loss_fn, metric_fn, device
+        )
         # faults: per round inside a session; a per-round set-up's come with its message
         hook = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s) if session else None
         hook, at_step, slept = hook or faults.step_hook(), -1, 0.0

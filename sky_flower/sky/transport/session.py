@@ -178,7 +178,6 @@ class StreamSessions:
         # layers after each round (StreamSession's release), see the module docstring
         self.shared: set[int] = set()
         self.opened = 0  # sessions set up in the run
-        self.closed_replies = 0  # Flower replies pulled at their ends
 
     def take(self, owner: str) -> StreamSession | None:
         """``owner``'s session, out of the pool while a round uses it (None: none)."""
@@ -192,10 +191,7 @@ class StreamSessions:
 
     def end(self, session: StreamSession, graceful: bool) -> int:
         """Close ``session`` (see :meth:`StreamSession.close`); replies pulled."""
-        got = session.close(graceful, self.close_deadline_s)
-        with self._lock:
-            self.closed_replies += got
-        return got
+        return session.close(graceful, self.close_deadline_s)
 
     def plan(self, node_ids: list[tuple[int, ...]]) -> None:
         """The round's pipelines (their stages' node ids): which nodes several share."""

@@ -306,10 +306,7 @@ class StreamRunner(Runner):
         while not st.done():
             for k, op, g, payload in ready_ops(st, c):
                 header = {"op": op, "step": step, "first": g * c, "count": c}
-                try:
-                    ep.send(k, header, RecordDict(payload))
-                except StreamError as err:
-                    raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])}: {err}") from err
+                self._send(ex, ep, plan, k, header, RecordDict(payload))
                 st.inflight[_op_id(k, op, g)] = (k, op, g)
             if not st.inflight:  # cannot happen for GPipe / 1F1B orders
                 raise ex.fail(f"{kind} schedule stalled at ops {st.ptr}")
