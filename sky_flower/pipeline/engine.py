@@ -22,7 +22,9 @@ buffers (BatchNorm) update as the whole model's do; each layer's randomness is k
 ``(seed, round, step, micro-batch, layer)`` as on every path
 (:func:`sky_flower.pipeline.stage.forward_layers`); the static-shape probe has no side
 effects (:func:`sky_flower.pipeline.stage.probe_forward`). :func:`run_stage` always
-destroys its process group, so a long-lived process can join the next round's group.
+destroys its process group, so a long-lived process can join the next round's group;
+:func:`run_steps` runs a round in a group joined before and left joined (a direct stage
+session's rounds).
 """
 
 from __future__ import annotations
@@ -212,6 +214,65 @@ def run_stage(  # noqa: PLR0913
         ``batch_fn`` on rank 0.
     """
     chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
+    _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))  # before joining
+    t0 = time.perf_counter()
+    join(rdv, torch.device(device))
+    try:
+        setup_s = time.perf_counter() - t0
+        result = run_steps(
+            rdv,
+            module,
+            optimizer,
+            kind,
+            microbatches,
+            steps,
+            batch_size,
+            input_shape,
+            batch_fn,
+            emulated,
+            fault,
+            loss_fn,
+            metric_fn,
+            rng,
+            input_dtype,
+            device,
+            reduction,
+        )
+        result.setup_s = setup_s
+    finally:
+        if dist.is_initialized():  # a crashed stage may already have left
+            dist.destroy_process_group()
+    return result
+
+
+def run_steps(  # noqa: PLR0913
+    rdv: Rendezvous,
+    module: nn.Module | Sequence[Chunk],
+    optimizer: torch.optim.Optimizer | None,
+    kind: str,
+    microbatches: int,
+    steps: int,
+    batch_size: int,
+    input_shape: Sequence[int],
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    emulated: Emulated | None = None,
+    fault: Callable[[int], None] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    rng: RngKey | None = None,
+    input_dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    reduction: LossReduction | None = None,
+) -> StageResult:
+    """:func:`run_stage`'s ``steps`` steps in the process group this process has
+    already joined (:func:`~sky_flower.pipeline.rendezvous.join`), which it leaves
+    joined: a direct stage session (:func:`sky_flower.sky.node.direct_node.
+    run_direct_session`) runs every round of its group this way. The parameters,
+    result (``setup_s`` 0) and errors are :func:`run_stage`'s; after a
+    :class:`DirectStageError` the group is unusable (a peer failed or stalled, or this
+    stage did): leave it.
+    """
+    chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
     _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))
     S = rdv.world_size
     C = len(chunks) * S
@@ -231,10 +292,7 @@ def run_stage(  # noqa: PLR0913
     ]
     rng = rng or RngKey()
     result = StageResult()
-    t0 = time.perf_counter()
-    join(rdv, device)
     try:
-        result.setup_s = time.perf_counter() - t0
         stages = [
             _pipeline_stage(ch, w, C, batch_size // microbatches, device, comm)
             for ch, w in zip(chunks, wrapped, strict=True)
@@ -264,8 +322,6 @@ def run_stage(  # noqa: PLR0913
         raise _stage_error(rdv, err) from err
     finally:
         result.compute_s = emulated.compute_s
-        if dist.is_initialized():  # a crashed stage may already have left
-            dist.destroy_process_group()
     return result
 
 

@@ -224,6 +224,8 @@ MB = "mb"  # ConfigRecord: the micro-batch group of a forward / backward (MicroB
 # ConfigRecord {"error": "<type>: <text>"}: a forward / backward reply whose stage raised
 # (its model, loss or data): the stage's error, not the node's failure
 STAGE_ERROR = "stage_error"
+# ConfigRecord (SessionLink): a train.sky_direct that starts a direct stage session
+SESSION = "session"
 
 # metric keys of the replies
 LOSS = "loss"
@@ -489,9 +491,25 @@ class StreamConfig(Record):
     silence_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class SessionLink(Record):
+    """A ``train.sky_direct`` message's :data:`SESSION` record: it starts a ``direct``
+    stage session (:mod:`sky_flower.sky.transport.session`). ``link``: the session's
+    control stream to the server's endpoint (the round's ``begin`` in, the stage's
+    ``end`` with its weights out; activations and gradients stay peer to peer);
+    ``silence_s``: the peers' bound (``direct-timeout-s``; an injected stall lasts
+    1.5 x it)."""
+
+    link: StreamLink
+    silence_s: float = 0.0
+
+
 def starts_session(content: Mapping[str, Any]) -> bool:
-    """Whether a message's ``content`` (a ``RecordDict``) starts a ``stream`` stage
-    session: a :class:`StreamConfig` with ``across_rounds`` (it serves many rounds)."""
+    """Whether a message's ``content`` (a ``RecordDict``) starts a stage session: a
+    :class:`StreamConfig` with ``across_rounds``, or a :data:`SESSION` record (a
+    ``direct`` stage's control link). Such a message serves many rounds."""
+    if content.get(SESSION) is not None:
+        return True
     cfg = content.get(CONFIG)
     return bool(cfg is not None and cfg.get("across_rounds", False))
 
@@ -562,6 +580,7 @@ __all__ = [
     "READY",
     "RECORDS",
     "SAMPLES",
+    "SESSION",
     "SETUP",
     "STAGE_ERROR",
     "STREAM",
@@ -576,6 +595,7 @@ __all__ = [
     "ProtocolError",
     "Record",
     "SessionId",
+    "SessionLink",
     "StageConfig",
     "StepMetrics",
     "StreamConfig",

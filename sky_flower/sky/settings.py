@@ -147,8 +147,9 @@ class StreamSettings:
         256.0, "stream-max-frame-mb", "schedule.stream_max_frame_mb", POSITIVE
     )
     timeout_s: float = _setting(30.0, "stream-timeout-s", "schedule.stream_timeout_s", POSITIVE)
-    # stage sessions (sky_flower.sky.transport.session): one Flower message per stage node
-    # per plan, every round driven over the stream; False: one set-up message per round
+    # stage sessions (sky_flower.sky.transport.session) on stream and direct: one Flower
+    # message per stage node per plan, every round driven over the stream (direct: its
+    # control stream, the process group kept); False: one set-up message per round
     sessions: bool = _setting(True, "stream-sessions", "schedule.stream_sessions")
     # a session hands over to a fresh one (at a round's start) before it is this old:
     # below Flower's message TTL (flwr.app.DEFAULT_TTL, 12 h)

@@ -472,7 +472,9 @@ class SkyClient:
 
     def direct(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Run this node's stage for one whole round on the ``direct`` transport
-        (:func:`sky_flower.sky.node.direct_node.run_direct_stage`).
+        (:func:`sky_flower.sky.node.direct_node.run_direct_stage`), or, for a message
+        with a :data:`~sky_flower.sky.protocol.SESSION` record, every round of a stage
+        session (:func:`sky_flower.sky.node.direct_node.run_direct_session`).
 
         Raises
         ------
@@ -482,9 +484,48 @@ class SkyClient:
         DirectStageError
             If this stage or a peer fails or stalls (bounded by ``timeout_s``).
         """
-        from sky_flower.sky.node.direct_node import run_direct_stage
+        from sky_flower.sky.node.direct_node import run_direct_session, run_direct_stage
 
-        return self._round_stage(msg, context, emu, P.DirectConfig, run_direct_stage)
+        link = msg.content.config_records.get(P.SESSION)
+        if link is None:
+            return self._round_stage(msg, context, emu, P.DirectConfig, run_direct_stage)
+        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        return self._session(
+            msg,
+            context,
+            cfg.stage,
+            lambda *args, **kw: run_direct_session(
+                cfg, P.SessionLink.from_config_record(link), *args, **kw
+            ),
+        )
+
+    def _session(
+        self,
+        msg: Message,
+        context: Context,
+        st: P.StageConfig,
+        run: Callable[..., RecordDict],
+    ) -> RecordDict:
+        """A stage session's set-up message (``stream``, ``direct``): once (a repeat is
+        refused, :func:`session_repeat`), ``run`` with this node's model, its emulation
+        by round, data by round and objective (the session applies the fleet's faults
+        round by round itself)."""
+        refused = session_repeat(st, context)  # a repeat never runs twice
+        if refused is not None:
+            return refused
+        session_ran(st, context)
+        loss_fn, metric_fn = self._objective(st)
+        base = self.emulation_fn(context)
+        return run(
+            msg.content.array_records[P.ARRAYS],
+            self.model_fn,
+            int(context.node_id),
+            base.at_round if base.drifts else (lambda rnd: base),
+            lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
+            loss_fn,
+            metric_fn,
+            optim=msg.content.array_records.get(migration.OPTIM_KEY),
+        )
 
     def _round_stage(
         self,
@@ -531,22 +572,8 @@ class SkyClient:
         cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
         if not cfg.across_rounds:
             return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
-        refused = session_repeat(cfg.stage, context)  # a repeat never runs twice
-        if refused is not None:
-            return refused
-        session_ran(cfg.stage, context)
-        loss_fn, metric_fn = self._objective(cfg.stage)
-        base = self.emulation_fn(context)
-        return run_stream_session(
-            cfg,
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            base.at_round if base.drifts else (lambda rnd: base),
-            lambda rnd, step: self._batch(context, replace(cfg.stage, round=rnd), step),
-            loss_fn,
-            metric_fn,
-            optim=msg.content.array_records.get(migration.OPTIM_KEY),
+        return self._session(
+            msg, context, cfg.stage, lambda *args, **kw: run_stream_session(cfg, *args, **kw)
         )
 
 

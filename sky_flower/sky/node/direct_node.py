@@ -8,9 +8,12 @@ its peers), then :func:`sky_flower.pipeline.direct.run_stage`, then the reply.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import torch
-from flwr.app import ArrayRecord, RecordDict
+import torch.distributed as dist
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from sky_flower.emulation import faults
@@ -22,7 +25,8 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
-from sky_flower.pipeline.engine import Chunk
+from sky_flower.pipeline.engine import Chunk, StageResult, run_steps
+from sky_flower.pipeline.rendezvous import join
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
@@ -150,67 +154,252 @@ def run_direct_stage(  # noqa: PLR0913
         If a peer fails or stalls (bounded by ``timeout_s``), or a fault is injected.
     """
     rdv, st = cfg.rendezvous, cfg.stage
-    if cfg.node_id != int(node_id):
-        raise RankRefusedError(
-            f"rank {rdv.rank} refused: it is planned for node {cfg.node_id}, "
-            f"not for this node ({node_id})"
-        )
+    _check_node(cfg, node_id)
     device = emu.torch_device()  # the node's device; gloo peers exchange CPU tensors
-    chunks = node_chunks(cfg, model_fn, weights.to_torch_state_dict(), device)
-    module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
-    opt = stage_optimizer(module, st.optimizer, st.lr)
-    if optim is not None and opt is not None:  # migrated (train.optimizer_state=keep)
-        if cfg.chunk_layers != "-":  # refused by the settings (SkySettings.check_combinations)
-            raise ValueError("train.optimizer_state=keep needs one chunk per stage")
-        local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
-        optimizer_from_tensors(opt, local.to_torch_state_dict())
+    stage = _DirectStage.build(cfg, model_fn, weights.to_torch_state_dict(), optim, device)
     try:
         res = run_stage(
             rdv,
-            chunks if cfg.chunk_layers != "-" else chunks[0].module,
-            opt,
-            kind=cfg.kind,
-            microbatches=st.microbatches,
-            steps=cfg.steps,
-            batch_size=st.batch_size,
-            input_shape=list(cfg.input_shape),
-            input_dtype=cfg.input_dtype,
-            batch_fn=batch_fn if rdv.rank == 0 else None,
-            emulated=emulated(emu, cfg.links),
+            **stage.arguments(cfg, st.round, cfg.steps, emu, batch_fn, loss_fn, metric_fn),
             fault=faults.step_hook(),
-            loss_fn=loss_fn,
-            metric_fn=metric_fn,
-            rng=RngKey(st.seed, st.round),
-            device=device,
-            reduction=stage_reduction(st),  # the loss scaling on the last stage
         )
     except Exception as err:
         own = own_error(err)
         if own is None:
             raise
         return RecordDict({P.STAGE_ERROR: P.stage_error(own)})
-    metrics = P.DirectMetrics(
-        losses=tuple(float(v) for v in res.losses),
-        correct=int(res.correct),
-        n=int(res.samples),
-        step_times_s=tuple(float(t) for t in res.step_times_s),
-        setup_s=float(res.setup_s),
-        compute_s=float(res.compute_s),
-    )
-    record = metrics.to_record()
-    record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's slowdown
-    weights_out: dict[str, torch.Tensor] = {}
-    for ch in chunks:  # back on the CPU for the server, without the frozen parameters
-        weights_out.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
-    out = RecordDict(
-        {
-            P.ARRAYS: ArrayRecord(weights_out),
-            P.METRICS: record,
-        }
-    )
-    if optim is not None:  # the state after the round, by parameter name
-        local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
-        out[migration.OPTIM_KEY] = migration.global_optimizer_state(
-            model_fn, st.first, st.last, local
+    return stage.result(res, emu, model_fn, st)
+
+
+def _check_node(cfg: P.DirectConfig, node_id: int) -> None:
+    if cfg.node_id != int(node_id):
+        raise RankRefusedError(
+            f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
+            f"not for this node ({node_id})"
         )
-    return out
+
+
+class _DirectStage:
+    """A rank's chunks, their optimizer and whether its optimizer state is kept
+    (``train.optimizer_state=keep``): what a direct round (or a session's rounds)
+    trains."""
+
+    def __init__(
+        self, chunks: list[Chunk], opt: torch.optim.Optimizer | None, keep: bool, chunked: bool
+    ) -> None:
+        self.chunks, self.opt, self.keep, self.chunked = chunks, opt, keep, chunked
+        self.module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
+
+    @classmethod
+    def build(
+        cls,
+        cfg: P.DirectConfig,
+        model_fn: Callable[[], nn.Module],
+        state: dict,
+        optim: ArrayRecord | None,
+        device: torch.device | str,
+    ) -> _DirectStage:
+        """The rank's chunks from ``state`` (keys of the full model), a fresh optimizer,
+        loaded from ``optim`` (by parameter name) where given."""
+        st = cfg.stage
+        chunks = node_chunks(cfg, model_fn, state, device)
+        stage = cls(chunks, None, optim is not None, cfg.chunk_layers != "-")
+        stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
+        if optim is not None and stage.opt is not None:  # migrated (optimizer_state=keep)
+            if stage.chunked:  # refused by the settings (SkySettings.check_combinations)
+                raise ValueError("train.optimizer_state=keep needs one chunk per stage")
+            local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
+            optimizer_from_tensors(stage.opt, local.to_torch_state_dict())
+        return stage
+
+    def load(self, entries: dict[str, torch.Tensor]) -> None:
+        """Load ``entries`` (keys of the full model) into the chunks holding them."""
+        for ch in self.chunks:
+            own = ch.module.state_dict()
+            mine = {k: v for k, v in entries.items() if k in own}
+            if mine:
+                device = next(iter(own.values())).device
+                ch.module.load_state_dict({k: v.to(device) for k, v in mine.items()}, strict=False)
+
+    def arguments(  # noqa: PLR0913
+        self,
+        cfg: P.DirectConfig,
+        server_round: int,
+        steps: int,
+        emu: Emulation,
+        batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: LossFn,
+        metric_fn: MetricFn,
+    ) -> dict:
+        """:func:`run_stage` / :func:`run_steps`'s keywords for round ``server_round``
+        (``fault`` aside)."""
+        st = cfg.stage
+        return {
+            "module": self.chunks if self.chunked else self.chunks[0].module,
+            "optimizer": self.opt,
+            "kind": cfg.kind,
+            "microbatches": st.microbatches,
+            "steps": steps,
+            "batch_size": st.batch_size,
+            "input_shape": list(cfg.input_shape),
+            "input_dtype": cfg.input_dtype,
+            "batch_fn": batch_fn if cfg.rendezvous.rank == 0 else None,
+            "emulated": emulated(emu, cfg.links),
+            "loss_fn": loss_fn,
+            "metric_fn": metric_fn,
+            "rng": RngKey(st.seed, server_round),
+            "device": emu.torch_device(),
+            "reduction": stage_reduction(st),  # the loss scaling on the last stage
+        }
+
+    def result(
+        self,
+        res: StageResult,
+        emu: Emulation,
+        model_fn: Callable[[], nn.Module],
+        st: P.StageConfig,
+    ) -> RecordDict:
+        """The round's reply: weights, :class:`DirectMetrics` and (keep) the optimizer
+        state by parameter name."""
+        opt = self.opt
+        metrics = P.DirectMetrics(
+            losses=tuple(float(v) for v in res.losses),
+            correct=int(res.correct),
+            n=int(res.samples),
+            step_times_s=tuple(float(t) for t in res.step_times_s),
+            setup_s=float(res.setup_s),
+            compute_s=float(res.compute_s),
+        )
+        record = metrics.to_record()
+        record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's
+        weights_out: dict[str, torch.Tensor] = {}
+        for ch in self.chunks:  # back on the CPU, without the frozen parameters
+            weights_out.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
+        out = RecordDict({P.ARRAYS: ArrayRecord(weights_out), P.METRICS: record})
+        if self.keep:  # the state after the round, by parameter name
+            local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
+            out[migration.OPTIM_KEY] = migration.global_optimizer_state(
+                model_fn, st.first, st.last, local
+            )
+        return out
+
+
+def run_direct_session(  # noqa: PLR0913
+    cfg: P.DirectConfig,
+    session: P.SessionLink,
+    weights: ArrayRecord,
+    model_fn: Callable[[], nn.Module],
+    node_id: int,
+    emulation_at: Callable[[int], Emulation],
+    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    metric_fn: MetricFn,
+    optim: ArrayRecord | None = None,
+) -> RecordDict:
+    """Serve this node's stage for every round of a ``direct`` stage session
+    (:mod:`sky_flower.sky.transport.session`), until the server's ``close``.
+
+    The set-up message carried the stage's layers (``weights``), its rendezvous and,
+    with ``train.optimizer_state=keep``, its optimizer state (``optim``). The stage
+    connects its control stream (``session.link``: TLS, the certificate pinned, its
+    ticket; :func:`sky_flower.sky.transport.channel.connect`), joins the session's
+    process group once (:func:`sky_flower.pipeline.rendezvous.join`) and, per
+    ``begin`` frame (``round``, ``steps``, the entries of the round's global weights
+    that differ from what it holds; ``rebuild``: the whole slice and (keep) the
+    optimizer state), runs the round's steps peer to peer in that group
+    (:func:`sky_flower.pipeline.engine.run_steps`) and answers with an ``end`` frame:
+    its weights and buffers (:data:`~sky_flower.sky.protocol.ARRAYS`), its
+    :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) its optimizer state. A
+    ``begin`` with ``release`` frees its layers after the round (the node serves
+    another pipeline's stage too). Each round starts as a per-round
+    ``train.sky_direct`` would (the global weights, no gradients, a fresh optimizer
+    unless kept, the round's randomness key, data order and emulation), so a session
+    computes what per-round messages compute, bit for bit.
+
+    A round that fails ends the session: an ``end`` frame with ``error`` (and the
+    :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own error, which is
+    then also the Flower reply), or the error raised after it (a peer's failure, an
+    injected fault: the group is unusable).
+
+    Returns
+    -------
+    RecordDict
+        At ``close``: figures over the session (``rounds``, ``compute_s``); or the
+        stage's own error.
+
+    Raises
+    ------
+    RankRefusedError
+        A message planned for another node, a rank's ticket that does not match.
+    StreamRefusedError
+        The control stream's certificate or ticket refused, its endpoint not reached.
+    StreamError
+        The control stream broke or ended before ``close``, or a frame is malformed.
+    DirectStageError
+        A peer failed or stalled (bounded by the group's timeout), or a fault struck.
+    """
+    from sky_flower.sky.transport.channel import StreamError, connect
+
+    rdv, st = cfg.rendezvous, cfg.stage
+    _check_node(cfg, node_id)
+    device = emulation_at(st.round).torch_device()
+    stage: _DirectStage | None = _DirectStage.build(
+        cfg, model_fn, weights.to_torch_state_dict(), optim, device
+    )
+    if rdv.rank == 0:  # the data owner's first draw loads its data: in the set-up
+        round_batch_fn(st.round, 0)
+    link = connect(session.link, rdv.rank)
+    rounds, compute, keep = 0, 0.0, optim is not None
+    try:
+        join(rdv, device)
+        for header, records in link.frames():
+            op = header.get("op")
+            if op == "close":
+                break
+            if op != "begin":
+                raise StreamError(f"a {op!r} frame in a direct stage session (begin or close)")
+            rnd, steps = int(header["round"]), int(header["steps"])
+            emu = emulation_at(rnd)
+            arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
+            if header.get("rebuild") or stage is None:  # released after the last round
+                state = records.array_records.get(migration.OPTIM_KEY)
+                stage = _DirectStage.build(
+                    cfg, model_fn, arrays.to_torch_state_dict(), state, device
+                )
+                stage.keep = keep
+            elif len(arrays):
+                stage.load(arrays.to_torch_state_dict())
+            for p in stage.module.parameters():
+                p.grad = None
+            if not stage.keep:  # a fresh optimizer every round
+                stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
+            batch_fn = partial(round_batch_fn, rnd)  # step -> the round's batch
+            args = stage.arguments(cfg, rnd, steps, emu, batch_fn, loss_fn, metric_fn)
+            try:
+                res = run_steps(
+                    rdv, **args, fault=faults.round_hook(emu, P.DIRECT, rnd, session.silence_s)
+                )
+            except Exception as err:
+                own = own_error(err)
+                end = {"op": "end", "round": rnd, "error": str(err)[:500]}
+                if own is None:  # the group is unusable: the session ends
+                    link.send(end)
+                    raise
+                error = RecordDict({P.STAGE_ERROR: P.stage_error(own)})
+                link.send(end, error)
+                return error
+            out = stage.result(res, emu, model_fn, replace(st, round=rnd))
+            faults.spoil_reply(emu, P.DIRECT, rnd, out)
+            link.send({"op": "end", "round": rnd}, out)
+            rounds, compute = rounds + 1, compute + res.compute_s
+            if header.get("release"):  # hold this stage's memory only during its rounds
+                stage = None
+        else:
+            raise StreamError(
+                f"stage {rdv.rank}: the endpoint ended the stream before the session's close"
+            )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        link.close(drain_s=2.0)  # a last end frame (an error) reaches the server
+    return RecordDict({P.METRICS: MetricRecord({"rounds": rounds, P.COMPUTE_S: compute})})

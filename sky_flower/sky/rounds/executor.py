@@ -91,10 +91,11 @@ class RoundExecutor:
             self.local_bn = federation.LocalBatchNorm(federation.batchnorm_keys(whole))
         # its frozen parameters (requires_grad=False): FedAvg keeps the global model's
         self.frozen = frozen_keys(whole)
-        # transport=stream: stage sessions that live across rounds (one per pipeline)
+        # transport=stream or direct: stage sessions that live across rounds (one per
+        # pipeline)
         self.sessions = None
         self.sessions_fit = True  # the plan's stages fit the runtime (StreamSessions.usable)
-        if schedule.transport == "stream" and settings.stream.sessions:
+        if schedule.transport in ("stream", "direct") and settings.stream.sessions:
             from sky_flower.sky.transport.session import StreamSessions
 
             self.sessions = StreamSessions(
@@ -156,7 +157,8 @@ class RoundExecutor:
         capacity = None if self.sessions is None else self.sessions.capacity
         if capacity is not None and pipeline.num_stages > capacity:
             raise ValueError(
-                f"transport=stream runs every stage of a pipeline at once, but the plan's "
+                f"transport={self.schedule.transport} runs every stage of a pipeline at once, "
+                "but the plan's "
                 f"pipeline of {pipeline.plan.stages[0].node} has {pipeline.num_stages} "
                 f"stages and the simulation engine runs only {capacity} ClientApps at "
                 "once: lower simulation.num_cpus_per_node (CPUs / it is the engine's "
@@ -184,7 +186,7 @@ class RoundExecutor:
             if not fit and self.sessions_fit:
                 log(
                     WARNING,
-                    "stream stage sessions hold one ClientApp per stage of every pipeline "
+                    "stage sessions hold one ClientApp per stage of every pipeline "
                     "(%d here) for the whole run, but the simulation engine runs %s at once: "
                     "this plan sets its stages up every round instead (lower "
                     "simulation.num_cpus_per_node, or run it deployed)",

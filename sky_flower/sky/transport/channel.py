@@ -56,6 +56,7 @@ import queue
 import secrets
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -593,9 +594,14 @@ class StageLink:
         self._out.put(frame)
         return len(frame)
 
-    def close(self) -> None:
-        """End this side of the stream and close the channel."""
+    def close(self, drain_s: float = 0.0) -> None:
+        """End this side of the stream and close the channel. ``drain_s``: first wait up
+        to this long (seconds) for the endpoint to have read every frame sent (it ends
+        its half then), so that a last frame is not cut off with the call."""
         self._out.put(None)
+        until = time.monotonic() + drain_s
+        while drain_s > 0 and not self._call.done() and time.monotonic() < until:
+            time.sleep(0.01)
         with contextlib.suppress(Exception):
             self._call.cancel()
         self.channel.close()

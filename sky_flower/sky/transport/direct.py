@@ -5,16 +5,28 @@ The server hosts the round's TCPStore, pushes one ``train.sky_direct`` message p
 (its layer slice, settings, rank, the node it is planned for and the round's
 rendezvous: only these messages carry it), and waits for every stage's weights and
 timings.
+
+With stage sessions (``schedule.stream_sessions``, on by default;
+:mod:`sky_flower.sky.transport.session`) those messages start a session instead: each
+also carries a :class:`~sky_flower.sky.protocol.SessionLink`, the stage's control stream
+to a stream endpoint the server hosts (TLS, the certificate pinned, a ticket per
+stage). The TCPStore and the stages' process group then live across rounds; every round
+the server sends each stage a ``begin`` frame (the round, its steps, the weights that
+changed) and each stage answers, after its steps peer to peer, with an ``end`` frame
+(its weights, timings and, keep, optimizer state). The Flower replies come when the
+session ends. A round that fails ends its session (its group is unusable): the next
+round sets a fresh one up.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import DEFAULT_TTL, ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from sky_flower.core.cost import Schedule
@@ -25,10 +37,13 @@ from sky_flower.pipeline.direct import PEER_FAILURE, RoundHost, stage_input_shap
 from sky_flower.pipeline.engine import MULTI_CHUNK
 from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import protocol as P
+from sky_flower.sky.transport.channel import Endpoint
+from sky_flower.sky.transport.endpoint_waits import EndpointWaits, FrameMeta, FrameReply
 from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
+from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -68,7 +83,38 @@ def chunk_plan(plan: Pipeline, s: Any, S: int) -> list[dict[str, str]] | None:  
     return out
 
 
-class DirectRunner(Runner):
+def reply_status(reply: Any) -> tuple[str, str]:  # noqa: ANN401 - a Message, a FrameReply or None
+    """A stage's round as :meth:`DirectRunner.raise_failures` reads it: ``("missing",
+    "")`` (no reply), ``("failed", reason)`` (an error reply: the node's failure or a
+    peer's), ``("raised", error)`` (the stage's own error,
+    :data:`~sky_flower.sky.protocol.STAGE_ERROR`) or ``("ok", "")``."""
+    if reply is None:
+        return "missing", ""
+    if reply.has_error():
+        return "failed", short_reason(reply.error.reason)
+    if P.STAGE_ERROR in reply.content.config_records:
+        return "raised", str(reply.content[P.STAGE_ERROR]["error"])
+    return "ok", ""
+
+
+def stage_weights(
+    full: dict[str, Any],
+    chunked: dict[str, str] | None,
+    st: Any,  # noqa: ANN401 - a StagePlan
+) -> dict[str, Any]:
+    """A rank's layers' entries of the full model ``full``: its chunks' (``chunked``,
+    :func:`chunk_plan`'s entry) or its stage's ``st.first_layer .. st.last_layer``."""
+    if not chunked:
+        return slice_state(full, st.first_layer, st.last_layer)
+    parts = [int(v) for v in chunked["chunk_layers"].split()]
+    return {
+        key: v
+        for c in range(0, len(parts), 3)
+        for key, v in slice_state(full, parts[c + 1], parts[c + 2]).items()
+    }
+
+
+class DirectRunner(EndpointWaits, Runner):
     """Runs a round on the direct transport.
 
     Waits at most ``message_timeout_s`` plus ``stage_multiple`` x the predicted round
@@ -125,6 +171,8 @@ class DirectRunner(Runner):
         :meth:`Runner.run_round`). An error names the stage(s) that failed or did not
         answer first, then those that stopped waiting for them; ``nodes`` holds only
         the former."""
+        if self.s.sessions is not None:
+            return self.session_round(grid, plan, arrays, steps, server_round)
         s, S = self.s, plan.num_stages
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget)
@@ -136,7 +184,7 @@ class DirectRunner(Runner):
             ids = ex.push(self.configure(plan, arrays, steps, server_round, host))
             got = self.collect(ex, ids)
         wall = time.perf_counter() - t0
-        self.raise_failures(ex, plan, ids, got, budget)
+        self.raise_failures(ex, plan, [reply_status(got.get(m)) for m in ids], budget)
         replies = [got[m] for m in ids]
         try:
             return self.parse(ex, plan, replies, arrays, steps, wall)
@@ -174,18 +222,7 @@ class DirectRunner(Runner):
                 input_dtype=self.s.input_dtype if k == 0 else "float32",  # activations
                 **(chunked[k] if chunked else {}),
             )
-            parts = (
-                [int(v) for v in chunked[k]["chunk_layers"].split()]
-                if chunked
-                else [k, st.first_layer, st.last_layer]
-            )
-            weights = ArrayRecord(
-                {
-                    key: v
-                    for c in range(0, len(parts), 3)
-                    for key, v in slice_state(full, parts[c + 1], parts[c + 2]).items()
-                }
-            )
+            weights = ArrayRecord(stage_weights(full, chunked[k] if chunked else None, st))
             content = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
             content.update(migrated_state(self.s, plan, k))  # train.optimizer_state=keep
             msgs.append(message(plan.node_ids[k], P.DIRECT, content, str(server_round)))
@@ -208,25 +245,25 @@ class DirectRunner(Runner):
 
     @staticmethod
     def raise_failures(
-        ex: Exchange, plan: Pipeline, ids: Sequence[str], got: dict[str, Message], budget: float
+        ex: Exchange, plan: Pipeline, statuses: Sequence[tuple[str, str]], budget: float
     ) -> None:
         """Raise one error naming the stages that failed or stayed silent, then those
-        that stopped because of them (``nodes``: the former only)."""
+        that stopped because of them (``nodes``: the former only). ``statuses``: per
+        stage, :func:`reply_status`'s ``(kind, text)``."""
         culprits, waited, causes = [], [], []
-        for k, mid in enumerate(ids):
+        for k, (kind, text) in enumerate(statuses):
             nid = plan.node_ids[k]
             who = f"stage {k} on {ex.name(nid)}"
-            if mid not in got:
+            if kind == "missing":
                 culprits.append(f"{who} did not answer within {budget:g} s")
                 causes.append(nid)
-            elif got[mid].has_error():
-                reason = short_reason(got[mid].error.reason)
-                peer = PEER_FAILURE in reason
-                (waited if peer else culprits).append(f"{who} failed: {reason}")
+            elif kind == "failed":
+                peer = PEER_FAILURE in text
+                (waited if peer else culprits).append(f"{who} failed: {text}")
                 if not peer:
                     causes.append(nid)
-            elif P.STAGE_ERROR in got[mid].content.config_records:  # the stage's, not the node's
-                culprits.append(f"{who} raised {got[mid].content[P.STAGE_ERROR]['error']}")
+            elif kind == "raised":  # the stage's own error, not the node's
+                culprits.append(f"{who} raised {text}")
         if culprits or waited:
             raise ex.fail("; ".join(culprits + waited), causes or None)
 
@@ -318,3 +355,195 @@ class DirectRunner(Runner):
             stages=stages,
             extra={"setup_s": max(m.setup_s for m in metrics), "wall_s": wall},
         )
+
+    # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
+    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+        """What a session is set up for: a round whose pipeline differs needs another
+        (nodes, stage configs without the round, schedule, chunks, links)."""
+        stages = tuple(
+            stage_config(self.s, k, st.first_layer, st.last_layer, 0, 0)
+            for k, st in enumerate(plan.plan.stages)
+        )
+        chunks = chunk_plan(plan, self.s, S=plan.num_stages)
+        kind = plan_kind(plan, self.s.schedule)
+        return (plan.node_ids, stages, kind, str(chunks), tuple(plan.links), self.s.input_dtype)
+
+    def open_session(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> StreamSession:
+        """Host a session's rendezvous (its TCPStore, for the session's life) and its
+        control endpoint, push one ``train.sky_direct`` per stage with a
+        :data:`~sky_flower.sky.protocol.SESSION` record (its control link), wait until
+        every stage's control stream has joined.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stages that did not join or whose set-up failed (the endpoint
+            and store are closed and the messages abandoned).
+        """
+        s, pool, S = self.s, self.s.sessions, plan.num_stages
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
+        backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
+        host = RoundHost(S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s, backend)
+        ep = Endpoint(S, **s.stream_endpoint()).__enter__()
+        ex = s.exchange(grid, timeout_s=life + s.direct_timeout_s)
+        t0 = time.perf_counter()
+        session = None
+        try:
+            msgs = self.configure(plan, arrays, steps, server_round, host)
+            for k, msg in enumerate(msgs):
+                link = P.SessionLink(ep.link(k, life + s.direct_timeout_s), s.direct_timeout_s)
+                msg.content[P.SESSION] = link.to_config_record()
+            ids = ex.push(msgs, concurrent=True)
+            full = arrays.to_torch_state_dict()
+            chunked = chunk_plan(plan, s, S=S)
+            session = StreamSession(
+                key=self.session_key(plan),
+                ep=ep,
+                ex=ex,
+                ids=ids,
+                held=[
+                    stage_weights(full, chunked[k] if chunked else None, st)
+                    for k, st in enumerate(plan.plan.stages)
+                ],
+                released=[False] * S,
+                opened_s=time.monotonic(),
+                ends_s=time.monotonic() + life,
+                host=host,
+            )
+            self.got, self._next_poll = session.got, 0.0
+            self.join(ex, ep, plan, ids)
+        except BaseException:
+            ex.abandon()
+            ep.close()
+            host.close()
+            raise
+        session.setup_s = time.perf_counter() - t0
+        pool.opened += 1
+        return session
+
+    def session_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """Round ``server_round`` of ``plan`` in its ``direct`` stage session (opened,
+        or handed over, first where needed): ``begin`` to every stage with the changed
+        weights, the steps peer to peer in the session's process group, every stage's
+        ``end`` frame; the outcome as a per-round set-up's. A round that fails ends its
+        session at once (its group is unusable)."""
+        s, S, pool = self.s, plan.num_stages, self.s.sessions
+        owner = plan.plan.stages[0].node
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        t_start = time.perf_counter()
+        messages, setup_s = 0, 0.0
+        session = pool.take(owner)
+        try:
+            if session is not None and (
+                session.key != self.session_key(plan)
+                or not session.fits(budget, s.direct_timeout_s, pool.max_age_s)
+            ):
+                messages += pool.end(session, graceful=True)
+                session = None
+            if session is None:
+                session = self.open_session(grid, plan, arrays, steps, server_round)
+                messages, setup_s = messages + S, session.setup_s
+            ex, ep = session.ex, session.ep
+            ex.grid = grid  # this round's (locked) grid
+            self.got, self._next_poll = session.got, 0.0
+            full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, s, S=S)
+            release = [nid in pool.shared for nid in plan.node_ids]
+            t0 = time.perf_counter()
+            for k, st in enumerate(plan.plan.stages):
+                changed = session.changed(
+                    k, stage_weights(full, chunked[k] if chunked else None, st)
+                )
+                header = {"op": "begin", "round": server_round, "steps": steps}
+                header |= {"rebuild": session.released[k], "release": release[k]}
+                content: dict[str, Any] = {}
+                if changed or session.released[k]:
+                    content[P.ARRAYS] = ArrayRecord(changed)
+                if session.released[k]:  # the whole slice and (keep) the optimizer state
+                    content.update(migrated_state(s, plan, k))
+                self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
+                session.held[k].update(changed)
+            statuses, replies = self.round_frames(session, plan, server_round, budget)
+            wall = time.perf_counter() - t0
+            self.raise_failures(ex, plan, statuses, budget)
+            try:
+                out = self.parse(ex, plan, replies, arrays, steps, wall)
+            except (KeyError, TypeError, ValueError, IndexError) as err:
+                raise ex.fail(
+                    f"a stage sent a malformed reply: {type(err).__name__}: {err}"
+                ) from err
+            for k, reply in enumerate(replies):
+                session.released[k] = release[k]
+                if release[k]:  # the stage freed its layers: the next begin rebuilds it
+                    session.held[k] = {}
+                else:
+                    session.held[k].update(
+                        reply.content.array_records[P.ARRAYS].to_torch_state_dict()
+                    )
+        except BaseException:
+            if session is not None:
+                pool.end(session, graceful=False)
+            raise
+        session.rounds += 1
+        pool.put(owner, session)
+        out.extra.update(
+            setup_s=setup_s,
+            flower_messages=messages,
+            session_round=session.rounds,
+            wall_s=time.perf_counter() - t_start,
+            # the cost model's set-up, charged to the round that set the session up
+            predicted_setup_s=plan.setup_s if setup_s > 0 else 0.0,
+        )
+        return out
+
+    def round_frames(
+        self, session: StreamSession, plan: Pipeline, server_round: int, budget: float
+    ) -> tuple[list[tuple[str, str]], list[FrameReply]]:
+        """Every stage's ``end`` frame of round ``server_round``, within ``budget``
+        (after a stage's failure, ``direct_timeout_s`` + 5 s more for the others: they
+        stop within the group's timeout). Per stage :func:`reply_status`'s ``(kind,
+        text)``, and the replies (all of them when every stage is ``ok``).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stage that sent a frame other than its ``end`` of the round.
+        """
+        ex, ep, S = session.ex, session.ep, plan.num_stages
+        statuses: dict[int, tuple[str, str]] = {}
+        replies: dict[int, FrameReply] = {}
+        until = time.perf_counter() + budget
+        while len(statuses) < S and time.perf_counter() < until:
+            if self.s.stop.is_set():
+                raise ex.fail("the run was stopped")
+            try:
+                k, header, records, reason = ep.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            nid = plan.node_ids[k]
+            if header is None:  # its control stream ended: the node's process is gone
+                statuses.setdefault(k, ("failed", f"its control stream ended: {reason}"))
+            elif header.get("op") != "end" or int(header.get("round", -1)) != server_round:
+                raise ex.fail(
+                    f"stage {k} on {ex.name(nid)} sent a frame that is not its end of "
+                    f"round {server_round} ({header})",
+                    [nid],
+                )
+            elif k in statuses:
+                continue  # after its stream ended (cannot send) or a second end: the first counts
+            else:
+                reply = FrameReply(records, FrameMeta(nid, "direct frame end", ""))
+                if P.STAGE_ERROR in records.config_records:  # its own error
+                    statuses[k] = reply_status(reply)
+                elif header.get("error"):  # a peer's failure, a fault: its group is gone
+                    statuses[k] = ("failed", str(header["error"]))
+                else:
+                    statuses[k], replies[k] = ("ok", ""), reply
+            if statuses[k][0] != "ok":  # the others stop within the group's timeout
+                until = min(until, time.perf_counter() + self.s.direct_timeout_s + 5.0)
+        out = [statuses.get(k, ("missing", "")) for k in range(S)]
+        return out, [replies[k] for k in range(S) if k in replies]

@@ -1,5 +1,7 @@
 """Stage sessions on the ``stream`` transport: one Flower message per stage node per
-plan, every round driven over the session's stream.
+plan, every round driven over the session's stream. (``direct`` runs them too, its
+stages' process group living as long: :mod:`sky_flower.sky.transport.direct`; what
+follows says ``stream``'s.)
 
 Flower 1.42 charges a deployed message seconds (a fresh ``flwr-clientapp`` process per
 message, a SuperNode that sleeps 3 s after an empty pull), but a message may run as long
@@ -96,6 +98,8 @@ class StreamSession:
         Seconds from the set-up messages' push until every stage had joined.
     got : dict
         Flower replies of its set-up messages that have come (an error ends it).
+    host : RoundHost or None
+        ``direct``: the session's rendezvous (its TCPStore), closed with it.
     """
 
     key: tuple[Any, ...]
@@ -109,6 +113,7 @@ class StreamSession:
     rounds: int = 0
     setup_s: float = 0.0
     got: dict[str, Message] = field(default_factory=dict)
+    host: Any = None
 
     def fits(self, budget_s: float, timeout_s: float, max_age_s: float) -> bool:
         """Whether a round of ``budget_s`` (plus the silence bound ``timeout_s``) ends
@@ -145,6 +150,8 @@ class StreamSession:
         finally:
             self.ex.abandon()  # what has not come is no longer waited for
             self.ep.close()
+            if self.host is not None:
+                self.host.close()
         return pulled
 
 
