@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sky_flower.core.schedule import SCHEDULE_KINDS, TRANSPORTS
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
@@ -389,7 +389,7 @@ class SkySettings:
     num_rounds: int = _setting(2, "num-server-rounds", "num_rounds", AT_LEAST_1)
     allocation: str = _setting("heuristic", "allocation", "allocation.method", choices=ALLOCATIONS)
     milp_time_limit_s: float = _setting(
-        30.0, "milp-time-limit-s", "allocation.time_limit_s", POSITIVE
+        MILP_TIME_LIMIT_S, "milp-time-limit-s", "allocation.time_limit_s", POSITIVE
     )
     fleet: str = _setting("edge4", "fleet", "fleet.name")
     seed: int = _setting(0, "seed", "seed")

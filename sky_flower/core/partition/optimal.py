@@ -35,6 +35,7 @@ from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT, _count_plan
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp, plan_gap
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 
 SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 
@@ -42,7 +43,7 @@ SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 def optimal(
     cost: CostModel,
     objective: str = "step",
-    time_limit_s: float = 30.0,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
     mip_rel_gap: float = 1e-6,
     solver: str = "auto",
 ) -> Plan:
