@@ -170,30 +170,13 @@ def _by_sum_dp(
         return None
     stages = dp2.solve(t0 + time_limit_s)
     if stages == "timeout":
-        return make_plan(
-            cost,
-            "optimal",
-            h.spec,
-            time.perf_counter() - t0,
-            lower_bound_s=cost.lower_bound(objective),
-            objective=objective,
-            note=f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
-            "heuristic plan, not proven",
-        )
+        note = f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
+        note += "heuristic plan, not proven"
+        return _dp_plan(cost, objective, h.spec, t0, cost.lower_bound(objective), False, note)
     if stages is None or cost.step_time(stages) > h.predicted_step_time_s:
         stages = h.spec
-    v = cost.step_time(stages)
-    return make_plan(
-        cost,
-        "optimal",
-        stages,
-        time.perf_counter() - t0,
-        lower_bound_s=v,
-        objective=objective,
-        proven_optimal=True,
-        mip_gap=0.0,
-        note="exact dynamic programme over node kinds and layers (one pass)",
-    )
+    note = "exact dynamic programme over node kinds and layers (one pass)"
+    return _dp_plan(cost, objective, stages, t0, cost.step_time(stages), True, note)
 
 
 def _why_not_milp(cost: CostModel, objective: str, solver: str) -> str | None:
