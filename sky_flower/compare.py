@@ -15,6 +15,7 @@ import csv
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,40 +88,68 @@ def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def finish_sweep(
+    config: DictConfig,
+    summarise: Callable[[Path], list[dict[str, Any]]],
+    report: Callable[[list[dict[str, Any]], Path], str],
+    failed: Callable[[dict[str, Any]], bool],
+) -> None:
+    """A sweep callback's end of a multirun: print the ``report`` of the ``summarise``d
+    jobs of ``hydra.sweep.dir``; exit 1 naming the ``failed`` ones (the sweep went on
+    past them; its exit status still says so)."""
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    if not sweep_dir.exists():
+        return
+    rows = summarise(sweep_dir)
+    print(report(rows, sweep_dir))
+    bad = [r["job"] for r in rows if failed(r)]
+    if bad:
+        raise SystemExit(f"{len(bad)} of {len(rows)} jobs failed: {', '.join(bad)}")
+
+
+def sweep_cli(
+    argv: list[str] | None,
+    module: str,
+    collect: Callable[[Path], list[dict[str, Any]]],
+    job_file: str,
+    show: Callable[[Path], str],
+) -> int:
+    """``python -m sky_flower.<module> <sweep directory>``: print ``show`` of it; 1
+    (writing nothing) when it holds no jobs (no ``collect``ed ``job_file``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(f"usage: python -m sky_flower.{module} <multirun sweep directory>", file=sys.stderr)
+        return 1
+    sweep_dir = Path(args[0])
+    if not sweep_dir.is_dir() or not collect(sweep_dir):
+        print(
+            f"error: no sweep jobs found in {sweep_dir} (expected Hydra multirun job folders "
+            f"with {job_file})",
+            file=sys.stderr,
+        )
+        return 1
+    print(show(sweep_dir))
+    return 0
+
+
 class SweepSummary(Callback):
     """Hydra callback: print and save the comparison when a multirun ends; exit 1 if
     any job failed."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Summarise ``hydra.sweep.dir``."""
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.exists():
-            return
-        rows = summarise(sweep_dir)
-        print(f"\nsky-flower sweep summary ({sweep_dir / 'summary.csv'}):")
-        print(table(rows))
-        failed = [r["job"] for r in rows if r["error"]]
-        if failed:  # the sweep went on past them; its exit status still says so
-            raise SystemExit(f"{len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}")
+        finish_sweep(
+            config,
+            summarise,
+            lambda rows, d: f"\nsky-flower sweep summary ({d / 'summary.csv'}):\n{table(rows)}",
+            lambda r: bool(r["error"]),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: print the table and write ``summary.csv``; 1 (writing nothing) when the
     directory holds no sweep jobs."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m sky_flower.compare <multirun sweep directory>", file=sys.stderr)
-        return 1
-    sweep_dir = Path(args[0])
-    if not sweep_dir.is_dir() or not collect(sweep_dir):
-        print(
-            f"error: no sweep jobs found in {sweep_dir} (expected Hydra multirun job folders "
-            "with results.json)",
-            file=sys.stderr,
-        )
-        return 1
-    print(table(summarise(sweep_dir)))
-    return 0
+    return sweep_cli(argv, "compare", collect, "results.json", lambda d: table(summarise(d)))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from sky_flower.compare import finish_sweep, sweep_cli
 from sky_flower.jobs.plan import ROW_FILE
 
 COLUMNS = [
@@ -215,33 +216,13 @@ class PlanSweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Summarise ``hydra.sweep.dir``."""
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.exists():
-            return
-        rows = summarise(sweep_dir)
-        print(report(rows, sweep_dir))
-        errors = [r["job"] for r in rows if r.get("status") == "error"]
-        if errors:
-            raise SystemExit(f"{len(errors)} of {len(rows)} jobs failed: {', '.join(errors)}")
+        finish_sweep(config, summarise, report, lambda r: r.get("status") == "error")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: write the CSV and figure, print :func:`report`; 1 (writing nothing)
     when the directory holds no sweep jobs."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m sky_flower.plan_sweep <multirun sweep directory>", file=sys.stderr)
-        return 1
-    sweep_dir = Path(args[0])
-    if not sweep_dir.is_dir() or not collect(sweep_dir):
-        print(
-            f"error: no sweep jobs found in {sweep_dir} (expected Hydra multirun job folders "
-            f"with {ROW_FILE})",
-            file=sys.stderr,
-        )
-        return 1
-    print(report(summarise(sweep_dir), sweep_dir))
-    return 0
+    return sweep_cli(argv, "plan_sweep", collect, ROW_FILE, lambda d: report(summarise(d), d))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
-from sky_flower.sky.planning.benchmark import Link, benchmark_table, wait_for_nodes
+from sky_flower.sky.planning.benchmark import Link, wait_for_nodes
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.rounds import report
 from sky_flower.sky.rounds.executor import RUNNERS, Evaluator, RoundExecutor
@@ -389,22 +389,12 @@ class SkyStrategy(Strategy):
         self.benchmarker.run(grid, node_ids, self.node_order)
         return self.state.node_profiles
 
-    def benchmark_table(self, emulation: dict[str, str] | None = None) -> str:
-        """The benchmark round's results as a text table."""
-        return benchmark_table(self.state.node_profiles, emulation)
-
     def make_plan(self, alternatives: bool = True) -> Plan:
         """Plan one pipeline per data owner over the profiled nodes and install it
         (``alternatives``: also predict the other allocations, for the ``plan`` event).
         Returns the first owner's pipeline plan (:attr:`plans` holds them all)."""
         fed = self.planner.make_plan(alternatives)
         return fed.planned[0].plan
-
-    def stage_predictions(self) -> list[dict[str, Any]]:
-        """Per stage and step, what the cost model predicts
-        (:func:`sky_flower.sky.planning.planning.stage_predictions`)."""
-        assert self.pipeline is not None, "run the benchmark round and make_plan() first"
-        return list(self.pipeline.predictions)
 
     def steps_in_round(self) -> int:
         """Training steps per round."""

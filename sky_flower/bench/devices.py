@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = CostModel(layers, fleet, schedule)
     for method in ("even", "optimal"):
         try:
-            plan = partition(cost, method, time_limit_s=30.0)
+            plan = partition(cost, method)
         except InfeasibleMemoryError as err:
             print(f"\n{method}: infeasible: {err}")
             continue

@@ -204,19 +204,7 @@ def bert_entry_costs(
         raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     if seq_len > max_position:
         raise ValueError(f"seq_len ({seq_len}) exceeds max_position ({max_position})")
-    return dict(
-        _entry_costs(
-            hidden,
-            heads,
-            intermediate,
-            seq_len,
-            num_classes,
-            vocab_size,
-            max_position,
-            type_vocab,
-            dtype_bytes,
-        )
-    )
+    return dict(_entry_costs(**sizes))
 
 
 @lru_cache(maxsize=64)

@@ -270,20 +270,6 @@ class CostModel(LowerBounds, Calibration):
         lat += 0.5 * (self.peer_latency[sender] + self.peer_latency[receiver])
         return float(lat + nbytes * max(self.inv_bw[sender], self.inv_bw[receiver]))
 
-    def stage_overhead(self, node: int, first: int, last: int, k: int, num_stages: int) -> float:
-        """Per-step relay overhead of stage ``k``: message latency, ``context.state``
-        shipping and label bytes (0 on ``direct``)."""
-        if not self.via_server:
-            return 0.0
-        messages = 1 if k == num_stages - 1 else 2
-        state = (
-            0.0 if self.stream else float(self.state_prefix[last + 1] - self.state_prefix[first])
-        )
-        t = messages * (float(self.latency[node]) + float(self.state_rate[node]) * state)
-        if num_stages > 1 and (k == 0 or k == num_stages - 1):
-            t += LABEL_BYTES_PER_SAMPLE * self.schedule.batch_size * float(self.inv_bw[node])
-        return t
-
     def inflight(self, k: int, num_stages: int) -> int:
         """Micro-batches whose activations stage ``k`` stashes at its peak (the chunked
         kinds and ``auto``: ``M``, a bound; :meth:`stage_memories` simulates them)."""

@@ -82,11 +82,6 @@ class LayerProfile:
     frozen_bytes: int = 0
 
     @property
-    def grad_bytes(self) -> int:
-        """Bytes of parameter gradients (equal to ``param_bytes``)."""
-        return self.param_bytes
-
-    @property
     def weight_bytes(self) -> int:
         """Bytes of all parameters, trainable and frozen (what moving the layer moves)."""
         return self.param_bytes + self.frozen_bytes

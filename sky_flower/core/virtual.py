@@ -152,11 +152,6 @@ def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
     return ops
 
 
-def chunk_rank(chunk: int, stages: int) -> int:
-    """Rank that runs ``chunk`` (torch's loop placement: ``chunk mod S``)."""
-    return chunk % stages
-
-
 @dataclass(frozen=True)
 class ChunkSim:
     """Outcome of :func:`simulate_chunks` (seconds from the start of the step).

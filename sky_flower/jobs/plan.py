@@ -55,6 +55,7 @@ from sky_flower.core.profile import (
     profile_layers,
     time_layers,
 )
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import write_json  # strictly valid JSON (NaN/inf: null)
 from sky_flower.pipeline.models import build_model
@@ -87,7 +88,7 @@ def check_config(cfg: DictConfig) -> None:
     method = str(cfg.allocation.method)
     if method not in METHODS:
         raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")
-    limit = float(cfg.allocation.get("time_limit_s", 30.0))
+    limit = float(cfg.allocation.get("time_limit_s", MILP_TIME_LIMIT_S))
     if not limit > 0:
         raise ValueError(f"allocation.time_limit_s must be > 0, got {limit:g}")
 
@@ -342,7 +343,7 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         write_json(out_dir / ROW_FILE, row)
         raise
     method, objective = str(cfg.allocation.method), str(cfg.objective)
-    limit = float(cfg.allocation.get("time_limit_s", 30.0))
+    limit = float(cfg.allocation.get("time_limit_s", MILP_TIME_LIMIT_S))
     try:
         plan = partition(cost, method, objective=objective, time_limit_s=limit)
     except ValueError as err:

@@ -1,8 +1,8 @@
 """The Sky protocol, both halves, by concept.
 
 At the top, what both halves share: :mod:`.protocol` (message types, record keys, typed
-records), :mod:`.migration` (optimizer state by parameter name), :mod:`.settings` and
-:mod:`.setting_values` (every setting's one default and check). Below:
+records), :mod:`.migration` (optimizer state by parameter name), :mod:`.settings` (every
+setting's one default and check). Below:
 
 * :mod:`.node`: the node side (a ClientApp's handlers, a stage's state);
 * :mod:`.transport`: a round of one pipeline (the runners and what they share);

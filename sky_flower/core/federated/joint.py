@@ -16,6 +16,7 @@ from sky_flower.core.federated.plan import FederatedPlan
 from sky_flower.core.federated.search import even_solution, heuristic_solution
 from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 
 BOUND_LP_VARIABLES = 2_000  # owner bounds use the memory LP up to this many variables
 
@@ -29,7 +30,7 @@ def plan_federation(  # noqa: PLR0913
     *,
     local_epochs: float = 1.0,
     steps_per_round: int = 0,
-    time_limit_s: float = 30.0,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
 ) -> FederatedPlan:
     """Plan one federated round: a pipeline per data owner, helpers shared.
 

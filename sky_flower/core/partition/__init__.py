@@ -102,6 +102,7 @@ from sky_flower.core.partition.plan import (
     _check_objective,
     make_plan,
 )
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 
 METHODS = ("even", "heuristic", "optimal")
 
@@ -133,7 +134,7 @@ def partition(
     method: str,
     *,
     objective: str = "step",
-    time_limit_s: float = 30.0,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
     mip_rel_gap: float = 1e-6,
 ) -> Plan:
     """Partition by ``method`` (``even``, ``heuristic`` or ``optimal``).

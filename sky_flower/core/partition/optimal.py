@@ -35,6 +35,7 @@ from sky_flower.core.partition.enumeration import ENUMERATION_LIMIT, _count_plan
 from sky_flower.core.partition.heuristic import heuristic
 from sky_flower.core.partition.milp import MILP_VARIABLE_LIMIT, _milp_ok, _SlotMilp, plan_gap
 from sky_flower.core.partition.plan import Plan, _check_objective, _kinds, make_plan
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 
 SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 
@@ -42,7 +43,7 @@ SOLVERS = ("auto", "enumerate", "milp", "dp", "chain")
 def optimal(
     cost: CostModel,
     objective: str = "step",
-    time_limit_s: float = 30.0,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
     mip_rel_gap: float = 1e-6,
     solver: str = "auto",
 ) -> Plan:
@@ -169,30 +170,13 @@ def _by_sum_dp(
         return None
     stages = dp2.solve(t0 + time_limit_s)
     if stages == "timeout":
-        return make_plan(
-            cost,
-            "optimal",
-            h.spec,
-            time.perf_counter() - t0,
-            lower_bound_s=cost.lower_bound(objective),
-            objective=objective,
-            note=f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
-            "heuristic plan, not proven",
-        )
+        note = f"one-pass dynamic programme: time limit {time_limit_s:g} s reached, "
+        note += "heuristic plan, not proven"
+        return _dp_plan(cost, objective, h.spec, t0, cost.lower_bound(objective), False, note)
     if stages is None or cost.step_time(stages) > h.predicted_step_time_s:
         stages = h.spec
-    v = cost.step_time(stages)
-    return make_plan(
-        cost,
-        "optimal",
-        stages,
-        time.perf_counter() - t0,
-        lower_bound_s=v,
-        objective=objective,
-        proven_optimal=True,
-        mip_gap=0.0,
-        note="exact dynamic programme over node kinds and layers (one pass)",
-    )
+    note = "exact dynamic programme over node kinds and layers (one pass)"
+    return _dp_plan(cost, objective, stages, t0, cost.step_time(stages), True, note)
 
 
 def _why_not_milp(cost: CostModel, objective: str, solver: str) -> str | None:

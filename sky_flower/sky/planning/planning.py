@@ -27,7 +27,7 @@ from sky_flower.core.federated import (
 from sky_flower.core.partition import METHODS, InfeasibleMemoryError, Plan, feasible_bounds
 from sky_flower.core.profile import LayerProfile, NodeProfile, profile_layers
 from sky_flower.core.profile import default_optimizer_factory as _opt_factory
-from sky_flower.core.schedule import choose_schedule, predict
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S, choose_schedule, predict
 from sky_flower.sky.transport.runner import Pipeline
 
 
@@ -420,7 +420,7 @@ def make_federated_plan(  # noqa: PLR0913
     *,
     local_epochs: float = 1.0,
     steps_per_round: int = 0,
-    time_limit_s: float = 30.0,
+    time_limit_s: float = MILP_TIME_LIMIT_S,
     alternatives: bool = True,
     log_tables: bool = True,
 ) -> FederatedPlanned:

@@ -1,5 +1,5 @@
 """The ``stream`` endpoint's certificate: self-signed, made per round with
-``cryptography`` (as :mod:`sky_flower.deploy.tls` makes the deployment's), pinned by
+``cryptography`` (:func:`x509_pem`, which makes the deployment's too), pinned by
 the SHA-256 fingerprint of its DER encoding that Flower's own authenticated set-up
 message carries (:mod:`sky_flower.sky.transport.channel`)."""
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SERVER_NAME = "sky-flower-stream"  # the certificate's name; the client checks it
 
@@ -50,34 +52,63 @@ def fingerprint(cert_pem: bytes) -> str:
     return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
 
 
-def make_certificate(hours: float = 24.0) -> Certificate:
-    """A fresh self-signed ECDSA P-256 certificate for :data:`SERVER_NAME` (as
-    :mod:`sky_flower.deploy.tls` makes the deployment's, with ``cryptography``), valid
-    ``hours``."""
+def x509_pem(
+    name: str,
+    key: Any,  # noqa: ANN401 - a cryptography private key
+    valid: dt.timedelta,
+    *,
+    dns: Sequence[str] = (),
+    ips: Sequence[str] = (),
+    ca: bool = False,
+    issuer: tuple[str, Any] | None = None,
+) -> tuple[bytes, bytes]:
+    """The one certificate builder (``cryptography``; the stream endpoint's here, the
+    deployment's CA and server certificate in :mod:`sky_flower.deploy.tls`): a
+    certificate for common name ``name`` and ``key``'s public key, signed by ``issuer``
+    (its common name and private key; ``None``: self-signed), valid from 5 minutes ago
+    for ``valid``, with the ``dns`` and ``ips`` subject alternative names and, if
+    ``ca``, CA basic constraints. Returns its PEM and ``key``'s (PKCS8, unencrypted)."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)])
+    def named(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    issuer_name, issuer_key = issuer or (name, key)
     now = dt.datetime.now(dt.UTC)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
+        .subject_name(named(name))
+        .issuer_name(named(issuer_name))
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(hours=hours))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
+        .not_valid_after(now + valid)
     )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
+    alt = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+    if alt:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+    if ca:
+        builder = builder.add_extension(
+            x509.BasicConstraints(ca=True, path_length=None), critical=True
+        )
+    cert = builder.sign(issuer_key, hashes.SHA256())
     key_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def make_certificate(hours: float = 24.0) -> Certificate:
+    """A fresh self-signed ECDSA P-256 certificate for :data:`SERVER_NAME`
+    (:func:`x509_pem`), valid ``hours``."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem, key_pem = x509_pem(SERVER_NAME, key, dt.timedelta(hours=hours), dns=[SERVER_NAME], ca=True)
     return Certificate(pem, key_pem, fingerprint(pem))
 
 
