@@ -31,9 +31,13 @@ Message types served (names and records: :mod:`sky_flower.sky.protocol`):
                        (:mod:`sky_flower.sky.transport.stream_probe`)
 =====================  ===============================================================
 
-A forward or backward whose stage raises (its model, loss or data) replies with the
-error in :data:`~sky_flower.sky.protocol.STAGE_ERROR`: the server fails the round naming
-the node and the reason, and drops no node for it. A node that lacks the state a
+A forward or backward is one op that the node's interpreter
+(:func:`sky_flower.sky.node.stage_ops.answer_op`, the stream's too) serves over the
+message (:class:`~sky_flower.sky.node.channels.MessageChannel`) on the stage in
+``context.state`` (:class:`ContextStage`). One whose stage raises (its model, loss or
+data) replies with the error in :data:`~sky_flower.sky.protocol.STAGE_ERROR`: the server
+fails the round naming the node and the reason, and drops no node for it. A malformed op
+(:class:`~sky_flower.sky.node.stage_ops.MalformedOpError`), a node that lacks the state a
 message needs (:class:`NodeStateError`: it restarted or missed a message) and an
 injected fault still raise, which Flower turns into an error reply: the node failed.
 
@@ -65,7 +69,7 @@ from sky_flower.core.profile import (
     time_optimizer_steps,
 )
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import EMULATED_S, Emulation, message_round
+from sky_flower.emulation.devices import Emulation, message_round
 from sky_flower.jobs.quiet import quiet_actor_exit
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
@@ -82,7 +86,8 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.node.stage_ops import run_op
+from sky_flower.sky.node.channels import MessageChannel
+from sky_flower.sky.node.stage_ops import OpStage, answer_op
 from sky_flower.sky.node.stage_state import (
     NodeStateError,
     direct_ran,
@@ -106,23 +111,6 @@ ACCUM = "sky.accum"  # {"step", "done"} micro-batches back-propagated
 STASH_MB = "sky.stash."  # + first micro-batch of the group
 
 Handler = Callable[[Message, Context, Emulation], RecordDict]
-
-
-def stage_errors(fn: Handler) -> Handler:
-    """``fn`` replying with :data:`~sky_flower.sky.protocol.STAGE_ERROR` (the exception's
-    type and first line) when the stage's own computation raises; a
-    :class:`NodeStateError` or a protocol error still raises."""
-
-    def handler(msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        try:
-            return fn(msg, context, emu)
-        except (NodeStateError, P.ProtocolError):
-            raise
-        except Exception as err:  # noqa: BLE001 - the stage's error, reported as such
-            return RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-
-    handler.__name__ = getattr(fn, "__name__", "handler")
-    return handler
 
 
 class _ContextStash(MutableMapping[int, torch.Tensor]):
@@ -150,6 +138,115 @@ class _ContextStash(MutableMapping[int, torch.Tensor]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class ContextStage(OpStage):
+    """A relay stage: rebuilt from ``context.state`` for each op (weights and buffers,
+    optimizer state, the gradients accumulated so far), saved back after it; its stash
+    a :class:`_ContextStash` (records only: this also works where each message runs in a
+    fresh process).
+
+    Parameters
+    ----------
+    client : SkyClient
+        The node's model, data and objective.
+    context : Context
+        The node's context (its ``state`` holds the stage).
+    emu : Emulation
+        The node's emulation (its device).
+
+    Raises
+    ------
+    NodeStateError
+        If no stage is installed on this node (``train.sky_setup`` first).
+    """
+
+    missing = NodeStateError  # a backward without its stash: the node lost its state
+
+    def __init__(self, client: SkyClient, context: Context, emu: Emulation) -> None:
+        self.client, self.context, self.emu = client, context, emu
+        self.st = client._stage(context)
+        self.stash = _ContextStash(context)
+        self.compute_s = 0.0
+
+    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+        """The stage from ``context.state`` on the node's device (``emu.device``: the
+        records stay on the CPU, the executor moves tensors at its edges), for the
+        ``group.count`` micro-batches of the group; each micro-batch's loss scaled by
+        the reduction for the step's ``M`` (and, for ``weighted``, the step's label
+        weight); the randomness keyed by the run's seed, the round, the step and the
+        micro-batches' indices."""
+        st, state = self.st, self.context.state
+        records = state.array_records
+        device = self.emu.torch_device()
+        module, opt = load_stage(
+            self.client.model_fn,
+            st.first,
+            st.last,
+            (records[WEIGHTS], records.get(OPTIM)),
+            default_optimizer_factory(st.optimizer, st.lr),
+            device,
+        )
+        key = RngKey(st.seed, st.round, group.step)
+        ex = StageExecutor(
+            module,
+            opt,
+            group.count,
+            st.microbatches,
+            key,
+            group.first,
+            device,
+            stage_reduction(st),
+        )
+        if GRADS in state:
+            ex.load_grads(state.array_records[GRADS].to_torch_state_dict())
+        return ex
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data owner's batch of step ``step`` (the node's ``load_data``)."""
+        return self.client._batch(self.context, self.st, step)  # type: ignore[return-value]
+
+    def objective(self) -> tuple[LossFn, MetricFn]:
+        """The node's loss and metric, else the stage config's."""
+        return self.client._objective(self.st)
+
+    def accumulated(self, group: P.MicroBatchGroup) -> int:
+        """Micro-batches of ``group.step`` back-propagated on this stage, this group's
+        included.
+
+        Raises
+        ------
+        NodeStateError
+            If another step's micro-batches are still accumulating.
+        """
+        state, done = self.context.state, 0
+        if ACCUM in state:
+            acc = state.config_records[ACCUM]
+            if int(acc["step"]) != group.step:
+                raise NodeStateError(
+                    f"step {group.step} arrived while step {int(acc['step'])} still has "
+                    f"{self.st.microbatches - int(acc['done'])} micro-batches to "
+                    "back-propagate"
+                )
+            done = int(acc["done"])
+        return done + group.count
+
+    def keep(self, ex: StageExecutor, group: P.MicroBatchGroup, done: int) -> None:
+        """Save the stepped stage (``done == M``), else the gradients accumulated so far
+        and the buffers this group updated (BatchNorm: every group's micro-batches count,
+        as in the whole model)."""
+        state = self.context.state
+        if done >= self.st.microbatches:
+            state[WEIGHTS], state[OPTIM] = save_stage(ex.module, ex.optimizer)
+            for key in (GRADS, ACCUM):
+                if key in state:
+                    del state[key]
+        else:
+            state[GRADS] = ArrayRecord({k: v.detach() for k, v in ex.grads().items()})
+            weights = state.array_records[WEIGHTS]
+            for name, array in ArrayRecord(ex.buffers()).items():
+                weights[name] = array
+            state[ACCUM] = ConfigRecord({"step": group.step, "done": done})
 
 
 def _payload_bytes(content: RecordDict) -> int:
@@ -213,8 +310,6 @@ class SkyClient:
         }
         for mtype, fn in handlers.items():
             kind = app.query if mtype.startswith("query.") else app.train
-            if mtype in (P.FORWARD, P.BACKWARD):
-                fn = stage_errors(fn)
             kind(P.action(mtype))(self._wrap(fn))
         return app
 
@@ -254,41 +349,6 @@ class SkyClient:
             raise NodeStateError("no stage installed on this node: train.sky_setup first")
         return P.StageConfig.from_config_record(context.state.config_records[STAGE])
 
-    def _executor(
-        self, context: Context, st: P.StageConfig, grp: P.MicroBatchGroup, emu: Emulation
-    ) -> StageExecutor:
-        """The stage from ``context.state`` (weights and buffers, optimizer state, the
-        gradients accumulated so far) on the node's device (``emu.device``: the records
-        stay on the CPU, the executor moves tensors at its edges), for the ``grp.count``
-        micro-batches of the group; each micro-batch's loss scaled by the reduction for
-        the step's ``M`` (and, for ``weighted``, the step's label weight); the
-        randomness keyed by the
-        run's seed, the round, the step and the micro-batches' indices."""
-        records = context.state.array_records
-        device = emu.torch_device()
-        module, opt = load_stage(
-            self.model_fn,
-            st.first,
-            st.last,
-            (records[WEIGHTS], records.get(OPTIM)),
-            default_optimizer_factory(st.optimizer, st.lr),
-            device,
-        )
-        key = RngKey(st.seed, st.round, grp.step)
-        ex = StageExecutor(
-            module,
-            opt,
-            grp.count,
-            st.microbatches,
-            key,
-            grp.first,
-            device,
-            stage_reduction(st),
-        )
-        if GRADS in context.state:
-            ex.load_grads(context.state.array_records[GRADS].to_torch_state_dict())
-        return ex
-
     def _objective(self, st: P.StageConfig) -> tuple[LossFn, MetricFn]:
         """The last stage's loss and metric: the node's own, else the stage config's."""
         return self.loss_fn or resolve(st.loss), self.metric_fn or resolve(st.metric)
@@ -298,51 +358,6 @@ class SkyClient:
         if data is None:
             raise RuntimeError("stage 0 was placed on a node that holds no data")
         return step_batch(data, st.batch_size, st.round, st.seed, step)
-
-    @staticmethod
-    def _accumulated(context: Context, st: P.StageConfig, grp: P.MicroBatchGroup) -> int:
-        """Micro-batches of ``grp.step`` back-propagated on this stage, this group's
-        included.
-
-        Raises
-        ------
-        RuntimeError
-            If another step's micro-batches are still accumulating.
-        """
-        done = 0
-        if ACCUM in context.state:
-            acc = context.state.config_records[ACCUM]
-            if int(acc["step"]) != grp.step:
-                raise NodeStateError(
-                    f"step {grp.step} arrived while step {int(acc['step'])} still has "
-                    f"{st.microbatches - int(acc['done'])} micro-batches to back-propagate"
-                )
-            done = int(acc["done"])
-        return done + grp.count
-
-    @staticmethod
-    def _keep(context: Context, ex: StageExecutor, step: int, done: int, M: int) -> None:
-        """Save the stepped stage (``done == M``), else the gradients accumulated so far
-        and the buffers this group updated (BatchNorm: every group's micro-batches count,
-        as in the whole model)."""
-        if done >= M:
-            context.state[WEIGHTS], context.state[OPTIM] = save_stage(ex.module, ex.optimizer)
-            for key in (GRADS, ACCUM):
-                if key in context.state:
-                    del context.state[key]
-        else:
-            context.state[GRADS] = ArrayRecord({k: v.detach() for k, v in ex.grads().items()})
-            weights = context.state.array_records[WEIGHTS]
-            for name, array in ArrayRecord(ex.buffers()).items():
-                weights[name] = array
-            context.state[ACCUM] = ConfigRecord({"step": step, "done": done})
-
-    def _group(self, msg: Message, context: Context) -> tuple[P.StageConfig, P.MicroBatchGroup]:
-        """The installed stage and the message's micro-batch group, checked."""
-        st = self._stage(context)
-        grp = P.MicroBatchGroup.from_config_record(msg.content.config_records.get(P.MB))
-        grp.check(st.microbatches)
-        return st, grp
 
     # --- handlers --------------------------------------------------------------------
     def profile(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
@@ -430,28 +445,27 @@ class SkyClient:
         return self._op("B", msg, context, emu)
 
     def _op(self, op: str, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """Op ``op`` of the message's group (:func:`sky_flower.sky.node.stage_ops.run_op`)
-        on the stage rebuilt from ``context.state``, saved back after it."""
-        st, grp = self._group(msg, context)
-        ex = self._executor(context, st, grp, emu)
-        loss_fn, metric_fn = self._objective(st)
-        out, compute, done = run_op(
-            op,
-            st,
-            ex,
-            msg.content,
-            grp,
-            (lambda: self._batch(context, st, grp.step)) if st.is_first else None,
-            _ContextStash(context),
-            lambda: self._accumulated(context, st, grp),
-            loss_fn,
-            metric_fn,
-            missing=NodeStateError,
-        )
-        if done >= 0:  # back-propagated: the accumulation (or the stepped stage) saved
-            self._keep(context, ex, grp.step, done, st.microbatches)
-        out[P.METRICS][EMULATED_S] = emu.after_compute(compute)
-        return RecordDict(out)
+        """Op ``op`` of the message (a :class:`MessageChannel`: its one op) served by the
+        node's interpreter (:func:`sky_flower.sky.node.stage_ops.answer_op`) on the stage
+        in ``context.state`` (:class:`ContextStage`); the reply's content: the op's
+        result, or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own
+        error.
+
+        Raises
+        ------
+        NodeStateError
+            If the node lacks the stage's state (no set-up, a lost accumulation or stash).
+        MalformedOpError
+            If the op is malformed (its group, its inputs).
+        """
+        channel = MessageChannel(op, msg.content)
+        stage = ContextStage(self, context, emu)
+        for header, records in channel.frames():
+            answer_op(stage, channel, header, records, emu)
+        channel.close()
+        if channel.reply is None:
+            raise RuntimeError(f"{msg.metadata.message_type} got no reply")
+        return channel.reply
 
     def collect(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Return the stage's weights (end of round): its trainable parameters and

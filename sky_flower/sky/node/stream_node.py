@@ -6,7 +6,9 @@ in the first frame), keeps its layers, optimizer and stashed inputs **live** for
 round (no ``context.state`` round trip per op, unlike the relay), and answers every op
 frame the server forwards: ``F`` (forward of micro-batches ``first .. first+count-1`` of
 step ``step``; the last stage: loss and backward too), ``B`` (backward of a group from
-its stash), until ``end``. Then it replies over Flower with its weights.
+its stash), until ``end``. Then it replies over Flower with its weights. The ops are
+served by the node's one interpreter (:func:`sky_flower.sky.node.stage_ops.answer_op`)
+over a :class:`~sky_flower.sky.node.channels.StreamChannel`, on a :class:`LiveStage`.
 
 The computation is the relay's (:class:`sky_flower.pipeline.stage.StageExecutor`:
 forward without a graph, the backward recomputes it, randomness keyed by ``(seed, round,
@@ -17,8 +19,6 @@ micro-batch): weights, buffers and dropout masks equal the unsplit reference.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,24 +40,22 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.node.stage_ops import run_op
+from sky_flower.sky.node.channels import StreamChannel
+from sky_flower.sky.node.stage_ops import OpStage, answer_op
 from sky_flower.sky.node.stage_state import load_stage, stage_reduction
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
 BYTES = "bytes"
-# stages that share one process (threads: an in-process grid, a test) run their ops one
-# at a time: forward_layers seeds the process-wide CPU generator for each layer, so two
-# at once would draw each other's dropout masks
-_RNG_LOCK = threading.Lock()
 
 
 class StageRefusedError(RuntimeError):
     """A ``train.sky_stream`` message planned for another node."""
 
 
-class LiveStage:
-    """A stage's layers, optimizer, stash and accumulation for one round, in memory.
+class LiveStage(OpStage):
+    """A stage's layers, optimizer, stash and accumulation for one round, in memory
+    (:meth:`~sky_flower.sky.node.stage_ops.OpStage.op` runs an op frame on it).
 
     Parameters
     ----------
@@ -90,58 +88,45 @@ class LiveStage:
         self.acc_step, self.acc_done = -1, 0
         self.compute_s = 0.0
 
-    def _executor(self, step: int, first: int, count: int) -> StageExecutor:
-        key = RngKey(self.st.seed, self.st.round, step)
+    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+        """The live layers and optimizer for ``group`` (the round's randomness key)."""
+        key = RngKey(self.st.seed, self.st.round, group.step)
         return StageExecutor(
             self.module,
             self.optimizer,
-            count,
+            group.count,
             self.st.microbatches,
             key,
-            first,
+            group.first,
             self.device,
             self.reduction,
         )
 
-    def _accumulated(self, step: int, count: int) -> int:
-        """Micro-batches of ``step`` back-propagated, this group's included.
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data owner's batch of step ``step`` of this round."""
+        return self.batch_fn(self.st.round, step)
+
+    def objective(self) -> tuple[LossFn, MetricFn]:
+        """The node's loss and metric."""
+        return self.loss_fn, self.metric_fn
+
+    def accumulated(self, group: P.MicroBatchGroup) -> int:
+        """Micro-batches of ``group.step`` back-propagated, this group's included.
 
         Raises
         ------
         P.ProtocolError
             If another step's micro-batches are still accumulating.
         """
+        step = group.step
         if self.acc_step not in (-1, step):
             raise P.ProtocolError(
                 f"step {step} arrived while step {self.acc_step} still has "
                 f"{self.st.microbatches - self.acc_done} micro-batches to back-propagate"
             )
-        done = self.acc_done + count
+        done = self.acc_done + group.count
         self.acc_step, self.acc_done = (-1, 0) if done >= self.st.microbatches else (step, done)
         return done
-
-    def op(self, header: dict[str, Any], records: RecordDict) -> RecordDict:
-        """Run one op frame (:func:`sky_flower.sky.node.stage_ops.run_op`); the records
-        of the reply frame (compute seconds in :data:`~sky_flower.sky.protocol.METRICS`)."""
-        st = self.st
-        step, first, count = int(header["step"]), int(header["first"]), int(header["count"])
-        group = P.MicroBatchGroup(step, first, count, st.round, st.session)
-        group.check(st.microbatches)
-        batch = (lambda: self.batch_fn(st.round, step)) if st.is_first else None
-        out, compute, _ = run_op(
-            str(header["op"]),
-            st,
-            self._executor(step, first, count),
-            records,
-            group,
-            batch,
-            self.stash,
-            lambda: self._accumulated(step, count),
-            self.loss_fn,
-            self.metric_fn,
-        )
-        self.compute_s += compute
-        return RecordDict(out)
 
 
 def run_stream_stage(  # noqa: PLR0913
@@ -186,46 +171,6 @@ def run_stream_stage(  # noqa: PLR0913
         metric_fn,
         optim,
     )
-
-
-def answer_op(
-    live: LiveStage,
-    link: Any,  # noqa: ANN401 - a channel.StageLink
-    header: dict[str, Any],
-    records: RecordDict,
-    emu: Emulation,
-) -> tuple[RecordDict | None, int, float]:
-    """Run one op frame on ``live`` and send its reply frame, the node's emulation
-    applied (its slowdown after the compute, its link delay on the bytes both ways).
-
-    Returns
-    -------
-    (RecordDict or None, int, float)
-        ``None`` (or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` record of the
-        stage's own error, sent as a frame too), the reply's bytes and the emulated
-        seconds slept.
-
-    Raises
-    ------
-    StreamError
-        On a malformed op frame (the server's fault, not the stage's).
-    """
-    try:
-        with _RNG_LOCK:
-            out = live.op(header, records)
-    except (P.ProtocolError, KeyError) as err:  # a malformed frame: the server's
-        raise StreamError(f"a malformed op frame: {err}") from err
-    except Exception as err:  # noqa: BLE001 - the stage's own error, reported
-        error = RecordDict({P.STAGE_ERROR: P.stage_error(err)})
-        link.send({**header, "error": True}, error)
-        return error, 0, 0.0
-    slept = emu.after_compute(float(out.metric_records[P.METRICS][P.COMPUTE_S]))
-    out.metric_records[P.METRICS][EMULATED_S] = slept
-    size = link.send(header, out)
-    delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
-    if delay > 0:
-        time.sleep(delay)
-    return None, size, slept
 
 
 def stage_result(  # noqa: PLR0913
@@ -279,7 +224,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     ``train.optimizer_state=keep``, its optimizer state (``optim``). Over the stream,
     per round: ``begin`` (``round``, ``steps``; the entries of the round's global
     weights that differ from what the stage holds), the op frames exactly as in
-    :func:`run_stream_stage` (:meth:`LiveStage.op`), then ``end``, answered by an
+    :func:`run_stream_stage` (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a
+    :class:`LiveStage`), then ``end``, answered by an
     ``end`` frame with the stage's trainable weights and buffers, its figures and (keep)
     its optimizer state. An ``end`` with ``release`` (the node runs stages of other
     pipelines too, which the plan runs one after another) frees the stage's layers and
@@ -305,13 +251,14 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     StreamRefusedError
         A certificate other than the pinned one, a refused ticket, an endpoint not reached.
     StreamError
-        If the stream breaks or ends before ``close``, or a frame is malformed.
+        If the stream breaks or ends before ``close``, or a frame is malformed (an op:
+        :class:`~sky_flower.sky.node.stage_ops.MalformedOpError`).
     FaultInjected
         A fleet fault of the round it strikes in (:func:`faults.round_hook`).
     """
     from dataclasses import replace
 
-    st0, session = cfg.stage, cfg.across_rounds
+    st0 = cfg.stage
     if cfg.node_id != int(node_id):
         raise StageRefusedError(
             f"stage {st0.stage} refused: it is planned for node {cfg.node_id}, not for "
@@ -333,7 +280,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     module, opt = build(weights, optim)
     if st0.is_first:  # the data owner's first draw loads its data: in the set-up
         round_batch_fn(st0.round, 0)
-    link = connect(cfg.link, st0.stage)
+    channel = StreamChannel(connect(cfg.link, st0.stage), cfg.across_rounds)
+    session = channel.across_rounds  # a stage session: begin / end per round until close
     live: LiveStage | None = None
     emu, hook, at_step, rnd = emulation_at(st0.round), None, -1, st0.round
     frames = nbytes = rounds = 0
@@ -367,7 +315,7 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     if not session:  # the set-up begins its one round
         live = begin({"round": st0.round}, RecordDict())
     try:
-        for header, records in link.frames():
+        for header, records in channel.frames():
             op = header.get("op")
             if op == "close" and session:
                 break
@@ -383,7 +331,7 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
                     return stage_result(module, opt, figures, model_fn, st0, keep)
                 out = stage_result(module, opt, {**figures, "round": rnd}, model_fn, st0, keep)
                 faults.spoil_reply(emu, P.STREAM, rnd, out)
-                link.send({"op": "end", "round": rnd}, out)
+                channel.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s
                 rounds, live = rounds + 1, None
                 if header.get("release"):  # the node serves another pipeline's stage too:
@@ -393,7 +341,7 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             if hook is not None and step > at_step:  # mid-step: the step's first frame
                 at_step = step
                 hook(step)
-            error, size, s = answer_op(live, link, header, records, emu)
+            error, size, s = answer_op(live, channel, header, records, emu)
             if error is not None:
                 return error
             frames, nbytes, slept = frames + 1, nbytes + size, slept + s
@@ -401,6 +349,6 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
             what = "session's close" if session else "round's end"
             raise StreamError(f"stage {st0.stage}: the endpoint ended the stream before the {what}")
     finally:
-        link.close()
+        channel.close()
     figures = {"rounds": rounds, FRAMES: frames, BYTES: nbytes, P.COMPUTE_S: compute_total}
     return RecordDict({P.METRICS: MetricRecord(figures)})
