@@ -194,8 +194,9 @@ def test_sky_app_trains_on_stream_transport_with_tls(tmp_path):
 @pytest.mark.slow  # direct under Flower in make test: tests/test_direct_sim.py
 def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     """transport=direct under a real SuperLink: each SuperNode starts a fresh ClientApp
-    process per message; per round the 3 stage processes join a gloo group with the
-    ServerApp's TCPStore on 127.0.0.1 and run a GPipe schedule peer to peer."""
+    process per message; the 3 stage processes join a gloo group with the ServerApp's
+    TCPStore on 127.0.0.1 and run a GPipe schedule peer to peer, in a stage session
+    (the default): one set-up message per stage in round 1, none in round 2."""
     # allocation=even: one stage per SuperNode, so all 3 join the round's group
     config = f"{QUICK} allocation='even' transport='direct' schedule-kind='gpipe' microbatches=4"
     text, pids, saved = run_local(
@@ -204,12 +205,16 @@ def test_sky_app_trains_on_direct_transport_with_3_supernodes(tmp_path):
     assert "Final results:" in text, text[-3000:]
     assert "transport direct" in text and "gpipe" in text, text[-3000:]
     assert saved["completed"] and not saved["error"], saved
-    # each training round ran on the direct transport (one message per stage, the round's
-    # process-group set-up timed) and every stage reported its compute from its own node
+    # each training round ran on the direct transport, in one session (round 1 set it up:
+    # one message per stage, timed; round 2 none) and every stage reported its compute
+    # from its own node
     assert [r["round"] for r in saved["rounds"]] == [1, 2] and not saved["failed_rounds"]
+    assert [r["flower_messages"] for r in saved["rounds"]] == [3, 0], saved["rounds"]
+    assert [r["session_round"] for r in saved["rounds"]] == [1, 2], saved["rounds"]
+    assert saved["rounds"][0]["setup_s"] > 0 and saved["rounds"][1]["setup_s"] == 0
     for r in saved["rounds"]:
         assert r["steps"] == STEPS and len(r["stages"]) == 3, r
-        assert r["setup_s"] > 0 and r["microbatches_per_message"] is None, r
+        assert r["microbatches_per_message"] is None, r
         assert [(s["stage"], s["node"]) for s in r["stages"]] == [
             (0, "phone"),
             (1, "cloud"),

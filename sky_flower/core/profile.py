@@ -404,8 +404,9 @@ class NodeProfile:
         Where the node's stages compute (``"cpu"``, ``"cuda:N"``: what the times and
         ``memory_bytes`` are of) and its name (``""`` = not reported).
     setup_s : float
-        ``stream``: seconds from the push of the benchmark's stream-link probe message
-        (``query.sky_stream_echo``) until the node had joined the probe's endpoint:
+        ``stream``: seconds from the push of the node's benchmark message (its
+        ``query.sky_profile``, which carries the stream-link probe) until the node had
+        joined the probe's endpoint:
         what a stage session's set-up costs the node in Flower but for its weights (the
         SuperNode's pull, a deployment's ClientApp start, connecting). 0 = not
         measured.

@@ -226,6 +226,9 @@ MB = "mb"  # ConfigRecord: the micro-batch group of a forward / backward (MicroB
 STAGE_ERROR = "stage_error"
 # ConfigRecord (SessionLink): a train.sky_direct that starts a direct stage session
 SESSION = "session"
+# ConfigRecord (StreamLink) in a query.sky_profile: transport=stream's benchmark round times
+# the node's stream link in the same message (the node answers echo frames first)
+LINK = "link"
 
 # metric keys of the replies
 LOSS = "loss"
@@ -570,6 +573,7 @@ __all__ = [
     "GRAD",
     "LABELS",
     "LABEL_TOTAL",
+    "LINK",
     "LOSS",
     "MB",
     "MESSAGE_TYPES",

@@ -361,8 +361,16 @@ class SkyClient:
 
     # --- handlers --------------------------------------------------------------------
     def profile(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """Benchmark this node on the model's own layers."""
+        """Benchmark this node on the model's own layers; with a :data:`~sky_flower.sky.
+        protocol.LINK` record (``transport=stream``), first answer the server's echo
+        frames on that stream endpoint (its link timed over the data plane in the same
+        message, :func:`sky_flower.sky.transport.stream_probe.echo_frames`)."""
         req = P.ProfileRequest.from_config_record(msg.content.config_records.get(P.CONFIG))
+        link = msg.content.config_records.get(P.LINK)
+        if link is not None:
+            from sky_flower.sky.transport.stream_probe import echo_frames
+
+            echo_frames(P.StreamLink.from_config_record(link), emu)
         device = emu.torch_device()  # a CUDA node without CUDA: refused, naming the node
         fwd, bwd = time_layers(
             self.model_fn(),

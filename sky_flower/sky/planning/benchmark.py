@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -50,10 +50,11 @@ class LinkTiming:
     stream : dict, optional
         ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.transport.channel.
         Endpoint` keywords): each node's link is timed over the data plane itself
-        (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes;
-        and each node's Flower set-up cost by that probe's own message, from its push
-        until the node joined the endpoint (:attr:`NodeProfile.setup_s`; no extra
-        message).
+        (:func:`sky_flower.sky.transport.stream_probe.probe_link`), not by Flower echoes,
+        within the node's ``query.sky_profile`` (one Flower message per node: the node
+        answers the echo frames, then profiles); and each node's Flower set-up cost by
+        that message, from its push until the node joined the endpoint
+        (:attr:`NodeProfile.setup_s`).
     """
 
     peer_links: bool = False
@@ -249,9 +250,14 @@ class BenchmarkRound:
             input_dtype=self.input_dtype,
             calibrate=self.links.calibrate,
         )
-        (reply,) = self.ex.request(
-            [message(nid, P.PROFILE, {P.CONFIG: req.to_config_record()}, self.groups[0])]
-        )
+        content = {P.CONFIG: req.to_config_record()}
+        stream_link: Link | None = None
+        reply: Message | None = None
+        if self.links.stream is not None and not self.links.peer_links:
+            # stream: the link is timed in the profile message itself (one per node)
+            stream_link, reply = self.stream_link(nid, content)
+        if stream_link is None or reply is None:
+            (reply,) = self.ex.request([message(nid, P.PROFILE, content, self.groups[0])])
         prof = P.ProfileReply.from_config_record(reply.content.config_records[P.PROFILE_KEY])
         if prof.name in result.node_ids:
             raise SkyNodeError(f"node name {prof.name!r} is already taken by another node")
@@ -271,8 +277,8 @@ class BenchmarkRound:
         setup_s = 0.0  # stream only: a stage session's Flower set-up
         if self.links.peer_links:
             lat, bw, state_rate = peer_link(prof)
-        elif self.links.stream is not None:
-            lat, bw, state_rate = self.stream_link(nid)
+        elif stream_link is not None:
+            lat, bw, state_rate = stream_link
             setup_s = self.setups.get(nid, 0.0)
         else:
             lat, bw, state_rate = self.link(nid)
@@ -313,11 +319,20 @@ class BenchmarkRound:
         self.ex.request([message(nid, P.ECHO, content, self.groups[1])])
         return time.perf_counter() - t0
 
-    def stream_link(self, nid: int) -> Link:
+    def stream_link(self, nid: int, content: dict[str, Any]) -> tuple[Link, Message | None]:
         """``transport=stream``: latency (s per op frame and reply), bandwidth (bytes/s,
-        the harmonic mean of down and up) timed over the data plane, no state cost."""
+        the harmonic mean of down and up) timed over the data plane, no state cost;
+        the link carried by node ``nid``'s ``query.sky_profile`` of ``content`` (the node
+        answers the echoes, then profiles), whose reply comes with it (None: the link
+        came from ``link_cache``, the profile message is still to send).
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the node, if it fails, does not connect or stops answering.
+        """
         if self.link_cache is not None and nid in self.link_cache:
-            return self.link_cache[nid]
+            return self.link_cache[nid], None
         from sky_flower.sky.transport.channel import Endpoint
         from sky_flower.sky.transport.stream_probe import probe_link
 
@@ -328,8 +343,13 @@ class BenchmarkRound:
             lambda n: Endpoint(n, **kw),
             tuple(self.settings.echo_bytes),  # type: ignore[arg-type]
             self.settings.echo_repeats,
-            self.groups[1],
+            self.groups[0],
+            carrier=(P.PROFILE, content),
         )
+        if fig.reply is not None and not fig.reply.has_error():  # name the node as it says
+            rec = fig.reply.content.config_records.get(P.PROFILE_KEY)
+            if rec is not None and isinstance(rec.get("name"), str):
+                self.names.setdefault(nid, str(rec["name"]))
         log(
             INFO,
             "Stream link of %s: %.2f ms round trip, %.1f MB/s down, %.1f MB/s up; "
@@ -344,7 +364,7 @@ class BenchmarkRound:
         link = (fig.latency_s, fig.bandwidth_bps, 0.0)
         if self.link_cache is not None:
             self.link_cache[nid] = link
-        return link
+        return link, fig.reply
 
     def link(self, nid: int) -> Link:
         """Latency (s per round trip), bandwidth (bytes/s) and context-state cost (s per

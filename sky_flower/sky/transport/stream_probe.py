@@ -22,9 +22,10 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.exchange import Exchange
@@ -73,15 +74,16 @@ def echo_frames(link: P.StreamLink, emu: Emulation) -> RecordDict:
 class StreamLinkFigures:
     """A node's stream link: ``latency_s`` (small round trip), ``down_bps`` /
     ``up_bps`` (bytes/s, server to node / node to server), every timed round trip,
-    ``rtts[(down_bytes, up_bytes)]``, and ``join_s``, from the probe's Flower message's
+    ``rtts[(down_bytes, up_bytes)]``, ``join_s``, from the probe's Flower message's
     push until the node had connected to the endpoint: what a stage session's set-up
-    costs but for its weights (seconds)."""
+    costs but for its weights (seconds), and ``reply``, that message's Flower reply."""
 
     latency_s: float
     down_bps: float
     up_bps: float
     rtts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     join_s: float = 0.0  # the probe's Flower message pushed until its stage joined
+    reply: Message | None = None  # that message's Flower reply
 
     @property
     def bandwidth_bps(self) -> float:
@@ -100,13 +102,18 @@ def probe_link(  # noqa: PLR0913
     group: str = "echo",
     timeout_s: float = 60.0,
     extra: tuple[tuple[int, int], ...] = (),
+    carrier: tuple[str, dict[str, Any]] | None = None,
 ) -> StreamLinkFigures:
     """Time node ``node_id``'s stream link (see the module docstring).
 
     ``endpoint(n)``: a fresh, not yet entered endpoint for ``n`` stages (the run's
     stream settings). ``extra``: more ``(down, up)`` byte pairs to time (in ``rtts``
-    only, e.g. ``(big, big)`` to set against a Flower echo). Bounded: the node must
-    connect and answer each frame within ``timeout_s``.
+    only, e.g. ``(big, big)`` to set against a Flower echo). ``carrier``: the message
+    type and content of another message that carries the link (under
+    :data:`~sky_flower.sky.protocol.LINK`; the node answers the echoes first, e.g. the
+    benchmark round's ``query.sky_profile``), instead of a ``query.sky_stream_echo``;
+    its reply is ``reply``. Bounded: the node must connect and answer each frame within
+    ``timeout_s``.
 
     Raises
     ------
@@ -116,9 +123,12 @@ def probe_link(  # noqa: PLR0913
     small, big = sizes
     who = ex.name(node_id)
     with endpoint(1) as ep:
-        content = {P.CONFIG: ep.link(0, timeout_s + 60.0).to_config_record()}
+        link = ep.link(0, timeout_s + 60.0).to_config_record()
+        mtype, content = P.STREAM_ECHO, {P.CONFIG: link}
+        if carrier is not None:
+            mtype, content = carrier[0], {**carrier[1], P.LINK: link}
         t_push = time.perf_counter()
-        (mid,) = ex.push([message(node_id, P.STREAM_ECHO, content, group)])
+        (mid,) = ex.push([message(node_id, mtype, content, group)])
         until = time.perf_counter() + timeout_s
         while not ep.joined:
             for reply in ex.poll([mid], raise_late=False):
@@ -146,11 +156,11 @@ def probe_link(  # noqa: PLR0913
                     times.append(time.perf_counter() - t0)
             rtts[(down, up)] = times
         ep.send(0, {"op": "end"})
-        ex.wait([mid])
+        (reply,) = ex.wait([mid])
     lat = statistics.median(rtts[(small, small)])
 
     def rate(key: tuple[int, int]) -> float:
         dt = statistics.median(rtts[key]) - lat
         return (big - small) / dt if dt > 1e-6 else float("inf")
 
-    return StreamLinkFigures(lat, rate((big, small)), rate((small, big)), rtts, join_s)
+    return StreamLinkFigures(lat, rate((big, small)), rate((small, big)), rtts, join_s, reply)
