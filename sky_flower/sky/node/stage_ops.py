@@ -286,9 +286,12 @@ def answer_op(
     """Serve one op that arrived over ``channel``: run it on ``stage``
     (:meth:`OpStage.op`, one op at a time in the process), apply the node's slowdown
     after its compute (:data:`~sky_flower.emulation.devices.EMULATED_S` in the reply's
-    figures), send the reply and, where the channel says so
-    (:attr:`~sky_flower.sky.node.channels.StageChannel.link_per_op`), sleep the node's
-    link delay on the op's bytes both ways.
+    figures), where the channel says so
+    (:attr:`~sky_flower.sky.node.channels.StageChannel.link_per_op`) sleep the node's
+    link delay on the op's bytes both ways, then send the reply: the delay holds the
+    reply back, as a real link's latency does and as the stream-link probe that the
+    cost model's per-op charge comes from sleeps it
+    (:func:`sky_flower.sky.transport.stream_probe.echo_frames`).
 
     Returns
     -------
@@ -317,9 +320,9 @@ def answer_op(
         return error, 0, 0.0
     slept = emu.after_compute(float(out.metric_records[P.METRICS][P.COMPUTE_S]))
     out.metric_records[P.METRICS][EMULATED_S] = slept
-    size = channel.send(header, out)
-    if channel.link_per_op:
-        delay = emu.link_delay_s(size + sum(r.count_bytes() for r in records.values()))
+    if channel.link_per_op:  # the link delays the reply's delivery, as a real link does
+        nbytes = sum(r.count_bytes() for r in (*records.values(), *out.values()))
+        delay = emu.link_delay_s(nbytes)
         if delay > 0:
             time.sleep(delay)
-    return None, size, slept
+    return None, channel.send(header, out), slept
