@@ -7,6 +7,7 @@ Fast, no engine: the deployment engine's message semantics in this process
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ from reference import (
 from reference import sky_app_task as _task
 
 from sky_flower.sky import protocol as P
+from sky_flower.sky.protocol import starts_session
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
 STAGE_MESSAGES = (P.SETUP, P.FORWARD, P.BACKWARD, P.COLLECT)
@@ -362,24 +364,40 @@ def grid_weights(full: dict, first: int, last: int):  # noqa: ANN201
 class _RepeatingDirectGrid(ConcurrentGrid):
     """:class:`ConcurrentGrid` that pushes every ``train.sky_direct`` a second time
     right after it (a copy under its own id, which the server never pulls): the node
-    handles the copy once its round is done."""
+    handles the copy once its round is done. A stage session's set-up runs beside the
+    node's other messages: its copy comes 3 s later, once the original has joined (as a
+    duplicate that a network delivers late)."""
+
+    copies: list[str] = []
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         ids = list(super().push_messages(messages))
         copies = [_wire(m) for m in messages if m.metadata.message_type == P.DIRECT]
-        self.copies = list(super().push_messages(copies)) if copies else []
+        if copies and any(starts_session(m.content) for m in messages):
+            push = super().push_messages
+            threading.Timer(3.0, lambda: setattr(self, "copies", list(push(copies)))).start()
+        elif copies:
+            self.copies = list(super().push_messages(copies))
         return ids
 
 
 @pytest.mark.processes
-def test_a_repeated_direct_round_message_is_refused_not_run_twice(server_identity):
+@pytest.mark.parametrize("sessions", [False, True])
+def test_a_repeated_direct_round_message_is_refused_not_run_twice(sessions, server_identity):
     """transport=direct: every stage's round message is delivered twice; the repeat is
-    refused by name (a STAGE_ERROR reply, StaleMessageError), joins no process group and
-    trains nothing; the round's weights equal unsplit training's."""
+    refused by name, joins no process group and trains nothing; the round's weights
+    equal unsplit training's. A set-up per round: a STAGE_ERROR reply
+    (StaleMessageError, from the node's record of what it ran). A stage session's set-up
+    runs beside the node's other messages, and the node's context records it only when
+    the session ends: a repeat that comes while the session lives is refused by its
+    endpoint (a ticket admits one session; an error reply naming the ticket), one that
+    comes later by the node (a STAGE_ERROR reply), before it joins any group either
+    way."""
     run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 1, "steps-per-round": 1}
     run |= {"transport": "direct", "schedule-kind": "gpipe", "microbatches": 2}
     run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
+    run |= {"stream-sessions": sessions}
     strategy, result, grid = run_sky_app(_RepeatingDirectGrid, run)
     assert strategy.rounds[0].get("error") is None, strategy.rounds
     repeats: list[Message] = []
@@ -389,6 +407,14 @@ def test_a_repeated_direct_round_message_is_refused_not_run_twice(server_identit
         time.sleep(0.05)
     assert len(repeats) == 3
     for reply in repeats:
+        if sessions:  # the endpoint's refusal while the session lives, else the node's
+            refused = (
+                "ticket" in reply.error.reason
+                if reply.has_error()
+                else "already ran on this node" in reply.content[P.STAGE_ERROR]["error"]
+            )
+            assert refused, reply
+            continue
         assert not reply.has_error(), reply.error.reason
         error = reply.content[P.STAGE_ERROR]["error"]
         assert (
