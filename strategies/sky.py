@@ -732,9 +732,7 @@ class SkyStrategy(Strategy):
         dropped = [p.name for p, _ in out if p.name in verdict.drop]
         aside = [p.name for p, _ in out if p.name in verdict.set_aside]
         for name in dropped:
-            nid = st.ids.pop(name, None)
-            if nid is not None:
-                st.dropped[name] = nid
+            self._drop(name)
         record = FailedRound(rnd, str(failure), dropped, set_aside=aside or None)
         self.recovery.set_aside([(p, i) for p, i in out if p.name in aside], record)
         if not partial:  # a round some pipelines finished is recorded in its row
@@ -811,13 +809,18 @@ class SkyStrategy(Strategy):
         """After round ``rnd`` trained: drop the helpers set aside before it (the round
         trained finite without them); re-admitted only after they leave the node list
         and come back (a restart), not on the next profile."""
-        st = self.state
         for name, record in self.recovery.round_trained(rnd):
             record.dropped_nodes = [*record.dropped_nodes, name]
-            nid = st.ids.pop(name, None)
+            nid = self._drop(name)
             if nid is not None:
-                st.dropped[name] = nid
-                st.rejoin_asked.add(nid)
+                self.state.rejoin_asked.add(nid)
+
+    def _drop(self, name: str) -> int | None:
+        """Drop node ``name`` for its own fault (out of ``ids``, into ``dropped``); its id."""
+        nid = self.state.ids.pop(name, None)
+        if nid is not None:
+            self.state.dropped[name] = nid
+        return nid
 
 
 def _evaluated_as(
