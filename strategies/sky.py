@@ -23,14 +23,15 @@ round) and drops nobody, or sets one suspect helper aside for a round
 (:mod:`sky_flower.sky.rounds.blame`, :mod:`sky_flower.sky.rounds.recovery`); a failed round's next
 round starts from the last good global model.
 
-This module holds only the Flower ``Strategy``, composed of named parts that share one
-:class:`sky_flower.sky.rounds.state.RunState`: a benchmarker
+This module holds only the Flower ``Strategy`` and its loop, which calls named parts
+that return values (:meth:`SkyStrategy._run`): a benchmarker
 (:class:`sky_flower.sky.rounds.joins.Benchmarker`: the benchmark round and mid-run
 joins), a planner (:class:`sky_flower.sky.rounds.planner.Planner`: plan and re-plan), a
 round executor (:class:`sky_flower.sky.rounds.executor.RoundExecutor`: pipelines,
 runners, FedAvg), a failure policy (:class:`sky_flower.sky.rounds.recovery.Recovery`)
-and an evaluator (:class:`sky_flower.sky.rounds.executor.Evaluator`). Observers
-subscribe through :class:`sky_flower.sky.rounds.hooks.SkyHooks`.
+and an evaluator (:class:`sky_flower.sky.rounds.executor.Evaluator`). The loop is the
+only writer of the run's :class:`sky_flower.sky.rounds.state.RunState`; observers
+subscribe through :class:`sky_flower.sky.rounds.hooks.SkyHooks` and get typed events.
 """
 
 from __future__ import annotations
@@ -53,14 +54,29 @@ from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
-from sky_flower.sky.planning.benchmark import Link, wait_for_nodes
+from sky_flower.sky.planning.benchmark import Link, benchmark_event, wait_for_nodes
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.rounds import report
+from sky_flower.sky.rounds.blame import Verdict, diverged_text
 from sky_flower.sky.rounds.executor import RUNNERS, Evaluator, RoundExecutor
-from sky_flower.sky.rounds.hooks import EventCallback, HookList, SkyHooks
-from sky_flower.sky.rounds.joins import Benchmarker
+from sky_flower.sky.rounds.hooks import (
+    EventCallback,
+    HookList,
+    RoundEnd,
+    RunEnd,
+    RunRecords,
+    RunStart,
+    SkyHooks,
+)
+from sky_flower.sky.rounds.joins import Benchmarker, Fleet, Joined
 from sky_flower.sky.rounds.planner import Planner
-from sky_flower.sky.rounds.records import RoundRecord
+from sky_flower.sky.rounds.records import (
+    FailedRound,
+    JoinRecord,
+    RoundFailure,
+    RoundRecord,
+    pipelines_failure,
+)
 from sky_flower.sky.rounds.recovery import Recovery
 from sky_flower.sky.rounds.state import RunState
 from sky_flower.sky.settings import SkySettings
@@ -214,30 +230,12 @@ class SkyStrategy(Strategy):
             from sky_flower.sky.migration import OptimizerStore
 
             store = OptimizerStore()
-        self.executor = RoundExecutor(
-            self.state, model, self.settings, self.schedule, self.profile_model, store
-        )
+        self.executor = RoundExecutor(model, self.settings, self.schedule, store)
         self.benchmarker = Benchmarker(
-            self.state,
-            self.settings,
-            self.schedule,
-            model.input_shape,
-            model.input_dtype,
-            self.executor.run_settings,
-            self.executor.link_timing,
-            self.hooks,
-            link_cache,
+            self.settings, self.schedule, model.input_shape, model.input_dtype, link_cache
         )
-        self.planner = Planner(
-            self.state,
-            self.settings,
-            self.schedule,
-            model,
-            self.executor.check_plan,
-            self.benchmarker.admit_joiners,
-            self.hooks,
-        )
-        self.recovery = Recovery(self.state, self.settings, self.planner.make_plan, self.hooks)
+        self.planner = Planner(self.settings, self.schedule, model)
+        self.recovery = Recovery(self.settings)
 
     # -- what a caller reads: the run's state ------------------------------------------
     @property
@@ -247,7 +245,7 @@ class SkyStrategy(Strategy):
         return self.state.rounds
 
     @property
-    def failed_rounds(self) -> list[dict[str, Any]]:
+    def failed_rounds(self) -> list[FailedRound]:
         """What recovery did after each failed round."""
         return self.state.failed_rounds
 
@@ -257,7 +255,7 @@ class SkyStrategy(Strategy):
         return self.state.replans
 
     @property
-    def joins(self) -> list[dict[str, Any]]:
+    def joins(self) -> list[JoinRecord]:
         """Every node that joined or came back."""
         return self.state.joins
 
@@ -313,6 +311,13 @@ class SkyStrategy(Strategy):
         """Every data owner's pipeline plan, in pipeline order."""
         return [r.pipeline.plan for r in self.state.runs]
 
+    def records(self) -> RunRecords:
+        """What the run has recorded so far (``results.json``'s lists), as they stand."""
+        st = self.state
+        return RunRecords(
+            tuple(st.rounds), tuple(st.failed_rounds), tuple(st.replans), tuple(st.joins)
+        )
+
     # -- steps a caller may run one by one (tests, benchmarks) -------------------------
     def subscribe(self, hook: SkyHooks) -> None:
         """Add an observer after construction (called after those given as ``hooks``).
@@ -330,11 +335,16 @@ class SkyStrategy(Strategy):
 
     def run_settings(self) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses."""
-        return self.executor.run_settings()
+        return self.executor.run_settings(len(self.profile_model()), self.state.names)
 
     def runner(self) -> Runner:
         """A fresh runner of the configured transport (one per pipeline)."""
-        return self.executor.runner()
+        return self.executor.runner_cls(self.run_settings())
+
+    def check_plan(self, pipeline: Pipeline) -> None:
+        """Raise ``ValueError`` if the transport cannot run ``pipeline``
+        (:meth:`sky_flower.sky.rounds.executor.RoundExecutor.check_plan`)."""
+        self.executor.check_plan(pipeline, self.run_settings())
 
     def wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
         """Block until ``min_nodes`` nodes are connected, at most ``timeout`` s.
@@ -348,7 +358,9 @@ class SkyStrategy(Strategy):
 
     def profile_model(self) -> list[LayerProfile]:
         """Per-layer FLOPs and bytes of the model (computed once, on the server)."""
-        return self.planner.profile_model()
+        if not self.state.layer_profiles:
+            self.state.layer_profiles = self.planner.profile_model()
+        return self.state.layer_profiles
 
     def precheck(
         self,
@@ -385,16 +397,38 @@ class SkyStrategy(Strategy):
         SkyNodeError
             If no data owner answered.
         """
-        self.profile_model()
-        self.benchmarker.run(grid, node_ids, self.node_order)
-        return self.state.node_profiles
+        st, layers, run = self.state, self.profile_model(), self.run_settings()
+        links = self.executor.link_timing(run)
+        found = self.benchmarker.run(grid, node_ids, self.node_order, layers, run, links, st.names)
+        st.node_profiles, st.ids = found.nodes, found.node_ids
+        st.num_examples, st.handler_rate = found.num_examples, found.handler_rate
+        st.samples = dict(found.samples)
+        st.names.update(found.names)
+        self.hooks.on_benchmark(benchmark_event(layers, found))
+        return st.node_profiles
 
     def make_plan(self, alternatives: bool = True) -> Plan:
         """Plan one pipeline per data owner over the profiled nodes and install it
         (``alternatives``: also predict the other allocations, for the ``plan`` event).
-        Returns the first owner's pipeline plan (:attr:`plans` holds them all)."""
-        fed = self.planner.make_plan(alternatives)
+        Returns the first owner's pipeline plan (:attr:`plans` holds them all).
+
+        Raises
+        ------
+        ValueError
+            If no node has been profiled yet, or no plan fits the nodes' memory.
+        """
+        st = self.state
+        fed = self.planner.plan(st.layer_profiles, st.node_profiles, st.samples, alternatives)
+        self._install(fed)
         return fed.planned[0].plan
+
+    def _install(self, fed: planning.FederatedPlanned) -> None:
+        """Run ``fed`` from the next round and call the hooks' ``on_plan``."""
+        st = self.state
+        st.federated = fed
+        st.runs = planning.pipeline_runs(fed, st.node_profiles, st.ids, st.handler_rate)
+        self.planner.installed()
+        self.hooks.on_plan(fed.event())
 
     def steps_in_round(self) -> int:
         """Training steps per round."""
@@ -467,15 +501,16 @@ class SkyStrategy(Strategy):
         if keys is not None:  # the app's own Net().state_dict(): the converted model's in
             initial_arrays = ArrayRecord(keys.to_converted(initial_arrays.to_torch_state_dict()))
             evaluate_fn = _evaluated_as(keys, evaluate_fn)
-        self.hooks.on_start(self)
+        s = self.settings
+        self.hooks.on_start(RunStart(num_rounds, s.allocation, self.schedule.transport))
         try:
             result = self._run(grid, initial_arrays, num_rounds, timeout, evaluate_fn)
         except BaseException as err:
             self.executor.close()
-            self.hooks.on_end(self, err)
+            self.hooks.on_end(RunEnd(self.records(), err))
             raise
         self.executor.close()  # stage sessions end with the run
-        self.hooks.on_end(self, None)
+        self.hooks.on_end(RunEnd(self.records(), None))
         if keys is not None:  # and the user's keys out
             result.arrays = ArrayRecord(keys.to_original(result.arrays.to_torch_state_dict()))
         return result
@@ -498,55 +533,294 @@ class SkyStrategy(Strategy):
         timeout: float,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
     ) -> Result:
+        """The loop: benchmark -> plan -> per round: run -> evaluate -> report ->
+        recover / re-plan. Each part returns what it found; only this loop (and the
+        helpers below it) writes the run's state."""
         log(INFO, "Starting %s strategy:", self.__class__.__name__)
         self.summary()
-        st, evaluator = self.state, Evaluator(evaluate_fn, self.hooks)
+        st, evaluator = self.state, Evaluator(evaluate_fn)
         t_start = time.time()
         wait_s = min(timeout, self.settings.messaging.node_wait_s)
         self.benchmark(grid, self.wait_for_nodes(grid, timeout=wait_s))
         self.make_plan()
         for run in st.runs:
-            self.executor.check_plan(run.pipeline)
+            self.check_plan(run.pipeline)
         result = Result(arrays=initial_arrays)
-        evaluator.evaluate(0, initial_arrays, result)
+        self._evaluate(evaluator, 0, initial_arrays, result)
         st.global_arrays = initial_arrays
         report.log_round_header()
         failures = 0  # consecutive failed rounds
         trained = 0
         for rnd in range(1, num_rounds + 1):
-            self.benchmarker.note_returns(rnd, self.settings.replan.mode)  # off: reported only
-            row, new = self.executor.run(grid, rnd, st.global_arrays)
-            if new is None:
+            mode = self.settings.replan.mode
+            self._joined(self.benchmarker.note_returns(rnd, mode, self._fleet()))  # off only
+            res = self.executor.run(grid, st.runs, st.global_arrays, rnd, self.run_settings())
+            row, new = res.record, res.arrays
+            if res.failure is not None or new is None:
+                assert res.failure is not None
                 failures += 1
-                self.recovery.failed(rnd, row, failures)
+                self._failed(rnd, row, res.failure, failures)
                 if rnd == num_rounds and not trained:  # fewer rounds than max_failed_rounds
                     raise SkyNodeError(
-                        f"none of the {num_rounds} round(s) trained (the last: {row.exception}); "
-                        "the global model is the initial one"
+                        f"none of the {num_rounds} round(s) trained (the last: "
+                        f"{res.failure}); the global model is the initial one"
                     )
                 continue
             trained += 1
             failures = 0
-            self.recovery.round_trained(rnd)  # helpers set aside before it: their own fault
+            self._drop_confirmed(rnd)  # helpers set aside before it: their own fault
             result.arrays = st.global_arrays = new
             result.train_metrics_clientapp[rnd] = MetricRecord(
                 {"train_loss": row.train_loss, "train_accuracy": row.train_accuracy}
             )
-            evaluator.evaluate(rnd, new, result, row)
+            self._evaluate(evaluator, rnd, new, result, row)
+            partial = pipelines_failure(row.failed_pipelines) if row.failed_pipelines else None
+            verdict = None
+            if partial is not None:  # decided before the round is reported
+                verdict = self.recovery.decide(partial, st.node_profiles, st.runs, partial=True)
+                row.diverged = verdict.diverged or None
             st.rounds.append(row)
-            report.log_round_line(row)
-            label = kinds_label(self.executor.runner_cls, st.runs, self.schedule)
-            report.log_stage_report(row, label)
-            report.log_pipelines(row)
-            report.log_weights_sent(row)
-            report.log_session(row)  # stream: the stage session's set-up and round times
-            self.hooks.on_round(row)
-            if row.failed_pipelines:
-                self.recovery.partial_failure(rnd, row)
-            self.planner.replan_after(rnd, row, num_rounds)
+            report.log_round(row, kinds_label(self.executor.runner_cls, st.runs, self.schedule))
+            self.hooks.on_round(RoundEnd(row, self.records()))
+            if partial is not None and verdict is not None:
+                if verdict.diverged:
+                    text = diverged_text(rnd, verdict.diverged, self.recovery.lr)
+                    log(WARNING, "Round %d: %s", rnd, text)
+                self._recover(rnd, partial, verdict, partial=True)
+            self._replan_after(rnd, row, num_rounds)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
         report.log_final(self.plans, self.settings.allocation, result)
         return result
+
+    def _evaluate(
+        self,
+        evaluator: Evaluator,
+        server_round: int,
+        arrays: ArrayRecord,
+        result: Result,
+        row: RoundRecord | None = None,
+    ) -> None:
+        """Evaluate round ``server_round``'s model into ``result`` and ``row.test``."""
+        metrics = evaluator.evaluate(server_round, arrays, result)
+        if metrics is None:
+            return
+        if row is not None:
+            row.test.update(metrics)
+        self.hooks.on_evaluate(server_round, metrics)
+
+    # -- the loop's steps that change the fleet ----------------------------------------
+    def _fleet(self) -> Fleet:
+        """The fleet as the run knows it now (read by the benchmarker)."""
+        st = self.state
+        return Fleet(st.node_profiles, st.ids, st.names, st.dropped, st.rejoin_asked)
+
+    def _joined(self, joined: Joined) -> list[str]:
+        """Add the helpers that joined (tracked by the planner) and record the joins."""
+        st = self.state
+        st.names.update(joined.names)
+        st.rejoin_asked |= joined.asked
+        st.handler_rate.update(joined.handler_rate)
+        st.node_profiles.extend(self.planner.track(node) for node in joined.nodes)
+        st.ids.update(joined.ids)
+        for name in joined.rejoined:
+            st.dropped.pop(name, None)
+        st.joins.extend(joined.joins)
+        return [node.name for node in joined.nodes]
+
+    def _replan_after(self, rnd: int, row: RoundRecord, num_rounds: int) -> None:
+        """After round ``rnd`` trained: update the profiles and, when the planner says
+        so, install a better plan for the next round (profiling joiners first)."""
+        st = self.state
+        if not self.planner.observes(row, st.federated is not None):
+            return
+        st.node_profiles = self.planner.observe(row, st.node_profiles)
+        if rnd >= num_rounds:
+            return
+        run = self.run_settings()
+        joined = self._joined(  # profiled now, planned with below
+            self.benchmarker.admit_joiners(
+                rnd + 1, st.layer_profiles, run, self.executor.link_timing(run), self._fleet()
+            )
+        )
+        d = self.planner.replan(
+            rnd,
+            row,
+            num_rounds,
+            st.federated,
+            st.layer_profiles,
+            st.node_profiles,
+            st.samples,
+            joined,
+        )
+        if d is None or d.new is None:
+            return
+        runs = planning.pipeline_runs(d.new, st.node_profiles, st.ids, st.handler_rate)
+        try:
+            for r in runs:
+                self.check_plan(r.pipeline)
+        except ValueError as err:
+            log(WARNING, "Not re-planning after round %d: %s", rnd, err)
+            return
+        st.replans.append(self.planner.taken(rnd, d, joined))
+        self._install(d.new)
+
+    def _replan(self) -> None:
+        """Re-plan on the fleet now (the configured allocation only)."""
+        self.make_plan(alternatives=False)
+
+    def _report_failed(self, record: RoundRecord) -> None:
+        """Record a failed round and report it."""
+        self.state.rounds.append(record)
+        self.hooks.on_round(RoundEnd(record, self.records()))
+
+    def _failed(self, rnd: int, row: RoundRecord, failure: RoundFailure, failures: int) -> None:
+        """Record failed round ``rnd`` (``row``: its time), end the run at
+        ``failure.max_failed_rounds``, else act on the recovery's verdict.
+
+        Raises
+        ------
+        TrainingDiverged
+            If the training diverged and ``failures`` consecutive rounds have failed.
+        SkyNodeError
+            If ``failures`` consecutive rounds have failed (``max_failed_rounds``).
+        """
+        st, rec = self.state, self.recovery
+        verdict = rec.decide(failure, st.node_profiles, st.runs)
+        if verdict.diverged:
+            text = rec.diverged(rnd, failure, verdict)
+            restored = self._put_back()
+            log(WARNING, "Round %d failed: %s. The last good global model is kept.", rnd, text)
+            st.failed_rounds.append(
+                FailedRound(rnd, text, [], diverged=True, restored_nodes=restored or None)
+            )
+            error = f"round {rnd} failed: {text}"
+            self._report_failed(RoundRecord(rnd, row.round_time_s, error=error, diverged=True))
+            if failures >= rec.max_failed_rounds:
+                raise rec.end_diverged(text, failures) from None  # shown as it is
+            return
+        log(
+            WARNING,
+            "Round %d failed: %s. The last good global model is kept (%d consecutive "
+            "failed round(s) of at most max_failed_rounds=%d).",
+            rnd,
+            failure,
+            failures,
+            rec.max_failed_rounds,
+        )
+        last = failures >= rec.max_failed_rounds
+        if last:  # the round that ends the run is listed too
+            st.failed_rounds.append(FailedRound(rnd, str(failure), []))
+        self._report_failed(
+            RoundRecord(rnd, row.round_time_s, error=f"round {rnd} failed: {failure}")
+        )
+        if last:
+            end = rec.end(rnd, failure, failures)
+            raise end from end.__cause__
+        self._recover(rnd, failure, verdict)
+
+    def _recover(
+        self, rnd: int, failure: RoundFailure, verdict: Verdict, partial: bool = False
+    ) -> None:
+        """After round ``rnd`` failed with ``failure`` (the run goes on): drop the nodes
+        whose own fault it was (``verdict.drop``), set aside ``verdict.set_aside`` for the
+        next round, and re-plan on the others. A data owner is never dropped (stage 0
+        needs its data): a round it failed is simply retried, as is one whose nodes
+        cannot be left out (the others cannot hold the model). Records
+        ``failed_rounds`` unless ``partial`` (the round row names the failed pipelines)."""
+        st = self.state
+        out = self._leave_out(set(verdict.drop) | set(verdict.set_aside))
+        dropped = [p.name for p, _ in out if p.name in verdict.drop]
+        aside = [p.name for p, _ in out if p.name in verdict.set_aside]
+        for name in dropped:
+            self._drop(name)
+        record = FailedRound(rnd, str(failure), dropped, set_aside=aside or None)
+        self.recovery.set_aside([(p, i) for p, i in out if p.name in aside], record)
+        if not partial:  # a round some pipelines finished is recorded in its row
+            st.failed_rounds.append(record)
+        if out:
+            parts = [f"dropped {', '.join(dropped)}" if dropped else ""]
+            if aside:
+                parts.append(
+                    f"set aside {', '.join(aside)} for one round (non-finite output on "
+                    "finite input: dropped if the next round trains without it, put "
+                    "back if it goes non-finite again)"
+                )
+            log(
+                WARNING,
+                "Round %d failed; %s and re-planned on %d node(s)",
+                rnd,
+                "; ".join(part for part in parts if part),
+                len(st.node_profiles),
+            )
+
+    def _leave_out(self, names: set[str]) -> list[tuple[NodeProfile, int]]:
+        """Remove the helpers named from the fleet and re-plan; keep them (and the plan)
+        when the others cannot hold the model. Returns those left out, each with its
+        index in the fleet."""
+        st = self.state
+        out = [
+            (n, i) for i, n in enumerate(st.node_profiles) if n.name in names and not n.holds_data
+        ]
+        if not out:
+            return []
+        old, failed = st.node_profiles, [p for p, _ in out]
+        st.node_profiles = [n for n in old if n not in failed]
+        try:
+            self._replan()
+        except ValueError as plan_err:  # e.g. the others cannot hold the model
+            st.node_profiles = old
+            self._replan()
+            log(
+                WARNING,
+                "Cannot re-plan without %s: %s",
+                ", ".join(p.name for p, _ in out),
+                plan_err,
+            )
+            return []
+        return out
+
+    def _put_back(self) -> list[str]:
+        """Return the helpers set aside to the fleet and re-plan; their names."""
+        back = self.recovery.put_back()
+        if not back:
+            return []
+        st = self.state
+        names = [prof.name for prof, _, _ in back]
+        old = list(st.node_profiles)
+        for prof, index, record in sorted(back, key=lambda b: b[1]):
+            st.node_profiles.insert(min(index, len(st.node_profiles)), prof)
+            record.restored_nodes = [*(record.restored_nodes or []), prof.name]
+        try:
+            self._replan()
+        except ValueError as plan_err:  # cannot happen: they held the model before
+            st.node_profiles = old
+            log(WARNING, "Cannot re-plan with %s put back: %s", ", ".join(names), plan_err)
+            return []
+        log(
+            WARNING,
+            "Put %s back (set aside after a non-finite round, but the training itself "
+            "diverged) and re-planned on %d node(s)",
+            ", ".join(names),
+            len(st.node_profiles),
+        )
+        return names
+
+    def _drop_confirmed(self, rnd: int) -> None:
+        """After round ``rnd`` trained: drop the helpers set aside before it (the round
+        trained finite without them); re-admitted only after they leave the node list
+        and come back (a restart), not on the next profile."""
+        for name, record in self.recovery.round_trained(rnd):
+            record.dropped_nodes = [*record.dropped_nodes, name]
+            nid = self._drop(name)
+            if nid is not None:
+                self.state.rejoin_asked.add(nid)
+
+    def _drop(self, name: str) -> int | None:
+        """Drop node ``name`` for its own fault (out of ``ids``, into ``dropped``); its id."""
+        nid = self.state.ids.pop(name, None)
+        if nid is not None:
+            self.state.dropped[name] = nid
+        return nid
 
 
 def _evaluated_as(

@@ -11,7 +11,11 @@ import nothing from round control (``sky.rounds``), the transports nothing from 
 or round control, and at most six modules sit at the top of ``sky_flower/sky/`` (what
 both halves share: the protocol, optimizer-state migration, the settings). Every rule
 is checked on the import graph built here (``GRAPH``, function-level imports included),
-and a failure names the offending ``importer -> imported`` edge.
+and a failure names the offending ``importer -> imported`` edge. (e) The strategy's
+parts (issue 43: ``sky.rounds`` ``joins``, ``planner``, ``executor``, ``recovery``)
+import no other part and not the strategy, are built with no bound method of another
+part or of the strategy, and only the strategy (``strategies/sky.py``) imports the run
+state or writes its fields.
 
 There is no line limit: a module is split when it holds two concepts, not when it
 crosses a number (a review habit, not a test).
@@ -292,3 +296,147 @@ def test_sky_has_at_most_six_top_level_modules():
     assert len(top) <= MAX_SKY_TOP_MODULES, (
         f"{len(top)} modules at the top of {SKY} (at most {MAX_SKY_TOP_MODULES}): {top}"
     )
+
+
+# -- (e) the strategy's parts: values in, values out; one writer of the run state --------
+ROUNDS = f"{SKY}.rounds"
+PARTS = ("joins", "planner", "executor", "recovery")  # Benchmarker, Planner, executor, Recovery
+PART_CLASSES = ("Benchmarker", "Planner", "RoundExecutor", "Recovery", "Evaluator")
+STRATEGY = "sky_flower.strategies.sky"
+STATE = f"{ROUNDS}.state"
+# calls that change a list, dict or set in place
+MUTATORS = {
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "popitem",
+    "remove",
+    "clear",
+    "update",
+    "add",
+    "discard",
+    "setdefault",
+    "sort",
+    "reverse",
+}
+
+
+def test_the_parts_exist():
+    """The rules below name these modules: a rename must update them, not void them."""
+    for name in PARTS:
+        assert f"{ROUNDS}.{name}" in MODULES, f"{ROUNDS}.{name} is gone: update the rules"
+    assert STATE in MODULES and STRATEGY in MODULES
+
+
+def test_no_part_imports_another_part_or_the_strategy():
+    """A part is handed what it needs and returns what it found: it never reaches into
+    another part, nor into the strategy that runs them."""
+    bad = [
+        edge
+        for a in PARTS
+        for b in PARTS
+        if a != b
+        for edge in _edges(f"{ROUNDS}.{a}", f"{ROUNDS}.{b}")
+    ]
+    bad += [edge for a in PARTS for edge in _edges(f"{ROUNDS}.{a}", "sky_flower.strategies")]
+    assert not bad, "a part imports another part or the strategy: " + "; ".join(bad)
+
+
+def test_only_the_strategy_imports_the_run_state():
+    bad = [e for e in _edges("sky_flower", STATE) if not e.startswith(STRATEGY + " ")]
+    assert not bad, "the run state is imported outside the strategy: " + "; ".join(bad)
+
+
+def _state_fields() -> set[str]:
+    """The fields of ``RunState`` (its annotated class attributes)."""
+    tree = ast.parse(MODULES[STATE].read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunState"]
+    return {
+        stmt.target.id
+        for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+
+
+def _is_state(node: ast.expr) -> bool:
+    """``state``, ``st``, ``<anything>.state``: an expression that names a run state."""
+    if isinstance(node, ast.Name):
+        return node.id in ("state", "st")
+    return isinstance(node, ast.Attribute) and node.attr == "state"
+
+
+def _field_of_state(node: ast.expr, fields: set[str]) -> str | None:
+    """``state.<field>`` (or ``state.<field>[k]``): the field, else None."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and node.attr in fields and _is_state(node.value):
+        return node.attr
+    return None
+
+
+def _state_writes(source: str, fields: set[str]) -> list[str]:
+    """Every write to a run-state field in ``source``: assigned (``st.rounds = ...``,
+    ``st.ids[k] = ...``, ``+=``, ``del``) or changed in place (``st.joins.append(...)``),
+    as ``line: code``."""
+    tree = ast.parse(source)
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+        ):
+            targets = [node.func.value]
+        flat = [t for tgt in targets for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        if any(_field_of_state(t, fields) for t in flat):
+            out.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_state_writes_are_found():
+    fields = _state_fields()
+    assert {"rounds", "node_profiles", "ids", "joins"} <= fields
+    code = (
+        "st.rounds.append(r)\nself.state.node_profiles = []\nstate.ids[n] = 1\n"
+        "st.a, st.joins = 1, []\nout.joins.append(j)\nx = st.rounds\n"
+    )
+    assert sorted(int(w.split(":")[0]) for w in _state_writes(code, fields)) == [1, 2, 3, 4]
+
+
+def test_only_the_strategy_writes_the_run_state():
+    """The strategy's loop is the one writer of the run's state: no other module assigns
+    a ``RunState`` field or changes one in place."""
+    fields = _state_fields()
+    bad = [
+        f"{_rel(path)}:{w}"
+        for name, path in MODULES.items()
+        if name != STRATEGY
+        for w in _state_writes(path.read_text(), fields)
+    ]
+    assert not bad, "the run state is written outside the strategy: " + "; ".join(bad)
+
+
+def test_parts_are_built_without_callbacks():
+    """``SkyStrategy`` builds its parts from values (settings, schedule, model): no
+    argument is a bound method of the strategy or of another part (``self.x.y``)."""
+    tree = ast.parse(MODULES[STRATEGY].read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SkyStrategy"]
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    bad = []
+    for node in ast.walk(cls):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) in PART_CLASSES):
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            text = ast.unparse(arg)
+            chain = text.split(".")
+            if chain[0] == "self" and (len(chain) > 2 or chain[-1] in methods):
+                bad.append(f"{ast.unparse(node.func)}(... {text} ...)")
+    assert not bad, "a part is handed a bound method: " + "; ".join(bad)

@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +21,8 @@ from sky_flower.jobs.common import SkyRecorder, conf_dir
 from sky_flower.jobs.config_files import ConfigFileError, check_command_line, selected_files
 from sky_flower.pipeline.data import Split, load_digits
 from sky_flower.pipeline.inputs import label_range, probe_rows
+from sky_flower.sky.rounds.hooks import RunEnd, RunRecords, RunStart
+from sky_flower.sky.rounds.records import RoundRecord
 from sky_flower.sky.settings import SkySettings
 
 BAD_FLEET = "name: bad\nnodes:\n  - {name: node0, holds_data: true\n  - {name: node1}\n"
@@ -126,15 +127,15 @@ def test_completed_is_false_when_no_round_trained(tmp_path):
     """A run that went through all its rounds, every one failed (``max_failed_rounds``
     above the rounds): ``start`` returned, but nothing trained, so ``results.json`` says
     ``completed: false`` beside the error (it said ``true``)."""
-    rounds = [{"round": r, "error": f"round {r} failed: boom"} for r in (1, 2)]
-    strategy = SimpleNamespace(rounds=rounds, failed_rounds=[])
+    rounds = [RoundRecord(r, 0.1, error=f"round {r} failed: boom") for r in (1, 2)]
     recorder = SkyRecorder(tmp_path / "results.json", "even", "uniform3")
-    recorder.on_start(strategy)  # the hooks a run calls: it started, then ended
-    recorder.on_end(strategy, None)  # without an error
+    recorder.on_start(RunStart(2, "even", "relay"))  # the hooks a run calls: started, ended
+    recorder.on_end(RunEnd(RunRecords(tuple(rounds)), None))  # without an error
     saved = json.loads(Path(tmp_path / "results.json").read_text())
     assert saved["completed"] is False
     assert saved["error"].startswith("no round trained (2 failed)")
-    rounds[1] = {"round": 2, "train_loss": 1.0}  # one round trained: completed
+    rounds[1] = RoundRecord(2, 0.1, train_loss=1.0)  # one round trained: completed
+    recorder.records = RunRecords(tuple(rounds))
     recorder.write()
     saved = json.loads(Path(tmp_path / "results.json").read_text())
     assert saved["completed"] is True and saved["error"] is None

@@ -194,7 +194,7 @@ def _sky_rounds(
     arrays = ArrayRecord(model_fn().state_dict())
     ROWS.clear()
     for rnd in range(1, rounds + 1):
-        row, new = federated_round(
+        res = federated_round(
             grid,
             runs,
             lambda: RelayRunner(settings_),
@@ -203,7 +203,8 @@ def _sky_rounds(
             local_bn=local,
             frozen=frozen_keys(model_fn()),
         )
-        assert new is not None, row
+        row, new = res.record, res.arrays
+        assert new is not None, res.failure
         ROWS.append(row)
         arrays = new
     return arrays.to_torch_state_dict(), local

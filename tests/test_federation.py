@@ -313,7 +313,8 @@ def test_pipelines_sharing_a_node_run_one_after_another():
         return PipelineRun(owner, 100, steps, plan, after)  # type: ignore[arg-type]
 
     runs = [run("a", 1), run("b", 1), run("c", 3, (0,))]
-    row, arrays = federated_round(None, runs, FakeRunner, ArrayRecord({}), 1)  # type: ignore[arg-type]
+    res = federated_round(None, runs, FakeRunner, ArrayRecord({}), 1)  # type: ignore[arg-type]
+    row, arrays = res.record, res.arrays
     assert events.index(("a", "end")) < events.index(("c", "start"))
     assert [f["owner"] for f in row["failed_pipelines"]] == ["b"]
     assert row["failed_pipelines"][0]["nodes"] == ["h"]

@@ -519,7 +519,7 @@ def test_the_strategy_reads_what_is_frozen_from_the_model():
         {**sky_app_run_config(), "fleet": "edge3"}, model_fn=_tiny, input_shape=[4]
     )
     assert strategy.executor.frozen == {"0.weight"}
-    assert RelayRunner(strategy.executor.run_settings()).frozen == {"0.weight"}
+    assert RelayRunner(strategy.run_settings()).frozen == {"0.weight"}
     full = sky_strategy(
         {**sky_app_run_config(), "fleet": "edge3"},
         model_fn=lambda: nn.Sequential(nn.Linear(4, 2)),

@@ -94,3 +94,44 @@ def test_the_example_apps_save_results_writes_strict_json_when_a_metric_is_nan(t
     assert saved["initial_test_accuracy"] == 0.1
     assert saved["rounds"] == [{"round": 1, "test_accuracy": None, "test_loss": None}]
     assert saved["final_test_accuracy"] is None
+
+
+def test_results_json_schema_is_pinned_and_written_from_the_records(tmp_path):
+    """``results.json``'s keys (issue 43 pins them): written from the records' ``to_dict``
+    alone, ``failed_rounds`` and ``joins`` entries as the dicts they were."""
+    from sky_flower.jobs.common import SkyRecorder
+    from sky_flower.sky.rounds.hooks import RoundEnd, RunEnd, RunRecords
+    from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+
+    trained = RoundRecord(2, 1.5, train_loss=0.5, train_accuracy=0.75, test={"accuracy": 0.5})
+    records = RunRecords(
+        rounds=(RoundRecord(1, 1.0, error="round 1 failed: box"), trained),
+        failed_rounds=(FailedRound(1, "box", ["box"], set_aside=None),),
+        replans=({"after_round": 2, "reason": "drift"},),
+        joins=(JoinRecord(2, "fast", 104), JoinRecord(2, "box", 7, rejoined=True, admitted=True)),
+    )
+    recorder = SkyRecorder(tmp_path / "results.json", "even", "edge3")
+    recorder.on_round(RoundEnd(trained, records))
+    recorder.on_end(RunEnd(records, None))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved) == [
+        "allocation",
+        "fleet",
+        "initial_test_accuracy",
+        "final_test_accuracy",
+        "rounds",
+        "error",
+        "failed_rounds",
+        "replans",
+        "joins",
+        "completed",
+    ]
+    assert all(list(r) == list(ROUND_KEYS) for r in saved["rounds"])
+    assert saved["rounds"][1]["test_accuracy"] == saved["final_test_accuracy"] == 0.5
+    assert saved["failed_rounds"] == [{"round": 1, "error": "box", "dropped_nodes": ["box"]}]
+    assert saved["joins"] == [
+        {"round": 2, "node": "fast", "node_id": 104},
+        {"round": 2, "node": "box", "node_id": 7, "rejoined": True, "admitted": True},
+    ]
+    assert saved["replans"] == [{"after_round": 2, "reason": "drift"}]
+    assert saved["completed"] is True and saved["error"] is None

@@ -295,10 +295,9 @@ def _federated(policy: str, sessions: bool, rounds: int = 3) -> tuple[list[dict]
     arrays, models = ArrayRecord(_bn_net().state_dict()), []
     try:
         for rnd in range(1, rounds + 1):
-            row, new = federated_round(
-                grid, runs, lambda: StreamRunner(s), arrays, rnd, local_bn=local
-            )
-            assert new is not None, row.exception
+            res = federated_round(grid, runs, lambda: StreamRunner(s), arrays, rnd, local_bn=local)
+            row, new = res.record, res.arrays
+            assert new is not None, res.failure
             assert row.flower_messages == ((4 if rnd == 1 else 0) if sessions else 8), row
             arrays = new
             models.append(arrays.to_torch_state_dict())
@@ -379,6 +378,6 @@ def test_a_pipeline_with_more_stages_than_the_engines_workers_is_refused():
     assert sessions is not None
     sessions.capacity = 2
     with pytest.raises(ValueError, match=r"pipeline of n0 has 3 stages.*runs only 2"):
-        strategy.executor.check_plan(pipeline)
+        strategy.check_plan(pipeline)
     sessions.capacity = 3
-    strategy.executor.check_plan(pipeline)
+    strategy.check_plan(pipeline)

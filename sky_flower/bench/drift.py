@@ -134,11 +134,11 @@ def run_one(scenario: str, how: str, args: argparse.Namespace) -> dict[str, Any]
     strategy.start(grid, initial, num_rounds=args.rounds, evaluate_fn=evaluate)
     rounds = [
         {
-            "round": r["round"],
-            "step_s": r.get("measured_step_time_s"),
-            "round_s": r.get("round_time_s"),
-            "acc": r.get("test_accuracy"),
-            "nodes": sorted({st["node"] for st in r.get("stages", [])}),
+            "round": r.round,
+            "step_s": r.measured_step_time_s,
+            "round_s": r.round_time_s,
+            "acc": r.test.get("accuracy"),
+            "nodes": sorted({st.node for st in r.stages or []}),
         }
         for r in strategy.rounds
     ]

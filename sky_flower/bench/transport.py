@@ -198,9 +198,9 @@ def flower_cases(
                     strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
                     row = strategy.rounds[-1]
                     out[(case, M)] = {
-                        "step_s": row["measured_step_time_s"],
-                        "predicted_s": row["predicted_step_time_s"],
-                        "setup_s": row.get("setup_s"),
+                        "step_s": row.measured_step_time_s,
+                        "predicted_s": row.predicted_step_time_s,
+                        "setup_s": row.setup_s,
                         "kind": case_kind,
                         **before_after(strategy, row),
                     }
@@ -225,7 +225,7 @@ def flower_cases(
     return out
 
 
-def before_after(strategy: Any, row: dict[str, Any]) -> dict[str, Any]:
+def before_after(strategy: Any, row: Any) -> dict[str, Any]:  # noqa: ANN401 - a RoundRecord
     """The round's prediction by the cost model before calibration (the same benchmark
     with :func:`sky_flower.core.calibration.uncalibrated` nodes, the same plan), and per
     stage measured against predicted compute (s per step), before and after."""
@@ -241,12 +241,12 @@ def before_after(strategy: Any, row: dict[str, Any]) -> dict[str, Any]:
         "predicted_before_s": old.step_time(spec),
         "stages": [
             {
-                "node": st["node"],
-                "measured_s": st["measured_compute_s"],
-                "predicted_s": st["predicted_compute_s"],
+                "node": st.node,
+                "measured_s": st.measured_compute_s,
+                "predicted_s": st.predicted_compute_s,
                 "predicted_before_s": M * float(t_old.fwd[k] + t_old.bwd[k]),
             }
-            for k, st in enumerate(row["stages"])
+            for k, st in enumerate(row.stages or [])
         ],
     }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from sky_flower.sky.rounds.hooks import SkyHooks
+from sky_flower.sky.rounds.hooks import RoundEnd, RunEnd, RunRecords, SkyHooks
 
 log = logging.getLogger("sky_flower")
 
@@ -300,7 +300,7 @@ def sky_results(
     ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.rounds.joins`: ``round``,
     ``node``, ``node_id``).
     """
-    plain = [r.to_dict() if hasattr(r, "to_dict") else r for r in rounds]  # RoundRecord
+    plain = [_plain(r) for r in rounds]  # RoundRecord
     rows = [{k: r.get(k) for k in ROUND_KEYS} for r in plain]
     return {
         "allocation": allocation,
@@ -312,16 +312,22 @@ def sky_results(
         ),
         "rounds": rows,
         "error": error,
-        "failed_rounds": failed_rounds or [],
-        "replans": replans or [],
-        "joins": joins or [],
+        "failed_rounds": [_plain(r) for r in failed_rounds or []],
+        "replans": [_plain(r) for r in replans or []],
+        "joins": [_plain(r) for r in joins or []],
         "completed": completed,
     }
 
 
-def untrained(rounds: list[dict[str, Any]]) -> str | None:
-    """The error of a run whose rounds all failed (None if one trained or none ran):
-    such a run trained nothing, whatever ``max_failed_rounds`` let it go on to."""
+def _plain(record: Any) -> Any:  # noqa: ANN401 - a record or its dict
+    """A record as its ``results.json`` dict (:meth:`to_dict`); a dict as it is."""
+    return record.to_dict() if hasattr(record, "to_dict") else record
+
+
+def untrained(rounds: Sequence[Mapping[str, Any]]) -> str | None:
+    """The error of a run whose rounds (their rows) all failed (None if one trained or
+    none ran): such a run trained nothing, whatever ``max_failed_rounds`` let it go
+    on to."""
     if not rounds or any("error" not in r for r in rounds):
         return None
     return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
@@ -329,7 +335,8 @@ def untrained(rounds: list[dict[str, Any]]) -> str | None:
 
 class SkyRecorder(SkyHooks):
     """Keeps a Sky run's ``results.json`` at ``path`` up to date: a hook
-    (:class:`sky_flower.sky.rounds.hooks.SkyHooks`) of a ``SkyStrategy``.
+    (:class:`sky_flower.sky.rounds.hooks.SkyHooks`) of a ``SkyStrategy``, writing from
+    the records its events hand it.
 
     The file is rewritten after every round, records the initial evaluation (round 0 of
     ``evaluate_fn``), and at the end of the run whether it completed or the error that
@@ -346,52 +353,49 @@ class SkyRecorder(SkyHooks):
 
     def __init__(self, path: Path, allocation: str, fleet: str) -> None:
         self.path, self.allocation, self.fleet = Path(path), allocation, fleet
-        self.strategy: Any = None
+        self.records = RunRecords()
         self.initial_test_accuracy: float | None = None
         self.completed = False
 
     def attach(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
         """Subscribe to ``strategy`` (:meth:`SkyStrategy.subscribe`) and return it."""
-        self.strategy = strategy
         strategy.subscribe(self)
         return strategy
-
-    def on_start(self, strategy: Any) -> None:  # noqa: ANN401 - a SkyStrategy
-        """Remember the strategy whose rounds are written."""
-        self.strategy = strategy
 
     def on_evaluate(self, server_round: int, metrics: dict[str, float]) -> None:
         """Keep the initial model's test accuracy (round 0)."""
         if server_round == 0 and "accuracy" in metrics:
             self.initial_test_accuracy = float(metrics["accuracy"])
 
-    def on_round(self, record: Any) -> None:  # noqa: ANN401 - a round record
+    def on_round(self, event: RoundEnd) -> None:
         """Rewrite the file with the round."""
+        self.records = event.records
         self.write()
 
-    def on_end(self, strategy: Any, error: BaseException | None) -> None:  # noqa: ANN401
+    def on_end(self, event: RunEnd) -> None:
         """Write the outcome: completed, or the error that ended the run."""
-        if error is not None:
-            self.write(describe_error(error))
+        self.records = event.records
+        if event.error is not None:
+            self.write(describe_error(event.error))
             return
         self.completed = True
         self.write()
 
     def write(self, error: str | None = None) -> dict[str, Any]:
         """Write the results so far (with ``error`` if the run failed) and return them."""
-        s = self.strategy
-        if error is None and self.completed and s is not None:
-            error = untrained(list(s.rounds))  # ran to its end but trained nothing
+        r = self.records
+        if error is None and self.completed:
+            error = untrained(list(r.rounds))  # ran to its end but trained nothing
         results = sky_results(
             self.allocation,
             self.fleet,
-            list(s.rounds) if s is not None else [],
+            list(r.rounds),
             error,
-            list(s.failed_rounds) if s is not None else [],
+            list(r.failed_rounds),
             self.initial_test_accuracy,
             self.completed and not error,  # e.g. "no round trained": not completed
-            list(getattr(s, "replans", [])),
-            list(getattr(s, "joins", [])),
+            list(r.replans),
+            list(r.joins),
         )
         return write_json(self.path, results)
 

@@ -222,7 +222,6 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         min_nodes=len(fleet),
         hooks=[EventCallback(on_event), recorder],
     )
-    recorder.strategy = strategy  # results.json is written even if the run never starts
     if strategy.executor.sessions is not None:  # stream: the engine's concurrent ClientApps
         strategy.executor.sessions.capacity = int(inputs["cpus"] / inputs["per_node"] + 1e-9)
     strategy.precheck(

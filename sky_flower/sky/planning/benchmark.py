@@ -83,6 +83,9 @@ class BenchmarkResult:
         Node name -> its emulation's description.
     left_out : dict[int, str]
         Node id -> why the node was left out (its error), for each node that failed.
+    names : dict[int, str]
+        Node id -> name of every node the run knows by name
+        (:meth:`sky_flower.sky.rounds.joins.Benchmarker.run` fills it).
     """
 
     nodes: list[NodeProfile]
@@ -92,6 +95,7 @@ class BenchmarkResult:
     handler_rate: dict[str, float] = field(default_factory=dict)
     emulation: dict[str, str] = field(default_factory=dict)
     left_out: dict[int, str] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
 
 
 class BenchmarkRound:

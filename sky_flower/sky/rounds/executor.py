@@ -6,8 +6,9 @@ each built from the settings and testable alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
@@ -21,9 +22,7 @@ from sky_flower.pipeline.stage import frozen_keys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning.benchmark import LinkTiming
 from sky_flower.sky.rounds import federation
-from sky_flower.sky.rounds.hooks import SkyHooks
-from sky_flower.sky.rounds.records import RoundRecord
-from sky_flower.sky.rounds.state import RunState
+from sky_flower.sky.rounds.records import RoundResult
 from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.deadlines import deadlines_of
 from sky_flower.sky.transport.direct import DirectRunner
@@ -40,12 +39,10 @@ RUNNERS: dict[str, type[Runner]] = {  # transport -> runner, picked once
 
 
 class RoundExecutor:
-    """Runs a round of every pipeline in ``state.runs`` and averages their models.
+    """Runs a round of every pipeline it is given and averages their models.
 
     Parameters
     ----------
-    state : RunState
-        Read: ``runs``, ``names``.
     model : SkyModel
         The model and its objective (every runner's).
     settings : SkySettings
@@ -54,9 +51,6 @@ class RoundExecutor:
         ``messaging``, ``seed``, ``train.bn_policy``.
     schedule : Schedule
         The run's schedule (``settings.schedule_object()``).
-    layers : callable
-        ``() -> list of LayerProfile``: the model's layers (their count is every
-        runner's ``num_layers``; :meth:`sky_flower.sky.rounds.planner.Planner.profile_model`).
     optimizer_store : OptimizerStore or None
         ``train.optimizer_state=keep``: the pipelines' optimizer states between rounds
         (:mod:`sky_flower.sky.migration`).
@@ -70,15 +64,12 @@ class RoundExecutor:
 
     def __init__(
         self,
-        state: RunState,
         model: SkyModel,
         settings: SkySettings,
         schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
-        layers: Callable[[], list[Any]],
         optimizer_store: Any = None,  # noqa: ANN401 - sky_flower.sky.migration.OptimizerStore
     ) -> None:
-        self.state, self.model, self.settings, self.schedule = state, model, settings, schedule
-        self.layers = layers
+        self.model, self.settings, self.schedule = model, settings, schedule
         self.runner_cls = RUNNERS[schedule.transport]
         self.runner_cls.check_schedule(schedule)
         self.optimizer_store = optimizer_store
@@ -104,8 +95,9 @@ class RoundExecutor:
                 + settings.stream.timeout_s,
             )
 
-    def run_settings(self) -> RunSettings:
-        """The settings every runner (and the benchmark's exchange) uses."""
+    def run_settings(self, num_layers: int, names: Mapping[int, str]) -> RunSettings:
+        """The settings every runner (and the benchmark's exchange) uses: the model's
+        ``num_layers``, errors naming nodes by ``names`` (node id -> name)."""
         s, m = self.settings, self.model
         return RunSettings(
             model_fn=m.model_fn,
@@ -114,7 +106,7 @@ class RoundExecutor:
             optimizer=s.train.optimizer,
             lr=s.train.lr,
             seed=s.seed,
-            num_layers=len(self.layers()),
+            num_layers=num_layers,
             message_timeout_s=s.failure.message_timeout_s,
             poll_interval_s=s.messaging.poll_interval_s,
             direct_timeout_s=s.direct.timeout_s,
@@ -131,7 +123,7 @@ class RoundExecutor:
             loss_reduction=m.reduction.kind,
             loss_weight_fn=m.reduction.weight_fn,
             stop=self.stop,
-            describe=self.state.names.get,
+            describe=names.get,
             deadlines=deadlines_of(s.deadlines),
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
@@ -144,16 +136,12 @@ class RoundExecutor:
         if self.sessions is not None:
             self.sessions.close_all()
 
-    def runner(self) -> Runner:
-        """A fresh runner of the configured transport (one per pipeline)."""
-        return self.runner_cls(self.run_settings())
-
-    def check_plan(self, pipeline: Any) -> None:  # noqa: ANN401 - a Pipeline
+    def check_plan(self, pipeline: Any, run: RunSettings) -> None:  # noqa: ANN401 - a Pipeline
         """Raise ``ValueError`` if the transport cannot run ``pipeline``: its own
         check, and (``stream`` in Flower's simulation engine) a pipeline with more
         stages than the engine runs ClientApps at once (every stage of a pipeline runs
         at the same time, with or without sessions: such a round could only fail)."""
-        self.runner().check_plan(pipeline)
+        self.runner_cls(run).check_plan(pipeline)
         capacity = None if self.sessions is None else self.sessions.capacity
         if capacity is not None and pipeline.num_stages > capacity:
             raise ValueError(
@@ -165,23 +153,30 @@ class RoundExecutor:
                 "workers), or use transport=relay"
             )
 
-    def link_timing(self) -> LinkTiming:
+    def link_timing(self, run: RunSettings) -> LinkTiming:
         """How the benchmark round times links for this transport."""
         cls = self.runner_cls
-        stream = self.run_settings().stream_endpoint() if cls.label == "stream" else None
+        stream = run.stream_endpoint() if cls.label == "stream" else None
         return LinkTiming(peer_links=cls.peer_links, calibrate=cls.calibrate, stream=stream)
 
     def run(
-        self, grid: Grid, server_round: int, arrays: ArrayRecord
-    ) -> tuple[RoundRecord, ArrayRecord | None]:
-        """Round ``server_round`` of every pipeline from the global model ``arrays``
-        (:func:`sky_flower.sky.rounds.federation.federated_round`): the round's record
-        and the new global model (``None`` when the round failed; the record has its
-        ``exception``). Stage sessions of data owners no longer planned end first."""
+        self,
+        grid: Grid,
+        runs: Sequence[Any],
+        arrays: ArrayRecord,
+        server_round: int,
+        run: RunSettings,
+    ) -> RoundResult:
+        """Round ``server_round`` of the pipelines ``runs`` (the plan's
+        :class:`sky_flower.sky.planning.planning.PipelineRun`, one per data owner) from
+        the global model ``arrays``, every runner on ``run``
+        (:func:`sky_flower.sky.rounds.federation.federated_round`): the round's record,
+        the new global model and, when it failed, why (:class:`RoundResult`). Stage
+        sessions of data owners no longer planned end first."""
         if self.sessions is not None:
-            self.sessions.retain({run.pipeline.plan.stages[0].node for run in self.state.runs})
-            self.sessions.plan([run.pipeline.node_ids for run in self.state.runs])
-            stages = sum(run.pipeline.num_stages for run in self.state.runs)
+            self.sessions.retain({r.pipeline.plan.stages[0].node for r in runs})
+            self.sessions.plan([r.pipeline.node_ids for r in runs])
+            stages = sum(r.pipeline.num_stages for r in runs)
             fit = self.sessions.usable(stages)
             if not fit and self.sessions_fit:
                 log(
@@ -196,10 +191,11 @@ class RoundExecutor:
             if not fit:
                 self.sessions.close_all()
             self.sessions_fit = fit
+            run = dataclasses.replace(run, sessions=self.sessions if fit else None)
         return federation.federated_round(
             grid,
-            self.state.runs,
-            self.runner,
+            runs,
+            lambda: self.runner_cls(run),
             arrays,
             server_round,
             self.guard,
@@ -216,35 +212,24 @@ class Evaluator:
     ----------
     evaluate_fn : callable or None
         ``(server_round, arrays) -> MetricRecord | None``, Flower's ``evaluate_fn``.
-    hooks : SkyHooks
-        ``on_evaluate`` is called with every evaluation's metrics.
     """
 
     def __init__(
-        self,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-        hooks: SkyHooks,
+        self, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None
     ) -> None:
-        self.evaluate_fn, self.hooks = evaluate_fn, hooks
+        self.evaluate_fn = evaluate_fn
 
     def evaluate(
-        self,
-        server_round: int,
-        arrays: ArrayRecord,
-        result: Result,
-        record: RoundRecord | None = None,
-    ) -> None:
-        """Evaluate round ``server_round``'s model (0: the initial one) into ``result``
-        and ``record.test``."""
+        self, server_round: int, arrays: ArrayRecord, result: Result
+    ) -> dict[str, float] | None:
+        """Evaluate round ``server_round``'s model (0: the initial one) into ``result``;
+        its metrics (``None``: not evaluated)."""
         if self.evaluate_fn is None:
-            return
+            return None
         res = self.evaluate_fn(server_round, arrays)
         if server_round == 0:
             log(INFO, "Initial global evaluation: %s", res)
         if res is None:
-            return
+            return None
         result.evaluate_metrics_serverapp[server_round] = res
-        metrics = {k: float(v) for k, v in res.items()}  # type: ignore[arg-type]
-        if record is not None:
-            record.test.update(metrics)
-        self.hooks.on_evaluate(server_round, metrics)
+        return {k: float(v) for k, v in res.items()}  # type: ignore[arg-type]

@@ -48,9 +48,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from sky_flower.sky.planning.planning import PipelineRun
-from sky_flower.sky.rounds.blame import Failure
-from sky_flower.sky.rounds.records import PipelineRecord, RoundRecord
-from sky_flower.sky.transport.guard import RoundGuard
+from sky_flower.sky.rounds.records import (
+    FailedPipeline,
+    PipelineRecord,
+    RoundFailure,
+    RoundRecord,
+    RoundResult,
+    pipelines_failure,
+)
+from sky_flower.sky.transport.guard import NonFiniteReply, RoundGuard
 from sky_flower.sky.transport.runner import RoundOutcome, Runner, SkyNodeError
 
 WEIGHT_KEY = "num-examples"  # Flower's FedAvg weighting key
@@ -374,7 +380,7 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
     slowest pipeline's step times, the bytes of weights their replies carried against
     full fine-tuning's, every pipeline's stages (each with its ``owner``),
     one :class:`PipelineRecord` per pipeline (:func:`pipeline_row`) and
-    ``failed_pipelines`` (owner, nodes, error) for those that failed.
+    ``failed_pipelines`` (:func:`failed_pipeline`) for those that failed.
 
     ``predicted_round_time_s`` is the plan's round, ``max(start_s + time_s)`` over the
     pipelines, plus, in a round that set a ``stream`` stage session up, the predicted
@@ -423,35 +429,29 @@ def round_row(server_round: int, results: Sequence[PipelineResult], seconds: flo
             for st in r.outcome.stages  # type: ignore[union-attr]
         ],
         pipelines=[pipeline_row(r, su) for r, su in zip(results, setups, strict=True)],
-        failed_pipelines=[
-            {
-                "owner": r.run.owner,
-                "nodes": list(r.error.nodes or []),
-                "error": str(r.error),
-                "nonfinite_stages": list(getattr(r.error, "stages", ())),
-            }
-            for r in results
-            if r.error is not None
-        ],
+        failed_pipelines=[failed_pipeline(r) for r in results if r.error is not None],
     )
 
 
-def pipelines_error(
-    failed: Sequence[dict[str, Any]], node_ids: Sequence[int] | None = None
-) -> SkyNodeError:
-    """One :class:`SkyNodeError` for the failed pipelines ``failed`` (each ``owner``,
-    ``error`` and ``nodes``: the nodes that caused it, and ``nonfinite_stages`` where
-    its replies held ``NaN``/``inf``), naming every owner and node; ``node_ids``: their
-    Flower node ids where known. Its ``failures`` are what
-    :func:`sky_flower.sky.rounds.blame.judge` reads."""
-    text = "; ".join(f"pipeline of {f['owner']} failed: {f['error']}" for f in failed)
-    nodes = sorted({n for f in failed for n in (f.get("nodes") or ())})
-    err = SkyNodeError(text, nodes=nodes or None, node_ids=list(node_ids) if node_ids else None)
-    err.failures = [  # type: ignore[attr-defined]
-        Failure(f["owner"], tuple(f.get("nodes") or ()), tuple(f.get("nonfinite_stages") or ()))
-        for f in failed
-    ]
-    return err
+def describe(err: SkyNodeError, stage: str) -> RoundFailure:
+    """``err`` described (type, message, where, the nodes it names, the non-finite
+    stages of a :class:`sky_flower.sky.transport.guard.NonFiniteReply`)."""
+    return RoundFailure(
+        type=type(err).__name__,
+        message=str(err),
+        stage=stage,
+        nodes=tuple(err.nodes or ()),
+        node_ids=None if err.node_ids is None else tuple(err.node_ids),
+        nonfinite_stages=err.stages if isinstance(err, NonFiniteReply) else (),
+    )
+
+
+def failed_pipeline(res: PipelineResult) -> FailedPipeline:
+    """The record of a pipeline that failed (``res.error`` set)."""
+    info = describe(res.error, "pipeline")  # type: ignore[arg-type]
+    return FailedPipeline(
+        res.run.owner, list(info.nodes), info.message, list(info.nonfinite_stages)
+    )
 
 
 def federated_round(
@@ -463,7 +463,7 @@ def federated_round(
     guard: RoundGuard | None = None,
     local_bn: LocalBatchNorm | None = None,
     frozen: frozenset[str] | set[str] = frozenset(),
-) -> tuple[RoundRecord, ArrayRecord | None]:
+) -> RoundResult:
     """Round ``server_round``: every owner's pipeline (:func:`run_pipelines`), then
     FedAvg across those that finished (:func:`fedavg`), checked by ``guard``
     (:class:`sky_flower.sky.transport.guard.RoundGuard`; default: finite only, no divergence
@@ -475,12 +475,13 @@ def federated_round(
 
     Returns
     -------
-    (RoundRecord, ArrayRecord or None)
+    RoundResult
         The round's record (:func:`round_row`) and the new global model; when every
         pipeline failed, or the guard fails the round (a non-finite aggregate or
-        training loss, a diverged loss), a record with only ``round``,
-        ``round_time_s`` and ``exception`` (a SkyNodeError naming every owner and node,
-        or the guard's reason), and None.
+        training loss, a diverged loss), a record with only ``round`` and
+        ``round_time_s``, no model, and the :class:`RoundFailure` (one pipeline's
+        error; every failed pipeline's, naming every owner and node; or the guard's
+        reason).
     """
     t0 = time.perf_counter()
     start = None if local_bn is None else (lambda run, a: local_bn.start(run.owner, a))
@@ -490,26 +491,20 @@ def federated_round(
     if not ok:
         failed = [r for r in results if r.error is not None]
         if len(results) == 1:  # one data owner: its pipeline's error, as it was
-            return RoundRecord(server_round, seconds, exception=failed[0].error), None
-        err = pipelines_error(
-            [
-                {
-                    "owner": r.run.owner,
-                    "error": str(r.error),
-                    "nodes": r.error.nodes,  # type: ignore[union-attr]
-                    "nonfinite_stages": getattr(r.error, "stages", ()),
-                }
-                for r in failed
-            ],
-            [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
-        )
-        return RoundRecord(server_round, seconds, exception=err), None
+            failure = describe(failed[0].error, "pipeline")  # type: ignore[arg-type]
+        else:
+            failure = pipelines_failure(
+                [failed_pipeline(r) for r in failed],
+                [nid for r in failed for nid in (r.error.node_ids or ())],  # type: ignore[union-attr]
+            )
+        return RoundResult(RoundRecord(server_round, seconds), None, failure)
     new = ok[0].arrays if len(ok) == 1 else fedavg(ok, frozen, arrays)
     row = round_row(server_round, results, seconds)
-    err = (guard or RoundGuard()).check(server_round, row, new)
-    if err is not None:  # the global model stays the last finite one
-        return RoundRecord(server_round, seconds, exception=err), None
+    text = (guard or RoundGuard()).check(server_round, row.train_loss, new)
+    if text:  # the global model stays the last finite one; no node is blamed
+        failure = RoundFailure("SkyNodeError", text, "guard", (), (), diverged=text)
+        return RoundResult(RoundRecord(server_round, seconds), None, failure)
     for res in results if local_bn is not None else ():
         if res.outcome is not None:
             local_bn.keep(res.run.owner, res.outcome.arrays)  # type: ignore[union-attr]
-    return row, new
+    return RoundResult(row, new)

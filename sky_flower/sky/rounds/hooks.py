@@ -1,13 +1,67 @@
 """Observers of a Sky run: subclass :class:`SkyHooks`, override what you need, and pass
 it to the strategy (``SkyStrategy(model, settings, hooks=[...])``); the strategy calls
-every hook in order at each point of the run. A hook observes: it must not change the
+every hook in order at each point of the run, with a typed event once the facts it
+reports are final (never the strategy itself). A hook observes: it must not change the
 records it is given. No Flower or torch import here (the results writer uses it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
+
+from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """What a run has recorded so far (``results.json``'s lists, as they stand when the
+    event fires).
+
+    Attributes
+    ----------
+    rounds : tuple of RoundRecord
+        Every round, trained or failed.
+    failed_rounds : tuple of FailedRound
+        What recovery did after each failed round.
+    replans : tuple of dict
+        Every re-plan taken.
+    joins : tuple of JoinRecord
+        Every node that joined or came back.
+    """
+
+    rounds: tuple[RoundRecord, ...] = ()
+    failed_rounds: tuple[FailedRound, ...] = ()
+    replans: tuple[dict[str, Any], ...] = ()
+    joins: tuple[JoinRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """The run starts: ``num_rounds`` rounds of ``allocation`` over ``transport``."""
+
+    num_rounds: int
+    allocation: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """A round ended: its ``record`` (a failed one has ``error``; a pipeline that
+    diverged is already in ``diverged``) and the run's ``records`` with it."""
+
+    record: RoundRecord
+    records: RunRecords
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """The run ended: its ``records``, and ``error``, what ended it (``None``: it
+    completed)."""
+
+    records: RunRecords
+    error: BaseException | None = None
 
 
 class SkyHooks:
@@ -20,8 +74,8 @@ class SkyHooks:
     :meth:`on_end` (once, with the error that ended the run or ``None``).
     """
 
-    def on_start(self, strategy: Any) -> None:  # noqa: ANN401 - a SkyStrategy
-        """The run starts: ``strategy`` is the running strategy (read its ``state``)."""
+    def on_start(self, event: RunStart) -> None:
+        """The run starts."""
 
     def on_benchmark(self, event: dict[str, Any]) -> None:
         """The benchmark round finished: ``benchmark.json``'s content."""
@@ -32,12 +86,11 @@ class SkyHooks:
     def on_evaluate(self, server_round: int, metrics: dict[str, float]) -> None:
         """The global model of ``server_round`` (0: the initial model) was evaluated."""
 
-    def on_round(self, record: Any) -> None:  # noqa: ANN401 - a RoundRecord
-        """A round ended (:class:`sky_flower.sky.rounds.records.RoundRecord`; failed ones
-        have ``error``)."""
+    def on_round(self, event: RoundEnd) -> None:
+        """A round ended (``event.record``; failed ones have ``error``)."""
 
-    def on_end(self, strategy: Any, error: BaseException | None) -> None:  # noqa: ANN401
-        """The run ended: ``error`` is what ended it (``None``: it completed)."""
+    def on_end(self, event: RunEnd) -> None:
+        """The run ended: ``event.error`` is what ended it (``None``: it completed)."""
 
 
 class EventCallback(SkyHooks):
@@ -55,9 +108,9 @@ class EventCallback(SkyHooks):
         """``fn("plan", event)``."""
         self.fn("plan", event)
 
-    def on_round(self, record: Any) -> None:  # noqa: ANN401 - a RoundRecord
+    def on_round(self, event: RoundEnd) -> None:
         """``fn("round", record.to_dict())``: the row as ``results.json`` has it."""
-        self.fn("round", record.to_dict())
+        self.fn("round", event.record.to_dict())
 
 
 class HookList(SkyHooks):
@@ -84,32 +137,17 @@ class HookList(SkyHooks):
             )
         self.hooks.append(hook)
 
-    def on_start(self, strategy: Any) -> None:  # noqa: ANN401
-        """Every hook's :meth:`SkyHooks.on_start`."""
-        for hook in self.hooks:
-            hook.on_start(strategy)
 
-    def on_benchmark(self, event: dict[str, Any]) -> None:
-        """Every hook's :meth:`SkyHooks.on_benchmark`."""
-        for hook in self.hooks:
-            hook.on_benchmark(event)
+def _every(name: str) -> Callable[..., None]:
+    """``HookList``'s ``name``: every hook's, in order."""
 
-    def on_plan(self, event: dict[str, Any]) -> None:
-        """Every hook's :meth:`SkyHooks.on_plan`."""
+    def call(self: HookList, *args: Any) -> None:  # noqa: ANN401
         for hook in self.hooks:
-            hook.on_plan(event)
+            getattr(hook, name)(*args)
 
-    def on_evaluate(self, server_round: int, metrics: dict[str, float]) -> None:
-        """Every hook's :meth:`SkyHooks.on_evaluate`."""
-        for hook in self.hooks:
-            hook.on_evaluate(server_round, metrics)
+    call.__name__, call.__doc__ = name, f"Every hook's :meth:`SkyHooks.{name}`."
+    return call
 
-    def on_round(self, record: Any) -> None:  # noqa: ANN401
-        """Every hook's :meth:`SkyHooks.on_round`."""
-        for hook in self.hooks:
-            hook.on_round(record)
 
-    def on_end(self, strategy: Any, error: BaseException | None) -> None:  # noqa: ANN401
-        """Every hook's :meth:`SkyHooks.on_end`."""
-        for hook in self.hooks:
-            hook.on_end(strategy, error)
+for _name in ("on_start", "on_benchmark", "on_plan", "on_evaluate", "on_round", "on_end"):
+    setattr(HookList, _name, _every(_name))

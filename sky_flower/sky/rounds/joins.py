@@ -29,24 +29,24 @@ The benchmark round and the joins are one part of the strategy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
 
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from sky_flower.core.cost import Schedule
+from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky import protocol as P
 from sky_flower.sky.planning.benchmark import (
     BenchmarkResult,
     BenchmarkRound,
     Link,
     LinkTiming,
-    benchmark_event,
 )
-from sky_flower.sky.rounds.hooks import SkyHooks
-from sky_flower.sky.rounds.state import RunState
+from sky_flower.sky.rounds.records import JoinRecord
 from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.runner import RunSettings, SkyNodeError
 
@@ -54,17 +54,45 @@ from sky_flower.sky.transport.runner import RunSettings, SkyNodeError
 NOT_JOINED = "is not in the federation"
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """The fleet as the run knows it now (read only): the nodes planned with, node name
+    -> id (``ids``) and back (``names``), the nodes ``dropped`` for their own fault
+    (name -> id), and the dropped ids asked again since (``rejoin_asked``)."""
+
+    nodes: Sequence[NodeProfile]
+    ids: Mapping[str, int]
+    names: Mapping[int, str]
+    dropped: Mapping[str, int] = field(default_factory=dict)
+    rejoin_asked: frozenset[int] | set[int] = frozenset()
+
+
+@dataclass
+class Joined:
+    """What :meth:`Benchmarker.admit_joiners` or :meth:`Benchmarker.note_returns` found:
+    the helpers admitted (``nodes``, in the order they answered; ``ids`` name -> id), node
+    id -> name of every node that told its name (``names``), the admitted nodes'
+    ``handler_rate``, one :class:`JoinRecord` per node admitted or (``replan.mode=off``)
+    reported back, the dropped ids ``asked`` now (not asked again until they go missing),
+    and the dropped nodes admitted back (``rejoined``)."""
+
+    nodes: list[NodeProfile] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
+    handler_rate: dict[str, float] = field(default_factory=dict)
+    joins: list[JoinRecord] = field(default_factory=list)
+    asked: set[int] = field(default_factory=set)
+    rejoined: list[str] = field(default_factory=list)
+
+
 class Benchmarker:
     """The benchmark round and mid-run joins of a Sky run: once the nodes are there,
-    :meth:`run` the benchmark round (its profiles go to ``state``), then before each
-    round :meth:`admit_joiners` (``replan.mode`` on) or :meth:`note_returns` (off).
+    :meth:`run` the benchmark round (it returns what it found), then before each round
+    :meth:`admit_joiners` (``replan.mode`` on) or :meth:`note_returns` (off). It keeps
+    only which node ids it has seen; the strategy keeps the fleet.
 
     Parameters
     ----------
-    state : RunState
-        Written: ``node_profiles``, ``ids``, ``names``, ``handler_rate``, ``samples``,
-        ``num_examples``, ``joins``; read: ``layer_profiles``, ``dropped``,
-        ``rejoin_asked``, ``tracker``.
     settings : SkySettings
         Its ``benchmark`` group (what to measure), ``seed``, ``train`` (the optimizer
         timed), ``messaging`` (``node_wait_s``).
@@ -72,110 +100,112 @@ class Benchmarker:
         The run's schedule (micro-batch size, ``M``).
     input_shape, input_dtype : sequence of int, str
         One sample's shape and dtype (the model's input).
-    run_settings : callable
-        ``() -> RunSettings``: the exchange and deadlines every message uses.
-    links : callable
-        ``() -> LinkTiming``: how the transport's links are timed (read when a round
-        starts).
-    hooks : SkyHooks
-        ``on_benchmark`` is called with the benchmark round's event.
     link_cache : dict[int, Link], optional
         Node id -> a link timed by an earlier benchmark round on the same grid.
     """
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
-        state: RunState,
         settings: SkySettings,
         schedule: Schedule,
         input_shape: Sequence[int],
         input_dtype: str,
-        run_settings: Callable[[], RunSettings],
-        links: Callable[[], LinkTiming],
-        hooks: SkyHooks,
         link_cache: dict[int, Link] | None = None,
     ) -> None:
-        self.state, self.settings, self.schedule = state, settings, schedule
+        self.settings, self.schedule = settings, schedule
         self.input_shape, self.input_dtype = list(input_shape), input_dtype
-        self.run_settings, self.links, self.hooks = run_settings, links, hooks
         self.link_cache = link_cache
         self._join_grid: Grid | None = None
         self._seen_ids: set[int] = set()
         self._waiting_ids: set[int] = set()
         self._went_missing: set[int] = set()  # dropped ids seen missing from the node list
 
-    def round(self, grid: Grid, server_round: int = 0) -> BenchmarkRound:
-        """The benchmark round of these settings over ``grid``; its messages belong to
+    def round(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        layers: Sequence[LayerProfile],
+        run: RunSettings,
+        links: LinkTiming,
+        names: dict[int, str],
+        server_round: int = 0,
+    ) -> BenchmarkRound:
+        """The benchmark round of these settings over ``grid`` (``layers``: the model's;
+        ``run``: the exchange and deadlines; ``links``: how links are timed; ``names``:
+        filled with node id -> name as nodes answer); its messages belong to
         ``server_round`` (0: the benchmark round; a round: a join's profile)."""
-        run = self.run_settings()
+        run = dataclasses.replace(run, describe=names.get)
         return BenchmarkRound(
             run.exchange(grid, run.deadline("benchmark")),
-            self.state.layer_profiles,
+            layers,
             self.schedule,
             self.input_shape,
             self.settings.train.optimizer,
             self.settings.train.lr,
             self.settings.benchmark,
-            self.state.names,
+            names,
             seed=self.settings.seed,
             link_cache=self.link_cache,
             input_dtype=self.input_dtype,
-            links=self.links(),
+            links=links,
             server_round=server_round,
         )
 
-    def run(self, grid: Grid, node_ids: list[int], node_order: Sequence[str] = ()) -> None:
+    def run(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        node_ids: list[int],
+        node_order: Sequence[str],
+        layers: Sequence[LayerProfile],
+        run: RunSettings,
+        links: LinkTiming,
+        names: Mapping[int, str] = {},  # noqa: B006 - read only
+    ) -> BenchmarkResult:
         """Run the benchmark round on ``node_ids`` (a node whose reply is an error is
-        left out with a warning), keep what it found in ``state``, and call the hooks'
-        ``on_benchmark``.
+        left out with a warning): what it found, the fleet (its ``names``: node id ->
+        name of every node known by name; ``names``: those known before).
 
         Raises
         ------
         SkyNodeError
             If no data owner answered.
         """
-        found = self.round(grid).run(node_ids, node_order)
-        st = self.state
-        st.node_profiles, st.ids = found.nodes, found.node_ids
-        st.num_examples, st.handler_rate = found.num_examples, found.handler_rate
-        st.samples = dict(found.samples)
+        known = dict(names)
+        found = self.round(grid, layers, run, links, known).run(node_ids, node_order)
         self._join_grid = grid
         self._seen_ids = set(found.node_ids.values()) | set(found.left_out)
         self._waiting_ids = {nid for nid, why in found.left_out.items() if NOT_JOINED in why}
-        self.hooks.on_benchmark(benchmark_event(st.layer_profiles, found))
+        found.names = known
+        return found
 
-    def _returned(self, listed: set[int]) -> dict[int, str]:
-        """Dropped nodes (``state.dropped``, name -> id) listed now that may have come
+    def _returned(self, listed: set[int], fleet: Fleet) -> dict[int, str]:
+        """Dropped nodes (``fleet.dropped``, name -> id) listed now that may have come
         back: not yet asked since they were dropped, or missing from a listing since
         they were last asked. Notes which dropped nodes are missing now."""
-        dropped = self.state.dropped
         back = {}
-        for name, nid in dropped.items():
+        for name, nid in fleet.dropped.items():
             if nid not in listed:
                 self._went_missing.add(nid)
-            elif nid not in self.state.rejoin_asked or nid in self._went_missing:
+            elif nid not in fleet.rejoin_asked or nid in self._went_missing:
                 back[nid] = name
         return back
 
-    def note_returns(self, next_round: int, replan_mode: str) -> list[str]:
+    def note_returns(self, next_round: int, replan_mode: str, fleet: Fleet) -> Joined:
         """Under ``replan.mode=off``: report the dropped nodes listed again after they
         went missing (a restarted SuperNode), which a fixed plan does not admit back
-        (logged, recorded in ``joins`` with ``admitted: false``). Returns their names."""
+        (logged, in ``joins`` with ``admitted: false``)."""
+        out = Joined()
         grid = self._join_grid
-        if replan_mode != "off" or grid is None or not self.state.dropped:
-            return []
+        if replan_mode != "off" or grid is None or not fleet.dropped:
+            return out
         try:
             listed = set(grid.get_node_ids())
         except Exception:  # noqa: BLE001 - a Grid that cannot list: nothing to report
-            return []
-        back = {n: nm for n, nm in self._returned(listed).items() if n in self._went_missing}
+            return out
+        back = {n: nm for n, nm in self._returned(listed, fleet).items() if n in self._went_missing}
         for nid, name in back.items():
             self._went_missing.discard(nid)
-            self.state.rejoin_asked.add(nid)
-            self.state.joins.append(
-                {"round": next_round, "node": name, "node_id": nid, "rejoined": True}
-                | {"admitted": False}
-            )
+            out.asked.add(nid)
+            out.joins.append(JoinRecord(next_round, name, nid, rejoined=True, admitted=False))
             log(
                 WARNING,
                 "Node %s (node %d), dropped earlier, is listed again before round %d; "
@@ -185,33 +215,39 @@ class Benchmarker:
                 nid,
                 next_round,
             )
-        return list(back.values())
+        return out
 
-    def admit_joiners(self, next_round: int) -> list[str]:
+    def admit_joiners(  # noqa: PLR0913
+        self,
+        next_round: int,
+        layers: Sequence[LayerProfile],
+        run: RunSettings,
+        links: LinkTiming,
+        fleet: Fleet,
+    ) -> Joined:
         """Profile the nodes that joined before ``next_round`` (new node ids, and nodes
-        that had not joined at the benchmark round) and add the helpers that answer to
-        ``state.node_profiles`` (and the re-planning tracker). Returns their names; each is
-        recorded in ``joins`` (``round``, ``node``, ``node_id``)."""
+        that had not joined at the benchmark round, and dropped nodes back): the helpers
+        that answer, to be added to the fleet (each with a :class:`JoinRecord`)."""
+        out = Joined()
         grid = self._join_grid
         if grid is None:
-            return []
+            return out
         try:
             listed = set(grid.get_node_ids())
         except Exception as err:  # noqa: BLE001 - a Grid that cannot list: nobody joins
             log(WARNING, "Could not list the nodes before round %d: %s", next_round, err)
-            return []
-        returned = self._returned(listed)  # dropped nodes that may have come back
+            return out
+        returned = self._returned(listed, fleet)  # dropped nodes that may have come back
         ask = sorted((listed - self._seen_ids) | (listed & self._waiting_ids) | set(returned))
         if not ask:
-            return []
-        st = self.state
-        bench = self.round(grid, next_round)
-        taken = BenchmarkResult(nodes=list(st.node_profiles), node_ids=dict(st.ids), num_examples=0)
-        joined: list[str] = []
+            return out
+        out.names = dict(fleet.names)
+        bench = self.round(grid, layers, run, links, out.names, next_round)
+        taken = BenchmarkResult(nodes=list(fleet.nodes), node_ids=dict(fleet.ids), num_examples=0)
         for nid in ask:
             self._seen_ids.add(nid)
             if nid in returned:
-                st.rejoin_asked.add(nid)
+                out.asked.add(nid)
                 self._went_missing.discard(nid)
             try:
                 node, prof = bench.profile(nid, taken)
@@ -237,19 +273,15 @@ class Benchmarker:
                     next_round,
                 )
                 continue
-            st.handler_rate.update(taken.handler_rate)
-            if st.tracker is not None:
-                st.tracker.base.append(node)
-                node = st.tracker.profiles([node])[0]
-            st.node_profiles.append(node)
-            st.ids[node.name] = nid
+            out.handler_rate.update(taken.handler_rate)
+            out.nodes.append(node)
+            out.ids[node.name] = nid
             taken.node_ids[node.name] = nid
-            join: dict[str, Any] = {"round": next_round, "node": node.name, "node_id": nid}
+            join = JoinRecord(next_round, node.name, nid)
             if nid in returned:  # dropped earlier, back (e.g. a restarted SuperNode)
-                st.dropped.pop(returned[nid], None)
-                join |= {"rejoined": True, "admitted": True}
-            st.joins.append(join)
-            joined.append(node.name)
+                out.rejoined.append(returned[nid])
+                join = JoinRecord(next_round, node.name, nid, rejoined=True, admitted=True)
+            out.joins.append(join)
             log(
                 INFO,
                 "Node %s %s before round %d (%s)",
@@ -258,4 +290,4 @@ class Benchmarker:
                 next_round,
                 prof.emulation,
             )
-        return joined
+        return out

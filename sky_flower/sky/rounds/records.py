@@ -1,19 +1,161 @@
-"""The typed records of a Sky run's rounds: :class:`RoundRecord` (one per round,
-trained or failed), its :class:`PipelineRecord` entries (one per data owner) and their
-:class:`sky_flower.sky.transport.records.StageRecord` entries. The strategy, the
-re-planner, recovery and the reports use their attributes; each also reads as the
-mapping of its ``results.json`` row (``record["train_loss"]``), and
-:meth:`RoundRecord.to_dict` is the JSON written there.
+"""The typed records of a Sky run: :class:`RoundRecord` (one per round, trained or
+failed), its :class:`PipelineRecord` entries (one per data owner), their
+:class:`sky_flower.sky.transport.records.StageRecord` entries and its
+:class:`FailedPipeline` entries; :class:`FailedRound` and :class:`JoinRecord` (what
+recovery did, who joined); :class:`RoundFailure` (a failure described, never an
+exception) and :class:`RoundResult` (what a round returns). Readers use their
+attributes; :meth:`RecordFields.to_dict` is the JSON written to ``results.json`` (each
+still reads as the mapping of that row, for the readers of written rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sky_flower.sky.rounds.blame import Failure
 from sky_flower.sky.transport.records import RecordFields, StageRecord, optional
 
-__all__ = ["PipelineRecord", "RoundRecord", "StageRecord"]
+__all__ = [
+    "FailedPipeline",
+    "FailedRound",
+    "JoinRecord",
+    "PipelineRecord",
+    "RoundFailure",
+    "RoundRecord",
+    "RoundResult",
+    "StageRecord",
+    "pipelines_failure",
+]
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """Why a round (or one pipeline) failed: its error described, not kept.
+
+    Attributes
+    ----------
+    type, message : str
+        The exception's class name (``SkyNodeError``, ``NonFiniteReply``) and text.
+    stage : str
+        Where it arose: ``pipeline`` (a runner), ``round`` (every pipeline of the
+        round), ``guard`` (the round's aggregate or loss).
+    nodes : tuple of str
+        The nodes it names as the cause; ``node_ids`` their ids where known (``None``).
+    nonfinite_stages : tuple of int
+        The pipeline stages whose replies held ``NaN``/``inf`` (empty: another kind).
+    pipelines : tuple of Failure or None
+        The failed pipelines as :func:`sky_flower.sky.rounds.blame.judge` reads them
+        (``None``: one pipeline's error, judged from the fields above and the fleet).
+    diverged : str
+        The guard's reason when the round's aggregate or loss failed (``""``: not).
+    """
+
+    type: str
+    message: str
+    stage: str = ""
+    nodes: tuple[str, ...] = ()
+    node_ids: tuple[int, ...] | None = None
+    nonfinite_stages: tuple[int, ...] = ()
+    pipelines: tuple[Failure, ...] | None = None
+    diverged: str = ""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(eq=False)  # compares as its row (a mapping)
+class FailedRound(RecordFields):
+    """What recovery did after a failed round (``failed_rounds``).
+
+    Attributes
+    ----------
+    round : int
+        The round.
+    error : str
+        Why it failed.
+    dropped_nodes : list of str
+        The nodes dropped for their own fault (a helper set aside: once the next round
+        trained without it).
+    set_aside : list of str or None
+        Helpers set aside for the next round (non-finite output on finite input).
+    diverged : bool or None
+        The training diverged (nobody dropped).
+    restored_nodes : list of str or None
+        Helpers set aside earlier and put back (the training itself diverged).
+    """
+
+    round: int
+    error: str
+    dropped_nodes: list[str] = field(default_factory=list)
+    set_aside: list[str] | None = optional()
+    diverged: bool | None = optional()
+    restored_nodes: list[str] | None = optional()
+
+
+@dataclass(eq=False)  # compares as its row (a mapping)
+class JoinRecord(RecordFields):
+    """A node that joined the run, or came back (``joins``).
+
+    Attributes
+    ----------
+    round : int
+        The round it joined before.
+    node : str
+        Its name.
+    node_id : int
+        Its Flower node id.
+    rejoined : bool or None
+        It was dropped earlier and is listed again.
+    admitted : bool or None
+        Whether a node that rejoined was admitted back (``replan.mode=off``: not).
+    """
+
+    round: int
+    node: str
+    node_id: int
+    rejoined: bool | None = optional()
+    admitted: bool | None = optional()
+
+
+@dataclass(eq=False)  # compares as its row (a mapping)
+class FailedPipeline(RecordFields):
+    """A pipeline that failed in a round that trained (``failed_pipelines``).
+
+    Attributes
+    ----------
+    owner : str
+        Its data owner.
+    nodes : list of str
+        The nodes that caused it.
+    error : str
+        Why it failed.
+    nonfinite_stages : list of int
+        Its stages whose replies held ``NaN``/``inf``.
+    """
+
+    owner: str
+    nodes: list[str]
+    error: str
+    nonfinite_stages: list[int]
+
+    def failure(self) -> Failure:
+        """As :func:`sky_flower.sky.rounds.blame.judge` reads it."""
+        return Failure(self.owner, tuple(self.nodes), tuple(self.nonfinite_stages))
+
+
+def pipelines_failure(
+    failed: Sequence[FailedPipeline], node_ids: Sequence[int] | None = None
+) -> RoundFailure:
+    """The failure of the pipelines ``failed``: one error naming every owner and node
+    (``node_ids``: their Flower node ids where known), and each pipeline as
+    :func:`sky_flower.sky.rounds.blame.judge` reads it."""
+    text = "; ".join(f"pipeline of {f.owner} failed: {f.error}" for f in failed)
+    nodes = tuple(sorted({n for f in failed for n in f.nodes}))
+    ids = tuple(node_ids) if node_ids else None
+    failures = tuple(f.failure() for f in failed)
+    return RoundFailure("SkyNodeError", text, "round", nodes, ids, pipelines=failures)
 
 
 @dataclass
@@ -101,9 +243,8 @@ class RoundRecord(RecordFields):
         Every pipeline's stages (each with its ``owner``).
     pipelines : list of PipelineRecord or None
         One per data owner.
-    failed_pipelines : list of dict or None
-        ``owner``, ``nodes``, ``error``, ``nonfinite_stages`` of each pipeline that
-        failed in a round that trained.
+    failed_pipelines : list of FailedPipeline or None
+        Each pipeline that failed in a round that trained.
     test : dict[str, float]
         The server's evaluation of the round's model (keys ``test_<metric>`` in the row).
     error : str or None
@@ -111,8 +252,6 @@ class RoundRecord(RecordFields):
     diverged : bool or str or None
         The training diverged (a failed round: ``True``; a round that trained with a
         pipeline that diverged: the reason).
-    exception : Exception or None
-        The error of a round that failed, before recovery records it (not in the row).
     """
 
     round: int
@@ -134,13 +273,31 @@ class RoundRecord(RecordFields):
     predicted_setup_s: float | None = optional()
     stages: list[StageRecord] | None = optional()
     pipelines: list[PipelineRecord] | None = optional()
-    failed_pipelines: list[dict[str, Any]] | None = optional()
+    failed_pipelines: list[FailedPipeline] | None = optional()
     test: dict[str, float] = field(default_factory=dict, metadata={"prefix": "test_"})
     error: str | None = optional()
     diverged: bool | str | None = optional()
-    exception: Exception | None = field(default=None, metadata={"hidden": True})
 
     @property
     def trained(self) -> bool:
         """Whether the round trained (a failed round has no loss)."""
         return self.train_loss is not None
+
+
+@dataclass
+class RoundResult:
+    """What one round returns (:meth:`sky_flower.sky.rounds.executor.RoundExecutor.run`).
+
+    Attributes
+    ----------
+    record : RoundRecord
+        The round's record (a failed round: only ``round`` and ``round_time_s``).
+    arrays : ArrayRecord or None
+        The new global model (``None``: the round failed).
+    failure : RoundFailure or None
+        Why the round failed (``None``: it trained).
+    """
+
+    record: RoundRecord
+    arrays: Any = None  # flwr.app.ArrayRecord
+    failure: RoundFailure | None = None

@@ -69,18 +69,32 @@ def stage_report(row: dict[str, Any], label: str) -> str:
     return f"{head}\n{stage_table(row['stages'])}"
 
 
-def log_stage_report(row: dict[str, Any], label: str) -> None:
-    """Log :func:`stage_report` (compute includes the emulated slowdown)."""
+def log_round_header() -> None:
+    """Log the per-round table's header."""
+    log(INFO, "%5s  %10s  %9s  %13s  %14s  %8s", *ROUND_COLUMNS)
+
+
+def log_round(row: dict[str, Any], label: str) -> None:
+    """Log a round that trained: its line of the per-round table
+    (:func:`log_round_line`), :func:`stage_report` (compute includes the emulated
+    slowdown), :func:`pipeline_table` (FedAvg across the pipelines that finished), and
+    where the row has them :func:`weights_sent_line` and :func:`session_line` (stream:
+    the stage session's set-up and round times). ``label``: the transport and schedule."""
+    log_round_line(row)
     log(
         INFO,
         "Measured vs predicted, per step (compute includes the emulated slowdown):\n%s",
         stage_report(row, label),
     )
-
-
-def log_round_header() -> None:
-    """Log the per-round table's header."""
-    log(INFO, "%5s  %10s  %9s  %13s  %14s  %8s", *ROUND_COLUMNS)
+    log(
+        INFO,
+        "Round %d, one pipeline per data owner (FedAvg across):\n%s",
+        row["round"],
+        pipeline_table(row),
+    )
+    for line in (weights_sent_line(row), session_line(row)):
+        if line is not None:
+            log(INFO, "Round %d: %s", row["round"], line)
 
 
 def log_round_line(row: dict[str, Any]) -> None:
@@ -121,13 +135,6 @@ def weights_sent_line(row: dict[str, Any]) -> str | None:
     )
 
 
-def log_weights_sent(row: dict[str, Any]) -> None:
-    """Log :func:`weights_sent_line` of a round (nothing without it)."""
-    line = weights_sent_line(row)
-    if line is not None:
-        log(INFO, "Round %d: %s", row["round"], line)
-
-
 def session_line(row: dict[str, Any]) -> str | None:
     """A ``stream`` round's stage-session figures: its place in the session, the
     Flower messages it cost, the session's set-up measured against predicted (in the
@@ -156,13 +163,6 @@ def session_line(row: dict[str, Any]) -> str | None:
     return line
 
 
-def log_session(row: dict[str, Any]) -> None:
-    """Log :func:`session_line` of a round (nothing without a stage session)."""
-    line = session_line(row)
-    if line is not None:
-        log(INFO, "Round %d: %s", row["round"], line)
-
-
 def pipeline_table(row: dict[str, Any]) -> str:
     """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""
@@ -178,16 +178,6 @@ def pipeline_table(row: dict[str, Any]) -> str:
             + ("ok" if p["error"] is None else f"FAILED (dropped from the average): {p['error']}")
         )
     return "\n".join(lines)
-
-
-def log_pipelines(row: dict[str, Any]) -> None:
-    """Log :func:`pipeline_table` of a round (FedAvg across the pipelines that finished)."""
-    log(
-        INFO,
-        "Round %d, one pipeline per data owner (FedAvg across):\n%s",
-        row["round"],
-        pipeline_table(row),
-    )
 
 
 def log_final(plans: Sequence[Plan], allocation: str, result: Result) -> None:

@@ -1,26 +1,28 @@
-"""What the parts of a Sky run share: the fleet as the run knows it now, the plan it
-runs, and what happened so far (:class:`RunState`).
+"""A Sky run's state: the fleet as the run knows it now, the plan it runs, and what
+happened so far (:class:`RunState`).
 
-:class:`sky_flower.strategies.sky.SkyStrategy` owns one and hands it to each part
-(:class:`sky_flower.sky.rounds.joins.Benchmarker`,
-:class:`sky_flower.sky.rounds.planner.Planner`,
-:class:`sky_flower.sky.rounds.executor.RoundExecutor`,
-:class:`sky_flower.sky.rounds.recovery.Recovery`): a part reads what another wrote (the
-planner the profiles the benchmark round found, recovery the plan) here, never through
-the other part.
+:class:`sky_flower.strategies.sky.SkyStrategy` owns one, and its loop is the only writer
+(``tests/test_architecture.py`` checks it): the parts (:mod:`sky_flower.sky.rounds`) are
+handed what they need as arguments and return what they found.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sky_flower.core.profile import LayerProfile, NodeProfile
+from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+
+if TYPE_CHECKING:
+    from flwr.app import ArrayRecord
+
+    from sky_flower.sky.planning.planning import FederatedPlanned, PipelineRun
 
 
 @dataclass
 class RunState:
-    """A Sky run's shared state (mutable; one per strategy).
+    """A Sky run's state (one per strategy, written by its loop only).
 
     Attributes
     ----------
@@ -28,7 +30,7 @@ class RunState:
         The model's layers (FLOPs, bytes), profiled once on the server.
     node_profiles : list of NodeProfile
         The nodes planned with now (the benchmark round's, minus those dropped or set
-        aside, plus those that joined; updated by the re-planning tracker).
+        aside, plus those that joined; smoothed by the planner after rounds).
     ids, names : dict
         Node name -> Flower node id, and back (errors name nodes by ``names``).
     handler_rate : dict[str, float]
@@ -38,14 +40,13 @@ class RunState:
     federated : FederatedPlanned or None
         The plan the next round runs (:mod:`sky_flower.sky.planning.planning`); ``runs``
         its pipelines (one per data owner).
-    tracker : ProfileTracker or None
-        The re-planner's smoothed profiles (:mod:`sky_flower.sky.planning.replan`);
-        ``None`` until a round trained with ``replan.mode`` on.
     rounds : list of RoundRecord
         Every round, trained or failed (:mod:`sky_flower.sky.rounds.records`).
-    failed_rounds, replans, joins : list of dict
-        What recovery did after each failed round, each re-plan taken, each node that
-        joined (or came back): the ``results.json`` lists of those names.
+    failed_rounds, joins : list of FailedRound, list of JoinRecord
+        What recovery did after each failed round, each node that joined (or came
+        back): the ``results.json`` lists of those names.
+    replans : list of dict
+        Each re-plan taken (:class:`sky_flower.sky.planning.replan.Decision`'s record).
     dropped : dict[str, int]
         Node name -> node id of every node dropped for its own fault.
     rejoin_asked : set of int
@@ -62,13 +63,12 @@ class RunState:
     handler_rate: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
     num_examples: int = 0
-    federated: Any = None  # sky_flower.sky.planning.planning.FederatedPlanned
-    runs: list[Any] = field(default_factory=list)  # PipelineRun, one per data owner
-    tracker: Any = None  # sky_flower.sky.planning.replan.ProfileTracker
-    rounds: list[Any] = field(default_factory=list)  # RoundRecord
-    failed_rounds: list[dict[str, Any]] = field(default_factory=list)
-    replans: list[dict[str, Any]] = field(default_factory=list)
-    joins: list[dict[str, Any]] = field(default_factory=list)
+    federated: FederatedPlanned | None = None
+    runs: list[PipelineRun] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    failed_rounds: list[FailedRound] = field(default_factory=list)
+    replans: list[dict] = field(default_factory=list)
+    joins: list[JoinRecord] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
     rejoin_asked: set[int] = field(default_factory=set)
-    global_arrays: Any = None  # flwr.app.ArrayRecord
+    global_arrays: ArrayRecord | None = None

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from flwr.app import ArrayRecord, Message
 
@@ -137,23 +136,18 @@ class RoundGuard:
         if not (f == 0 or (math.isfinite(f) and f >= 1)):
             raise ValueError(f"divergence_factor must be 0 (off) or >= 1 (got {f})")
 
-    def check(
-        self, server_round: int, row: dict[str, Any], new: ArrayRecord
-    ) -> SkyNodeError | None:
-        """The error failing round ``server_round`` (its row's ``train_loss`` and the
-        new global model ``new``), else None, and the round counts as accepted (its
-        loss may become the best). No node is blamed (``nodes`` empty): the round's
-        aggregate or its loss is at fault, not one reply; the error's ``diverged``
-        (its text) makes the strategy report a divergence (:mod:`sky_flower.sky.rounds.recovery`).
+    def check(self, server_round: int, train_loss: float | None, new: ArrayRecord) -> str:
+        """Why round ``server_round`` (its training loss ``train_loss`` and the new
+        global model ``new``) fails (:meth:`reason`), else ``""`` and the round counts
+        as accepted (its loss may become the best). No node is blamed: the round's
+        aggregate or its loss is at fault, not one reply, and the strategy reports a
+        divergence (:mod:`sky_flower.sky.rounds.recovery`).
         """
-        loss = float(row.get("train_loss", 0.0))
+        loss = float(train_loss if train_loss is not None else 0.0)
         text = self.reason(server_round, loss, new)
-        if text:  # every reply was finite: the round's training diverged, not a node
-            err = SkyNodeError(text, nodes=[], node_ids=[])
-            err.diverged = text  # type: ignore[attr-defined] - read by sky.recovery
-            return err
-        self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
-        return None
+        if not text:
+            self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
+        return text
 
     def reason(self, server_round: int, loss: float, new: ArrayRecord) -> str:
         """Why round ``server_round`` fails (``""``: it does not): a non-finite

@@ -35,9 +35,7 @@ class RecordFields(Mapping[str, Any]):
             if "prefix" in f.metadata:
                 for k, v in value.items():
                     yield f"{f.metadata['prefix']}{k}", v
-            elif not f.metadata.get("hidden") and not (
-                value is None and f.metadata.get("omit_none")
-            ):
+            elif value is not None or not f.metadata.get("omit_none"):
                 yield f.name, value
 
     def __getitem__(self, key: str) -> Any:  # noqa: ANN401 - a field's value
