@@ -260,10 +260,13 @@ def _owner_pipelines(grid: ThreadedGrid) -> list:
     return runs
 
 
-def _federated(policy: str, sessions: bool, rounds: int = 3) -> tuple[list[dict], int, int]:
+def _federated(
+    policy: str, sessions: bool, rounds: int = 3, per_node: int | None = None
+) -> tuple[list[dict], int, int]:
     """``rounds`` federated rounds of :func:`_owner_pipelines` on ``stream`` (FedAvg
     across the owners; ``policy``: train.bn_policy): the global model after each, and
-    the Flower messages pushed and pulled."""
+    the Flower messages pushed and pulled. ``per_node``: sessions one node runs at once
+    (None: the simulation engine's, 1: a SuperNode's)."""
     from test_fedavg_state import LR as BN_LR
     from test_fedavg_state import SEED as BN_SEED
     from test_fedavg_state import B, _bn_net, _owner_of
@@ -276,7 +279,10 @@ def _federated(policy: str, sessions: bool, rounds: int = 3) -> tuple[list[dict]
     }
     grid = Counted(apps, {n: {"sky-node": n, "partition-id": k} for k, n in enumerate(names)})
     runs = _owner_pipelines(grid)
-    pool = StreamSessions(max_age_s=3600.0, close_deadline_s=20.0) if sessions else None
+    pool = None
+    if sessions:
+        pool = StreamSessions(max_age_s=3600.0, close_deadline_s=20.0, per_node=per_node)
+        pool.plan([r.pipeline.node_ids for r in runs])  # as the executor does each round
     s = RunSettings(
         model_fn=_bn_net,
         input_shape=(6,),
@@ -298,7 +304,8 @@ def _federated(policy: str, sessions: bool, rounds: int = 3) -> tuple[list[dict]
             res = federated_round(grid, runs, lambda: StreamRunner(s), arrays, rnd, local_bn=local)
             row, new = res.record, res.arrays
             assert new is not None, res.failure
-            assert row.flower_messages == ((4 if rnd == 1 else 0) if sessions else 8), row
+            per_round = not sessions or per_node == 1  # the helper is in both pipelines
+            assert row.flower_messages == (8 if per_round else (4 if rnd == 1 else 0)), row
             arrays = new
             models.append(arrays.to_torch_state_dict())
     finally:
@@ -323,6 +330,49 @@ def test_owners_with_fedavg_in_sessions_equal_per_round_set_ups(policy, server_i
         from test_fedavg_state import _close, _reference
 
         _close(in_session[-1], _reference("average", 3)[0])
+
+
+def test_pipelines_sharing_a_node_set_up_every_round_where_a_node_runs_one_message(
+    server_identity,
+):
+    """Deployed, a Flower 1.42 SuperNode handles one message at a time (its
+    ``_push_messages`` waits for the reply before the next pull), so a node in two
+    pipelines cannot hold a session for each: with ``per_node=1`` the two pipelines that
+    share the helper set their stages up every round (8 messages a round, none left in
+    a session) and train exactly as without sessions."""
+    per_round, pushed_r, _ = _federated("average", sessions=False)
+    one, pushed, _ = _federated("average", sessions=True, per_node=1)
+    assert pushed == pushed_r == 4 * 3
+    for got, expected in zip(one, per_round, strict=True):
+        _assert_bits(got, expected)
+
+
+def test_a_session_ends_when_its_pipeline_nodes_change_or_it_shares_a_node():
+    """``retain`` with each planned owner's nodes closes the sessions whose nodes
+    changed (before any new one is set up); ``usable_for`` refuses a pipeline with a
+    node of another one when a node runs one session."""
+    pool = StreamSessions(max_age_s=3600.0, close_deadline_s=1.0)
+    closed: list[str] = []
+
+    class _Session:
+        def __init__(self, owner: str, nodes: tuple[int, ...]) -> None:
+            self.owner, self.key = owner, (nodes, "rest")
+
+        def close(self, graceful: bool, deadline_s: float) -> int:
+            closed.append(self.owner)
+            return 0
+
+    pool.put("a", _Session("a", (1, 2)))  # type: ignore[arg-type]
+    pool.put("b", _Session("b", (3, 4)))  # type: ignore[arg-type]
+    pool.retain({"a": (1, 2), "b": (3, 5)})
+    assert closed == ["b"] and len(pool) == 1
+    pool.plan([(1, 2), (3, 2)])
+    assert pool.shared == {2}
+    assert not pool.usable_for((1, 2)) and pool.usable_for((6,))
+    pool.per_node = None
+    assert pool.usable_for((1, 2))
+    pool.close_all()
+    assert closed == ["b", "a"] and len(pool) == 0
 
 
 @pytest.mark.processes  # ConcurrentGrid: a fresh ClientApp process per message

@@ -222,8 +222,10 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         min_nodes=len(fleet),
         hooks=[EventCallback(on_event), recorder],
     )
-    if strategy.executor.sessions is not None:  # stream: the engine's concurrent ClientApps
+    if strategy.executor.sessions is not None:  # the engine's concurrent ClientApps; it
+        # runs two messages to one node on two workers (a SuperNode runs one at a time)
         strategy.executor.sessions.capacity = int(inputs["cpus"] / inputs["per_node"] + 1e-9)
+        strategy.executor.sessions.per_node = None
     strategy.precheck(
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],

@@ -174,7 +174,9 @@ class RoundExecutor:
         the new global model and, when it failed, why (:class:`RoundResult`). Stage
         sessions of data owners no longer planned end first."""
         if self.sessions is not None:
-            self.sessions.retain({r.pipeline.plan.stages[0].node for r in runs})
+            self.sessions.retain(
+                {r.pipeline.plan.stages[0].node: tuple(r.pipeline.node_ids) for r in runs}
+            )
             self.sessions.plan([r.pipeline.node_ids for r in runs])
             stages = sum(r.pipeline.num_stages for r in runs)
             fit = self.sessions.usable(stages)

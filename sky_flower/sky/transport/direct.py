@@ -171,8 +171,11 @@ class DirectRunner(EndpointWaits, Runner):
         :meth:`Runner.run_round`). An error names the stage(s) that failed or did not
         answer first, then those that stopped waiting for them; ``nodes`` holds only
         the former."""
-        if self.s.sessions is not None:
+        pool = self.s.sessions
+        if pool is not None and pool.usable_for(plan.node_ids):
             return self.session_round(grid, plan, arrays, steps, server_round)
+        if pool is not None:  # a node shared with another pipeline: set up every round
+            pool.drop(plan.plan.stages[0].node)
         s, S = self.s, plan.num_stages
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget)

@@ -27,14 +27,17 @@ as its TTL (``flwr.app.DEFAULT_TTL``, 12 h). A session spends the set-up message
    fresh session, which loses nothing because the server holds every stage's state at
    each round's end.
 
-A node whose stages sit in several pipelines runs one session per pipeline at once
-(the plan runs those pipelines one after another, so each stage frees its layers after
-its round's ``end`` and is rebuilt from the next ``begin``'s whole slice: the node holds
-one pipeline's stage at a time, as the planner's memory budget assumes):
-Flower 1.42's SuperNode stores every message it pulls as a task, and SuperExec's
-subprocess executor launches each task's ClientApp with no capacity gate
-(``supercore/superexec/executor/subprocess_executor.py``), so two messages to one node
-run in two processes; the simulation engine runs them on two workers. Session messages
+A node in several pipelines: deployed, a Flower 1.42 SuperNode handles one message at a
+time (``supernode/start_client_internal.py``: ``_push_messages`` waits for a message's
+reply before the next pull), so a node running a session takes no other message and
+cannot hold two. The pipelines that share a node therefore set up every round
+(:meth:`StreamSessions.usable_for`, ``per_node=1``), and a session whose pipeline's
+nodes change ends before any new one is set up (:meth:`StreamSessions.retain`). The
+simulation engine runs two messages to one node on two workers (``per_node=None``, the
+Hydra job): there a shared node runs one session per pipeline at once and, as the plan
+runs those pipelines one after another, each stage frees its layers after its round's
+``end`` and is rebuilt from the next ``begin``'s whole slice (the node holds one
+pipeline's stage at a time, as the planner's memory budget assumes). Session messages
 are pushed ``concurrent`` (:meth:`sky_flower.flower.exchange.Exchange.push`) so that
 they do not hold back other messages to their nodes.
 """
@@ -171,14 +174,27 @@ class StreamSessions:
         deployment runs each message in a process of its own). Sessions hold one per
         stage of every pipeline for the whole run: a plan with more stages than this
         runs with a set-up per round instead (:meth:`usable`).
+    per_node : int or None (default: 1)
+        How many sessions one node runs at once. 1 deployed: Flower 1.42's SuperNode
+        handles one message at a time (``supernode/start_client_internal.py``
+        ``_push_messages`` waits for its reply before the next pull), so a node in
+        several pipelines cannot hold a session for each, and no other message reaches
+        a node while its session lives; the pipelines that share a node set their
+        stages up every round instead (:meth:`usable_for`). None: no bound (the
+        simulation engine runs two messages to one node on two workers).
     """
 
     def __init__(
-        self, max_age_s: float, close_deadline_s: float, capacity: int | None = None
+        self,
+        max_age_s: float,
+        close_deadline_s: float,
+        capacity: int | None = None,
+        per_node: int | None = 1,
     ) -> None:
         self.max_age_s = min(max_age_s, DEFAULT_TTL - TTL_MARGIN_S)
         self.close_deadline_s = close_deadline_s
         self.capacity = capacity
+        self.per_node = per_node
         self._by_owner: dict[str, StreamSession] = {}
         self._lock = threading.Lock()
         # Flower node ids that run stages of several pipelines: their stages free their
@@ -209,15 +225,35 @@ class StreamSessions:
             seen |= set(ids)
         self.shared = shared
 
+    def usable_for(self, node_ids: tuple[int, ...] | list[int]) -> bool:
+        """Whether a pipeline of ``node_ids`` may run in a session: always with no
+        bound per node, else only if none of its nodes is in another pipeline too
+        (:attr:`shared`, from :meth:`plan`)."""
+        return self.per_node is None or not set(node_ids) & self.shared
+
+    def drop(self, owner: str) -> int:
+        """End ``owner``'s session, if it has one (gracefully: its pipeline runs
+        without one from now on); replies pulled."""
+        session = self.take(owner)
+        return 0 if session is None else self.end(session, graceful=True)
+
     def usable(self, stages: int) -> bool:
         """Whether sessions for ``stages`` stages (over every pipeline) fit the runtime's
         :attr:`capacity`."""
         return self.capacity is None or stages <= self.capacity
 
-    def retain(self, owners: set[str]) -> None:
-        """Close (gracefully) the sessions of data owners no longer planned."""
+    def retain(self, owners: set[str] | dict[str, tuple[int, ...]]) -> None:
+        """Close (gracefully) the sessions of data owners no longer planned and, given
+        each planned owner's pipeline nodes (a dict), those whose nodes changed: before
+        any new session is set up, so that no node is asked for a second session while
+        an old one holds it."""
         with self._lock:
-            gone = [o for o in self._by_owner if o not in owners]
+            gone = [
+                o
+                for o, s in self._by_owner.items()
+                if o not in owners
+                or (isinstance(owners, dict) and tuple(s.key[0]) != tuple(owners[o]))
+            ]
             ended = [self._by_owner.pop(o) for o in gone]
         for session in ended:
             self.end(session, graceful=True)

@@ -63,8 +63,11 @@ class StreamRunner(EndpointWaits, Runner):
     ) -> RoundOutcome:
         """Host the endpoint, set the stages up over Flower, run ``steps`` steps over
         the streams, end them, merge the stages' weights (see :meth:`Runner.run_round`)."""
-        if self.s.sessions is not None:
+        pool = self.s.sessions
+        if pool is not None and pool.usable_for(plan.node_ids):
             return self.session_round(grid, plan, arrays, steps, server_round)
+        if pool is not None:  # a node shared with another pipeline: set up every round
+            pool.drop(plan.plan.stages[0].node)
         s, S = self.s, plan.num_stages
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         ex = s.exchange(grid, timeout_s=budget + s.stream_timeout_s)
