@@ -431,3 +431,22 @@ def test_a_pipeline_with_more_stages_than_the_engines_workers_is_refused():
         strategy.check_plan(pipeline)
     sessions.capacity = 3
     strategy.check_plan(pipeline)
+
+
+def test_a_silence_bound_below_the_predicted_step_is_refused(server_identity):
+    """``schedule.stream_timeout_s`` below the plan's predicted step would take a stage
+    still computing for a silent one (and drop a healthy node): refused before any
+    message, naming the setting and the step."""
+    from dataclasses import replace
+
+    grid, pipeline = _fleet()
+    step = 0.5
+    pipeline = replace(pipeline, plan=replace(pipeline.plan, predicted_step_time_s=step))
+    try:
+        with pytest.raises(ValueError, match=r"schedule.stream_timeout_s=.*predicted step"):
+            StreamRunner(_settings(grid, "gpipe", 2, stream_timeout_s=step / 2)).check_plan(
+                pipeline
+            )
+        StreamRunner(_settings(grid, "gpipe", 2, stream_timeout_s=step * 2)).check_plan(pipeline)
+    finally:
+        grid.join()

@@ -156,12 +156,18 @@ def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
     if schedule.transport == "direct":
         direct_concurrency_check(len(fleet), cpus, per_node)
     max_nodes = int(cfg.simulation.get("max_nodes", 16))
+    if max_nodes < 1:
+        raise ValueError(
+            f"simulation.max_nodes={max_nodes}: the largest fleet this job simulates must "
+            "be at least 1 node (default 16)"
+        )
     if len(fleet) > max_nodes:
         raise ValueError(
             f"the fleet has {len(fleet)} nodes; this job simulates every node in Flower's "
             f"simulation engine on {cpus} CPUs and benchmarks them one at a time, which "
-            f"allows at most simulation.max_nodes={max_nodes}. Use a smaller fleet (e.g. "
-            "fleet.nodes=8), preview large fleets with `python -m sky_flower.plan`, or "
+            f"allows at most simulation.max_nodes={max_nodes}. Use a fleet of at most "
+            f"{max_nodes} nodes (another fleet file, or fleet.nodes=<n> where the fleet "
+            "takes a size), preview large fleets with `python -m sky_flower.plan`, or "
             "raise simulation.max_nodes"
         )
     owners = [n for n in fleet if n.holds_data]

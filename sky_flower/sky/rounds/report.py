@@ -152,8 +152,8 @@ def session_line(row: dict[str, Any]) -> str | None:
     )
     measured, predicted = row.get("setup_s") or 0.0, row.get("predicted_setup_s") or 0.0
     if measured > 0:  # a session was set up in this round
-        line += f"; set-up measured {measured:.3f} s (predicted " + (
-            f"{predicted:.3f} s)" if predicted > 0 else "not predicted)"
+        line += f"; set-up measured {measured:.3f} s (" + (
+            f"predicted {predicted:.3f} s)" if predicted > 0 else "not predicted)"
         )
     if row.get("predicted_round_time_s") is not None:
         line += (

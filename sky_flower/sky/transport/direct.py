@@ -148,7 +148,8 @@ class DirectRunner(EndpointWaits, Runner):
             )
 
     def check_plan(self, plan: Pipeline) -> None:
-        """Refuse ``1f1b`` with fewer micro-batches than stages.
+        """Refuse ``1f1b`` with fewer micro-batches than stages, and a peer timeout
+        (``schedule.direct_timeout_s``) below the plan's predicted step.
 
         Raises
         ------
@@ -156,6 +157,14 @@ class DirectRunner(EndpointWaits, Runner):
             Saying how to fix it.
         """
         S, M = plan.num_stages, self.s.schedule.microbatches
+        step = plan.plan.predicted_step_time_s
+        if self.s.direct_timeout_s < step:
+            raise ValueError(
+                f"schedule.direct_timeout_s={self.s.direct_timeout_s:g} s (run config "
+                f"direct-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
+                "peer still computing would be taken for a stalled one. Raise it well above "
+                f"the step (at least {step:.3g} s)"
+            )
         if plan_kind(plan, self.s.schedule) == "1f1b" and M < S:
             raise ValueError(
                 f"schedule.kind=1f1b needs at least as many micro-batches as stages: the "

@@ -58,6 +58,25 @@ class StreamRunner(EndpointWaits, Runner):
 
     label = "stream"  # the benchmark times each node's link over the data plane
 
+    def check_plan(self, plan: Pipeline) -> None:
+        """Refuse a silence bound (``schedule.stream_timeout_s``) below the plan's
+        predicted step: a healthy stage computing its share of a step would be blamed
+        for silence and dropped.
+
+        Raises
+        ------
+        ValueError
+            Naming the setting and the smallest value that holds.
+        """
+        step = plan.plan.predicted_step_time_s
+        if self.s.stream_timeout_s < step:
+            raise ValueError(
+                f"schedule.stream_timeout_s={self.s.stream_timeout_s:g} s (run config "
+                f"stream-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
+                "stage still computing would be taken for a silent one and dropped. Raise "
+                f"it well above the step (at least {step:.3g} s; the default is 30 s)"
+            )
+
     def run_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
