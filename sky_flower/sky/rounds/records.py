@@ -278,11 +278,6 @@ class RoundRecord(RecordFields):
     error: str | None = optional()
     diverged: bool | str | None = optional()
 
-    @property
-    def trained(self) -> bool:
-        """Whether the round trained (a failed round has no loss)."""
-        return self.train_loss is not None
-
 
 @dataclass
 class RoundResult:
