@@ -113,9 +113,9 @@ def test_sequential_is_the_pipelined_relay_with_one_group(server_identity):
     # one path on the wire: sequential is one forward/backward group per step
     types = {t for _, t in seq_grid.handled} | {t for _, t in pipe_grid.handled}
     assert types <= set(P.MESSAGE_TYPES) and P.BACKWARD in types
-    assert [st["messages"] for st in a.stages] == [2, 2, 1]
-    assert [st["messages"] for st in b.stages] == [4, 4, 2]
-    assert all(st["predicted_messages"] == st["messages"] for st in a.stages + b.stages)
+    assert [st.messages for st in a.stages] == [2, 2, 1]
+    assert [st.messages for st in b.stages] == [4, 4, 2]
+    assert all(st.predicted_messages == st.messages for st in a.stages + b.stages)
 
 
 @pytest.mark.realtime
@@ -150,10 +150,10 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
     initial = ArrayRecord(sky_app_task().initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     (failed,) = strategy.failed_rounds
-    assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]
-    assert "has shape" in failed["error"]
+    assert failed.round == 1 and failed.dropped_nodes == ["box"]
+    assert "has shape" in failed.error
     bad, good = strategy.rounds
-    assert "box" in bad["error"] and good["round"] == 2 and "error" not in good
+    assert "box" in bad.error and good.round == 2 and good.error is None
     assert {st.node for st in strategy.plan.stages} <= {"phone", "cloud"}
     assert result.arrays is strategy.global_arrays
 

@@ -45,7 +45,7 @@ from sky_flower.core.cost import CostModel
 from sky_flower.core.partition import make_plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky.planning import planning
-from sky_flower.sky.transport.records import RecordFields, optional
+from sky_flower.sky.transport.records import RecordFields, StageRecord, optional
 
 REPLAN_MODES = ("off", "on", "force")
 FACTOR_RANGE = (0.02, 200.0)  # a factor outside this is a measurement error, clipped
@@ -129,8 +129,8 @@ class ProfileTracker:
         """Remember the factors a plan's predictions are made with (call on every plan)."""
         self.planned = {n.name: self.factors(n.name) for n in self.base}
 
-    def observe(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
-        """Update the factors from a round's stage rows (``node``, ``predicted_compute_s``,
+    def observe(self, stages: Sequence[StageRecord]) -> dict[str, tuple[float, float]]:
+        """Update the factors from a round's stages (``node``, ``predicted_compute_s``,
         ``median_compute_s`` or ``measured_compute_s``; relay also ``measured_busy_s``,
         ``predicted_busy_s``). Returns node -> (compute factor before, after).
 
@@ -144,18 +144,18 @@ class ProfileTracker:
         links: dict[str, list[float]] = {}
         helpers: list[float] = []  # the baseline: a data owner's stage also loads its data
         for st in stages:
-            node = st["node"]
+            node = st.node
             f_c, f_l = self.planned.get(node, (1.0, 1.0))
-            pred, got = st.get("predicted_compute_s"), st.get("median_compute_s")
-            got = st.get("measured_compute_s") if got is None else got
+            pred, got = st.predicted_compute_s, st.median_compute_s
+            got = st.measured_compute_s if got is None else got
             if pred and got and pred > 0 and got > 0:
                 seen.setdefault(node, []).append(f_c * got / pred)
-                if st.get("stage", 0) > 0:
+                if st.stage > 0:
                     helpers.append(f_c * got / pred)
-            p_busy, m_busy = st.get("predicted_busy_s"), st.get("measured_busy_s")
+            p_busy, m_busy = st.predicted_busy_s, st.measured_busy_s
             if p_busy is not None and m_busy is not None and pred and got:
-                p_link, m_link = p_busy - pred, m_busy - st.get("measured_compute_s", got)
-                if _link_observable(st.get("stage", 0), p_link, p_busy) and m_link > 0:
+                p_link, m_link = p_busy - pred, m_busy - st.measured_compute_s
+                if _link_observable(st.stage, p_link, p_busy) and m_link > 0:
                     links.setdefault(node, []).append(f_l * m_link / p_link)
         old = {n: self.factors(n)[0] for n in seen}
         self._smooth(self.compute, seen, "compute", helpers)
