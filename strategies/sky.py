@@ -55,6 +55,7 @@ from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.benchmark import Link, benchmark_event, wait_for_nodes
+from sky_flower.sky.planning.replan import ReplanRecord
 from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.rounds import report
 from sky_flower.sky.rounds.blame import Verdict, diverged_text
@@ -250,7 +251,7 @@ class SkyStrategy(Strategy):
         return self.state.failed_rounds
 
     @property
-    def replans(self) -> list[dict[str, Any]]:
+    def replans(self) -> list[ReplanRecord]:
         """Every re-plan taken."""
         return self.state.replans
 

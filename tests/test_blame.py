@@ -19,6 +19,7 @@ from reference import ChaosGrid, ProcessPerMessageGrid, sky_app_on_grid
 
 from sky_flower.sky import protocol as P
 from sky_flower.sky.rounds.blame import Failure, judge
+from sky_flower.sky.rounds.records import JoinRecord
 from sky_flower.sky.rounds.recovery import TrainingDiverged
 
 QUICK = {"benchmark-repeats": 1, "echo-repeats": 1, "state-probe-mb": 0.0, "allocation": "even"}
@@ -68,12 +69,12 @@ def test_huge_lr_says_diverged_and_drops_no_healthy_helper(server_identity):
     strategy, _, start = sky_app_on_grid(ProcessPerMessageGrid, run)
     with pytest.raises(TrainingDiverged, match=r"diverged in round 3.*train\.lr.*now 1e\+08"):
         strategy.start(**start)
-    assert [f["dropped_nodes"] for f in strategy.failed_rounds] == [[], [], []]
+    assert [f.dropped_nodes for f in strategy.failed_rounds] == [[], [], []]
     assert sorted(n.name for n in strategy.node_profiles) == ["node0", "node1", "node2"]
     first, second, _ = strategy.failed_rounds
-    assert first["set_aside"] == ["node2"] and first["restored_nodes"] == ["node2"]
-    assert second["diverged"] and "after node2 was set aside" in second["error"]
-    assert "stage 1 on node1" in second["error"]  # the reply that showed it, named
+    assert first.set_aside == ["node2"] and first.restored_nodes == ["node2"]
+    assert second.diverged and "after node2 was set aside" in second.error
+    assert "stage 1 on node1" in second.error  # the reply that showed it, named
     assert strategy.dropped == {}
 
 
@@ -87,9 +88,9 @@ def test_a_helper_alone_nonfinite_is_set_aside_then_dropped(server_identity):
     start["grid"] = ChaosGrid(grid, "", lambda m: False)  # errors as error replies
     strategy.start(**start)
     (failed,) = strategy.failed_rounds
-    assert failed["set_aside"] == ["cloud"] and failed["dropped_nodes"] == ["cloud"]
-    assert "stage 1 on cloud" in failed["error"] and "non-finite" in failed["error"]
-    assert "train_loss" in strategy.rounds[-1] and "cloud" in strategy.dropped
+    assert failed.set_aside == ["cloud"] and failed.dropped_nodes == ["cloud"]
+    assert "stage 1 on cloud" in failed.error and "non-finite" in failed.error
+    assert strategy.rounds[-1].train_loss is not None and "cloud" in strategy.dropped
 
 
 class HidingGrid(ChaosGrid):
@@ -118,10 +119,8 @@ def test_a_dropped_node_that_comes_back_is_admitted_with_replan_on(server_identi
     start["grid"] = ChaosGrid(grid, "", lambda m: False)
     strategy.start(**start)
     box = list(grid.get_node_ids())[2]
-    assert strategy.failed_rounds[0]["dropped_nodes"] == ["box"]
-    assert strategy.joins == [
-        {"round": 3, "node": "box", "node_id": box, "rejoined": True, "admitted": True}
-    ]
+    assert strategy.failed_rounds[0].dropped_nodes == ["box"]
+    assert strategy.joins == [JoinRecord(3, "box", box, rejoined=True, admitted=True)]
     assert "box" in [n.name for n in strategy.node_profiles] and strategy.dropped == {}
 
 
@@ -136,9 +135,7 @@ def test_a_dropped_node_that_comes_back_is_reported_with_replan_off(server_ident
     box = list(grid.get_node_ids())[2]
     start["grid"] = HidingGrid(grid, box, lambda: len(strategy.rounds) == 1)
     strategy.start(**start)
-    assert strategy.failed_rounds[0]["dropped_nodes"] == ["box"]
-    assert strategy.joins == [
-        {"round": 3, "node": "box", "node_id": box, "rejoined": True, "admitted": False}
-    ]
+    assert strategy.failed_rounds[0].dropped_nodes == ["box"]
+    assert strategy.joins == [JoinRecord(3, "box", box, rejoined=True, admitted=False)]
     assert "box" not in [n.name for n in strategy.node_profiles]
-    assert len(strategy.rounds) == 3 and "train_loss" in strategy.rounds[-1]
+    assert len(strategy.rounds) == 3 and strategy.rounds[-1].train_loss is not None

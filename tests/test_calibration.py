@@ -183,16 +183,14 @@ def test_node_measures_the_calibration_in_its_profile_handler(server_identity):
 
 def test_logs_show_the_calibration_and_measured_over_predicted_per_stage():
     from sky_flower.sky.planning.benchmark import benchmark_table
+    from sky_flower.sky.rounds.records import StageRecord
     from sky_flower.sky.rounds.report import stage_table
 
-    rows = [
-        {"stage": 0, "node": "a", "measured_compute_s": 0.2, "predicted_compute_s": 0.1},
-        {"stage": 1, "node": "b", "measured_compute_s": 0.1, "predicted_compute_s": 0.0},
-    ]
+    rows = [StageRecord(0, "a", 0.2, predicted_compute_s=0.1), StageRecord(1, "b", 0.1, 0.0)]
     table = stage_table(rows).splitlines()
     assert table[0].split()[-1] == "meas/pred"
     assert table[1].split()[-1] == "2.00" and table[2].split()[-1] == "-"
-    assert "meas/pred" not in stage_table([{"stage": 0, "node": "a", "measured_compute_s": 1}])
+    assert "meas/pred" not in stage_table([StageRecord(0, "a", 1)])
     assert "Calibration" not in benchmark_table([node(0)])
     text = benchmark_table([node(0, **CAL)])
     assert "micro-batch overhead 4.00 ms, gloo message 2.00 ms, host 'box' runs 2.00" in text

@@ -141,8 +141,8 @@ def test_a_slow_owner_is_waited_for_not_pushed_to():
         grid.close()
     assert len(strategy.node_profiles) == 3  # nobody dropped from the benchmark
     failed, trained = strategy.rounds
-    assert "no reply within 2 s" in failed["error"] and "node0" in failed["error"]
-    assert "error" not in trained and trained["steps"] == 2
+    assert "no reply within 2 s" in failed.error and "node0" in failed.error
+    assert trained.error is None and trained.steps == 2
     assert grid.violations == []
 
 

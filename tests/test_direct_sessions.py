@@ -45,11 +45,11 @@ def test_three_rounds_in_one_session_equal_a_set_up_per_round(kind, server_ident
     run = {**RUN, "schedule-kind": kind, "num-server-rounds": 3}
     on, on_result, on_grid = run_sky_app(ConcurrentGrid, {**run, "stream-sessions": True})
     off, off_result, off_grid = run_sky_app(ConcurrentGrid, {**run, "stream-sessions": False})
-    assert all(r.get("error") is None for r in on.rounds + off.rounds), (on.rounds, off.rounds)
+    assert all(r.error is None for r in on.rounds + off.rounds), (on.rounds, off.rounds)
     assert _direct_messages(on_grid) == 3 and _direct_messages(off_grid) == 9
-    assert [r["flower_messages"] for r in on.rounds] == [3, 0, 0]
-    assert [r["session_round"] for r in on.rounds] == [1, 2, 3]
-    assert [r["train_loss"] for r in on.rounds] == [r["train_loss"] for r in off.rounds]
+    assert [r.flower_messages for r in on.rounds] == [3, 0, 0]
+    assert [r.session_round for r in on.rounds] == [1, 2, 3]
+    assert [r.train_loss for r in on.rounds] == [r.train_loss for r in off.rounds]
     got, want = on_result.arrays.to_torch_state_dict(), off_result.arrays.to_torch_state_dict()
     assert set(got) == set(want)
     for key, value in want.items():
@@ -78,15 +78,15 @@ def test_a_stage_that_crashes_mid_session_fails_its_round_by_name(server_identit
     finally:
         grid.close()
     rounds = strategy.rounds
-    assert rounds[0].get("error") is None
-    error = rounds[1]["error"]
+    assert rounds[0].error is None
+    error = rounds[1].error
     assert error.startswith("round 2 failed: stage 1 on node1"), error
     assert "stage 0 on node0" in error and "peer stage failed or stalled" in error
-    assert rounds[1]["round_time_s"] < 60  # bounded by the peers' 8 s, not the 120 s
+    assert rounds[1].round_time_s < 60  # bounded by the peers' 8 s, not the 120 s
     # node1 dropped (failure policy): a new plan, a fresh session of two set-ups
     third = rounds[2]
-    assert third.get("error") is None and [s["node"] for s in third["stages"]] == [
+    assert third.error is None and [s.node for s in third.stages] == [
         "node0",
         "node2",
     ]
-    assert third["flower_messages"] == 2 and third["session_round"] == 1
+    assert third.flower_messages == 2 and third.session_round == 1

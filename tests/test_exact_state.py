@@ -305,16 +305,17 @@ def test_a_raising_stage_is_its_error_and_drops_no_node(server_identity):
     last = strategy.plan.stages[-1].node
     assert f"stage 2 on {last} (node " in str(info.value) and "raised ValueError" in str(info.value)
     # both failed rounds are listed, the one that ended the run too (it once was not)
-    assert [f["round"] for f in strategy.failed_rounds] == [1, 2]
-    assert [f["dropped_nodes"] for f in strategy.failed_rounds] == [[], []]
+    assert [f.round for f in strategy.failed_rounds] == [1, 2]
+    assert [f.dropped_nodes for f in strategy.failed_rounds] == [[], []]
     assert len(strategy.node_profiles) == 3 and len(strategy.plan.stages) == 3
 
 
 def test_a_run_that_trained_no_round_ends_with_an_error():
     from sky_flower.jobs.sky import untrained  # the Hydra job (not in the stage children)
+    from sky_flower.sky.rounds.records import RoundRecord
 
-    failed = {"round": 1, "error": "round 1 failed: stage 1 on box raised ValueError: x"}
-    assert untrained([]) is None and untrained([failed, {"round": 2}]) is None
+    failed = RoundRecord(1, 1.0, error="round 1 failed: stage 1 on box raised ValueError: x")
+    assert untrained([]) is None and untrained([failed, RoundRecord(2, 1.0)]) is None
     assert "no round trained" in untrained([failed]) and "ValueError: x" in untrained([failed])
 
 
@@ -347,6 +348,6 @@ def test_a_raising_direct_stage_is_its_error_and_drops_no_node(server_identity):
         finally:
             grid.close()
     (failed,) = strategy.failed_rounds
-    assert failed["dropped_nodes"] == [] and len(strategy.node_profiles) == 3
-    assert "stage 2 on node2" in failed["error"]
-    assert "raised ValueError: this loss cannot be computed" in failed["error"]
+    assert failed.dropped_nodes == [] and len(strategy.node_profiles) == 3
+    assert "stage 2 on node2" in failed.error
+    assert "raised ValueError: this loss cannot be computed" in failed.error

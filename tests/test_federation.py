@@ -141,14 +141,14 @@ def test_pipelines_with_fedavg_equal_owners_training_alone(
     expected = _expected(run, steps, rounds=2)
     assert len(strategy.rounds) == 2
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
-        assert row.get("error") is None and row["failed_pipelines"] == [], row
-        assert [p["owner"] for p in row["pipelines"]] == list(steps)
-        for p in row["pipelines"]:
-            assert p["error"] is None
-            assert p["steps"] == steps[p["owner"]]
-            assert p["samples_trained"] == steps[p["owner"]] * BATCH
-            assert abs(p["train_loss"] - float(np.mean(losses[p["owner"]]))) < 1e-5
-        assert row["samples_trained"] == sum(steps.values()) * BATCH
+        assert row.error is None and row.failed_pipelines == [], row
+        assert [p.owner for p in row.pipelines] == list(steps)
+        for p in row.pipelines:
+            assert p.error is None
+            assert p.steps == steps[p.owner]
+            assert p.samples_trained == steps[p.owner] * BATCH
+            assert abs(p.train_loss - float(np.mean(losses[p.owner]))) < 1e-5
+        assert row.samples_trained == sum(steps.values()) * BATCH
     _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
 
 
@@ -163,14 +163,14 @@ def test_failing_owner_drops_out_of_the_average(server_identity):
     strategy, result = _run(run, 3, fault)
     assert len(strategy.rounds) == 2 and strategy.failed_rounds == []
     for row in strategy.rounds:
-        assert row.get("error") is None
-        (failed,) = row["failed_pipelines"]
-        assert failed["owner"] == "owner-b" and "owner-b" in failed["nodes"]
-        assert "owner-b" in failed["error"]
-        by_owner = {p["owner"]: p for p in row["pipelines"]}
-        assert by_owner["owner-b"]["error"] and by_owner["owner-b"]["samples_trained"] == 0
-        assert by_owner["owner-a"]["error"] is None and by_owner["owner-c"]["error"] is None
-        assert row["samples_trained"] == 2 * FAULT_STEPS * BATCH
+        assert row.error is None
+        (failed,) = row.failed_pipelines
+        assert failed.owner == "owner-b" and "owner-b" in failed.nodes
+        assert "owner-b" in failed.error
+        by_owner = {p.owner: p for p in row.pipelines}
+        assert by_owner["owner-b"].error and by_owner["owner-b"].samples_trained == 0
+        assert by_owner["owner-a"].error is None and by_owner["owner-c"].error is None
+        assert row.samples_trained == 2 * FAULT_STEPS * BATCH
     steps = dict.fromkeys(("owner-a", "owner-b", "owner-c"), FAULT_STEPS)
     expected = _expected(run, steps, rounds=2, lost=frozenset({"owner-b"}))
     _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
@@ -185,12 +185,12 @@ def test_failing_helper_is_dropped_and_the_next_round_replanned(server_identity)
     fault = {"sky-fail-on": "train.sky_forward", "sky-fail-mode": "raise"}
     strategy, _ = _run(run, 3, fault, on=3)  # node 3: helper-x
     first, second = strategy.rounds
-    (failed,) = first["failed_pipelines"]
-    assert failed["nodes"] == ["helper-x"] and "helper-x" in failed["error"]
-    assert first["samples_trained"] == 2 * FAULT_STEPS * BATCH
-    assert second["failed_pipelines"] == []
-    assert second["samples_trained"] == 3 * FAULT_STEPS * BATCH
-    assert all("helper-x" not in p["nodes"] for p in second["pipelines"])
+    (failed,) = first.failed_pipelines
+    assert failed.nodes == ["helper-x"] and "helper-x" in failed.error
+    assert first.samples_trained == 2 * FAULT_STEPS * BATCH
+    assert second.failed_pipelines == []
+    assert second.samples_trained == 3 * FAULT_STEPS * BATCH
+    assert all("helper-x" not in p.nodes for p in second.pipelines)
     assert "helper-x" not in {n.name for n in strategy.node_profiles}
     assert strategy.failed_rounds == []  # round 1 did not fail: two pipelines finished
 
@@ -242,9 +242,9 @@ def test_flower_template_nodes_without_a_fleet_all_own_their_partition(server_id
     owners = [f"node{i}" for i in range(4)]
     assert [r.owner for r in strategy.runs] == owners
     (row,) = strategy.rounds
-    assert [p["owner"] for p in row["pipelines"]] == owners
+    assert [p.owner for p in row.pipelines] == owners
     batch = int(run["batch-size"])
-    assert [p["samples_trained"] for p in row["pipelines"]] == [2 * batch] * 4
+    assert [p.samples_trained for p in row.pipelines] == [2 * batch] * 4
     parts = {f"node{i}": (i, 4) for i in range(4)}
     expected = _expected(run, dict.fromkeys(owners, 2), rounds=1, parts=parts)
     _assert_close(result.arrays.to_torch_state_dict(), expected[-1][0])
@@ -316,8 +316,8 @@ def test_pipelines_sharing_a_node_run_one_after_another():
     res = federated_round(None, runs, FakeRunner, ArrayRecord({}), 1)  # type: ignore[arg-type]
     row, arrays = res.record, res.arrays
     assert events.index(("a", "end")) < events.index(("c", "start"))
-    assert [f["owner"] for f in row["failed_pipelines"]] == ["b"]
-    assert row["failed_pipelines"][0]["nodes"] == ["h"]
-    assert row["samples_trained"] == 32 * 4
+    assert [f.owner for f in row.failed_pipelines] == ["b"]
+    assert row.failed_pipelines[0].nodes == ["h"]
+    assert row.samples_trained == 32 * 4
     # FedAvg of a (32 samples, w=1) and c (96 samples, w=4): 0.25 * 1 + 0.75 * 4
     torch.testing.assert_close(arrays.to_torch_state_dict()["w"], torch.full((2,), 3.25))

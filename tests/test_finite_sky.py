@@ -63,15 +63,15 @@ def test_huge_lr_fails_the_round_by_name_and_keeps_the_last_finite_model(tmp_pat
     ) as err:
         strategy.start(**start)
     assert err.value.nodes == [] and err.value.node_ids == []  # nobody is to blame
-    assert strategy.failed_rounds[-1]["diverged"] is True
+    assert strategy.failed_rounds[-1].diverged is True
     first, second = strategy.rounds
-    assert math.isfinite(first["train_loss"]) and first["train_loss"] > 1e10
-    assert "train.sky_forward holds non-finite values" in second["error"]
+    assert math.isfinite(first.train_loss) and first.train_loss > 1e10
+    assert "train.sky_forward holds non-finite values" in second.error
     kept = strategy.global_arrays.to_torch_state_dict()
     assert _finite(kept) and any(not torch.equal(kept[k], initial[k]) for k in kept)
     results = _strict((tmp_path / "results.json").read_text())
     assert results["completed"] is False and "non-finite" in results["error"]
-    assert results["rounds"][0]["train_loss"] == first["train_loss"]
+    assert results["rounds"][0]["train_loss"] == first.train_loss
     assert save_model(tmp_path / "model.pt", kept)
     saved = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(saved[k], kept[k]) for k in kept)
@@ -86,17 +86,17 @@ def test_divergence_guard_fails_a_round_whose_loss_grows_past_the_factor(tmp_pat
     strategy, start = _start(run, tmp_path)
     result = strategy.start(**start)  # one failed round: the run goes on
     first, second = strategy.rounds
-    assert "round 2 diverged: training loss" in second["error"] and "exceeds" in second["error"]
-    assert "train.lr, run config 'lr'; now 10000" in second["error"]  # issue 30: lr named
-    assert strategy.failed_rounds == [
+    assert "round 2 diverged: training loss" in second.error and "exceeds" in second.error
+    assert "train.lr, run config 'lr'; now 10000" in second.error  # issue 30: lr named
+    assert [f.to_dict() for f in strategy.failed_rounds] == [
         {
             "round": 2,
-            "error": second["error"].removeprefix("round 2 failed: "),
+            "error": second.error.removeprefix("round 2 failed: "),
             "dropped_nodes": [],
             "diverged": True,
         }
     ]
-    assert strategy.executor.guard.best_loss == first["train_loss"] < 3.0
+    assert strategy.executor.guard.best_loss == first.train_loss < 3.0
     assert result.arrays is strategy.global_arrays  # round 1's model
     assert _strict((tmp_path / "results.json").read_text())["completed"] is True
     assert RoundGuard().divergence_factor == 0  # off by default

@@ -157,7 +157,7 @@ def test_stage_messages_delivered_twice_are_applied_once(kind, per_message, whic
     run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 2, "steps-per-round": 2}
     run |= {"microbatches": 2, "schedule-kind": kind, "microbatches-per-message": per_message}
     strategy, result, grid = _run(run, twice=which)
-    assert all(r.get("error") is None for r in strategy.rounds), strategy.rounds
+    assert all(r.error is None for r in strategy.rounds), strategy.rounds
     assert len(grid.pairs) >= 4
     for first, again in grid.pairs:
         _same_reply(first, again)
@@ -165,7 +165,7 @@ def test_stage_messages_delivered_twice_are_applied_once(kind, per_message, whic
         _assert_state_estimate(strategy, grid)
     expected = _expected(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
-        assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
+        assert abs(row.train_loss - float(np.mean(losses))) < 1e-5, (row, losses)
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
 
 
@@ -191,7 +191,7 @@ def test_a_stale_message_is_refused_and_not_applied(server_identity):
     run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 2, "steps-per-round": 2}
     run |= {"microbatches": 2, "schedule-kind": "sequential"}
     strategy, result, grid = _run(run, later=_stage_message)
-    assert all(r.get("error") is None for r in strategy.rounds), strategy.rounds
+    assert all(r.error is None for r in strategy.rounds), strategy.rounds
     refused = {}
     for msg, reply in grid.late:
         assert not reply.has_error(), reply.error.reason
@@ -399,7 +399,7 @@ def test_a_repeated_direct_round_message_is_refused_not_run_twice(sessions, serv
     run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
     run |= {"stream-sessions": sessions}
     strategy, result, grid = run_sky_app(_RepeatingDirectGrid, run)
-    assert strategy.rounds[0].get("error") is None, strategy.rounds
+    assert strategy.rounds[0].error is None, strategy.rounds
     repeats: list[Message] = []
     deadline = time.monotonic() + 30.0
     while len(repeats) < 3 and time.monotonic() < deadline:

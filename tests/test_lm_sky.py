@@ -146,14 +146,14 @@ def test_sky_trains_the_lm_like_the_unsplit_model(grid_cls, run, server_identity
     for key, value in expected.items():
         torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-5, msg=key)
     last = strategy.rounds[-1]
-    assert 0 < last["train_accuracy"] < 1  # token accuracy: correct / tokens
+    assert 0 < last.train_accuracy < 1  # token accuracy: correct / tokens
     bounds = [(s.first_layer, s.last_layer) for s in strategy.plan.stages]
     print(
         f"LM on {run['transport']}: plan {bounds}, "
-        f"test perplexity {strategy.rounds[0]['test_perplexity']:.1f} -> "
-        f"{last['test_perplexity']:.1f} after {len(strategy.rounds) * STEPS} steps"
+        f"test perplexity {strategy.rounds[0].test['perplexity']:.1f} -> "
+        f"{last.test['perplexity']:.1f} after {len(strategy.rounds) * STEPS} steps"
     )
-    assert last["test_perplexity"] < strategy.rounds[0]["test_perplexity"]
+    assert last.test["perplexity"] < strategy.rounds[0].test["perplexity"]
 
 
 class ResidualMLP(nn.Module):

@@ -43,6 +43,7 @@ from sky_flower.pipeline.stage import (
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.rounds.federation import fedavg, round_row
+from sky_flower.sky.rounds.records import RoundRecord
 from sky_flower.sky.rounds.report import weights_sent_line
 from sky_flower.sky.transport.relay import RelayRunner
 from sky_flower.sky.transport.runner import (
@@ -448,7 +449,7 @@ def test_the_round_reports_bytes_sent_against_full_fine_tuning():
     assert weights_sent_line(row) == (
         "weights sent 24.6 KiB per round (full fine-tuning: 2.4 MiB, 1.0 %)"
     )
-    assert weights_sent_line({"round": 1}) is None
+    assert weights_sent_line(RoundRecord(1, 1.0)) is None
 
 
 # -- the planner's memory --------------------------------------------------------------------

@@ -304,9 +304,9 @@ def test_model_trains_end_to_end(overrides, model, target, server_identity, caps
     inputs, rounds = _train_in_process(cfg)
     (row,) = rounds
     with capsys.disabled():
-        print(f"\n{inputs['model_cfg'].get('_target_')}: test accuracy {row['test_accuracy']:.4f}")
-    assert row.get("error") is None
-    assert row["test_accuracy"] > target
+        print(f"\n{inputs['model_cfg'].get('_target_')}: test accuracy {row.test['accuracy']:.4f}")
+    assert row.error is None
+    assert row.test["accuracy"] > target
 
 
 # e2e (make test): convergence. In make test-fast, any loss's split training equals
@@ -331,12 +331,12 @@ def test_regression_trains_end_to_end(server_identity, capsys):
     assert inputs["train"].y.dtype == np.float32
     (row,) = rounds
     with capsys.disabled():
-        print(f"\nregression: test MSE {row['test_loss']:.3f}, rounded {row['test_accuracy']:.3f}")
-    assert row.get("error") is None
+        print(f"\nregression: test MSE {row.test['loss']:.3f}, rounded {row.test['accuracy']:.3f}")
+    assert row.error is None
     # the untrained MLP's test MSE is about 29, the labels' variance about 8.3; rounded to
     # the nearest digit, chance is about 0.1
-    assert row["test_loss"] < 3.0
-    assert row["test_accuracy"] > 0.2
+    assert row.test["loss"] < 3.0
+    assert row.test["accuracy"] > 0.2
 
 
 # ---- the Flower app: hydra_parts and the run config's loss / metric ----------------------

@@ -53,7 +53,7 @@ def test_relay_with_a_fresh_clientapp_per_message_equals_unsplit_training(server
     assert ("train.sky_backward" in {t for _, t in grid.handled}) and len(strategy.rounds) == 2
     expected = _expected(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
-        assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
+        assert abs(row.train_loss - float(np.mean(losses))) < 1e-5, (row, losses)
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
 
 
@@ -69,8 +69,8 @@ def test_pipelined_relay_equals_unpipelined(kind, per_message, server_identity):
     strategy, result, _ = run_sky_app(ProcessPerMessageGrid, run)
     _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
     (row,) = strategy.rounds
-    assert row.get("error") is None
-    assert_pipelined_relay_row(row, per_message, 4)
+    assert row.error is None
+    assert_pipelined_relay_row(row.to_dict(), per_message, 4)
 
 
 @pytest.mark.processes
@@ -96,9 +96,9 @@ def test_direct_training_equals_local_training(kind, server_identity):
     run |= {"direct-timeout-s": 20.0, "direct-join-timeout-s": 30.0}
     strategy, result, _ = run_sky_app(ConcurrentGrid, run)
     (row,) = strategy.rounds
-    assert row.get("error") is None, row
-    assert row["setup_s"] > 0 and row["measured_step_time_s"] > 0
-    assert [s["node"] for s in row["stages"]] == ["node0", "node1", "node2"]
+    assert row.error is None, row
+    assert row.setup_s > 0 and row.measured_step_time_s > 0
+    assert [s.node for s in row.stages] == ["node0", "node1", "node2"]
     assert strategy.plan.schedule["kind"] == kind
     _assert_weights(result.arrays.to_torch_state_dict(), _expected(run)[-1][0])
 
@@ -115,5 +115,5 @@ def test_malformed_node_reply_ends_run_naming_the_node(server_identity):
         SkyNodeError, match=r"round 1 failed.*box.*has shape.*max_failed_rounds=1 reached"
     ):
         strategy.start(**start)
-    assert [r["round"] for r in strategy.rounds] == [1]  # round 2 never started
-    assert all("box" in r["error"] and "has shape" in r["error"] for r in strategy.rounds)
+    assert [r.round for r in strategy.rounds] == [1]  # round 2 never started
+    assert all("box" in r.error and "has shape" in r.error for r in strategy.rounds)

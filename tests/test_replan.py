@@ -37,6 +37,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.replan import ProfileTracker, ReplanConfig, decide
+from sky_flower.sky.rounds.records import JoinRecord, StageRecord
 from sky_flower.sky.settings import SkySettings
 
 NAMES = ["owner", "mid", "tail"]
@@ -173,9 +174,9 @@ def test_forced_replans_every_round_train_exactly_as_a_fixed_plan(
         fixed, w_fixed = _run("off", transport, optimizer)
         assert fixed.replans == []
     assert len(moved.replans) == ROUNDS - 1  # after every round but the last
-    cuts = [tuple(map(tuple, r["new_plan"]["owner"])) for r in moved.replans]
-    assert len(set(cuts)) == len(cuts) and all(r["moved_layers"] for r in moved.replans)
-    assert all(r["migration_bytes"] > 0 and r["reason"] for r in moved.replans)
+    cuts = [tuple(map(tuple, r.new_plan["owner"])) for r in moved.replans]
+    assert len(set(cuts)) == len(cuts) and all(r.moved_layers for r in moved.replans)
+    assert all(r.migration_bytes > 0 and r.reason for r in moved.replans)
     expected = _reference(optimizer)
     if transport == "relay":
         _assert_same(w_fixed, expected)
@@ -252,10 +253,10 @@ def test_a_drifting_node_measures_slower_from_its_round(server_identity):
     for rnd, own, slept in msgs:
         assert own > 0 and slept == (9.0 * own if rnd >= 2 else 0.0), (rnd, own, slept)
     for rnd, row in enumerate(strategy.rounds, start=1):
-        stage = next(st for st in row["stages"] if st["node"] == "mid")
+        stage = next(st for st in row.stages if st.node == "mid")
         per = [own + slept for r, own, slept in msgs if r == rnd]
         median = float(np.median(per)) * len(per) / STEPS
-        assert stage["median_compute_s"] == pytest.approx(median, rel=1e-12)
+        assert stage.median_compute_s == pytest.approx(median, rel=1e-12)
 
 
 # -- the decision --------------------------------------------------------------------------
@@ -278,16 +279,18 @@ def test_a_node_that_slows_down_is_replanned_around_and_no_drift_keeps_the_plan(
     assert len(current.fplan.pipelines[0].plan.stages) >= 2
     tracker = ProfileTracker(nodes, smoothing=1.0)
     run = planning.pipeline_runs(current, nodes, {n.name: i for i, n in enumerate(nodes)})[0]
-    rows = [{**p, "measured_compute_s": p["compute_s"]} for p in run.pipeline.predictions]
-    rows = [{**r, "predicted_compute_s": r["compute_s"]} for r in rows]
+    rows = [
+        StageRecord(k, p["node"], p["compute_s"], predicted_compute_s=p["compute_s"])
+        for k, p in enumerate(run.pipeline.predictions)
+    ]
     measured = 10 * current.fplan.pipelines[0].plan.predicted_step_time_s
     cfg = ReplanConfig(mode="on", threshold=0.10)
     tracker.observe(rows)  # as predicted: same plan, nothing to do
     same = _planned(tracker.profiles(nodes), layers, schedule)
     d = decide(cfg, current, same, layers, tracker.profiles(nodes), schedule, measured, 5, True)
     assert not d.take
-    slow = rows[1]["node"]  # a helper slows 4x
-    rows[1]["measured_compute_s"] *= 4.0
+    slow = rows[1].node  # a helper slows 4x
+    rows[1].measured_compute_s *= 4.0
     drifted = tracker.observe(rows)
     assert math.isclose(drifted[slow][1], 4.0, rel_tol=1e-9)
     updated = tracker.profiles(nodes)
@@ -297,8 +300,8 @@ def test_a_node_that_slows_down_is_replanned_around_and_no_drift_keeps_the_plan(
     )
     d = decide(cfg, current, new, layers, updated, schedule, measured + 3 * slow_time, 5, True)
     assert d.take, d.record
-    assert d.record["predicted_gain"] > 0.10 and d.record["migration_bytes"] > 0
-    assert d.record["moved_layers"]
+    assert d.record.predicted_gain > 0.10 and d.record.migration_bytes > 0
+    assert d.record.moved_layers
 
 
 def test_optimizer_state_by_parameter_name_round_trips_and_slices_by_layer():
@@ -360,22 +363,10 @@ def test_link_factors_ignore_the_owners_stage_and_near_zero_link_predictions():
     nodes = synthetic_node_profiles(layers, [0.0, 1.0, 1.0], 32, 1e9, 2**34, 0.001, 1e9)
     names = [n.name for n in nodes]
     tracker = ProfileTracker(nodes, smoothing=1.0)
-    row = {"predicted_compute_s": 0.001, "median_compute_s": 0.001, "measured_compute_s": 0.001}
-    owner = {
-        **row,
-        "node": names[0],
-        "stage": 0,
-        "predicted_busy_s": 0.002,
-        "measured_busy_s": 0.18,
-    }
-    tiny = {**row, "node": names[1], "stage": 1, "predicted_busy_s": 0.0012, "measured_busy_s": 0.2}
-    real = {
-        **row,
-        "node": names[2],
-        "stage": 2,
-        "predicted_busy_s": 0.051,
-        "measured_busy_s": 0.101,
-    }
+    row = {"predicted_compute_s": 0.001, "median_compute_s": 0.001}
+    owner = StageRecord(0, names[0], 0.001, **row, predicted_busy_s=0.002, measured_busy_s=0.18)
+    tiny = StageRecord(1, names[1], 0.001, **row, predicted_busy_s=0.0012, measured_busy_s=0.2)
+    real = StageRecord(2, names[2], 0.001, **row, predicted_busy_s=0.051, measured_busy_s=0.101)
     tracker.observe([owner, tiny, real])
     assert names[0] not in tracker.link and names[1] not in tracker.link
     assert tracker.link[names[2]] == pytest.approx(2.0)
@@ -471,14 +462,14 @@ def test_a_node_that_joins_mid_run_is_benchmarked_and_planned_with(mode, server_
     if mode == "off":
         assert strategy.joins == [] and strategy.replans == [] and "fast" not in planned_nodes
     else:
-        assert strategy.joins == [{"round": 2, "node": "fast", "node_id": 104}]
+        assert strategy.joins == [JoinRecord(2, "fast", 104)]
         assert "fast" in [n.name for n in strategy.node_profiles]
         first = strategy.replans[0]
-        assert (first["after_round"], first["joined"]) == (1, ["fast"])
-        assert first["reason"].startswith("fast joined: expected gain")
+        assert (first.after_round, first.joined) == (1, ["fast"])
+        assert first.reason.startswith("fast joined: expected gain")
         assert "fast" in planned_nodes
         # the rounds after the join trained on it
-        assert any(st["node"] == "fast" for st in strategy.rounds[-1]["stages"])
+        assert any(st.node == "fast" for st in strategy.rounds[-1].stages)
         results = sky_results("heuristic", "test", strategy.rounds, None, joins=strategy.joins)
         assert results["joins"][0]["node"] == "fast"
     _assert_same(result.arrays.to_torch_state_dict(), _reference("adam"))

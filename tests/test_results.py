@@ -98,8 +98,9 @@ def test_the_example_apps_save_results_writes_strict_json_when_a_metric_is_nan(t
 
 def test_results_json_schema_is_pinned_and_written_from_the_records(tmp_path):
     """``results.json``'s keys (issue 43 pins them): written from the records' ``to_dict``
-    alone, ``failed_rounds`` and ``joins`` entries as the dicts they were."""
+    alone, ``failed_rounds``, ``replans`` and ``joins`` entries as the dicts they were."""
     from sky_flower.jobs.common import SkyRecorder
+    from sky_flower.sky.planning.replan import ReplanRecord
     from sky_flower.sky.rounds.hooks import RoundEnd, RunEnd, RunRecords
     from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
 
@@ -107,7 +108,7 @@ def test_results_json_schema_is_pinned_and_written_from_the_records(tmp_path):
     records = RunRecords(
         rounds=(RoundRecord(1, 1.0, error="round 1 failed: box"), trained),
         failed_rounds=(FailedRound(1, "box", ["box"], set_aside=None),),
-        replans=({"after_round": 2, "reason": "drift"},),
+        replans=(ReplanRecord(1.0, False, after_round=2, drift="", joined=[], reason="drift"),),
         joins=(JoinRecord(2, "fast", 104), JoinRecord(2, "box", 7, rejoined=True, admitted=True)),
     )
     recorder = SkyRecorder(tmp_path / "results.json", "even", "edge3")
@@ -133,5 +134,14 @@ def test_results_json_schema_is_pinned_and_written_from_the_records(tmp_path):
         {"round": 2, "node": "fast", "node_id": 104},
         {"round": 2, "node": "box", "node_id": 7, "rejoined": True, "admitted": True},
     ]
-    assert saved["replans"] == [{"after_round": 2, "reason": "drift"}]
+    assert saved["replans"] == [
+        {
+            "measured_round_s": 1.0,
+            "forced": False,
+            "after_round": 2,
+            "drift": "",
+            "joined": [],
+            "reason": "drift",
+        }
+    ]
     assert saved["completed"] is True and saved["error"] is None

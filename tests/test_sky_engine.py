@@ -22,6 +22,7 @@ from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.deploy import node_config
 from sky_flower.flower.exchange import NodeError
 from sky_flower.sky import protocol as P
+from sky_flower.sky.rounds.records import RoundRecord, StageRecord
 from sky_flower.sky.rounds.report import stage_table
 from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.runner import RoundOutcome
@@ -112,9 +113,9 @@ def test_sequential_is_the_pipelined_relay_with_one_group(server_identity):
     # one path on the wire: sequential is one forward/backward group per step
     types = {t for _, t in seq_grid.handled} | {t for _, t in pipe_grid.handled}
     assert types <= set(P.MESSAGE_TYPES) and P.BACKWARD in types
-    assert [st["messages"] for st in a.stages] == [2, 2, 1]
-    assert [st["messages"] for st in b.stages] == [4, 4, 2]
-    assert all(st["predicted_messages"] == st["messages"] for st in a.stages + b.stages)
+    assert [st.messages for st in a.stages] == [2, 2, 1]
+    assert [st.messages for st in b.stages] == [4, 4, 2]
+    assert all(st.predicted_messages == st.messages for st in a.stages + b.stages)
 
 
 @pytest.mark.realtime
@@ -149,10 +150,10 @@ def test_failed_round_drops_the_node_by_id_and_the_next_round_trains(server_iden
     initial = ArrayRecord(sky_app_task().initial_weights())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     (failed,) = strategy.failed_rounds
-    assert failed["round"] == 1 and failed["dropped_nodes"] == ["box"]
-    assert "has shape" in failed["error"]
+    assert failed.round == 1 and failed.dropped_nodes == ["box"]
+    assert "has shape" in failed.error
     bad, good = strategy.rounds
-    assert "box" in bad["error"] and good["round"] == 2 and "error" not in good
+    assert "box" in bad.error and good.round == 2 and good.error is None
     assert {st.node for st in strategy.plan.stages} <= {"phone", "cloud"}
     assert result.arrays is strategy.global_arrays
 
@@ -186,30 +187,12 @@ def test_runner_picked_once_from_the_transport():
 
 
 def test_round_row_keys_and_one_stage_table_for_both_transports():
-    outcome = RoundOutcome(
-        arrays=ArrayRecord(),
-        losses=[1.0, 0.5],
-        correct=3,
-        seen=4,
-        step_times=[0.1, 0.3],
-        stages=[{"stage": 0, "node": "a", "measured_compute_s": 0.1, "median_step_s": 0.2}],
-        extra={"setup_s": 1.0, "wall_s": 2.0},
-    )
-    row = outcome.to_row(1, steps=2, predicted_step_time_s=0.2, round_time_s=3.0)
-    assert list(row) == [
-        "round",
-        "train_loss",
-        "train_accuracy",
-        "measured_step_time_s",
-        "predicted_step_time_s",
-        "steps",
-        "round_time_s",
-        "setup_s",
-        "wall_s",
-        "stages",
-    ]
-    assert row["train_loss"] == 0.75 and row["train_accuracy"] == 0.75
-    table = stage_table(row["stages"])
+    """A direct round's row holds its transport's figures (set-up, wall) and no relay
+    ones; its stage table the columns its stages fill."""
+    stages = [StageRecord(0, "a", 0.1, median_step_s=0.2)]
+    row = RoundRecord(1, 3.0, train_loss=0.75, setup_s=1.0, wall_s=2.0, stages=stages).to_dict()
+    assert {"setup_s", "wall_s", "stages"} <= set(row) and "microbatches_per_message" not in row
+    table = stage_table(stages)
     assert "compute s" in table and "median step s" in table and "msgs" not in table
 
 

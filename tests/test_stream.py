@@ -158,7 +158,7 @@ def test_stream_plaintext_equals_whole(server_identity):
     _assert_same(got, _expected(4))
     # the stage rows hold what the stream measures: compute, not the relay's handler
     # busy time (a column of zeros against a prediction, before)
-    rows = [dict(r) for r in outcome.stages]
+    rows = [r.to_dict() for r in outcome.stages]
     assert len(rows) == 3 and all(r["measured_compute_s"] > 0 for r in rows), rows
     assert not any("measured_busy_s" in r or "predicted_busy_s" in r for r in rows), rows
 
@@ -337,17 +337,17 @@ def test_sky_app_on_stream_equals_unsplit_training(server_identity):
     run |= {"transport": "stream", "schedule-kind": "1f1b", "microbatches": 4}
     run |= {"stream-timeout-s": 20.0}
     strategy, result, _ = run_sky_app(ConcurrentGrid, run)
-    assert [r.get("error") for r in strategy.rounds] == [None, None]
+    assert [r.error for r in strategy.rounds] == [None, None]
     assert len(strategy.plan.stages) == 3
     expected = expected_rounds(run)
     for row, (_, losses) in zip(strategy.rounds, expected, strict=True):
-        assert abs(row["train_loss"] - float(np.mean(losses))) < 1e-5, (row, losses)
-        assert row["measured_step_time_s"] > 0
+        assert abs(row.train_loss - float(np.mean(losses))) < 1e-5, (row, losses)
+        assert row.measured_step_time_s > 0
     # one stage session for both rounds: set up in round 1, no Flower message in round 2
     first, second = strategy.rounds
-    assert first["setup_s"] > 0 and first["session_round"] == 1 and first["flower_messages"] == 3
-    assert second["setup_s"] == 0 and second["session_round"] == 2
-    assert second["flower_messages"] == 0
+    assert first.setup_s > 0 and first.session_round == 1 and first.flower_messages == 3
+    assert second.setup_s == 0 and second.session_round == 2
+    assert second.flower_messages == 0
     _assert_weights(result.arrays.to_torch_state_dict(), expected[-1][0])
     assert not _stream_threads()
 

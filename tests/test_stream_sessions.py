@@ -398,15 +398,15 @@ def test_a_helper_crashing_mid_session_is_dropped_and_the_sessions_replanned(ser
     }
     strategy, _ = _run(run, 3, fault, on=3)  # node 3: helper-x
     first, second, third = strategy.rounds
-    assert first["failed_pipelines"] == [] and first["session_round"] == 1
-    assert first["flower_messages"] == sum(len(p["nodes"]) for p in first["pipelines"])
-    (failed,) = second["failed_pipelines"]
-    assert failed["nodes"] == ["helper-x"] and "helper-x" in failed["error"], failed
-    assert second["samples_trained"] == 2 * 2 * FED_BATCH
-    assert third["failed_pipelines"] == []
-    assert third["samples_trained"] == 3 * 2 * FED_BATCH
-    assert all("helper-x" not in p["nodes"] for p in third["pipelines"])
-    assert third["flower_messages"] > 0  # the re-planned pipelines' new sessions
+    assert first.failed_pipelines == [] and first.session_round == 1
+    assert first.flower_messages == sum(len(p.nodes) for p in first.pipelines)
+    (failed,) = second.failed_pipelines
+    assert failed.nodes == ["helper-x"] and "helper-x" in failed.error, failed
+    assert second.samples_trained == 2 * 2 * FED_BATCH
+    assert third.failed_pipelines == []
+    assert third.samples_trained == 3 * 2 * FED_BATCH
+    assert all("helper-x" not in p.nodes for p in third.pipelines)
+    assert third.flower_messages > 0  # the re-planned pipelines' new sessions
     assert "helper-x" not in {n.name for n in strategy.node_profiles}
     assert not _stream_threads()
 

@@ -142,7 +142,7 @@ def run_one(scenario: str, how: str, args: argparse.Namespace) -> dict[str, Any]
         }
         for r in strategy.rounds
     ]
-    return {"rounds": rounds, "replans": strategy.replans}
+    return {"rounds": rounds, "replans": [r.to_dict() for r in strategy.replans]}
 
 
 def summarise(runs: dict[str, dict], target: float) -> dict[str, dict[str, Any]]:

@@ -12,12 +12,16 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig
 
 from sky_flower.sky.rounds.hooks import RoundEnd, RunEnd, RunRecords, SkyHooks
+from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+
+if TYPE_CHECKING:
+    from sky_flower.sky.planning.replan import ReplanRecord
 
 log = logging.getLogger("sky_flower")
 
@@ -281,17 +285,18 @@ def number(v: float | None, digits: int = 4) -> str:
 def sky_results(
     allocation: str,
     fleet: str,
-    rounds: list[dict],
+    rounds: Sequence[RoundRecord],
     error: str | None,
-    failed_rounds: list[dict] | None = None,
+    failed_rounds: Sequence[FailedRound] = (),
     initial_test_accuracy: float | None = None,
     completed: bool = False,
-    replans: list[dict] | None = None,
-    joins: list[dict] | None = None,
+    replans: Sequence[ReplanRecord] = (),
+    joins: Sequence[JoinRecord] = (),
 ) -> dict[str, Any]:
-    """The ``results.json`` of a Sky run (Hydra job and ``flwr run``).
+    """The ``results.json`` of a Sky run (Hydra job and ``flwr run``), written from the
+    records' :meth:`to_dict` alone.
 
-    ``rounds`` are the strategy's round rows (only :data:`ROUND_KEYS` are kept);
+    ``rounds`` are the strategy's round records (only :data:`ROUND_KEYS` are kept);
     ``final_test_accuracy`` is the last good round's (a failed round keeps the previous
     global model); ``initial_test_accuracy`` the untrained model's (round 0);
     ``completed`` whether every round ran and the run has no ``error`` (one whose
@@ -300,8 +305,7 @@ def sky_results(
     ``joins`` the nodes admitted mid-run (:mod:`sky_flower.sky.rounds.joins`: ``round``,
     ``node``, ``node_id``).
     """
-    plain = [_plain(r) for r in rounds]  # RoundRecord
-    rows = [{k: r.get(k) for k in ROUND_KEYS} for r in plain]
+    rows = [{k: r.get(k) for k in ROUND_KEYS} for r in (r.to_dict() for r in rounds)]
     return {
         "allocation": allocation,
         "fleet": fleet,
@@ -312,25 +316,19 @@ def sky_results(
         ),
         "rounds": rows,
         "error": error,
-        "failed_rounds": [_plain(r) for r in failed_rounds or []],
-        "replans": [_plain(r) for r in replans or []],
-        "joins": [_plain(r) for r in joins or []],
+        "failed_rounds": [r.to_dict() for r in failed_rounds],
+        "replans": [r.to_dict() for r in replans],
+        "joins": [r.to_dict() for r in joins],
         "completed": completed,
     }
 
 
-def _plain(record: Any) -> Any:  # noqa: ANN401 - a record or its dict
-    """A record as its ``results.json`` dict (:meth:`to_dict`); a dict as it is."""
-    return record.to_dict() if hasattr(record, "to_dict") else record
-
-
-def untrained(rounds: Sequence[Mapping[str, Any]]) -> str | None:
-    """The error of a run whose rounds (their rows) all failed (None if one trained or
-    none ran): such a run trained nothing, whatever ``max_failed_rounds`` let it go
-    on to."""
-    if not rounds or any("error" not in r for r in rounds):
+def untrained(rounds: Sequence[RoundRecord]) -> str | None:
+    """The error of a run whose rounds all failed (None if one trained or none ran):
+    such a run trained nothing, whatever ``max_failed_rounds`` let it go on to."""
+    if not rounds or any(r.error is None for r in rounds):
         return None
-    return f"no round trained ({len(rounds)} failed); the last: {rounds[-1]['error']}"
+    return f"no round trained ({len(rounds)} failed); the last: {rounds[-1].error}"
 
 
 class SkyRecorder(SkyHooks):
@@ -385,17 +383,17 @@ class SkyRecorder(SkyHooks):
         """Write the results so far (with ``error`` if the run failed) and return them."""
         r = self.records
         if error is None and self.completed:
-            error = untrained(list(r.rounds))  # ran to its end but trained nothing
+            error = untrained(r.rounds)  # ran to its end but trained nothing
         results = sky_results(
             self.allocation,
             self.fleet,
-            list(r.rounds),
+            r.rounds,
             error,
-            list(r.failed_rounds),
+            r.failed_rounds,
             self.initial_test_accuracy,
             self.completed and not error,  # e.g. "no round trained": not completed
-            list(r.replans),
-            list(r.joins),
+            r.replans,
+            r.joins,
         )
         return write_json(self.path, results)
 

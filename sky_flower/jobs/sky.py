@@ -123,19 +123,6 @@ def evaluate_fn_for(
     return evaluate
 
 
-def write_results(
-    out_dir: Path,
-    allocation: str,
-    fleet: str,
-    rounds: list[dict],
-    error: str | None,
-    failed_rounds: list[dict] | None = None,
-) -> dict[str, Any]:
-    """Write ``results.json`` (also for a job refused before it started) and return it."""
-    results = sky_results(allocation, fleet, rounds, error, failed_rounds)
-    return write_json(out_dir / "results.json", results)
-
-
 def _checked_inputs(cfg: DictConfig, settings: SkySettings) -> dict[str, Any]:
     """Everything the job needs from ``cfg``, checked before Flower starts.
 
@@ -291,7 +278,7 @@ def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
 
     def write(error: str) -> None:
         allocation, fleet = str(cfg.allocation.get("method")), str(cfg.fleet.get("name"))
-        write_results(out_dir, allocation, fleet, [], error)
+        write_json(out_dir / "results.json", sky_results(allocation, fleet, [], error))
 
     return write
 

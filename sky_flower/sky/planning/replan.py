@@ -45,6 +45,7 @@ from sky_flower.core.cost import CostModel
 from sky_flower.core.partition import make_plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky.planning import planning
+from sky_flower.sky.transport.records import RecordFields, StageRecord, optional
 
 REPLAN_MODES = ("off", "on", "force")
 FACTOR_RANGE = (0.02, 200.0)  # a factor outside this is a measurement error, clipped
@@ -128,8 +129,8 @@ class ProfileTracker:
         """Remember the factors a plan's predictions are made with (call on every plan)."""
         self.planned = {n.name: self.factors(n.name) for n in self.base}
 
-    def observe(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
-        """Update the factors from a round's stage rows (``node``, ``predicted_compute_s``,
+    def observe(self, stages: Sequence[StageRecord]) -> dict[str, tuple[float, float]]:
+        """Update the factors from a round's stages (``node``, ``predicted_compute_s``,
         ``median_compute_s`` or ``measured_compute_s``; relay also ``measured_busy_s``,
         ``predicted_busy_s``). Returns node -> (compute factor before, after).
 
@@ -143,18 +144,18 @@ class ProfileTracker:
         links: dict[str, list[float]] = {}
         helpers: list[float] = []  # the baseline: a data owner's stage also loads its data
         for st in stages:
-            node = st["node"]
+            node = st.node
             f_c, f_l = self.planned.get(node, (1.0, 1.0))
-            pred, got = st.get("predicted_compute_s"), st.get("median_compute_s")
-            got = st.get("measured_compute_s") if got is None else got
+            pred, got = st.predicted_compute_s, st.median_compute_s
+            got = st.measured_compute_s if got is None else got
             if pred and got and pred > 0 and got > 0:
                 seen.setdefault(node, []).append(f_c * got / pred)
-                if st.get("stage", 0) > 0:
+                if st.stage > 0:
                     helpers.append(f_c * got / pred)
-            p_busy, m_busy = st.get("predicted_busy_s"), st.get("measured_busy_s")
+            p_busy, m_busy = st.predicted_busy_s, st.measured_busy_s
             if p_busy is not None and m_busy is not None and pred and got:
-                p_link, m_link = p_busy - pred, m_busy - st.get("measured_compute_s", got)
-                if _link_observable(st.get("stage", 0), p_link, p_busy) and m_link > 0:
+                p_link, m_link = p_busy - pred, m_busy - st.measured_compute_s
+                if _link_observable(st.stage, p_link, p_busy) and m_link > 0:
                     links.setdefault(node, []).append(f_l * m_link / p_link)
         old = {n: self.factors(n)[0] for n in seen}
         self._smooth(self.compute, seen, "compute", helpers)
@@ -319,6 +320,34 @@ def shifted_plan(
 
 
 # -- the decision ------------------------------------------------------------------------
+@dataclass
+class ReplanRecord(RecordFields):
+    """A re-plan weighed after a round (:func:`decide`): the round measured, the current
+    and the new plan's round predicted on the updated profiles, their ratio, the new
+    plan's expected round and gain, the migration (bytes, s, layers moved), both plans
+    (:func:`layouts`). Those taken are ``results.json``'s ``replans``, with after which
+    round, the drift, the nodes joined and the reason
+    (:meth:`sky_flower.sky.rounds.planner.Planner.taken`); a candidate equal to the
+    current plan has ``reason`` alone."""
+
+    measured_round_s: float
+    forced: bool
+    predicted_current_round_s: float | None = optional()
+    predicted_new_round_s: float | None = optional()
+    measured_over_predicted: float | None = optional()
+    expected_new_round_s: float | None = optional()
+    predicted_gain: float | None = optional()
+    migration_bytes: int | None = optional()
+    migration_s: float | None = optional()
+    moved_layers: list[dict[str, Any]] | None = optional()
+    old_plan: dict[str, list[list[Any]]] | None = optional()
+    new_plan: dict[str, list[list[Any]]] | None = optional()
+    after_round: int | None = optional()
+    drift: str | None = optional()
+    joined: list[str] | None = optional()
+    reason: str | None = optional()
+
+
 @dataclass(frozen=True)
 class Decision:
     """Whether to run ``new`` from the next round, and why (``record``: the
@@ -326,7 +355,7 @@ class Decision:
 
     take: bool
     new: planning.FederatedPlanned | None
-    record: dict[str, Any]
+    record: ReplanRecord
 
 
 def layouts(fp: planning.FederatedPlanned) -> dict[str, list[list[Any]]]:
@@ -353,30 +382,31 @@ def decide(  # noqa: PLR0913
     current plan's round on ``nodes``, the candidate's expected round is ``r x`` its
     prediction plus the migration spread over ``rounds_left`` rounds; it is taken when
     that is below ``(1 - threshold) x measured`` (always under ``force``, if it differs)."""
-    rec: dict[str, Any] = {"measured_round_s": measured_round_s, "forced": cfg.mode == "force"}
+    forced = cfg.mode == "force"
     if candidate is None or layouts(candidate) == layouts(current):
-        return Decision(False, None, {**rec, "reason": "the re-planned plan is the current one"})
+        why = "the re-planned plan is the current one"
+        return Decision(False, None, ReplanRecord(measured_round_s, forced, reason=why))
     cur_pred = round_time(current, lambda p: step_on(layers, nodes, schedule, p.plan))
     new_pred = round_time(candidate, lambda p: step_on(layers, nodes, schedule, p.plan))
     ratio = measured_round_s / cur_pred if cur_pred > 0 else 1.0
     nbytes, mig_s, moves = moved_state(current, candidate, layers, nodes, optimizer_state)
     expected = ratio * new_pred + mig_s / max(rounds_left, 1)
     gain = 1.0 - expected / measured_round_s if measured_round_s > 0 else 0.0
-    rec.update(
-        {
-            "predicted_current_round_s": cur_pred,
-            "predicted_new_round_s": new_pred,
-            "measured_over_predicted": ratio,
-            "expected_new_round_s": expected,
-            "predicted_gain": gain,
-            "migration_bytes": nbytes,
-            "migration_s": mig_s,
-            "moved_layers": moves,
-            "old_plan": layouts(current),
-            "new_plan": layouts(candidate),
-        }
+    rec = ReplanRecord(
+        measured_round_s,
+        forced,
+        predicted_current_round_s=cur_pred,
+        predicted_new_round_s=new_pred,
+        measured_over_predicted=ratio,
+        expected_new_round_s=expected,
+        predicted_gain=gain,
+        migration_bytes=nbytes,
+        migration_s=mig_s,
+        moved_layers=moves,
+        old_plan=layouts(current),
+        new_plan=layouts(candidate),
     )
-    take = cfg.mode == "force" or gain > cfg.threshold
+    take = forced or gain > cfg.threshold
     return Decision(take, candidate if take else None, rec)
 
 
@@ -396,18 +426,17 @@ def log_decision(rnd: int, d: Decision) -> None:
     migration."""
     r = d.record
     log(
-        INFO if not r["forced"] else WARNING,
+        INFO if not r.forced else WARNING,
         "Re-plan after round %d%s: %s; measured round %.3f s, new plan expected %.3f s "
         "(gain %.1f %%), migration %d bytes (%.3f s): %s -> %s",
         rnd,
-        " (forced)" if r["forced"] else "",
-        "; ".join(x for x in (joined_text(r.get("joined")), r.get("drift")) if x)
-        or "no drift measured",
-        r["measured_round_s"],
-        r["expected_new_round_s"],
-        100 * r["predicted_gain"],
-        r["migration_bytes"],
-        r["migration_s"],
-        r["old_plan"],
-        r["new_plan"],
+        " (forced)" if r.forced else "",
+        "; ".join(x for x in (joined_text(r.joined), r.drift) if x) or "no drift measured",
+        r.measured_round_s,
+        r.expected_new_round_s,
+        100 * r.predicted_gain,
+        r.migration_bytes,
+        r.migration_s,
+        r.old_plan,
+        r.new_plan,
     )

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+
+if TYPE_CHECKING:
+    from sky_flower.sky.planning.replan import ReplanRecord
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class RunRecords:
         Every round, trained or failed.
     failed_rounds : tuple of FailedRound
         What recovery did after each failed round.
-    replans : tuple of dict
+    replans : tuple of ReplanRecord
         Every re-plan taken.
     joins : tuple of JoinRecord
         Every node that joined or came back.
@@ -33,7 +36,7 @@ class RunRecords:
 
     rounds: tuple[RoundRecord, ...] = ()
     failed_rounds: tuple[FailedRound, ...] = ()
-    replans: tuple[dict[str, Any], ...] = ()
+    replans: tuple[ReplanRecord, ...] = ()
     joins: tuple[JoinRecord, ...] = ()
 
 

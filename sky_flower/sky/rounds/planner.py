@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any
 
 from flwr.supercore import log
 
@@ -21,8 +20,10 @@ from sky_flower.sky.planning.replan import (
     Decision,
     ProfileTracker,
     ReplanConfig,
+    ReplanRecord,
     decide,
     drift_text,
+    joined_text,
     log_decision,
     round_time,
     shifted_plan,
@@ -150,33 +151,31 @@ class Planner:
                     "Not re-planning after round %d for %s (joined): %s",
                     rnd,
                     ", ".join(joined),
-                    d.record.get("reason")
-                    or f"expected gain {100 * d.record['predicted_gain']:.1f} % <= threshold "
+                    d.record.reason
+                    or f"expected gain {100 * d.record.predicted_gain:.1f} % <= threshold "
                     f"{100 * cfg.threshold:.0f} %",
                 )
             return None
         return d
 
-    def taken(self, rnd: int, d: Decision, joined: Sequence[str] = ()) -> dict[str, Any]:
+    def taken(self, rnd: int, d: Decision, joined: Sequence[str] = ()) -> ReplanRecord:
         """The ``replans`` record of the re-plan ``d`` taken after round ``rnd`` (why:
         the drift :meth:`observe` saw, the nodes ``joined``), logged with its plan."""
-        cfg = self.replan_cfg
-        d.record.update(
-            {"after_round": rnd, "drift": drift_text(self._drifted), "joined": list(joined)}
-        )
-        why = f"{', '.join(joined)} joined" if joined else d.record["drift"] or "profiles updated"
-        d.record["reason"] = (
+        cfg, r = self.replan_cfg, d.record
+        r.after_round, r.drift, r.joined = rnd, drift_text(self._drifted), list(joined)
+        why = joined_text(joined) or r.drift or "profiles updated"
+        r.reason = (
             f"forced (replan.mode=force){'; ' + why if joined else ''}"
             if cfg.mode == "force"
             else (
                 f"{why}: expected gain "
-                f"{100 * d.record['predicted_gain']:.1f} % > threshold {100 * cfg.threshold:.0f} %"
+                f"{100 * r.predicted_gain:.1f} % > threshold {100 * cfg.threshold:.0f} %"
             )
         )
         log_decision(rnd, d)
         assert d.new is not None
         planning.log_plan_tables(d.new.fplan, d.new.planned, self.settings.allocation)
-        return d.record
+        return r
 
     def _candidate(  # noqa: PLR0913
         self,

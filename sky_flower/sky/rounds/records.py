@@ -4,8 +4,7 @@ failed), its :class:`PipelineRecord` entries (one per data owner), their
 :class:`FailedPipeline` entries; :class:`FailedRound` and :class:`JoinRecord` (what
 recovery did, who joined); :class:`RoundFailure` (a failure described, never an
 exception) and :class:`RoundResult` (what a round returns). Readers use their
-attributes; :meth:`RecordFields.to_dict` is the JSON written to ``results.json`` (each
-still reads as the mapping of that row, for the readers of written rows).
+attributes; :meth:`RecordFields.to_dict` is the JSON written to ``results.json``.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class RoundFailure:
         return self.message
 
 
-@dataclass(eq=False)  # compares as its row (a mapping)
+@dataclass
 class FailedRound(RecordFields):
     """What recovery did after a failed round (``failed_rounds``).
 
@@ -94,7 +93,7 @@ class FailedRound(RecordFields):
     restored_nodes: list[str] | None = optional()
 
 
-@dataclass(eq=False)  # compares as its row (a mapping)
+@dataclass
 class JoinRecord(RecordFields):
     """A node that joined the run, or came back (``joins``).
 
@@ -119,7 +118,7 @@ class JoinRecord(RecordFields):
     admitted: bool | None = optional()
 
 
-@dataclass(eq=False)  # compares as its row (a mapping)
+@dataclass
 class FailedPipeline(RecordFields):
     """A pipeline that failed in a round that trained (``failed_pipelines``).
 
@@ -277,11 +276,6 @@ class RoundRecord(RecordFields):
     test: dict[str, float] = field(default_factory=dict, metadata={"prefix": "test_"})
     error: str | None = optional()
     diverged: bool | str | None = optional()
-
-    @property
-    def trained(self) -> bool:
-        """Whether the round trained (a failed round has no loss)."""
-        return self.train_loss is not None
 
 
 @dataclass

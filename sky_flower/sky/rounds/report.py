@@ -1,20 +1,20 @@
-"""Sky's log tables, formatted from the round rows (the data in ``results.json``): the
-per-round table and one per-stage table, measured against predicted, for every
-transport (the columns are those the row's ``stages`` hold)."""
+"""Sky's log tables, formatted from the round records (the data in ``results.json``):
+the per-round table and one per-stage table, measured against predicted, for every
+transport (the columns are those the round's ``stages`` fill)."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Sequence
 from logging import INFO
-from typing import Any
 
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from sky_flower.core.partition import Plan
+from sky_flower.sky.rounds.records import RoundRecord, StageRecord
 
-# (stage-row key, header, width, format) in display order
+# (StageRecord field, header, width, format) in display order
 STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
     ("messages", "msgs", 5, ".0f"),
     ("measured_compute_s", "compute s", 10, ".4f"),
@@ -26,47 +26,45 @@ STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
 ROUND_COLUMNS = ("round", "train loss", "test acc", "step time (s)", "predicted (s)", "round (s)")
 
 
-def compute_ratio(stage: dict[str, Any]) -> str:
-    """Measured over predicted compute of a stage row (``"-"`` without a prediction):
-    the calibration's check, per stage (issue 16 aims at 0.75-1.25)."""
-    predicted = stage.get("predicted_compute_s")
-    if not predicted or "measured_compute_s" not in stage:
-        return "-"
-    return f"{stage['measured_compute_s'] / predicted:.2f}"
+def compute_ratio(stage: StageRecord) -> str:
+    """Measured over predicted compute of a stage (``"-"`` without a prediction): the
+    calibration's check, per stage (issue 16 aims at 0.75-1.25)."""
+    predicted = stage.predicted_compute_s
+    return f"{stage.measured_compute_s / predicted:.2f}" if predicted else "-"
 
 
-def stage_table(stages: Sequence[dict[str, Any]]) -> str:
-    """Per-stage table of a round's ``stages`` rows: stage, node, then every column of
-    :data:`STAGE_COLUMNS` the rows hold (seconds per step), and measured / predicted
-    compute (``meas/pred``) where the rows predict it."""
-    cols = [c for c in STAGE_COLUMNS if stages and c[0] in stages[0]]
-    ratio = bool(stages) and "predicted_compute_s" in stages[0]
+def stage_table(stages: Sequence[StageRecord]) -> str:
+    """Per-stage table of a round's ``stages``: stage, node, then every column of
+    :data:`STAGE_COLUMNS` the stages fill (seconds per step), and measured / predicted
+    compute (``meas/pred``) where they predict it."""
+    cols = [c for c in STAGE_COLUMNS if stages and getattr(stages[0], c[0]) is not None]
+    ratio = bool(stages) and stages[0].predicted_compute_s is not None
     lines = [
         f"{'stage':>5} {'node':<12}"
         + "".join(f" {h:>{w}}" for _, h, w, _ in cols)
         + (f" {'meas/pred':>9}" if ratio else "")
     ]
     for st in stages:
-        cells = "".join(f" {st[key]:>{w}{fmt}}" for key, _, w, fmt in cols)
+        cells = "".join(f" {getattr(st, key):>{w}{fmt}}" for key, _, w, fmt in cols)
         cells += f" {compute_ratio(st):>9}" if ratio else ""
-        lines.append(f"{st['stage']:>5} {st['node']:<12}{cells}")
+        lines.append(f"{st.stage:>5} {st.node:<12}{cells}")
     return "\n".join(lines)
 
 
-def stage_report(row: dict[str, Any], label: str) -> str:
+def stage_report(row: RoundRecord, label: str) -> str:
     """A round's measured against predicted step time, then its per-stage table.
 
     ``label`` names the transport and schedule (e.g. ``"relay, gpipe"``)."""
-    measured, predicted = row["measured_step_time_s"], row["predicted_step_time_s"]
+    measured, predicted = row.measured_step_time_s, row.predicted_step_time_s
     head = (
-        f"round {row['round']} ({label}): step measured {measured:.4f} s, predicted "
+        f"round {row.round} ({label}): step measured {measured:.4f} s, predicted "
         f"{predicted:.4f} s ({measured / predicted - 1:+.0%})"
     )
-    if "microbatches_per_message" in row:
-        head += f"; {row['microbatches_per_message']} micro-batch(es) per message"
-    if "setup_s" in row:
-        head += f"; set-up {row['setup_s']:.3f} s"
-    return f"{head}\n{stage_table(row['stages'])}"
+    if row.microbatches_per_message is not None:
+        head += f"; {row.microbatches_per_message} micro-batch(es) per message"
+    if row.setup_s is not None:
+        head += f"; set-up {row.setup_s:.3f} s"
+    return f"{head}\n{stage_table(row.stages or [])}"
 
 
 def log_round_header() -> None:
@@ -74,7 +72,7 @@ def log_round_header() -> None:
     log(INFO, "%5s  %10s  %9s  %13s  %14s  %8s", *ROUND_COLUMNS)
 
 
-def log_round(row: dict[str, Any], label: str) -> None:
+def log_round(row: RoundRecord, label: str) -> None:
     """Log a round that trained: its line of the per-round table
     (:func:`log_round_line`), :func:`stage_report` (compute includes the emulated
     slowdown), :func:`pipeline_table` (FedAvg across the pipelines that finished), and
@@ -89,25 +87,26 @@ def log_round(row: dict[str, Any], label: str) -> None:
     log(
         INFO,
         "Round %d, one pipeline per data owner (FedAvg across):\n%s",
-        row["round"],
+        row.round,
         pipeline_table(row),
     )
     for line in (weights_sent_line(row), session_line(row)):
         if line is not None:
-            log(INFO, "Round %d: %s", row["round"], line)
+            log(INFO, "Round %d: %s", row.round, line)
 
 
-def log_round_line(row: dict[str, Any]) -> None:
+def log_round_line(row: RoundRecord) -> None:
     """Log a round's line of the per-round table (``sky_flower.deploy`` reads it)."""
+    acc = row.test.get("accuracy")
     log(
         INFO,
         "%5d  %10.4f  %9s  %13.4f  %14.4f  %8.1f",
-        row["round"],
-        row["train_loss"],
-        f"{row['test_accuracy']:.4f}" if "test_accuracy" in row else "-",
-        row["measured_step_time_s"],
-        row["predicted_step_time_s"],
-        row["round_time_s"],
+        row.round,
+        row.train_loss,
+        "-" if acc is None else f"{acc:.4f}",
+        row.measured_step_time_s,
+        row.predicted_step_time_s,
+        row.round_time_s,
     )
 
 
@@ -122,11 +121,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
-def weights_sent_line(row: dict[str, Any]) -> str | None:
+def weights_sent_line(row: RoundRecord) -> str | None:
     """The bytes of weights a round's replies carried against full fine-tuning's, e.g.
     ``"weights sent 12.3 KiB per round (full fine-tuning: 1.2 MiB, 1.0 %)"``; None for a
-    row without them (a failed round)."""
-    sent, full = row.get("weights_sent_bytes"), row.get("full_weights_bytes")
+    round without them (a failed round)."""
+    sent, full = row.weights_sent_bytes, row.full_weights_bytes
     if sent is None or not full:
         return None
     return (
@@ -135,47 +134,47 @@ def weights_sent_line(row: dict[str, Any]) -> str | None:
     )
 
 
-def session_line(row: dict[str, Any]) -> str | None:
+def session_line(row: RoundRecord) -> str | None:
     """A ``stream`` round's stage-session figures: its place in the session, the
     Flower messages it cost, the session's set-up measured against predicted (in the
     round that set it up: charged once per session) and the round's time measured
     against predicted, e.g. ``"session: round 1 of the session, 3 Flower messages;
     set-up measured 18.200 s (predicted 17.500 s); round measured 20.100 s (predicted
-    19.000 s)"``. None for a row without a session (another transport, sessions off, a
-    failed round)."""
-    if row.get("session_round") is None:
+    19.000 s)"``. None for a round without a session (another transport, sessions off,
+    a failed round)."""
+    if row.session_round is None:
         return None
-    messages = row.get("flower_messages") or 0
+    messages = row.flower_messages or 0
     line = (
-        f"session: round {row['session_round']} of the session, {messages} Flower "
+        f"session: round {row.session_round} of the session, {messages} Flower "
         f"message{'' if messages == 1 else 's'}"
     )
-    measured, predicted = row.get("setup_s") or 0.0, row.get("predicted_setup_s") or 0.0
+    measured, predicted = row.setup_s or 0.0, row.predicted_setup_s or 0.0
     if measured > 0:  # a session was set up in this round
         line += f"; set-up measured {measured:.3f} s (" + (
             f"predicted {predicted:.3f} s)" if predicted > 0 else "not predicted)"
         )
-    if row.get("predicted_round_time_s") is not None:
+    if row.predicted_round_time_s is not None:
         line += (
-            f"; round measured {row['round_time_s']:.3f} s (predicted "
-            f"{row['predicted_round_time_s']:.3f} s)"
+            f"; round measured {row.round_time_s:.3f} s (predicted "
+            f"{row.predicted_round_time_s:.3f} s)"
         )
     return line
 
 
-def pipeline_table(row: dict[str, Any]) -> str:
-    """A round's pipelines (``row["pipelines"]``), one row each: owner, samples trained,
+def pipeline_table(row: RoundRecord) -> str:
+    """A round's pipelines (``row.pipelines``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""
     lines = [
         f"{'owner':<12} {'trained':>7} {'steps':>5} {'loss':>8} {'predicted s':>11} "
         f"{'measured s':>10}  outcome"
     ]
-    for p in row["pipelines"]:
-        loss = "-" if p["train_loss"] is None else f"{p['train_loss']:.4f}"
+    for p in row.pipelines or []:
+        loss = "-" if p.train_loss is None else f"{p.train_loss:.4f}"
         lines.append(
-            f"{p['owner']:<12} {p['samples_trained']:>7} {p['steps']:>5} {loss:>8} "
-            f"{p['predicted_time_s']:>11.2f} {p['measured_time_s']:>10.2f}  "
-            + ("ok" if p["error"] is None else f"FAILED (dropped from the average): {p['error']}")
+            f"{p.owner:<12} {p.samples_trained:>7} {p.steps:>5} {loss:>8} "
+            f"{p.predicted_time_s:>11.2f} {p.measured_time_s:>10.2f}  "
+            + ("ok" if p.error is None else f"FAILED (dropped from the average): {p.error}")
         )
     return "\n".join(lines)
 

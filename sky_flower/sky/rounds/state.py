@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from flwr.app import ArrayRecord
 
     from sky_flower.sky.planning.planning import FederatedPlanned, PipelineRun
+    from sky_flower.sky.planning.replan import ReplanRecord
 
 
 @dataclass
@@ -45,8 +46,8 @@ class RunState:
     failed_rounds, joins : list of FailedRound, list of JoinRecord
         What recovery did after each failed round, each node that joined (or came
         back): the ``results.json`` lists of those names.
-    replans : list of dict
-        Each re-plan taken (:class:`sky_flower.sky.planning.replan.Decision`'s record).
+    replans : list of ReplanRecord
+        Each re-plan taken (:class:`sky_flower.sky.planning.replan.ReplanRecord`).
     dropped : dict[str, int]
         Node name -> node id of every node dropped for its own fault.
     rejoin_asked : set of int
@@ -67,7 +68,7 @@ class RunState:
     runs: list[PipelineRun] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     failed_rounds: list[FailedRound] = field(default_factory=list)
-    replans: list[dict] = field(default_factory=list)
+    replans: list[ReplanRecord] = field(default_factory=list)
     joins: list[JoinRecord] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
     rejoin_asked: set[int] = field(default_factory=set)

@@ -1,58 +1,40 @@
-"""Typed records of a round, read like the ``results.json`` rows they become.
+"""Typed records of a round, written as the ``results.json`` rows they become.
 
-:class:`RecordFields` is the base: a dataclass whose fields are typed attributes inside
-(``stage.measured_compute_s``), and which reads as a mapping too (``stage["node"]``,
-``stage.get("messages")``, ``dict(stage)``), so a reader of the written rows and a
-reader of the live records use the same keys; :meth:`RecordFields.to_dict` gives the
-JSON-ready dict where ``results.json`` is written. :class:`StageRecord` is what a
-runner reports per stage (:mod:`sky_flower.sky.rounds.records` holds the pipeline and
-round records).
+:class:`RecordFields` is the base: a dataclass read by attribute
+(``stage.measured_compute_s``) whose :meth:`RecordFields.to_dict` is the JSON-ready row
+written to ``results.json``. :class:`StageRecord` is what a runner reports per stage
+(:mod:`sky_flower.sky.rounds.records` holds the pipeline and round records).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 
 def optional(default: Any = None) -> Any:  # noqa: ANN401 - a dataclasses.field
-    """A field absent from the mapping (and from ``results.json``) while it is ``None``:
+    """A field absent from the row (and from ``results.json``) while it is ``None``:
     what a transport or a failed round does not measure."""
     return field(default=default, metadata={"omit_none": True})
 
 
-class RecordFields(Mapping[str, Any]):
-    """A dataclass record that reads as the mapping of its row: one key per field (a
-    field made with :func:`optional` only while it is not ``None``), plus, for a field
-    whose metadata has ``prefix``, one key per entry of that dict field
-    (``test_accuracy`` from ``test={"accuracy": ...}``)."""
-
-    def _items(self) -> Iterator[tuple[str, Any]]:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if "prefix" in f.metadata:
-                for k, v in value.items():
-                    yield f"{f.metadata['prefix']}{k}", v
-            elif value is not None or not f.metadata.get("omit_none"):
-                yield f.name, value
-
-    def __getitem__(self, key: str) -> Any:  # noqa: ANN401 - a field's value
-        for k, v in self._items():
-            if k == key:
-                return v
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k, _ in self._items())
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self._items())
+class RecordFields:
+    """A dataclass record; its row (:meth:`to_dict`) has one key per field (a field made
+    with :func:`optional` only while it is not ``None``), plus, for a field whose
+    metadata has ``prefix``, one key per entry of that dict field (``test_accuracy``
+    from ``test={"accuracy": ...}``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON-ready data (nested records and lists of them too)."""
-        return {k: _plain(v) for k, v in self._items()}
+        row: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if "prefix" in f.metadata:
+                row.update({f"{f.metadata['prefix']}{k}": _plain(v) for k, v in value.items()})
+            elif value is not None or not f.metadata.get("omit_none"):
+                row[f.name] = _plain(value)
+        return row
 
 
 def _plain(value: Any) -> Any:  # noqa: ANN401 - any record value

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
@@ -212,7 +211,7 @@ class RoundOutcome:
         Per stage: measured against predicted figures (:mod:`sky_flower.sky.rounds.report`).
     extra : dict
         Transport-specific row entries (relay: ``microbatches_per_message``; direct:
-        ``setup_s``, ``wall_s``), placed before ``stages`` in the row.
+        ``setup_s``, ``wall_s``): fields of the round's record.
     weights_bytes, full_weights_bytes : int
         Bytes of weights the stages' replies carried (trainable parameters and
         buffers), and what they would have carried with every entry of the model (full
@@ -228,23 +227,6 @@ class RoundOutcome:
     extra: dict[str, Any] = field(default_factory=dict)
     weights_bytes: int = 0
     full_weights_bytes: int = 0
-
-    def to_row(
-        self, server_round: int, steps: int, predicted_step_time_s: float, round_time_s: float
-    ) -> dict[str, Any]:
-        """The round's row of ``results.json`` (before the server's evaluation adds its
-        ``test_*`` entries)."""
-        return {
-            "round": server_round,
-            "train_loss": float(np.mean(self.losses)),
-            "train_accuracy": self.correct / max(self.seen, 1),
-            "measured_step_time_s": float(np.median(self.step_times)),
-            "predicted_step_time_s": predicted_step_time_s,
-            "steps": steps,
-            "round_time_s": round_time_s,
-            **self.extra,
-            "stages": self.stages,
-        }
 
 
 class Runner(ABC):
