@@ -24,7 +24,7 @@ from sky_flower.sky.planning.benchmark import LinkTiming
 from sky_flower.sky.rounds import federation
 from sky_flower.sky.rounds.records import RoundResult
 from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import deadlines_of
+from sky_flower.sky.transport.deadlines import deadline
 from sky_flower.sky.transport.direct import DirectRunner
 from sky_flower.sky.transport.guard import RoundGuard
 from sky_flower.sky.transport.relay import RelayRunner
@@ -91,7 +91,7 @@ class RoundExecutor:
 
             self.sessions = StreamSessions(
                 settings.stream.session_max_s,
-                deadlines_of(settings.deadlines).of("collect", settings.failure.message_timeout_s)
+                deadline(settings.deadlines, "collect", settings.failure.message_timeout_s)
                 + settings.stream.timeout_s,
             )
 
@@ -124,7 +124,7 @@ class RoundExecutor:
             loss_weight_fn=m.reduction.weight_fn,
             stop=self.stop,
             describe=names.get,
-            deadlines=deadlines_of(s.deadlines),
+            deadlines=s.deadlines,
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
             sessions=self.sessions if self.sessions_fit else None,

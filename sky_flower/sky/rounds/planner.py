@@ -20,7 +20,6 @@ from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.replan import (
     Decision,
     ProfileTracker,
-    ReplanConfig,
     decide,
     drift_text,
     log_decision,
@@ -47,8 +46,7 @@ class Planner:
 
     def __init__(self, settings: SkySettings, schedule: Schedule, model: SkyModel) -> None:
         self.settings, self.schedule, self.model = settings, schedule, model
-        r = settings.replan
-        self.replan_cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
+        self.replan_cfg = settings.replan  # the settings group itself
         self.tracker: ProfileTracker | None = None  # None until a round trained, replan on
         self._drifted: dict[str, tuple[float, float]] = {}
 

@@ -31,8 +31,8 @@ from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
 from sky_flower.pipeline.objective import ref
 from sky_flower.pipeline.stage import frozen_keys
 from sky_flower.sky import protocol as P
-from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import Deadlines
+from sky_flower.sky.settings import DeadlineSettings, SkySettings
+from sky_flower.sky.transport.deadlines import deadline
 from sky_flower.sky.transport.records import StageRecord
 
 
@@ -136,13 +136,13 @@ class RunSettings:
     loss_weight_fn: Callable[..., Any] | None = None  # reduction "weighted" only
     stop: threading.Event = field(default_factory=threading.Event)
     describe: Callable[[int], str | None] = lambda nid: None
-    deadlines: Deadlines = field(default_factory=Deadlines)
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     ledger: NodeLedger = field(default_factory=NodeLedger)
 
     def deadline(self, phase: str, predicted_s: float = 0.0) -> float:
-        """Seconds a message of ``phase`` may take (:meth:`Deadlines.of`, floor
-        ``message_timeout_s``)."""
-        return self.deadlines.of(phase, self.message_timeout_s, predicted_s)
+        """Seconds a message of ``phase`` may take
+        (:func:`sky_flower.sky.transport.deadlines.deadline`, floor ``message_timeout_s``)."""
+        return deadline(self.deadlines, phase, self.message_timeout_s, predicted_s)
 
     # train.optimizer_state=keep: the pipelines' optimizer states between rounds
     # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
