@@ -98,25 +98,12 @@ class RoundExecutor:
     def run_settings(self, num_layers: int, names: Mapping[int, str]) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses: the model's
         ``num_layers``, errors naming nodes by ``names`` (node id -> name)."""
-        s, m = self.settings, self.model
+        m = self.model
         return RunSettings(
             model_fn=m.model_fn,
             input_shape=tuple(m.input_shape),
-            schedule=self.schedule,
-            optimizer=s.train.optimizer,
-            lr=s.train.lr,
-            seed=s.seed,
             num_layers=num_layers,
-            message_timeout_s=s.failure.message_timeout_s,
-            poll_interval_s=s.messaging.poll_interval_s,
-            direct_timeout_s=s.direct.timeout_s,
-            direct_host=s.direct.host,
-            direct_join_timeout_s=s.direct.join_timeout_s,
-            stream_host=s.stream.host,
-            stream_bind=s.stream.bind,
-            stream_tls=s.stream.tls,
-            stream_max_frame_bytes=int(s.stream.max_frame_mb * 2**20),
-            stream_timeout_s=s.stream.timeout_s,
+            settings=self.settings,
             input_dtype=m.input_dtype,
             loss_fn=m.loss_fn,
             metric_fn=m.metric_fn,
@@ -124,7 +111,6 @@ class RoundExecutor:
             loss_weight_fn=m.reduction.weight_fn,
             stop=self.stop,
             describe=names.get,
-            deadlines=s.deadlines,
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
             sessions=self.sessions if self.sessions_fit else None,
