@@ -54,6 +54,10 @@ class RoundExecutor:
     optimizer_store : OptimizerStore or None
         ``train.optimizer_state=keep``: the pipelines' optimizer states between rounds
         (:mod:`sky_flower.sky.migration`).
+    capacity : int or None
+        How many ClientApps the runtime runs at once (the simulation engine's workers;
+        ``None``: no bound), the stage sessions' bound
+        (:class:`sky_flower.sky.transport.session.StreamSessions`).
 
     Raises
     ------
@@ -68,6 +72,7 @@ class RoundExecutor:
         settings: SkySettings,
         schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
         optimizer_store: Any = None,  # noqa: ANN401 - sky_flower.sky.migration.OptimizerStore
+        capacity: int | None = None,
     ) -> None:
         self.model, self.settings, self.schedule = model, settings, schedule
         self.runner_cls = RUNNERS[schedule.transport]
@@ -93,6 +98,7 @@ class RoundExecutor:
                 settings.stream.session_max_s,
                 deadline(settings.deadlines, "collect", settings.failure.message_timeout_s)
                 + settings.stream.timeout_s,
+                capacity,
             )
 
     def run_settings(self, num_layers: int, names: Mapping[int, str]) -> RunSettings:
