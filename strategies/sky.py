@@ -238,13 +238,11 @@ class SkyStrategy(Strategy):
             from sky_flower.sky.migration import OptimizerStore
 
             store = OptimizerStore()
-        self.executor = RoundExecutor(
-            model, self.settings, self.schedule, store, capacity=concurrent_clientapps
-        )
+        self.executor = RoundExecutor(model, self.settings, store, capacity=concurrent_clientapps)
         self.benchmarker = Benchmarker(
-            self.settings, self.schedule, model.input_shape, model.input_dtype, link_cache
+            self.settings, model.input_shape, model.input_dtype, link_cache
         )
-        self.planner = Planner(self.settings, self.schedule, model)
+        self.planner = Planner(self.settings, model)
         self.recovery = Recovery(self.settings)
 
     # -- what a caller reads: the run's state ------------------------------------------

@@ -49,8 +49,6 @@ class RoundExecutor:
         ``schedule`` (the transport picks the runner class), ``train``, ``failure``
         (message timeout, divergence factor), ``deadlines``, ``direct``, ``stream``,
         ``messaging``, ``seed``, ``train.bn_policy``.
-    schedule : Schedule
-        The run's schedule (``settings.schedule_object()``).
     optimizer_store : OptimizerStore or None
         ``train.optimizer_state=keep``: the pipelines' optimizer states between rounds
         (:mod:`sky_flower.sky.migration`).
@@ -70,11 +68,11 @@ class RoundExecutor:
         self,
         model: SkyModel,
         settings: SkySettings,
-        schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
         optimizer_store: Any = None,  # noqa: ANN401 - sky_flower.sky.migration.OptimizerStore
         capacity: int | None = None,
     ) -> None:
-        self.model, self.settings, self.schedule = model, settings, schedule
+        self.model, self.settings = model, settings
+        self.schedule = schedule = settings.schedule_object()
         self.runner_cls = RUNNERS[schedule.transport]
         self.runner_cls.check_schedule(schedule)
         self.optimizer_store = optimizer_store
