@@ -178,6 +178,13 @@ class SkyStrategy(Strategy):
     link_cache : dict[int, tuple[float, float, float]], optional
         Node id -> relay link timed by an earlier benchmark round on the same grid (not
         timed again; filled as links are timed).
+    concurrent_clientapps : int, optional
+        How many ClientApps the runtime runs at once (Flower's simulation engine: its
+        workers, ``floor(CPUs / simulation.num_cpus_per_node)``); ``None``: no bound (a
+        deployment runs each message in a process of its own). Stage sessions hold one
+        per stage of every pipeline (:class:`sky_flower.sky.transport.session.
+        StreamSessions`): a pipeline with more stages is refused, a plan with more in
+        all sets its stages up every round.
 
     Raises
     ------
@@ -205,6 +212,7 @@ class SkyStrategy(Strategy):
         min_nodes: int = 2,
         hooks: Sequence[SkyHooks] = (),
         link_cache: dict[int, Link] | None = None,
+        concurrent_clientapps: int | None = None,
         **removed: Any,  # noqa: ANN401 - the keywords of the old signature: refused, with their new home
     ) -> None:
         if removed:
@@ -231,11 +239,11 @@ class SkyStrategy(Strategy):
             from sky_flower.sky.migration import OptimizerStore
 
             store = OptimizerStore()
-        self.executor = RoundExecutor(model, self.settings, self.schedule, store)
+        self.executor = RoundExecutor(model, self.settings, store, capacity=concurrent_clientapps)
         self.benchmarker = Benchmarker(
-            self.settings, self.schedule, model.input_shape, model.input_dtype, link_cache
+            self.settings, model.input_shape, model.input_dtype, link_cache
         )
-        self.planner = Planner(self.settings, self.schedule, model)
+        self.planner = Planner(self.settings, model)
         self.recovery = Recovery(self.settings)
 
     # -- what a caller reads: the run's state ------------------------------------------

@@ -15,3 +15,15 @@ def fake_layer(index, param=0, opt=0, act_in=0.0, act_out=0.0):
         act_in_bytes=act_in,
         act_out_bytes=act_out,
     )
+
+
+def runner_settings(paths):
+    """A runner test's ``SkySettings``: the values at the Hydra ``paths`` (checked, as
+    ``SkySettings.replace`` checks them), replies polled without a pause
+    (``messaging.poll_interval_s`` 0, below the setting's rule: in process only)."""
+    import dataclasses
+
+    from sky_flower.sky.settings import SkySettings
+
+    s = SkySettings().replace(paths)
+    return dataclasses.replace(s, messaging=dataclasses.replace(s.messaging, poll_interval_s=0.0))

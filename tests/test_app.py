@@ -105,8 +105,9 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     assert (direct.schedule.transport, direct.schedule.kind) == ("direct", "gpipe")
     assert direct.schedule.microbatches == 4
     run = direct.run_settings()
-    assert (run.direct_timeout_s, run.direct_join_timeout_s) == (12.0, 34.0)
-    assert run.direct_host == "10.0.0.5"
+    d = run.settings.direct
+    assert (d.timeout_s, d.join_timeout_s) == (12.0, 34.0)
+    assert d.host == "10.0.0.5"
     relay = sky_strategy(
         {"schedule-kind": "1f1b", "microbatches": 8}, model_fn=net, input_shape=[64]
     )

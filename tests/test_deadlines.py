@@ -14,8 +14,8 @@ from slow_nodes import stalling_client
 from test_exchange import NEVER, HoldingGrid, echo_app, messages
 
 from sky_flower.flower.exchange import Exchange, NodeError, NodeLedger
-from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import Deadlines, deadlines_of, stage_message_s
+from sky_flower.sky.settings import DeadlineSettings, SkySettings
+from sky_flower.sky.transport.deadlines import deadline, stage_message_s
 
 
 @pytest.fixture(autouse=True)
@@ -30,18 +30,18 @@ def server_identity(monkeypatch):
 
 # --- the phase formula -----------------------------------------------------------------
 def test_phase_deadlines_have_message_timeout_as_floor_and_scale_stages():
-    d = Deadlines(first_contact_s=300, benchmark_s=120, setup_s=60, stage_multiple=5)
-    assert d.of("benchmark", 3.0) == 120 and d.of("setup", 3.0) == 60
-    assert d.of("collect", 600.0) == 600  # an old, longer message_timeout_s still holds
-    assert d.of("stage", 3.0, predicted_s=2.0) == 13.0
-    assert d.of("stage", 3.0, predicted_s=float("nan")) == 3.0
+    d = DeadlineSettings(first_contact_s=300, benchmark_s=120, setup_s=60, stage_multiple=5)
+    assert deadline(d, "benchmark", 3.0) == 120 and deadline(d, "setup", 3.0) == 60
+    assert deadline(d, "collect", 600.0) == 600  # an old, longer message_timeout_s still holds
+    assert deadline(d, "stage", 3.0, predicted_s=2.0) == 13.0
+    assert deadline(d, "stage", 3.0, predicted_s=float("nan")) == 3.0
     assert stage_message_s({"busy_s": 0.8, "messages": 2}, latency_s=0.1) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="unknown phase"):
-        d.of("train", 1.0)
+        deadline(d, "train", 1.0)
     with pytest.raises(ValueError, match="stage_multiple must be >= 0"):
-        Deadlines(stage_multiple=-1)
+        SkySettings().replace({"deadlines.stage_multiple": -1})
     s = SkySettings.from_run_config({"message-timeout-s": 3.0, "stage-timeout-multiple": 2.0})
-    assert s.failure.message_timeout_s == 3.0 and deadlines_of(s.deadlines).stage_multiple == 2.0
+    assert s.failure.message_timeout_s == 3.0 and s.deadlines.stage_multiple == 2.0
     with pytest.raises(ValueError, match="first-contact-timeout-s must be > 0"):
         SkySettings.from_run_config({"first-contact-timeout-s": 0.0})
 

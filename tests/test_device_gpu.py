@@ -25,13 +25,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from reference import ProcessPerMessageGrid, reference_rounds
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.emulation.devices import Emulation
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.stage import (
@@ -183,12 +183,17 @@ def test_relay_with_a_gpu_node_equals_the_whole_model(kind: str) -> None:
     run = RunSettings(
         model_fn=plain_net,
         input_shape=(8,),
-        schedule=Schedule(batch_size=BATCH, microbatches=4, kind=kind),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=9,
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": 4,
+                "schedule.kind": kind,
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+            }
+        ),
     )
     out = RelayRunner(run).run_round(grid, pipeline, ArrayRecord(_weights(plain_net)), STEPS, ROUND)
     ((expected, _),) = reference_rounds(

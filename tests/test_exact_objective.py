@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from hypothesis import given, settings
@@ -34,7 +35,6 @@ from tiers import examples
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.direct import RoundHost, run_stage, stage_input_shapes
 from sky_flower.pipeline.lm import IGNORE_INDEX, lm_cross_entropy, token_count
@@ -244,12 +244,17 @@ def _relay_round(case: str, kind: str, microbatches: int, per_message: int):  # 
     run = RunSettings(
         model_fn=net,
         input_shape=(6,),
-        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
-        optimizer="sgd",
-        lr=LR,
-        seed=SEED,
         num_layers=7,
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": microbatches,
+                "schedule.kind": kind,
+                "train.optimizer": "sgd",
+                "train.lr": LR,
+                "seed": SEED,
+            }
+        ),
         loss_fn=loss_fn,
         loss_reduction=reduction,
         loss_weight_fn=weight_fn,

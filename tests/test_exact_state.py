@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from flwr.common.config import parse_config_args
@@ -34,7 +35,6 @@ from torch import nn
 
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.deploy import node_config
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.direct import run_stage, stage_input_shapes
@@ -216,12 +216,17 @@ def _relay_round(kind: str, microbatches: int, per_message: int) -> dict[str, to
     settings_ = RunSettings(
         model_fn=stateful_net,
         input_shape=(8,),
-        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=9,
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": microbatches,
+                "schedule.kind": kind,
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+            }
+        ),
     )
     outcome = RelayRunner(settings_).run_round(
         grid, pipeline, ArrayRecord(_weights()), STEPS, ROUND

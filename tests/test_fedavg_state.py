@@ -12,6 +12,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from hypothesis import given, settings
@@ -21,7 +22,6 @@ from tiers import examples
 from torch import nn
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.stage import frozen_keys, step_batch
 from sky_flower.sky.node.client import SkyClient
@@ -183,12 +183,17 @@ def _sky_rounds(
     settings_ = RunSettings(
         model_fn=model_fn,
         input_shape=(6,),
-        schedule=Schedule(batch_size=B, microbatches=1, kind="sequential"),
-        optimizer="sgd",
-        lr=LR,
-        seed=SEED,
         num_layers=4,
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": B,
+                "schedule.microbatches": 1,
+                "schedule.kind": "sequential",
+                "train.optimizer": "sgd",
+                "train.lr": LR,
+                "seed": SEED,
+            }
+        ),
     )
     local = LocalBatchNorm(batchnorm_keys(_bn_net())) if policy == "local" else None
     arrays = ArrayRecord(model_fn().state_dict())

@@ -19,6 +19,7 @@ from functools import cache
 
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.clientapp import ClientApp
 from reference import ProcessPerMessageGrid, reference_rounds
@@ -203,16 +204,23 @@ def _pipeline(grid) -> Pipeline:  # noqa: ANN001
 
 
 def _settings(**kw) -> RunSettings:  # noqa: ANN003
+    paths = kw.pop("paths", {})
     return RunSettings(
         model_fn=lora_model,
         input_shape=(T,),
         input_dtype="int64",
-        schedule=Schedule(batch_size=BATCH, microbatches=MICRO, kind="gpipe"),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=len(lora_model()),
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": MICRO,
+                "schedule.kind": "gpipe",
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+                **paths,
+            }
+        ),
         loss_fn=lm_cross_entropy,
         metric_fn=token_correct,
         **kw,
@@ -288,7 +296,10 @@ def test_stream_trains_lora_exactly_and_sends_back_only_what_trains(server_ident
         return got
 
     grid.pull_messages = recording_pull  # type: ignore[method-assign]
-    settings = _settings(message_timeout_s=60.0, stream_timeout_s=60.0, describe=grid.names.get)
+    settings = _settings(
+        paths={"message_timeout_s": 60.0, "schedule.stream_timeout_s": 60.0},
+        describe=grid.names.get,
+    )
     start = ArrayRecord(lora_model().state_dict())
     try:
         outcome = StreamRunner(settings).run_round(grid, _pipeline(grid), start, STEPS, ROUND)

@@ -36,9 +36,9 @@ from sky_flower.pipeline.models import build_cnn_bn
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.planning import planning
-from sky_flower.sky.planning.replan import ProfileTracker, ReplanConfig, decide
+from sky_flower.sky.planning.replan import ProfileTracker, decide
 from sky_flower.sky.rounds.records import JoinRecord, StageRecord
-from sky_flower.sky.settings import SkySettings
+from sky_flower.sky.settings import ReplanSettings, SkySettings
 
 NAMES = ["owner", "mid", "tail"]
 BATCH, MICRO, STEPS, ROUNDS, LR = 16, 2, 2, 3, 0.01
@@ -284,7 +284,7 @@ def test_a_node_that_slows_down_is_replanned_around_and_no_drift_keeps_the_plan(
         for k, p in enumerate(run.pipeline.predictions)
     ]
     measured = 10 * current.fplan.pipelines[0].plan.predicted_step_time_s
-    cfg = ReplanConfig(mode="on", threshold=0.10)
+    cfg = ReplanSettings(mode="on", threshold=0.10)
     tracker.observe(rows)  # as predicted: same plan, nothing to do
     same = _planned(tracker.profiles(nodes), layers, schedule)
     d = decide(cfg, current, same, layers, tracker.profiles(nodes), schedule, measured, 5, True)

@@ -133,7 +133,7 @@ def test_run_config_reaches_the_strategy():
     s = strategy.settings
     assert s.failure.max_failed_rounds == 3 and s.messaging.node_wait_s == 9.0
     assert s.benchmark.warmup == 1
-    assert strategy.run_settings().poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
+    assert strategy.run_settings().settings.messaging.poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
     assert strategy.recovery.max_failed_rounds == 3
 
 

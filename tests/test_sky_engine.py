@@ -178,7 +178,7 @@ def test_runner_picked_once_from_the_transport():
         {"messaging.poll_interval_s": 0.1, "messaging.node_wait_s": 1.0}
     )
     strategy = SkyStrategy(SkyModel(task.Net, [64]), settings)
-    assert strategy.run_settings().poll_interval_s == 0.1
+    assert strategy.run_settings().settings.messaging.poll_interval_s == 0.1
     assert type(strategy.runner()) is RUNNERS["relay"]
     with pytest.raises(ValueError, match="cannot travel to the nodes"):
         SkyModel(task.Net, [64], loss_fn=lambda out, y: out.sum())

@@ -11,6 +11,7 @@ stage), so weights and buffers equal it to 1e-6 as the relay's do (``_assert_sam
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord, Message
 from flwr.clientapp import ClientApp
 from test_exact_state import (
@@ -36,7 +38,6 @@ from test_exact_state import (
 )
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.flower.inprocess import InProcessGrid
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.client import SkyClient
@@ -119,15 +120,22 @@ def _round(
     settings_ = RunSettings(
         model_fn=stateful_net,
         input_shape=(8,),
-        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=9,
-        poll_interval_s=0.0,
-        message_timeout_s=30.0,  # the round's deadline (a loaded 2-core machine)
-        stream_timeout_s=stream_timeout_s,  # 20 s: a loaded 2-core machine's slow stage
-        stream_tls=tls,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": microbatches,
+                "schedule.kind": kind,
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+                # the round's deadline (a loaded 2-core machine)
+                "message_timeout_s": 30.0,
+                # 20 s: a loaded 2-core machine's slow stage
+                "schedule.stream_timeout_s": stream_timeout_s,
+                "schedule.stream_tls": tls,
+            }
+        ),
         describe=grid.names.get,
     )
     try:
@@ -271,7 +279,9 @@ def test_oversize_frame_fails_the_round_by_name(server_identity, monkeypatch):
 
 def _capped(init, cap: int):  # noqa: ANN001, ANN202
     def wrapped(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        kwargs["stream_max_frame_bytes"] = cap
+        s = kwargs["settings"]  # cap / 2**20 MiB: exactly cap bytes again
+        stream = dataclasses.replace(s.stream, max_frame_mb=cap / 2**20)
+        kwargs["settings"] = dataclasses.replace(s, stream=stream)
         init(self, *args, **kwargs)
 
     return wrapped

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from reference import reference_rounds
@@ -36,7 +37,6 @@ from test_exact_state import (
 from test_stream import ThreadedGrid, _stream_threads
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.emulation.devices import Emulation
 from sky_flower.sky import protocol as P
 from sky_flower.sky.migration import OptimizerStore
@@ -98,14 +98,19 @@ def _settings(grid: Counted, kind: str, microbatches: int, **kw) -> RunSettings:
     return RunSettings(
         model_fn=stateful_net,
         input_shape=(8,),
-        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind=kind),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=9,
-        poll_interval_s=0.0,
-        message_timeout_s=30.0,
-        stream_timeout_s=kw.pop("stream_timeout_s", 20.0),
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": microbatches,
+                "schedule.kind": kind,
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+                "message_timeout_s": 30.0,
+                "schedule.stream_timeout_s": kw.pop("stream_timeout_s", 20.0),
+            }
+        ),
         describe=grid.names.get,
         **kw,
     )
@@ -286,14 +291,19 @@ def _federated(
     s = RunSettings(
         model_fn=_bn_net,
         input_shape=(6,),
-        schedule=Schedule(batch_size=B, microbatches=1, kind="gpipe"),  # as _reference
-        optimizer="sgd",
-        lr=BN_LR,
-        seed=BN_SEED,
         num_layers=4,
-        poll_interval_s=0.0,
-        message_timeout_s=30.0,
-        stream_timeout_s=20.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": B,  # as _reference
+                "schedule.microbatches": 1,
+                "schedule.kind": "gpipe",
+                "train.optimizer": "sgd",
+                "train.lr": BN_LR,
+                "seed": BN_SEED,
+                "message_timeout_s": 30.0,
+                "schedule.stream_timeout_s": 20.0,
+            }
+        ),
         describe=grid.names.get,
         sessions=pool,
     )

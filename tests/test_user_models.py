@@ -22,13 +22,13 @@ import copy
 
 import pytest
 import torch
+from factories import runner_settings
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
 from reference import ProcessPerMessageGrid, reference_rounds
 from user_models import ZOO, converted, data_for, example, user_module
 
 from sky_flower.core.partition.plan import Plan, StagePlan
-from sky_flower.core.schedule import Schedule
 from sky_flower.pipeline.graph import TracedUnit, as_sequential, original_state_dict, unpack
 from sky_flower.pipeline.lm import lm_cross_entropy, token_correct
 from sky_flower.sky.node.client import SkyClient
@@ -134,16 +134,23 @@ def _app(name: str) -> ClientApp:
 
 
 def _settings(name: str, microbatches: int = MICRO, **kw) -> RunSettings:
+    paths = kw.pop("paths", {})
     return RunSettings(
         model_fn=lambda: converted(name),
         input_shape=ZOO[name].input_shape,
         input_dtype=ZOO[name].input_dtype,
-        schedule=Schedule(batch_size=BATCH, microbatches=microbatches, kind="gpipe"),
-        optimizer="adam",
-        lr=LR,
-        seed=SEED,
         num_layers=len(converted(name)),
-        poll_interval_s=0.0,
+        settings=runner_settings(
+            {
+                "schedule.batch_size": BATCH,
+                "schedule.microbatches": microbatches,
+                "schedule.kind": "gpipe",
+                "train.optimizer": "adam",
+                "train.lr": LR,
+                "seed": SEED,
+                **paths,
+            }
+        ),
         **_objective(name),
         **kw,
     )
@@ -168,7 +175,9 @@ def _stream_round(name: str) -> dict[str, torch.Tensor]:
     apps = {n: _app(name) for n in names}
     grid = ThreadedGrid(apps, {n: {"sky-node": n, "partition-id": k} for k, n in enumerate(names)})
     settings = _settings(
-        name, message_timeout_s=60.0, stream_timeout_s=60.0, describe=grid.names.get
+        name,
+        paths={"message_timeout_s": 60.0, "schedule.stream_timeout_s": 60.0},
+        describe=grid.names.get,
     )
     weights = ArrayRecord(converted(name).state_dict())
     try:

@@ -55,11 +55,10 @@ from sky_flower.core.profile import (
     profile_layers,
     time_layers,
 )
-from sky_flower.core.schedule import MILP_TIME_LIMIT_S
 from sky_flower.emulation.devices import expand_fleet
 from sky_flower.jobs.common import write_json  # strictly valid JSON (NaN/inf: null)
 from sky_flower.pipeline.models import build_model
-from sky_flower.sky.settings import check_kind_on_transport
+from sky_flower.sky.settings import SkySettings
 
 MIB = 2**20
 ROW_FILE = "plan_row.json"
@@ -75,41 +74,27 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Refuse settings the planner cannot use, before any work.
+def check_config(cfg: DictConfig) -> SkySettings:
+    """Refuse settings the planner cannot use, before any work: the plan's objective
+    here, every other setting as every entry point reads them
+    (:meth:`SkySettings.from_hydra`: allocation and its time limit, the schedule, the
+    optimizer, the benchmark's timing, the seed).
+
+    Returns
+    -------
+    SkySettings
+        The config's settings.
 
     Raises
     ------
     ValueError
-        On an unknown objective or allocation method, or a non-positive time limit.
+        On an unknown objective, or a setting ``from_hydra`` refuses (an unknown
+        allocation, a non-positive time limit, micro-batches that do not divide the
+        batch, a kind the transport cannot run, in the training job's words).
     """
     if str(cfg.objective) not in OBJECTIVES:
         raise ValueError(f"unknown objective {cfg.objective!r}: use one of {', '.join(OBJECTIVES)}")
-    method = str(cfg.allocation.method)
-    if method not in METHODS:
-        raise ValueError(f"unknown allocation {method!r}: choose one of {', '.join(METHODS)}")
-    limit = float(cfg.allocation.get("time_limit_s", MILP_TIME_LIMIT_S))
-    if not limit > 0:
-        raise ValueError(f"allocation.time_limit_s must be > 0, got {limit:g}")
-
-
-def schedule_of(cfg: DictConfig) -> Schedule:
-    """The :class:`Schedule` of ``cfg.schedule``.
-
-    Raises
-    ------
-    ValueError
-        If micro-batches do not divide the batch, on an unknown kind or transport, or
-        a kind the transport cannot run (as the training job refuses it:
-        :func:`sky_flower.sky.settings.check_kind_on_transport`).
-    """
-    check_kind_on_transport(str(cfg.schedule.kind), str(cfg.schedule.transport))
-    return Schedule(
-        batch_size=int(cfg.schedule.batch_size),
-        microbatches=int(cfg.schedule.microbatches),
-        kind=str(cfg.schedule.kind),  # type: ignore[arg-type]
-        transport=str(cfg.schedule.transport),  # type: ignore[arg-type]
-    )
+    return SkySettings.from_hydra(cfg)
 
 
 def _model_layers(
@@ -150,6 +135,7 @@ def _model_layers(
 
 def _fleet_nodes(
     cfg: DictConfig,
+    settings: SkySettings,
     fleet_cfg: dict,
     layers: list[LayerProfile],
     model: nn.Sequential | None,
@@ -192,8 +178,8 @@ def _fleet_nodes(
             model,
             input_shape,
             mb,
-            warmup=int(cfg.benchmark.warmup),
-            repeats=int(cfg.benchmark.repeats),
+            warmup=settings.benchmark.warmup,
+            repeats=settings.benchmark.repeats,
             dtype=as_dtype(cfg.model.get("input_dtype")),
         )
         source = "host timing x (1 + slowdown)"
@@ -245,20 +231,20 @@ def build_planning_problem(
         On a bad schedule (micro-batches not dividing the batch, unknown kind), model
         or fleet config.
     """
-    layers, nodes, schedule, _ = _build(cfg)
+    layers, nodes, schedule, _ = _build(cfg, SkySettings.from_hydra(cfg))
     return layers, nodes, schedule
 
 
-def _build(cfg: DictConfig) -> tuple[list[LayerProfile], list[NodeProfile], Schedule, str]:
+def _build(
+    cfg: DictConfig, settings: SkySettings
+) -> tuple[list[LayerProfile], list[NodeProfile], Schedule, str]:
     """:func:`build_planning_problem` plus where the node times came from."""
-    schedule = schedule_of(cfg)
-    train = cfg.get("train") or {}
-    optimizer = str(train.get("optimizer", "adam"))
+    schedule = settings.schedule_object()
     model_cfg, fleet_cfg = _plain(cfg.model), _plain(cfg.fleet)
     assert isinstance(model_cfg, dict) and isinstance(fleet_cfg, dict)
-    torch.manual_seed(int(cfg.get("seed", 0)))  # each job alike, whatever ran before it
-    layers, model = _model_layers(model_cfg, schedule, optimizer)
-    nodes, source = _fleet_nodes(cfg, fleet_cfg, layers, model, schedule)
+    torch.manual_seed(settings.seed)  # each job alike, whatever ran before it
+    layers, model = _model_layers(model_cfg, schedule, settings.train.optimizer)
+    nodes, source = _fleet_nodes(cfg, settings, fleet_cfg, layers, model, schedule)
     return layers, nodes, schedule, source
 
 
@@ -333,17 +319,16 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """
     row = _base_row(cfg)
     try:
-        check_config(cfg)
-        schedule_of(cfg)  # cheap checks before profiling
-        layers, nodes, schedule, source = _build(cfg)
+        settings = check_config(cfg)  # cheap checks before profiling
+        layers, nodes, schedule, source = _build(cfg, settings)
         row["entries"], row["nodes"] = len(layers), len(nodes)
         cost = CostModel(layers, nodes, schedule)
     except Exception as err:
         row["error"] = f"{type(err).__name__}: {err}"
         write_json(out_dir / ROW_FILE, row)
         raise
-    method, objective = str(cfg.allocation.method), str(cfg.objective)
-    limit = float(cfg.allocation.get("time_limit_s", MILP_TIME_LIMIT_S))
+    method, objective = settings.allocation, str(cfg.objective)
+    limit = settings.milp_time_limit_s
     try:
         plan = partition(cost, method, objective=objective, time_limit_s=limit)
     except ValueError as err:
@@ -375,7 +360,8 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "time_limit_s": limit,
     }
     payload["alternatives"] = alternatives
-    payload["pipelines"] = federated_preview(cfg, layers, nodes, schedule, method, limit)
+    steps = settings.train.steps_per_round
+    payload["pipelines"] = federated_preview(layers, nodes, schedule, method, limit, steps)
     row.update(_summary(plan), idle_nodes=len(plan.idle_nodes), status="ok")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "plan.json", payload)
@@ -384,19 +370,19 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     return {"plan": payload, "row": row, "table": plan.table()}
 
 
-def federated_preview(
-    cfg: DictConfig,
+def federated_preview(  # noqa: PLR0913
     layers: list[LayerProfile],
     nodes: list[NodeProfile],
     schedule: Schedule,
     method: str,
     limit: float,
+    steps: int = 0,
 ) -> list[dict[str, Any]] | None:
     """With two or more data owners, the training job plans one pipeline per owner
     (FedAvg across, :func:`sky_flower.core.federated.plan_federation`), not the single
     pipeline above: plan that too and log it. Every owner is given equal data (the job
-    takes each owner's real sample count from its benchmark round), with
-    ``train.steps_per_round`` steps when it is > 0. None with one data owner.
+    takes each owner's real sample count from its benchmark round), with ``steps``
+    (``train.steps_per_round``) steps when it is > 0. None with one data owner.
 
     Returns
     -------
@@ -409,7 +395,6 @@ def federated_preview(
     owners = [n.name for n in nodes if n.holds_data]
     if len(owners) < 2:
         return None
-    steps = int(cfg.get("train", {}).get("steps_per_round", 0) or 0)
     fplan = plan_federation(
         layers,
         nodes,

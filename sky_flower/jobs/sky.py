@@ -214,11 +214,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         node_order=[n.name for n in fleet],
         min_nodes=len(fleet),
         hooks=[EventCallback(on_event), recorder],
+        # the simulation engine's workers: the ClientApps it runs at once
+        concurrent_clientapps=int(inputs["cpus"] / inputs["per_node"] + 1e-9),
     )
-    if strategy.executor.sessions is not None:  # the engine's concurrent ClientApps; it
-        # runs two messages to one node on two workers (a SuperNode runs one at a time)
-        strategy.executor.sessions.capacity = int(inputs["cpus"] / inputs["per_node"] + 1e-9)
-        strategy.executor.sessions.per_node = None
     strategy.precheck(
         [n.name for n in fleet],
         [None if n.memory_mb is None else n.memory_mb * 2**20 for n in fleet],

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS
+from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS, Schedule
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
@@ -160,22 +160,38 @@ class TrainSettings:
     bn_policy: str = _setting("average", "bn-policy", "train.bn_policy", choices=BN_POLICIES)
 
 
+# the schedule's defaults are those of the pure core's Schedule (sky_flower.core.schedule),
+# written there once
+_SCHEDULE = Schedule()
+
+
 @dataclass(frozen=True)
 class ScheduleSettings:
     """One training step: batch, micro-batches, pipeline schedule and transport."""
 
-    batch_size: int = _setting(64, "batch-size", "schedule.batch_size", AT_LEAST_1)
-    microbatches: int = _setting(1, "microbatches", "schedule.microbatches", AT_LEAST_1)
-    kind: str = _setting("sequential", "schedule-kind", "schedule.kind", choices=SCHEDULE_KINDS)
+    batch_size: int = _setting(
+        _SCHEDULE.batch_size, "batch-size", "schedule.batch_size", AT_LEAST_1
+    )
+    microbatches: int = _setting(
+        _SCHEDULE.microbatches, "microbatches", "schedule.microbatches", AT_LEAST_1
+    )
+    kind: str = _setting(_SCHEDULE.kind, "schedule-kind", "schedule.kind", choices=SCHEDULE_KINDS)
     # run config: "auto" (stream when fleet is "", else relay; auto_transport)
     transport: str = _setting(
-        "relay", "transport", "schedule.transport", choices=TRANSPORTS, run_default="auto"
+        _SCHEDULE.transport,
+        "transport",
+        "schedule.transport",
+        choices=TRANSPORTS,
+        run_default="auto",
     )
     microbatches_per_message: int = _setting(
-        0, "microbatches-per-message", "schedule.microbatches_per_message", AT_LEAST_0
+        _SCHEDULE.microbatches_per_message,
+        "microbatches-per-message",
+        "schedule.microbatches_per_message",
+        AT_LEAST_0,
     )
     # issue 16 (slice schedules): model chunks per stage of interleaved / zero_bubble
-    chunks: int = _setting(2, "schedule-chunks", "schedule.chunks", AT_LEAST_1)
+    chunks: int = _setting(_SCHEDULE.chunks, "schedule-chunks", "schedule.chunks", AT_LEAST_1)
 
 
 @dataclass(frozen=True)
@@ -602,7 +618,7 @@ class SkySettings:
                 f"0 < small < large, e.g. [1024, 4194304]; got {list(echo)}"
             )
 
-    def schedule_object(self) -> Any:  # noqa: ANN401 - sky_flower.core.cost.Schedule
+    def schedule_object(self) -> Schedule:
         """The :class:`sky_flower.core.cost.Schedule` (which checks its own rules).
 
         Raises
@@ -610,8 +626,6 @@ class SkySettings:
         ValueError
             If micro-batches do not divide the batch, or a count is out of range.
         """
-        from sky_flower.core.cost import Schedule
-
         s = self.schedule
         return Schedule(
             batch_size=s.batch_size,

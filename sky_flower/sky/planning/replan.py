@@ -45,42 +45,10 @@ from sky_flower.core.cost import CostModel
 from sky_flower.core.partition import make_plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky.planning import planning
+from sky_flower.sky.settings import ReplanSettings
 from sky_flower.sky.transport.records import RecordFields, StageRecord, optional
 
-REPLAN_MODES = ("off", "on", "force")
 FACTOR_RANGE = (0.02, 200.0)  # a factor outside this is a measurement error, clipped
-
-
-@dataclass(frozen=True)
-class ReplanConfig:
-    """Online re-planning's settings (``replan.*``, :mod:`sky_flower.sky.settings`).
-
-    Attributes
-    ----------
-    mode : {"off", "on", "force"}
-        ``off``: the plan is fixed; ``on``: re-plan when it pays; ``force`` (tests):
-        a plan with other cuts every round.
-    threshold : float
-        Minimum relative gain (0.10: the new plan's expected step, migration included,
-        at least 10 % below the measured step).
-    smoothing : float
-        In (0, 1]: weight of the newest round in the exponential smoothing of the
-        factors (1: the last round only).
-    """
-
-    mode: str = "off"
-    threshold: float = 0.10
-    smoothing: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.mode not in REPLAN_MODES:
-            raise ValueError(
-                f"replan.mode must be one of {', '.join(REPLAN_MODES)}, got {self.mode!r}"
-            )
-        if not 0.0 <= self.threshold < 1.0:
-            raise ValueError(f"replan.threshold must be in [0, 1), got {self.threshold}")
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ValueError(f"replan.smoothing must be in (0, 1], got {self.smoothing}")
 
 
 #: A stage's link factor is observed only where its predicted link time is at least this
@@ -367,7 +335,7 @@ def layouts(fp: planning.FederatedPlanned) -> dict[str, list[list[Any]]]:
 
 
 def decide(  # noqa: PLR0913
-    cfg: ReplanConfig,
+    cfg: ReplanSettings,
     current: planning.FederatedPlanned,
     candidate: planning.FederatedPlanned | None,
     layers: Sequence[LayerProfile],

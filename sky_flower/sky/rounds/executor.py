@@ -24,7 +24,7 @@ from sky_flower.sky.planning.benchmark import LinkTiming
 from sky_flower.sky.rounds import federation
 from sky_flower.sky.rounds.records import RoundResult
 from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import deadlines_of
+from sky_flower.sky.transport.deadlines import deadline
 from sky_flower.sky.transport.direct import DirectRunner
 from sky_flower.sky.transport.guard import RoundGuard
 from sky_flower.sky.transport.relay import RelayRunner
@@ -49,11 +49,13 @@ class RoundExecutor:
         ``schedule`` (the transport picks the runner class), ``train``, ``failure``
         (message timeout, divergence factor), ``deadlines``, ``direct``, ``stream``,
         ``messaging``, ``seed``, ``train.bn_policy``.
-    schedule : Schedule
-        The run's schedule (``settings.schedule_object()``).
     optimizer_store : OptimizerStore or None
         ``train.optimizer_state=keep``: the pipelines' optimizer states between rounds
         (:mod:`sky_flower.sky.migration`).
+    capacity : int or None
+        How many ClientApps the runtime runs at once (the simulation engine's workers;
+        ``None``: no bound), the stage sessions' bound
+        (:class:`sky_flower.sky.transport.session.StreamSessions`).
 
     Raises
     ------
@@ -66,10 +68,11 @@ class RoundExecutor:
         self,
         model: SkyModel,
         settings: SkySettings,
-        schedule: Any,  # noqa: ANN401 - sky_flower.core.cost.Schedule
         optimizer_store: Any = None,  # noqa: ANN401 - sky_flower.sky.migration.OptimizerStore
+        capacity: int | None = None,
     ) -> None:
-        self.model, self.settings, self.schedule = model, settings, schedule
+        self.model, self.settings = model, settings
+        self.schedule = schedule = settings.schedule_object()
         self.runner_cls = RUNNERS[schedule.transport]
         self.runner_cls.check_schedule(schedule)
         self.optimizer_store = optimizer_store
@@ -91,32 +94,23 @@ class RoundExecutor:
 
             self.sessions = StreamSessions(
                 settings.stream.session_max_s,
-                deadlines_of(settings.deadlines).of("collect", settings.failure.message_timeout_s)
+                deadline(settings.deadlines, "collect", settings.failure.message_timeout_s)
                 + settings.stream.timeout_s,
+                capacity,
+                # the simulation engine runs two messages to one node on two workers; a
+                # SuperNode (no capacity given: a deployment) one at a time
+                per_node=None if capacity is not None else 1,
             )
 
     def run_settings(self, num_layers: int, names: Mapping[int, str]) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses: the model's
         ``num_layers``, errors naming nodes by ``names`` (node id -> name)."""
-        s, m = self.settings, self.model
+        m = self.model
         return RunSettings(
             model_fn=m.model_fn,
             input_shape=tuple(m.input_shape),
-            schedule=self.schedule,
-            optimizer=s.train.optimizer,
-            lr=s.train.lr,
-            seed=s.seed,
             num_layers=num_layers,
-            message_timeout_s=s.failure.message_timeout_s,
-            poll_interval_s=s.messaging.poll_interval_s,
-            direct_timeout_s=s.direct.timeout_s,
-            direct_host=s.direct.host,
-            direct_join_timeout_s=s.direct.join_timeout_s,
-            stream_host=s.stream.host,
-            stream_bind=s.stream.bind,
-            stream_tls=s.stream.tls,
-            stream_max_frame_bytes=int(s.stream.max_frame_mb * 2**20),
-            stream_timeout_s=s.stream.timeout_s,
+            settings=self.settings,
             input_dtype=m.input_dtype,
             loss_fn=m.loss_fn,
             metric_fn=m.metric_fn,
@@ -124,7 +118,6 @@ class RoundExecutor:
             loss_weight_fn=m.reduction.weight_fn,
             stop=self.stop,
             describe=names.get,
-            deadlines=deadlines_of(s.deadlines),
             ledger=self.ledger,
             optimizer_store=self.optimizer_store,
             sessions=self.sessions if self.sessions_fit else None,

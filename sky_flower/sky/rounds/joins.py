@@ -37,7 +37,6 @@ from logging import INFO, WARNING
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky import protocol as P
 from sky_flower.sky.planning.benchmark import (
@@ -95,9 +94,7 @@ class Benchmarker:
     ----------
     settings : SkySettings
         Its ``benchmark`` group (what to measure), ``seed``, ``train`` (the optimizer
-        timed), ``messaging`` (``node_wait_s``).
-    schedule : Schedule
-        The run's schedule (micro-batch size, ``M``).
+        timed), ``messaging`` (``node_wait_s``), ``schedule`` (micro-batch size, ``M``).
     input_shape, input_dtype : sequence of int, str
         One sample's shape and dtype (the model's input).
     link_cache : dict[int, Link], optional
@@ -107,12 +104,11 @@ class Benchmarker:
     def __init__(
         self,
         settings: SkySettings,
-        schedule: Schedule,
         input_shape: Sequence[int],
         input_dtype: str,
         link_cache: dict[int, Link] | None = None,
     ) -> None:
-        self.settings, self.schedule = settings, schedule
+        self.settings, self.schedule = settings, settings.schedule_object()
         self.input_shape, self.input_dtype = list(input_shape), input_dtype
         self.link_cache = link_cache
         self._join_grid: Grid | None = None

@@ -12,14 +12,12 @@ from logging import INFO, WARNING
 
 from flwr.supercore import log
 
-from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.replan import (
     Decision,
     ProfileTracker,
-    ReplanConfig,
     ReplanRecord,
     decide,
     drift_text,
@@ -39,17 +37,15 @@ class Planner:
     ----------
     settings : SkySettings
         ``allocation``, ``milp_time_limit_s``, ``train`` (epochs or steps per round,
-        optimizer), ``replan``.
-    schedule : Schedule
-        The run's schedule.
+        optimizer), ``replan``, ``schedule``.
     model : SkyModel
         The model and one sample's shape and dtype (profiled once, on the server).
     """
 
-    def __init__(self, settings: SkySettings, schedule: Schedule, model: SkyModel) -> None:
-        self.settings, self.schedule, self.model = settings, schedule, model
-        r = settings.replan
-        self.replan_cfg = ReplanConfig(mode=r.mode, threshold=r.threshold, smoothing=r.smoothing)
+    def __init__(self, settings: SkySettings, model: SkyModel) -> None:
+        self.settings, self.model = settings, model
+        self.schedule = settings.schedule_object()
+        self.replan_cfg = settings.replan  # the settings group itself
         self.tracker: ProfileTracker | None = None  # None until a round trained, replan on
         self._drifted: dict[str, tuple[float, float]] = {}
 

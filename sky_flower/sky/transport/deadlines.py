@@ -29,79 +29,41 @@ No torch or Flower is imported here.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 from sky_flower.sky.settings import DeadlineSettings
 
 PHASES = ("benchmark", "setup", "stage", "collect")
 
 
-_DEFAULTS = DeadlineSettings()
+def deadline(
+    deadlines: DeadlineSettings, phase: str, floor_s: float, predicted_s: float = 0.0
+) -> float:
+    """The deadline (s) of a message of ``phase`` (one of :data:`PHASES`) under a run's
+    ``deadlines`` settings group (see the module docstring).
 
-
-def deadlines_of(settings: DeadlineSettings) -> Deadlines:
-    """The :class:`Deadlines` of a run's ``deadlines`` settings group."""
-    return Deadlines(**dataclasses.asdict(settings))
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Per-phase deadlines (s) of a Sky run (see the module docstring).
-
-    Attributes
+    Parameters
     ----------
-    first_contact_s : float
-        Least deadline of a node's first message (its start-up included).
-    benchmark_s, setup_s, collect_s : float
-        Deadline of a benchmark, set-up, collect message (each at least the floor).
-    stage_multiple : float
-        A stage message's deadline is ``floor + stage_multiple x predicted seconds``.
-    busy_wait_s : float
-        Longest wait for a node's stale in-flight message before failing the node.
+    deadlines : DeadlineSettings
+        The run's ``deadlines.*`` (checked where the settings are read).
+    phase : str
+        ``benchmark``, ``setup``, ``stage`` or ``collect``.
+    floor_s : float
+        ``message_timeout_s``: no deadline is shorter; a stage message's is this
+        plus the scaled prediction.
+    predicted_s : float
+        ``stage`` only: the message's predicted seconds (>= 0; NaN or inf count as
+        unknown, i.e. 0).
+
+    Raises
+    ------
+    ValueError
+        On an unknown phase.
     """
-
-    # the defaults are the settings' own (sky_flower.sky.settings.DeadlineSettings)
-    first_contact_s: float = _DEFAULTS.first_contact_s
-    benchmark_s: float = _DEFAULTS.benchmark_s
-    setup_s: float = _DEFAULTS.setup_s
-    stage_multiple: float = _DEFAULTS.stage_multiple
-    collect_s: float = _DEFAULTS.collect_s
-    busy_wait_s: float = _DEFAULTS.busy_wait_s
-
-    def __post_init__(self) -> None:
-        for name in ("first_contact_s", "benchmark_s", "setup_s", "collect_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stage_multiple", "busy_wait_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def of(self, phase: str, floor_s: float, predicted_s: float = 0.0) -> float:
-        """The deadline (s) of a message of ``phase`` (one of :data:`PHASES`).
-
-        Parameters
-        ----------
-        phase : str
-            ``benchmark``, ``setup``, ``stage`` or ``collect``.
-        floor_s : float
-            ``message_timeout_s``: no deadline is shorter; a stage message's is this
-            plus the scaled prediction.
-        predicted_s : float
-            ``stage`` only: the message's predicted seconds (>= 0; NaN or inf count as
-            unknown, i.e. 0).
-
-        Raises
-        ------
-        ValueError
-            On an unknown phase.
-        """
-        if phase == "stage":
-            pred = predicted_s if 0.0 <= predicted_s < float("inf") else 0.0
-            return floor_s + self.stage_multiple * pred
-        if phase not in PHASES:
-            raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASES)}")
-        return max(floor_s, getattr(self, f"{phase}_s"))
+    if phase == "stage":
+        pred = predicted_s if 0.0 <= predicted_s < float("inf") else 0.0
+        return floor_s + deadlines.stage_multiple * pred
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASES)}")
+    return max(floor_s, getattr(deadlines, f"{phase}_s"))
 
 
 def stage_message_s(prediction: dict, latency_s: float = 0.0) -> float:

@@ -158,9 +158,9 @@ class DirectRunner(EndpointWaits, Runner):
         """
         S, M = plan.num_stages, self.s.schedule.microbatches
         step = plan.plan.predicted_step_time_s
-        if self.s.direct_timeout_s < step:
+        if self.s.settings.direct.timeout_s < step:
             raise ValueError(
-                f"schedule.direct_timeout_s={self.s.direct_timeout_s:g} s (run config "
+                f"schedule.direct_timeout_s={self.s.settings.direct.timeout_s:g} s (run config "
                 f"direct-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
                 "peer still computing would be taken for a stalled one. Raise it well above "
                 f"the step (at least {step:.3g} s)"
@@ -190,9 +190,8 @@ class DirectRunner(EndpointWaits, Runner):
         ex = s.exchange(grid, timeout_s=budget)
         t0 = time.perf_counter()
         backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
-        with RoundHost(
-            S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s, backend
-        ) as host:
+        d = s.settings.direct
+        with RoundHost(S, d.timeout_s, d.host, d.join_timeout_s, backend) as host:
             ids = ex.push(self.configure(plan, arrays, steps, server_round, host))
             got = self.collect(ex, ids)
         wall = time.perf_counter() - t0
@@ -248,7 +247,7 @@ class DirectRunner(EndpointWaits, Runner):
             for reply in ex.poll(ids, raise_late=False):
                 got[reply.metadata.reply_to_message_id] = reply
                 if reply.has_error():  # the others stop within direct_timeout_s
-                    ex.shorten(self.s.direct_timeout_s + 5.0)
+                    ex.shorten(self.s.settings.direct.timeout_s + 5.0)
             if ex.late(ids):  # the missing ones are named by the caller
                 return got
             if len(got) < len(ids) and ex.poll_interval_s > 0:
@@ -398,15 +397,16 @@ class DirectRunner(EndpointWaits, Runner):
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
         backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
-        host = RoundHost(S, s.direct_timeout_s, s.direct_host, s.direct_join_timeout_s, backend)
+        d = s.settings.direct
+        host = RoundHost(S, d.timeout_s, d.host, d.join_timeout_s, backend)
         ep = Endpoint(S, **s.stream_endpoint()).__enter__()
-        ex = s.exchange(grid, timeout_s=life + s.direct_timeout_s)
+        ex = s.exchange(grid, timeout_s=life + d.timeout_s)
         t0 = time.perf_counter()
         session = None
         try:
             msgs = self.configure(plan, arrays, steps, server_round, host)
             for k, msg in enumerate(msgs):
-                link = P.SessionLink(ep.link(k, life + s.direct_timeout_s), s.direct_timeout_s)
+                link = P.SessionLink(ep.link(k, life + d.timeout_s), d.timeout_s)
                 msg.content[P.SESSION] = link.to_config_record()
             ids = ex.push(msgs, concurrent=True)
             full = arrays.to_torch_state_dict()
@@ -453,7 +453,7 @@ class DirectRunner(EndpointWaits, Runner):
         try:
             if session is not None and (
                 session.key != self.session_key(plan)
-                or not session.fits(budget, s.direct_timeout_s, pool.max_age_s)
+                or not session.fits(budget, s.settings.direct.timeout_s, pool.max_age_s)
             ):
                 messages += pool.end(session, graceful=True)
                 session = None
@@ -556,6 +556,6 @@ class DirectRunner(EndpointWaits, Runner):
                 else:
                     statuses[k], replies[k] = ("ok", ""), reply
             if statuses[k][0] != "ok":  # the others stop within the group's timeout
-                until = min(until, time.perf_counter() + self.s.direct_timeout_s + 5.0)
+                until = min(until, time.perf_counter() + self.s.settings.direct.timeout_s + 5.0)
         out = [statuses.get(k, ("missing", "")) for k in range(S)]
         return out, [replies[k] for k in range(S) if k in replies]

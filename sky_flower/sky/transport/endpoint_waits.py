@@ -92,7 +92,7 @@ class EndpointWaits:
         """
         waiting = ", ".join(f"stage {k} on {ex.name(plan.node_ids[k])}" for k in owing)
         silent = [plan.node_ids[owing[0]]] if len(owing) == 1 else None
-        until = time.perf_counter() + self.s.stream_timeout_s
+        until = time.perf_counter() + self.s.settings.stream.timeout_s
         while True:
             if self.s.stop.is_set():
                 raise ex.fail("the run was stopped")
@@ -102,7 +102,7 @@ class EndpointWaits:
                 self._flower(ex, plan, ids)
                 if time.perf_counter() > until:
                     raise ex.fail(
-                        f"{waiting} sent nothing for {self.s.stream_timeout_s:g} s "
+                        f"{waiting} sent nothing for {self.s.settings.stream.timeout_s:g} s "
                         "(stream-timeout-s)",
                         silent,
                     ) from None
@@ -128,7 +128,7 @@ class EndpointWaits:
     def join(self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str]) -> None:
         """Wait until every stage has connected (``stream_timeout_s`` after the set-up
         messages arrived; a stage's error reply fails the round at once)."""
-        until = time.perf_counter() + self.s.deadline("setup") + self.s.stream_timeout_s
+        until = time.perf_counter() + self.s.deadline("setup") + self.s.settings.stream.timeout_s
         while len(ep.joined) < plan.num_stages:
             self._flower(ex, plan, ids)
             if time.perf_counter() > until:

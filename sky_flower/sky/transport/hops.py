@@ -185,10 +185,10 @@ def stage_config(  # noqa: PLR0913
         is_last=last == s.num_layers - 1,
         microbatches=s.schedule.microbatches,
         batch_size=s.schedule.batch_size,
-        optimizer=s.optimizer,
-        lr=s.lr,
+        optimizer=s.settings.train.optimizer,
+        lr=s.settings.train.lr,
         round=server_round,
-        seed=s.seed,
+        seed=s.settings.seed,
         session=session,
         **s.objective(),
     )

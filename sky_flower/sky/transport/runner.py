@@ -17,6 +17,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +32,7 @@ from sky_flower.pipeline.objective import ref
 from sky_flower.pipeline.stage import frozen_keys
 from sky_flower.sky import protocol as P
 from sky_flower.sky.settings import SkySettings
-from sky_flower.sky.transport.deadlines import Deadlines
+from sky_flower.sky.transport.deadlines import deadline
 from sky_flower.sky.transport.records import StageRecord
 
 
@@ -90,43 +91,29 @@ class Pipeline:
         return len(self.plan.stages)
 
 
-_DEFAULTS = SkySettings()
-
-
 @dataclass(frozen=True)
 class RunSettings:
-    """What every runner needs beyond the pipeline: the model, the schedule, the
-    stages' optimizer, the objective and the messaging settings.
+    """What every runner needs beyond the pipeline: the run's settings, what the model
+    gives, and the run's live context.
 
-    ``loss_fn`` / ``metric_fn`` travel to the nodes by reference
-    (:func:`sky_flower.pipeline.objective.ref`): they must be importable module-level
-    functions on the nodes too. ``stop``: set it to end the round at its next poll.
-    ``describe``: node id -> node name (errors name nodes by it). ``deadlines``: each
-    phase's message deadline (:mod:`sky_flower.sky.transport.deadlines`; ``message_timeout_s`` its
-    floor); ``ledger``: the run's messages in flight and nodes contacted, shared by every
-    exchange (:class:`sky_flower.flower.exchange.NodeLedger`).
+    ``settings``: the run's frozen :class:`~sky_flower.sky.settings.SkySettings`, read by
+    group (``train``, ``failure``, ``messaging``, ``direct``, ``stream``, ``deadlines``,
+    ``seed``; :attr:`schedule` is its :meth:`~SkySettings.schedule_object`).
+    From the model: ``model_fn``, one sample's ``input_shape`` and ``input_dtype``,
+    ``num_layers``, and its objective: ``loss_fn`` / ``metric_fn`` travel to the nodes by
+    reference (:func:`sky_flower.pipeline.objective.ref`): they must be importable
+    module-level functions on the nodes too.
+    The live context: ``stop`` (set it to end the round at its next poll),
+    ``describe`` (node id -> node name; errors name nodes by it), ``ledger`` (the
+    run's messages in flight and nodes contacted, shared by every exchange:
+    :class:`sky_flower.flower.exchange.NodeLedger`), ``optimizer_store`` and
+    ``sessions``.
     """
 
     model_fn: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
-    schedule: Schedule
-    optimizer: str
-    lr: float
-    seed: int
     num_layers: int
-    # the defaults are the settings' own (sky_flower.sky.settings, the one source)
-    message_timeout_s: float = _DEFAULTS.failure.message_timeout_s
-    poll_interval_s: float = _DEFAULTS.messaging.poll_interval_s
-    direct_timeout_s: float = _DEFAULTS.direct.timeout_s
-    direct_host: str = _DEFAULTS.direct.host
-    direct_join_timeout_s: float = _DEFAULTS.direct.join_timeout_s
-    # transport=stream (sky_flower.sky.transport.stream): the endpoint's address the stages dial,
-    # the interface it listens on ("": the same), TLS, frame cap, silence / join bound
-    stream_host: str = _DEFAULTS.stream.host
-    stream_bind: str = _DEFAULTS.stream.bind
-    stream_tls: bool = _DEFAULTS.stream.tls
-    stream_max_frame_bytes: int = int(_DEFAULTS.stream.max_frame_mb * 2**20)
-    stream_timeout_s: float = _DEFAULTS.stream.timeout_s
+    settings: SkySettings = field(default_factory=SkySettings)
     input_dtype: str = "float32"  # of the model's input (int64 for token ids)
     loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy
     metric_fn: Callable[..., int] | None = None
@@ -135,14 +122,7 @@ class RunSettings:
     loss_weight_fn: Callable[..., Any] | None = None  # reduction "weighted" only
     stop: threading.Event = field(default_factory=threading.Event)
     describe: Callable[[int], str | None] = lambda nid: None
-    deadlines: Deadlines = field(default_factory=Deadlines)
     ledger: NodeLedger = field(default_factory=NodeLedger)
-
-    def deadline(self, phase: str, predicted_s: float = 0.0) -> float:
-        """Seconds a message of ``phase`` may take (:meth:`Deadlines.of`, floor
-        ``message_timeout_s``)."""
-        return self.deadlines.of(phase, self.message_timeout_s, predicted_s)
-
     # train.optimizer_state=keep: the pipelines' optimizer states between rounds
     # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
     optimizer_store: Any = None
@@ -150,29 +130,43 @@ class RunSettings:
     # (sky_flower.sky.transport.session.StreamSessions); None: a set-up every round
     sessions: Any = None
 
+    @cached_property
+    def schedule(self) -> Schedule:
+        """The settings' :class:`~sky_flower.core.cost.Schedule`."""
+        return self.settings.schedule_object()
+
+    def deadline(self, phase: str, predicted_s: float = 0.0) -> float:
+        """Seconds a message of ``phase`` may take
+        (:func:`sky_flower.sky.transport.deadlines.deadline`, floor
+        ``failure.message_timeout_s``)."""
+        s = self.settings
+        return deadline(s.deadlines, phase, s.failure.message_timeout_s, predicted_s)
+
     def exchange(self, grid: Grid, timeout_s: float | None = None) -> Exchange:
         """A fresh :class:`Exchange` on ``grid`` raising :class:`SkyNodeError`, on the
         run's ledger (first contact, messages in flight)."""
+        s = self.settings
         return Exchange(
             grid,
-            timeout_s=self.message_timeout_s if timeout_s is None else timeout_s,
-            poll_interval_s=self.poll_interval_s,
+            timeout_s=s.failure.message_timeout_s if timeout_s is None else timeout_s,
+            poll_interval_s=s.messaging.poll_interval_s,
             stop=self.stop,
             describe=self.describe,
             error_cls=SkyNodeError,
             ledger=self.ledger,
-            first_contact_s=self.deadlines.first_contact_s,
-            busy_wait_s=self.deadlines.busy_wait_s,
+            first_contact_s=s.deadlines.first_contact_s,
+            busy_wait_s=s.deadlines.busy_wait_s,
         )
 
     def stream_endpoint(self) -> dict[str, Any]:
         """:class:`sky_flower.sky.transport.channel.Endpoint`'s keywords for
         ``transport=stream``."""
+        st = self.settings.stream
         return {
-            "bind": self.stream_bind or self.stream_host,
-            "advertise": self.stream_host,
-            "tls": self.stream_tls,
-            "max_frame_bytes": self.stream_max_frame_bytes,
+            "bind": st.bind or st.host,
+            "advertise": st.host,
+            "tls": st.tls,
+            "max_frame_bytes": int(st.max_frame_mb * 2**20),
         }
 
     def objective(self) -> dict[str, str]:
@@ -235,7 +229,7 @@ class Runner(ABC):
     Parameters
     ----------
     settings : RunSettings
-        Model, schedule, optimizer, objective and messaging settings.
+        The run's settings, the model and its objective, the run's live context.
     """
 
     label: ClassVar[str]  # how the report names the transport

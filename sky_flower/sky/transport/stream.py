@@ -69,9 +69,9 @@ class StreamRunner(EndpointWaits, Runner):
             Naming the setting and the smallest value that holds.
         """
         step = plan.plan.predicted_step_time_s
-        if self.s.stream_timeout_s < step:
+        if self.s.settings.stream.timeout_s < step:
             raise ValueError(
-                f"schedule.stream_timeout_s={self.s.stream_timeout_s:g} s (run config "
+                f"schedule.stream_timeout_s={self.s.settings.stream.timeout_s:g} s (run config "
                 f"stream-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
                 "stage still computing would be taken for a silent one and dropped. Raise "
                 f"it well above the step (at least {step:.3g} s; the default is 30 s)"
@@ -89,7 +89,7 @@ class StreamRunner(EndpointWaits, Runner):
             pool.drop(plan.plan.stages[0].node)
         s, S = self.s, plan.num_stages
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        ex = s.exchange(grid, timeout_s=budget + s.stream_timeout_s)
+        ex = s.exchange(grid, timeout_s=budget + s.settings.stream.timeout_s)
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
         t_start = time.perf_counter()
         try:
@@ -180,12 +180,12 @@ class StreamRunner(EndpointWaits, Runner):
         for k, st in enumerate(plan.plan.stages):
             cfg = P.StreamConfig(
                 stage=stage_config(self.s, k, st.first_layer, st.last_layer, server_round, session),
-                link=ep.link(k, budget + self.s.stream_timeout_s),
+                link=ep.link(k, budget + self.s.settings.stream.timeout_s),
                 steps=steps,
                 node_id=plan.node_ids[k],
                 input_dtype=self.s.input_dtype if k == 0 else "float32",
                 across_rounds=across_rounds,
-                silence_s=self.s.stream_timeout_s,
+                silence_s=self.s.settings.stream.timeout_s,
             )
             weights = ArrayRecord(slice_state(full, st.first_layer, st.last_layer))
             content: dict[str, Any] = {P.ARRAYS: weights, P.CONFIG: cfg.to_config_record()}
@@ -253,7 +253,7 @@ class StreamRunner(EndpointWaits, Runner):
     def collect(self, ex: Exchange, plan: Pipeline, ids: list[str]) -> list[Message]:
         """Every stage's Flower reply (its weights), within ``stream_timeout_s`` plus the
         collect deadline after the ``end`` frames."""
-        until = time.perf_counter() + self.s.deadline("collect") + self.s.stream_timeout_s
+        until = time.perf_counter() + self.s.deadline("collect") + self.s.settings.stream.timeout_s
         while len(self.got) < len(ids):
             self._flower(ex, plan, ids, force=True)
             if len(self.got) == len(ids):
@@ -293,7 +293,7 @@ class StreamRunner(EndpointWaits, Runner):
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
         ep = Endpoint(plan.num_stages, **s.stream_endpoint()).__enter__()
-        ex = s.exchange(grid, timeout_s=life + s.stream_timeout_s)
+        ex = s.exchange(grid, timeout_s=life + s.settings.stream.timeout_s)
         t0 = time.perf_counter()
         try:
             msgs = self.configure(plan, arrays, steps, server_round, ep, life, across_rounds=True)
@@ -338,7 +338,7 @@ class StreamRunner(EndpointWaits, Runner):
         try:
             if session is not None and (
                 session.key != self.session_key(plan)
-                or not session.fits(budget, s.stream_timeout_s, pool.max_age_s)
+                or not session.fits(budget, s.settings.stream.timeout_s, pool.max_age_s)
             ):
                 messages += pool.end(session, graceful=True)
                 session = None
