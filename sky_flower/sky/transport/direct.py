@@ -448,18 +448,14 @@ class DirectRunner(EndpointWaits, Runner):
         owner = plan.plan.stages[0].node
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         t_start = time.perf_counter()
-        messages, setup_s = 0, 0.0
-        session = pool.take(owner)
+        session = None
         try:
-            if session is not None and (
-                session.key != self.session_key(plan)
-                or not session.fits(budget, s.settings.direct.timeout_s, pool.max_age_s)
-            ):
-                messages += pool.end(session, graceful=True)
-                session = None
-            if session is None:
-                session = self.open_session(grid, plan, arrays, steps, server_round)
-                messages, setup_s = messages + S, session.setup_s
+            session, messages, setup_s = pool.ready(
+                owner,
+                self.session_key(plan),
+                lambda old: old.fits(budget, s.settings.direct.timeout_s, pool.max_age_s),
+                lambda: self.open_session(grid, plan, arrays, steps, server_round),
+            )
             ex, ep = session.ex, session.ep
             ex.grid = grid  # this round's (locked) grid
             self.got, self._next_poll = session.got, 0.0
@@ -488,19 +484,11 @@ class DirectRunner(EndpointWaits, Runner):
                 raise ex.fail(
                     f"a stage sent a malformed reply: {type(err).__name__}: {err}"
                 ) from err
-            for k, reply in enumerate(replies):
-                session.released[k] = release[k]
-                if release[k]:  # the stage freed its layers: the next begin rebuilds it
-                    session.held[k] = {}
-                else:
-                    session.held[k].update(
-                        reply.content.array_records[P.ARRAYS].to_torch_state_dict()
-                    )
+            session.keep(replies, release)
         except BaseException:
             if session is not None:
                 pool.end(session, graceful=False)
             raise
-        session.rounds += 1
         pool.put(owner, session)
         out.extra.update(
             setup_s=setup_s,

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ import torch
 from flwr.app import DEFAULT_TTL, Message
 
 from sky_flower.flower.exchange import Exchange
+from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.channel import Endpoint, StreamError
 
 TTL_MARGIN_S = 600.0  # a session ends this long before its messages' TTL at the latest
@@ -129,6 +131,18 @@ class StreamSession:
         """The ``entries`` of stage ``k``'s slice whose bits differ from what it holds."""
         held = self.held[k]
         return {n: v for n, v in entries.items() if n not in held or not same_bits(v, held[n])}
+
+    def keep(self, replies: list[Any], release: list[bool]) -> None:
+        """After a round: what each stage holds now (its ``end`` reply's weights; nothing
+        where it released its layers, so the next ``begin`` rebuilds it), and one round
+        more served."""
+        for k, reply in enumerate(replies):
+            self.released[k] = release[k]
+            if release[k]:
+                self.held[k] = {}
+            else:
+                self.held[k].update(reply.content.array_records[P.ARRAYS].to_torch_state_dict())
+        self.rounds += 1
 
     def close(self, graceful: bool, deadline_s: float) -> int:
         """End the session: ``close`` to every stage and their Flower replies within
@@ -215,6 +229,32 @@ class StreamSessions:
     def end(self, session: StreamSession, graceful: bool) -> int:
         """Close ``session`` (see :meth:`StreamSession.close`); replies pulled."""
         return session.close(graceful, self.close_deadline_s)
+
+    def ready(
+        self,
+        owner: str,
+        key: tuple[Any, ...],
+        fits: Callable[[StreamSession], bool],
+        open_session: Callable[[], StreamSession],
+    ) -> tuple[StreamSession, int, float]:
+        """``owner``'s session for a round (out of the pool until :meth:`put` back): its
+        own if it was set up for ``key`` and ``fits`` the round, else a fresh one from
+        ``open_session`` (the old one closed first, gracefully).
+
+        Returns
+        -------
+        (StreamSession, int, float)
+            The session, the Flower messages this cost (replies pulled at a close, one
+            set-up per stage) and the set-up's seconds (0 for a session reused).
+        """
+        messages, session = 0, self.take(owner)
+        if session is not None and (session.key != key or not fits(session)):
+            messages += self.end(session, graceful=True)
+            session = None
+        if session is not None:
+            return session, messages, 0.0
+        session = open_session()
+        return session, messages + len(session.ids), session.setup_s
 
     def plan(self, node_ids: list[tuple[int, ...]]) -> None:
         """The round's pipelines (their stages' node ids): which nodes several share."""

@@ -333,18 +333,14 @@ class StreamRunner(EndpointWaits, Runner):
         budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
         t_start = time.perf_counter()
-        messages, setup_s = 0, 0.0
-        session = pool.take(owner)
+        session = None
         try:
-            if session is not None and (
-                session.key != self.session_key(plan)
-                or not session.fits(budget, s.settings.stream.timeout_s, pool.max_age_s)
-            ):
-                messages += pool.end(session, graceful=True)
-                session = None
-            if session is None:
-                session = self.open_session(grid, plan, arrays, steps, server_round)
-                messages, setup_s = messages + S, session.setup_s
+            session, messages, setup_s = pool.ready(
+                owner,
+                self.session_key(plan),
+                lambda old: old.fits(budget, s.settings.stream.timeout_s, pool.max_age_s),
+                lambda: self.open_session(grid, plan, arrays, steps, server_round),
+            )
             ex, ep, ids = session.ex, session.ep, session.ids
             ex.grid = grid  # this round's (locked) grid
             self.got, self._next_poll = session.got, 0.0
@@ -368,19 +364,11 @@ class StreamRunner(EndpointWaits, Runner):
             replies = self.round_end(ex, ep, plan, ids, server_round)
             extra = {"setup_s": setup_s, "flower_messages": messages}
             out = self.outcome(ex, plan, replies, arrays, trained, stats, extra)
-            for k, reply in enumerate(replies):
-                session.released[k] = release[k]
-                if release[k]:  # the stage freed its layers: the next begin rebuilds it
-                    session.held[k] = {}
-                else:
-                    session.held[k].update(
-                        reply.content.array_records[P.ARRAYS].to_torch_state_dict()
-                    )
+            session.keep(replies, release)
         except BaseException:
             if session is not None:
                 pool.end(session, graceful=False)
             raise
-        session.rounds += 1
         pool.put(owner, session)
         out.extra["wall_s"] = time.perf_counter() - t_start
         out.extra["session_round"] = session.rounds
