@@ -518,3 +518,23 @@ def test_mip_gap_is_the_returned_plans_gap_to_the_bound():
             assert not o.proven_optimal and o.mip_gap > 0.1, o.note
         else:
             assert o.proven_optimal and o.mip_gap == pytest.approx(0.0, abs=1e-9)
+
+
+def test_milp_solves_an_instance_highs_presolve_calls_infeasible():
+    """Found by ``test_milp_matches_brute_force``: three layers, the last needing 7 bytes
+    that only the unlimited helper has (the owner and the other helper hold 5). HiGHS's
+    presolve answers "infeasible"; the MILP asks again without it and proves the brute
+    force optimum."""
+    t = (0.0625,) * 3
+    layers = [_layer(j, 0, 7 if j == 2 else 0, 0.0, 0.0) for j in range(3)]
+    nodes = [
+        _node("owner", t, t, memory=5, holds_data=True),
+        _node("k0-0", t, t),
+        _node("k1-0", t, t, memory=5),
+    ]
+    cost = CostModel(layers, nodes, Schedule(1, 1, "sequential", "direct"))
+    bf = brute_force(cost, objective="step")
+    o = optimal(cost, objective="step", solver="milp", time_limit_s=20)
+    assert o.proven_optimal, o.note
+    assert o.objective_value_s == pytest.approx(bf.objective_value_s, rel=REL, abs=ABS)
+    _assert_fits(cost, o)

@@ -11,6 +11,8 @@ kind t, continuous ``x[k, j, t]`` = layer j in slot k of kind t. It needs the
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
@@ -225,14 +227,30 @@ class _SlotMilp:
         self.integrality[: self.ox] = 1
 
     def solve(self, time_limit_s: float, mip_rel_gap: float):  # noqa: ANN201
-        """Run HiGHS; ``res.fun + offset`` is the objective."""
-        return milp(
+        """Run HiGHS; ``res.fun + offset`` is the objective. HiGHS's presolve (scipy
+        1.x's) declares some small feasible instances of this programme infeasible
+        (found by ``tests/test_partition.py``'s property test: a plan brute force finds,
+        which satisfies every row); an "infeasible" answer is therefore checked once
+        more without presolve, within the time left."""
+        t0 = time.perf_counter()
+        options = {"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False}
+        res = milp(
             self.c,
             constraints=self.constraints,
             integrality=self.integrality,
             bounds=self.bounds,
-            options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
+            options=options,
         )
+        if res.status == 2:  # infeasible: HiGHS's presolve can be wrong; ask without it
+            left = max(time_limit_s - (time.perf_counter() - t0), 0.1)
+            res = milp(
+                self.c,
+                constraints=self.constraints,
+                integrality=self.integrality,
+                bounds=self.bounds,
+                options={**options, "time_limit": left, "presolve": False},
+            )
+        return res
 
     def to_stages(self, sol: np.ndarray) -> list[Stage]:
         """Stages from a solution: slot kinds mapped to distinct nodes of that kind."""
