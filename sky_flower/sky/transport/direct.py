@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import DEFAULT_TTL, ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from sky_flower.core.cost import Schedule
@@ -43,7 +43,7 @@ from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
+from sky_flower.sky.transport.session import StreamSession
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -382,99 +382,52 @@ class DirectRunner(EndpointWaits, Runner):
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> StreamSession:
-        """Host a session's rendezvous (its TCPStore, for the session's life) and its
-        control endpoint, push one ``train.sky_direct`` per stage with a
-        :data:`~sky_flower.sky.protocol.SESSION` record (its control link), wait until
-        every stage's control stream has joined.
+        """Set a session up (:meth:`EndpointWaits.host_session`): host its rendezvous (a
+        TCPStore for the session's life) and push one ``train.sky_direct`` per stage with
+        a :data:`~sky_flower.sky.protocol.SESSION` record, the stage's control link.
 
         Raises
         ------
         SkyNodeError
-            Naming the stages that did not join or whose set-up failed (the endpoint
-            and store are closed and the messages abandoned).
+            Naming the stages that did not join or whose set-up failed (the store is
+            closed too).
         """
-        s, pool, S = self.s, self.s.sessions, plan.num_stages
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
+        s, ds = self.s, self.s.settings.direct
         backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
-        d = s.settings.direct
-        host = RoundHost(S, d.timeout_s, d.host, d.join_timeout_s, backend)
-        ep = Endpoint(S, **s.stream_endpoint()).__enter__()
-        ex = s.exchange(grid, timeout_s=life + d.timeout_s)
-        t0 = time.perf_counter()
-        session = None
-        try:
+        host = RoundHost(plan.num_stages, ds.timeout_s, ds.host, ds.join_timeout_s, backend)
+
+        def messages(ep: Endpoint, life: float) -> list[Message]:
             msgs = self.configure(plan, arrays, steps, server_round, host)
             for k, msg in enumerate(msgs):
-                link = P.SessionLink(ep.link(k, life + d.timeout_s), d.timeout_s)
+                link = P.SessionLink(ep.link(k, life + ds.timeout_s), ds.timeout_s)
                 msg.content[P.SESSION] = link.to_config_record()
-            ids = ex.push(msgs, concurrent=True)
-            full = arrays.to_torch_state_dict()
-            chunked = chunk_plan(plan, s, S=S)
-            session = StreamSession(
-                key=self.session_key(plan),
-                ep=ep,
-                ex=ex,
-                ids=ids,
-                held=[
-                    stage_weights(full, chunked[k] if chunked else None, st)
-                    for k, st in enumerate(plan.plan.stages)
-                ],
-                released=[False] * S,
-                opened_s=time.monotonic(),
-                ends_s=time.monotonic() + life,
-                host=host,
-            )
-            self.got, self._next_poll = session.got, 0.0
-            self.join(ex, ep, plan, ids)
-        except BaseException:
-            ex.abandon()
-            ep.close()
-            host.close()
-            raise
-        session.setup_s = time.perf_counter() - t0
-        pool.opened += 1
-        return session
+            return msgs
+
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        return self.host_session(
+            grid, plan, self.session_key(plan), budget, ds.timeout_s, messages, host
+        )
 
     def session_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
         """Round ``server_round`` of ``plan`` in its ``direct`` stage session (opened,
-        or handed over, first where needed): ``begin`` to every stage with the changed
-        weights, the steps peer to peer in the session's process group, every stage's
-        ``end`` frame; the outcome as a per-round set-up's. A round that fails ends its
-        session at once (its group is unusable)."""
-        s, S, pool = self.s, plan.num_stages, self.s.sessions
-        owner = plan.plan.stages[0].node
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        t_start = time.perf_counter()
-        session = None
-        try:
-            session, messages, setup_s = pool.ready(
-                owner,
-                self.session_key(plan),
-                lambda old: old.fits(budget, s.settings.direct.timeout_s, pool.max_age_s),
-                lambda: self.open_session(grid, plan, arrays, steps, server_round),
-            )
-            ex, ep = session.ex, session.ep
-            ex.grid = grid  # this round's (locked) grid
-            self.got, self._next_poll = session.got, 0.0
-            full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, s, S=S)
+        or handed over, first where needed: :meth:`EndpointWaits.in_session`): ``begin``
+        to every stage with the changed weights, the steps peer to peer in the session's
+        process group, every stage's ``end`` frame; the outcome as a per-round set-up's.
+        A round that fails ends its session at once (its group is unusable)."""
+        s, pool = self.s, self.s.sessions
+
+        def work(session: StreamSession, budget: float) -> RoundOutcome:
+            ex = session.ex
+            full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, s, S=plan.num_stages)
+            slices = [
+                stage_weights(full, chunked[k] if chunked else None, st)
+                for k, st in enumerate(plan.plan.stages)
+            ]
             release = [nid in pool.shared for nid in plan.node_ids]
             t0 = time.perf_counter()
-            for k, st in enumerate(plan.plan.stages):
-                changed = session.changed(
-                    k, stage_weights(full, chunked[k] if chunked else None, st)
-                )
-                header = {"op": "begin", "round": server_round, "steps": steps}
-                header |= {"rebuild": session.released[k], "release": release[k]}
-                content: dict[str, Any] = {}
-                if changed or session.released[k]:
-                    content[P.ARRAYS] = ArrayRecord(changed)
-                if session.released[k]:  # the whole slice and (keep) the optimizer state
-                    content.update(migrated_state(s, plan, k))
-                self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
-                session.held[k].update(changed)
+            self.send_begins(session, plan, slices, server_round, steps, release)
             statuses, replies = self.round_frames(session, plan, server_round, budget)
             wall = time.perf_counter() - t0
             self.raise_failures(ex, plan, statuses, budget)
@@ -485,20 +438,10 @@ class DirectRunner(EndpointWaits, Runner):
                     f"a stage sent a malformed reply: {type(err).__name__}: {err}"
                 ) from err
             session.keep(replies, release)
-        except BaseException:
-            if session is not None:
-                pool.end(session, graceful=False)
-            raise
-        pool.put(owner, session)
-        out.extra.update(
-            setup_s=setup_s,
-            flower_messages=messages,
-            session_round=session.rounds,
-            wall_s=time.perf_counter() - t_start,
-            # the cost model's set-up, charged to the round that set the session up
-            predicted_setup_s=plan.setup_s if setup_s > 0 else 0.0,
-        )
-        return out
+            return out
+
+        silence = s.settings.direct.timeout_s
+        return self.in_session(grid, plan, arrays, steps, server_round, silence, work)
 
     def round_frames(
         self, session: StreamSession, plan: Pipeline, server_round: int, budget: float

@@ -1,23 +1,28 @@
 """The server's side of a stream endpoint (:class:`sky_flower.sky.transport.channel.
 Endpoint`), for the runners that host one: ``stream`` (every hop a frame) and a
 ``direct`` stage session (its control streams): waiting on the stages' joins, frames and
-Flower replies (:class:`EndpointWaits`), and frames dressed as Flower replies for the
-shared checks (:class:`FrameReply`).
+Flower replies, and a stage session's hosting, round start and figures
+(:class:`EndpointWaits`); frames dressed as Flower replies for the shared checks
+(:class:`FrameReply`).
 """
 
 from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Message, RecordDict
+from flwr.app import DEFAULT_TTL, ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
 
 from sky_flower.flower.exchange import Exchange, short_reason
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.channel import Endpoint, StreamError
-from sky_flower.sky.transport.runner import Pipeline
+from sky_flower.sky.transport.hops import migrated_state
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome
+from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
 
 FLOWER_POLL_S = 0.5  # how often a wait looks at the stages' Flower replies
 
@@ -159,3 +164,146 @@ class EndpointWaits:
             ep.send(k, header, records)
         except StreamError as err:
             raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])}: {err}") from err
+
+    # -- a stage session (sky_flower.sky.transport.session) -----------------------------
+    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+        """What a session is set up for (the runner's): a pipeline that differs needs
+        another."""
+        raise NotImplementedError
+
+    def open_session(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> StreamSession:
+        """Set ``plan``'s session up (the runner's, through :meth:`host_session`)."""
+        raise NotImplementedError
+
+    def host_session(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        plan: Pipeline,
+        key: tuple[Any, ...],
+        budget: float,
+        silence_s: float,
+        messages: Callable[[Endpoint, float], list[Message]],
+        host: Any = None,  # noqa: ANN401 - direct: the session's RoundHost
+    ) -> StreamSession:
+        """Host a session's endpoint, push its set-up messages (``messages(endpoint,
+        life_s)``, one per stage, each carrying the stage's layer slice under
+        :data:`~sky_flower.sky.protocol.ARRAYS`), wait until every stage has joined.
+        The session's calls live ``life_s``: its maximum age plus two rounds of
+        ``budget``, below Flower's TTL; its Exchange waits ``silence_s`` longer.
+
+        Raises
+        ------
+        SkyNodeError
+            Naming the stages that did not join or whose set-up failed (the endpoint
+            and ``host`` are closed and the messages abandoned).
+        """
+        s, pool = self.s, self.s.sessions
+        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
+        ex = s.exchange(grid, timeout_s=life + silence_s)
+        t0 = time.perf_counter()
+        ep = None
+        try:
+            ep = Endpoint(plan.num_stages, **s.stream_endpoint()).__enter__()
+            msgs = messages(ep, life)
+            ids = ex.push(msgs, concurrent=True)
+            session = StreamSession(
+                key=key,
+                ep=ep,
+                ex=ex,
+                ids=ids,
+                held=[m.content.array_records[P.ARRAYS].to_torch_state_dict() for m in msgs],
+                released=[False] * plan.num_stages,
+                opened_s=time.monotonic(),
+                ends_s=time.monotonic() + life,
+                host=host,
+            )
+            self.got, self._next_poll = session.got, 0.0
+            self.join(ex, ep, plan, ids)
+        except BaseException:
+            ex.abandon()
+            if ep is not None:
+                ep.close()
+            if host is not None:
+                host.close()
+            raise
+        session.setup_s = time.perf_counter() - t0
+        pool.opened += 1
+        return session
+
+    def send_begins(  # noqa: PLR0913
+        self,
+        session: StreamSession,
+        plan: Pipeline,
+        slices: list[dict[str, Any]],
+        server_round: int,
+        steps: int,
+        release: list[bool] | None = None,
+    ) -> None:
+        """Each stage's ``begin`` of round ``server_round``: its ``steps`` and the entries
+        of its slice of the round's global model (``slices[k]``) whose bits differ from
+        what it holds; where it released its layers after its last round (``rebuild``),
+        the whole slice and (``train.optimizer_state=keep``) its optimizer state;
+        ``release`` (``direct``: known at the round's start) where given."""
+        ex, ep = session.ex, session.ep
+        for k in range(plan.num_stages):
+            changed, rebuild = session.changed(k, slices[k]), session.released[k]
+            header = {"op": "begin", "round": server_round, "steps": steps, "rebuild": rebuild}
+            if release is not None:
+                header["release"] = release[k]
+            content: dict[str, Any] = {}
+            if changed or rebuild:
+                content[P.ARRAYS] = ArrayRecord(changed)
+            if rebuild:
+                content.update(migrated_state(self.s, plan, k))
+            self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
+            session.held[k].update(changed)
+
+    def in_session(  # noqa: PLR0913
+        self,
+        grid: Grid,
+        plan: Pipeline,
+        arrays: ArrayRecord,
+        steps: int,
+        server_round: int,
+        silence_s: float,
+        work: Callable[[StreamSession, float], RoundOutcome],
+    ) -> RoundOutcome:
+        """Round ``server_round`` of ``plan`` in its pipeline's stage session: the
+        session (:meth:`StreamSessions.ready`: reused if set up for this pipeline and
+        young enough for a round of the stage ``budget`` plus ``silence_s``, else a fresh
+        one from ``self.open_session``), the round's ``work(session, budget)`` (its
+        begins, steps and ends; ``session.keep`` at the end), then the session back in
+        the pool and the round's session figures in ``extra``: the set-up's seconds (0
+        when reused) and its prediction (charged to the round that set the session up),
+        the Flower messages the round cost, the session's round, the wall time. A round
+        that fails ends its session at once."""
+        s, pool = self.s, self.s.sessions
+        owner = plan.plan.stages[0].node
+        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        t_start = time.perf_counter()
+        session = None
+        try:
+            session, messages, setup_s = pool.ready(
+                owner,
+                self.session_key(plan),
+                lambda old: old.fits(budget, silence_s, pool.max_age_s),
+                lambda: self.open_session(grid, plan, arrays, steps, server_round),
+            )
+            session.ex.grid = grid  # this round's (locked) grid
+            self.got, self._next_poll = session.got, 0.0
+            out = work(session, budget)
+        except BaseException:
+            if session is not None:
+                pool.end(session, graceful=False)
+            raise
+        pool.put(owner, session)
+        out.extra.update(
+            setup_s=setup_s,
+            flower_messages=messages,
+            session_round=session.rounds,
+            wall_s=time.perf_counter() - t_start,
+            predicted_setup_s=plan.setup_s if setup_s > 0 else 0.0,
+        )
+        return out

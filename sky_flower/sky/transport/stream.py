@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from flwr.app import DEFAULT_TTL, ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from sky_flower.flower.exchange import Exchange
@@ -45,7 +45,7 @@ from sky_flower.sky.transport.hops import (
     step_orders,
 )
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
+from sky_flower.sky.transport.session import StreamSession
 
 
 def _op_id(k: int, op: str, g: int) -> str:
@@ -280,101 +280,52 @@ class StreamRunner(EndpointWaits, Runner):
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> StreamSession:
-        """Host a session's endpoint, push its set-up messages (one per stage), wait
-        until every stage has joined.
+        """Set a session up (:meth:`EndpointWaits.host_session`): one
+        ``train.sky_stream`` per stage, ``across_rounds``.
 
         Raises
         ------
         SkyNodeError
-            Naming the stages that did not join or whose set-up failed (the endpoint
-            is closed and the messages abandoned).
+            Naming the stages that did not join or whose set-up failed.
         """
-        s, pool = self.s, self.s.sessions
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
-        ep = Endpoint(plan.num_stages, **s.stream_endpoint()).__enter__()
-        ex = s.exchange(grid, timeout_s=life + s.settings.stream.timeout_s)
-        t0 = time.perf_counter()
-        try:
-            msgs = self.configure(plan, arrays, steps, server_round, ep, life, across_rounds=True)
-            ids = ex.push(msgs, concurrent=True)
-            session = StreamSession(
-                key=self.session_key(plan),
-                ep=ep,
-                ex=ex,
-                ids=ids,
-                held=[
-                    slice_state(arrays.to_torch_state_dict(), st.first_layer, st.last_layer)
-                    for st in plan.plan.stages
-                ],
-                released=[False] * plan.num_stages,
-                opened_s=time.monotonic(),
-                ends_s=time.monotonic() + life,
-            )
-            self.got, self._next_poll = session.got, 0.0
-            self.join(ex, ep, plan, ids)
-        except BaseException:
-            ex.abandon()
-            ep.close()
-            raise
-        session.setup_s = time.perf_counter() - t0
-        pool.opened += 1
-        return session
+        budget = self.s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        return self.host_session(
+            grid,
+            plan,
+            self.session_key(plan),
+            budget,
+            self.s.settings.stream.timeout_s,
+            lambda ep, life: self.configure(
+                plan, arrays, steps, server_round, ep, life, across_rounds=True
+            ),
+        )
 
     def session_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
         """Round ``server_round`` of ``plan`` in its stage session (opened, or handed
-        over, first where needed): ``begin`` with the changed weights, the steps, ``end``
-        with every stage's weights as frames; the outcome as a per-round set-up's.
-        A round that fails ends its session at once."""
-        s, S, pool = self.s, plan.num_stages, self.s.sessions
-        owner = plan.plan.stages[0].node
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        over, first where needed: :meth:`EndpointWaits.in_session`): ``begin`` with the
+        changed weights, the steps, ``end`` with every stage's weights as frames; the
+        outcome as a per-round set-up's. A round that fails ends its session at once."""
+        S, pool = plan.num_stages, self.s.sessions
         stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
-        t_start = time.perf_counter()
-        session = None
-        try:
-            session, messages, setup_s = pool.ready(
-                owner,
-                self.session_key(plan),
-                lambda old: old.fits(budget, s.settings.stream.timeout_s, pool.max_age_s),
-                lambda: self.open_session(grid, plan, arrays, steps, server_round),
-            )
+
+        def work(session: StreamSession, budget: float) -> RoundOutcome:
             ex, ep, ids = session.ex, session.ep, session.ids
-            ex.grid = grid  # this round's (locked) grid
-            self.got, self._next_poll = session.got, 0.0
             full = arrays.to_torch_state_dict()
-            for k, st in enumerate(plan.plan.stages):
-                changed = session.changed(k, slice_state(full, st.first_layer, st.last_layer))
-                rebuild = session.released[k]  # the whole slice, the optimizer (keep)
-                header = {"op": "begin", "round": server_round, "steps": steps}
-                header["rebuild"] = rebuild
-                content: dict[str, Any] = {}
-                if changed or rebuild:
-                    content[P.ARRAYS] = ArrayRecord(changed)
-                if rebuild:
-                    content.update(migrated_state(s, plan, k))
-                self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
-                session.held[k].update(changed)
+            slices = [slice_state(full, st.first_layer, st.last_layer) for st in plan.plan.stages]
+            self.send_begins(session, plan, slices, server_round, steps)
             trained = self.train(ex, ep, plan, ids, steps, stats)
             release = [nid in pool.shared for nid in plan.node_ids]
             for k in range(S):
                 self._send(ex, ep, plan, k, {"op": "end", "release": release[k]})
             replies = self.round_end(ex, ep, plan, ids, server_round)
-            extra = {"setup_s": setup_s, "flower_messages": messages}
-            out = self.outcome(ex, plan, replies, arrays, trained, stats, extra)
+            out = self.outcome(ex, plan, replies, arrays, trained, stats, {})
             session.keep(replies, release)
-        except BaseException:
-            if session is not None:
-                pool.end(session, graceful=False)
-            raise
-        pool.put(owner, session)
-        out.extra["wall_s"] = time.perf_counter() - t_start
-        out.extra["session_round"] = session.rounds
-        # the cost model's set-up, charged to the round that set the session up
-        out.extra["predicted_setup_s"] = plan.setup_s if setup_s > 0 else 0.0
-        return out
+            return out
+
+        silence = self.s.settings.stream.timeout_s
+        return self.in_session(grid, plan, arrays, steps, server_round, silence, work)
 
     def round_end(
         self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], server_round: int
