@@ -67,6 +67,22 @@ def test_every_default_is_the_run_configs_and_the_sky_apps():
     assert SkySettings.from_run_config({}).messaging.poll_interval_s == FLWR_RUN_POLL_INTERVAL_S
 
 
+def test_run_config_keys_follow_the_path_but_for_the_listed_exceptions():
+    """A key is the path's name with ``-`` for ``_`` after its group's prefix; a field
+    declares its key only where the published key differs, and the settings module's
+    docstring lists every such exception."""
+    from sky_flower.sky import settings
+
+    for s in settings_fields():
+        group, _, name = s.path.rpartition(".")
+        rule = settings.KEY_PREFIXES.get(group, "") + name.replace("_", "-")
+        if s.field.metadata["key"] == settings._DERIVED:
+            assert s.key == rule, s.path
+        elif s.key is not None:
+            assert s.key != rule, f"{s.path}: its key {s.key!r} is the rule's, drop key="
+            assert f"``{s.key}``" in settings.__doc__, f"{s.key} missing from the docstring"
+
+
 def test_skystrategy_takes_the_settings_object_and_at_most_eight_parameters():
     """Issue 29: ``SkyStrategy(model, settings, *, ...)``, no mixin bases; its settings
     are the one settings object, so no default lives in its signature."""

@@ -64,17 +64,7 @@ NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
 DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
-# -- one setting's value read and checked: converted to the field's type (int, float, str,
-# bool, a tuple of ints), against its choices and rule, with an error naming the Hydra
-# path or run-config key
-def _run_config_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"run config {name} must be {rule}, got {value}")
-
-
-def _hydra_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"{name} must be {rule}, got {value}")
-
-
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _A = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -82,32 +72,33 @@ def _checked(
     name: str,
     raw: Any,  # noqa: ANN401 - a config value
     f: dataclasses.Field,
-    error: Callable[[str, Any, str], ValueError],
+    said: str,
 ) -> Any:  # noqa: ANN401 - the field's type
-    """``raw`` converted to ``f``'s type and checked against its rule and choices."""
-    run = error is _run_config_error
+    """``raw`` converted to ``f``'s type (int, float, str, bool, a tuple of ints) and
+    checked against its choices and rule; an error names the setting ``name`` (its path
+    or run-config key) after ``said`` (``"run config "`` or ``""``)."""
     if str(f.type).startswith("tuple"):
         try:
             return tuple(int(v) for v in raw)
         except (TypeError, ValueError) as err:
-            raise error(name, raw, "a list of integers") from err
-    kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
-    prefix = "run config " if run else ""
+            raise ValueError(f"{said}{name} must be a list of integers, got {raw}") from err
+    kind = _TYPES[str(f.type)]
+    wrong = ValueError(f"{said}{name}={raw!r} must be {_A[kind]}")
     if kind is bool:  # true / false only (not 0 / 1, not "yes")
         if not isinstance(raw, bool):
-            raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
+            raise wrong
         return raw
-    if isinstance(raw, bool) or (run and kind is str and not isinstance(raw, str)):
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
+    if isinstance(raw, bool) or (said and kind is str and not isinstance(raw, str)):
+        raise wrong
     try:
         value = kind(raw)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}") from err
+        raise wrong from err
     if kind is int and value != raw:
-        raise ValueError(f"{prefix}{name}={raw!r} must be an integer")
+        raise wrong
     choices = f.metadata["choices"]
     if choices and value not in choices:
-        if run:
+        if said:
             raise ValueError(
                 f"run config {name}={value!r} is not valid: choose one of {', '.join(choices)} "
                 f"(e.g. flwr run <app> --run-config \"{name}='{choices[0]}'\")"
@@ -116,42 +107,8 @@ def _checked(
         raise ValueError(f"unknown {noun} {value!r} ({name}): choose one of {', '.join(choices)}")
     rule = f.metadata["rule"]
     if rule is not None and not rule[1](value):
-        raise error(name, value, rule[0])
+        raise ValueError(f"{said}{name} must be {rule[0]}, got {value}")
     return value
-
-
-def check_kind_on_transport(
-    kind: str,
-    transport: str,
-    name: Callable[[str], str] = str,
-    said: str = "",
-    example: str = "",
-) -> None:
-    """Refuse a schedule kind the transport cannot run: ``sequential`` on ``direct``
-    (torch.distributed.pipelining has no such schedule), ``interleaved``,
-    ``zero_bubble`` and ``auto`` anywhere but ``direct``. ``name`` spells a setting in
-    the caller's words (``schedule.kind`` or ``schedule-kind``), ``said`` prefixes the
-    message (``"run config "``), ``example`` ends it.
-
-    Raises
-    ------
-    ValueError
-        Naming both settings and what to set instead.
-    """
-    if transport == "direct" and kind == "sequential":
-        raise ValueError(
-            f"{said}{name('schedule.kind')}=sequential runs on transport=relay and stream, "
-            "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
-            "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
-            f"transport=direct. Set {name('schedule.kind')} to one of gpipe, 1f1b, "
-            f"interleaved, zero_bubble, auto, or {name('schedule.transport')} to relay or "
-            f"stream{example}"
-        )
-    if kind in CHUNKED_KINDS and transport != "direct":
-        raise ValueError(
-            f"{said}{name('schedule.kind')}={kind} runs on {name('schedule.transport')}=direct "
-            f"only (torch.distributed.pipelining): set {name('schedule.transport')}=direct"
-        )
 
 
 _DERIVED = "derived"  # a field's run-config key follows the rule (module docstring)
@@ -450,7 +407,7 @@ class SkySettings:
             value = OmegaConf.select(cfg, path, default=default)
             return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
-        settings = cls._build(_hydra_path, read, _hydra_error)
+        settings = cls._build(_hydra_path, read)
         settings.check_combinations()
         return settings
 
@@ -495,7 +452,7 @@ class SkySettings:
         def read(key: str, default: Any) -> Any:  # noqa: ANN401
             return run_config.get(key, default)
 
-        settings = cls._build(lambda s: s.key, read, _run_config_error)
+        settings = cls._build(lambda s: s.key, read, said="run config ")
         settings = dataclasses.replace(settings, words="run_config")
         settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
@@ -523,7 +480,7 @@ class SkySettings:
         def read(path: str, default: Any) -> Any:  # noqa: ANN401
             return overrides[path] if path in overrides else current[path]
 
-        settings = self._build(_hydra_path, read, _hydra_error, base=self)
+        settings = self._build(_hydra_path, read, base=self)
         settings = dataclasses.replace(settings, words=self.words)
         settings.check_combinations()
         return settings
@@ -542,22 +499,22 @@ class SkySettings:
         cls,
         name_of: Callable[[Setting], str | None],
         read: Callable[[str, Any], Any],
-        error: Callable[[str, Any, str], ValueError],
+        said: str = "",
         base: SkySettings | None = None,
     ) -> SkySettings:
         """Read every setting (``name_of`` its path or key, ``None``: not settable there;
-        a setting not settable keeps ``base``'s value, else its default)."""
-        run = error is _run_config_error
+        a setting not settable keeps ``base``'s value, else its default; ``said``:
+        ``"run config "`` for a run config's keys and defaults)."""
         groups: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
         top: dict[str, Any] = {}
         for s in settings_fields():
             if base is not None:
                 value = s.value(base)
             else:
-                value = s.field.metadata.get("run_default", s.default) if run else s.default
+                value = s.field.metadata.get("run_default", s.default) if said else s.default
             name = name_of(s)
             if name is not None:
-                value = _checked(name, read(name, value), s.field, error)
+                value = _checked(name, read(name, value), s.field, said)
             group, _, leaf = s.path.rpartition(".")
             (groups[group] if group else top)[leaf] = value
         return cls(**top, **{group: GROUPS[group](**v) for group, v in groups.items()})
@@ -569,12 +526,12 @@ class SkySettings:
         Raises
         ------
         ValueError
-            ``schedule.kind=sequential`` with ``transport=direct``, or ``interleaved``,
-            ``zero_bubble``, ``auto`` on another transport; micro-batches that do
-            not divide the batch; ``microbatches_per_message`` that does not divide
-            ``microbatches``; ``train.optimizer_state=keep`` with a schedule that may
-            run several chunks per stage; ``benchmark.echo_bytes`` not two sizes
-            ``0 < small < large``.
+            ``schedule.kind=sequential`` with ``transport=direct`` (torch has no such
+            schedule), or ``interleaved``, ``zero_bubble``, ``auto`` on another
+            transport; micro-batches that do not divide the batch;
+            ``microbatches_per_message`` that does not divide ``microbatches``;
+            ``train.optimizer_state=keep`` with a schedule that may run several chunks
+            per stage; ``benchmark.echo_bytes`` not two sizes ``0 < small < large``.
         """
         s, n = self.schedule, self.name
         run = self.words == "run_config"
@@ -584,7 +541,20 @@ class SkySettings:
             if run
             else ""
         )
-        check_kind_on_transport(s.kind, s.transport, n, said, example)
+        if s.transport == "direct" and s.kind == "sequential":
+            raise ValueError(
+                f"{said}{n('schedule.kind')}=sequential runs on transport=relay and stream, "
+                "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
+                "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
+                f"transport=direct. Set {n('schedule.kind')} to one of gpipe, 1f1b, "
+                f"interleaved, zero_bubble, auto, or {n('schedule.transport')} to relay or "
+                f"stream{example}"
+            )
+        if s.kind in CHUNKED_KINDS and s.transport != "direct":  # torch's schedules only
+            raise ValueError(
+                f"{said}{n('schedule.kind')}={s.kind} runs on {n('schedule.transport')}=direct"
+                f" only (torch.distributed.pipelining): set {n('schedule.transport')}=direct"
+            )
         if s.batch_size % s.microbatches:
             batch = n("schedule.batch_size") if run else "batch_size"
             raise ValueError(
@@ -688,10 +658,9 @@ def auto_transport(run_config: Mapping[str, Any]) -> str:
 
 def run_config_keys() -> dict[str, tuple[type, Any]]:
     """Run-config key -> ``(type, default)``, in field order."""
-    kinds = {"int": int, "float": float, "str": str, "bool": bool}
     keys: dict[str, tuple[type, Any]] = {}
     for s in settings_fields():
         if s.key is not None:
-            kind = kinds[str(s.field.type)]
+            kind = _TYPES[str(s.field.type)]
             keys[s.key] = (kind, s.field.metadata.get("run_default", s.default))
     return keys
