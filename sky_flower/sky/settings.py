@@ -449,10 +449,7 @@ class SkySettings:
         if run_config.get("transport", "auto") == "auto":  # the run config's default
             run_config = {**run_config, "transport": auto_transport(run_config)}
 
-        def read(key: str, default: Any) -> Any:  # noqa: ANN401
-            return run_config.get(key, default)
-
-        settings = cls._build(lambda s: s.key, read, said="run config ")
+        settings = cls._build(lambda s: s.key, run_config.get, said="run config ")
         settings = dataclasses.replace(settings, words="run_config")
         settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
@@ -470,17 +467,13 @@ class SkySettings:
             choices refuse, or settings that do not go together (named as the settings
             were named before: Hydra paths or run-config keys).
         """
-        current = {s.path: s.value(self) for s in settings_fields() if s.hydra}
-        unknown = sorted(set(overrides) - set(current))
+        paths = [s.path for s in settings_fields() if s.hydra]
+        unknown = sorted(set(overrides) - set(paths))
         if unknown:
             raise ValueError(
-                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(current)}"
+                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(paths)}"
             )
-
-        def read(path: str, default: Any) -> Any:  # noqa: ANN401
-            return overrides[path] if path in overrides else current[path]
-
-        settings = self._build(_hydra_path, read, base=self)
+        settings = self._build(_hydra_path, overrides.get, base=self)
         settings = dataclasses.replace(settings, words=self.words)
         settings.check_combinations()
         return settings
@@ -502,9 +495,9 @@ class SkySettings:
         said: str = "",
         base: SkySettings | None = None,
     ) -> SkySettings:
-        """Read every setting (``name_of`` its path or key, ``None``: not settable there;
-        a setting not settable keeps ``base``'s value, else its default; ``said``:
-        ``"run config "`` for a run config's keys and defaults)."""
+        """Read every setting as ``read(name, default)`` (``name_of``: its path or key,
+        ``None``: not settable there; the default is ``base``'s value, else the field's;
+        ``said``: ``"run config "`` for a run config's keys and defaults)."""
         groups: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
         top: dict[str, Any] = {}
         for s in settings_fields():
