@@ -340,20 +340,6 @@ class ObjectiveSettings:
             raise ValueError(f"{'run config ' if run_config else ''}{key}: {err}") from err
 
 
-GROUPS = {
-    "allocation": AllocationSettings,
-    "fleet": FleetSettings,
-    "train": TrainSettings,
-    "schedule": ScheduleSettings,
-    "direct": DirectSettings,
-    "stream": StreamSettings,
-    "benchmark": BenchmarkSettings,
-    "failure": FailurePolicy,
-    "deadlines": DeadlineSettings,
-    "messaging": MessagingSettings,
-    "objective": ObjectiveSettings,
-    "replan": ReplanSettings,
-}
 # run-config key prefixes of the groups whose keys carry their group's name
 # (``stream.timeout_s`` -> ``stream-timeout-s``); the other groups' keys are the bare name
 KEY_PREFIXES = {"direct": "direct-", "stream": "stream-", "replan": "replan-"}
@@ -591,6 +577,14 @@ class SkySettings:
             microbatches_per_message=s.microbatches_per_message,
             chunks=s.chunks,
         )
+
+
+# the groups, field name -> settings class: every field of SkySettings that is not a leaf
+GROUPS: dict[str, Any] = {
+    f.name: f.default_factory
+    for f in dataclasses.fields(SkySettings)
+    if f.default_factory is not dataclasses.MISSING
+}
 
 
 @dataclass(frozen=True)
