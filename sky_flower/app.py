@@ -109,12 +109,12 @@ class SkyRunConfig:
     @property
     def allocation(self) -> str:
         """The allocation method."""
-        return self.settings.allocation
+        return self.settings.allocation.method
 
     @property
     def fleet(self) -> str:
         """The packaged fleet's name."""
-        return self.settings.fleet
+        return self.settings.fleet.name
 
     @property
     def transport(self) -> str:
@@ -124,7 +124,7 @@ class SkyRunConfig:
     @property
     def nodes(self) -> tuple[Emulation, ...]:
         """The fleet's nodes (none when ``fleet`` is ``""``)."""
-        return load_fleet(self.settings.fleet) if self.settings.fleet else ()
+        return load_fleet(self.fleet) if self.fleet else ()
 
 
 def validate_run_config(
@@ -152,9 +152,11 @@ def validate_run_config(
     """
     settings = SkySettings.from_run_config(run_config, app_keys)
     fleets = fleet_names()
-    if settings.fleet and settings.fleet not in fleets:  # "": no fleet (a real federation)
+    if (
+        settings.fleet.name and settings.fleet.name not in fleets
+    ):  # "": no fleet (a real federation)
         raise ValueError(
-            f"run config fleet={settings.fleet!r} is not valid: choose one of "
+            f"run config fleet={settings.fleet.name!r} is not valid: choose one of "
             f"{', '.join(fleets)} (e.g. flwr run <app> --run-config \"fleet='{fleets[0]}'\")"
         )
     cfg = SkyRunConfig(settings)
@@ -240,7 +242,7 @@ def sky_strategy(
     hooks = list(hooks)
     if settings.results_path:
         path = Path(settings.results_path)
-        hooks.append(SkyRecorder(path, settings.allocation, settings.fleet))
+        hooks.append(SkyRecorder(path, settings.allocation.method, settings.fleet.name))
     strategy = SkyStrategy(
         SkyModel.from_settings(model_fn, input_shape, settings, input_dtype),
         settings,

@@ -113,7 +113,6 @@ _MOVED = {
     "deadlines": "SkySettings().replace({'deadlines.setup_s': ..., ...})",
     "replan": "SkySettings().replace({'replan.mode': ..., ...})",
     "state_probe_bytes": "SkySettings().replace({'benchmark.state_probe_mb': ...})",
-    "stream_max_frame_mb": "SkySettings().replace({'schedule.stream_max_frame_mb': ...})",
 }
 
 
@@ -123,17 +122,12 @@ def migration_hint(removed: dict[str, Any]) -> str:
     from sky_flower.sky.settings import settings_fields
 
     by_name: dict[str, str] = {}
-    for f, _ in settings_fields():
-        path = f.metadata["hydra"]
-        if path:
-            by_name.setdefault(f.name, path)
-            by_name.setdefault(path.replace(".", "_"), path)
+    for s in settings_fields():
+        if s.hydra:
+            by_name.setdefault(s.field.name, s.path)
+            by_name.setdefault(s.path.replace(".", "_"), s.path)  # e.g. stream_timeout_s
     by_name |= {"allocation": "allocation.method", "milp_time_limit_s": "allocation.time_limit_s"}
-    by_name |= {f"benchmark_{k}": f"benchmark.{k}" for k in ("warmup", "repeats")}
-    by_name |= {f"direct_{k}": f"schedule.direct_{k}" for k in ("timeout_s", "host")}
-    by_name |= {"direct_join_timeout_s": "schedule.direct_join_timeout_s"}
-    by_name |= {f"stream_{k}": f"schedule.stream_{k}" for k in ("host", "bind", "tls")}
-    by_name |= {"stream_timeout_s": "schedule.stream_timeout_s"}
+    by_name |= {"fleet": "fleet.name"}
     lines = []
     for key in removed:
         if key in _MOVED:
@@ -235,7 +229,7 @@ class SkyStrategy(Strategy):
         self.hooks = HookList(hooks)
         self.state = RunState()
         store = None
-        if self.settings.replan.optimizer_state == "keep":
+        if self.settings.train.optimizer_state == "keep":
             from sky_flower.sky.migration import OptimizerStore
 
             store = OptimizerStore()
@@ -391,7 +385,7 @@ class SkyStrategy(Strategy):
         planning.precheck(
             self.profile_model(),
             self.schedule,
-            self.settings.allocation,
+            self.settings.allocation.method,
             names,
             memory_caps,
             holds_data,
@@ -473,7 +467,7 @@ class SkyStrategy(Strategy):
     def summary(self) -> None:
         """Log the strategy's settings."""
         s, t = self.schedule, self.settings.train
-        log(INFO, "\t├── Allocation: %s", self.settings.allocation)
+        log(INFO, "\t├── Allocation: %s", self.settings.allocation.method)
         log(
             INFO,
             "\t├── Schedule: batch %d, %d micro-batch(es), %s, transport %s",
@@ -511,7 +505,7 @@ class SkyStrategy(Strategy):
             initial_arrays = ArrayRecord(keys.to_converted(initial_arrays.to_torch_state_dict()))
             evaluate_fn = _evaluated_as(keys, evaluate_fn)
         s = self.settings
-        self.hooks.on_start(RunStart(num_rounds, s.allocation, self.schedule.transport))
+        self.hooks.on_start(RunStart(num_rounds, s.allocation.method, self.schedule.transport))
         try:
             result = self._run(grid, initial_arrays, num_rounds, timeout, evaluate_fn)
         except BaseException as err:
@@ -598,7 +592,7 @@ class SkyStrategy(Strategy):
                 self._recover(rnd, partial, verdict, partial=True)
             self._replan_after(rnd, row, num_rounds)
         log(INFO, "Sky strategy finished in %.1f s", time.time() - t_start)
-        report.log_final(self.plans, self.settings.allocation, result)
+        report.log_final(self.plans, self.settings.allocation.method, result)
         return result
 
     def _evaluate(

@@ -86,7 +86,7 @@ def test_sky_strategy_from_run_config_and_transport_passthrough():
     strategy = sky_strategy(
         {"allocation": "even", "fleet": "edge3", "echo-repeats": 1}, model_fn=net, input_shape=[64]
     )
-    assert strategy.settings.allocation == "even" and strategy.min_nodes == 3
+    assert strategy.settings.allocation.method == "even" and strategy.min_nodes == 3
     assert strategy.node_order == ["phone", "cloud", "box"]
     assert strategy.settings.benchmark.echo_repeats == 1
     # the schedule and the direct transport's settings reach SkyStrategy

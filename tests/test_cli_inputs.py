@@ -338,7 +338,7 @@ def test_the_keys_of_the_documented_commands_pass_the_command_line_check():
     for argv in (
         ["allocation=optimal", "fleet=edge3", "num_rounds=5", "seed=1"],
         ["-m", "schedule.kind=sequential,gpipe", "schedule.microbatches=1,4,8"],
-        ["transport=direct", "schedule.direct_timeout_s=10", "schedule.chunks=2"],
+        ["transport=direct", "direct.timeout_s=10", "schedule.chunks=2"],
         ["strategy=ssp", "strategy.staleness=1", "fleet.nodes=16"],
         ["-m", "fleet=skycomputing", "fleet.nodes=4,8"],
         ["fleet=uniform3", "fleet.nodes=[{name: owner, holds_data: true}]"],

@@ -51,7 +51,7 @@ def test_direct_faults_are_named_and_the_rounds_between_equal_unsplit_training(
             f"train.lr={lr}",
             # 10 s: the stalled round ends within it; the good rounds' peer operations
             # must not hit it on a loaded machine (5 s did: a good round timed out)
-            "schedule.direct_timeout_s=10",
+            "direct.timeout_s=10",
         ]
     )
     with open_dict(cfg):

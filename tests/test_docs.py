@@ -26,10 +26,9 @@ def test_every_setting_is_on_the_configuration_page():
     page = (ROOT / "docs" / "configuration.md").read_text()
     for key in run_config_keys():
         assert f"`{key}`" in page, key
-    for f, _ in settings_fields():
-        hydra = f.metadata["hydra"]
-        if hydra:
-            assert f"`{hydra}`" in page, hydra
+    for s in settings_fields():
+        if s.hydra:
+            assert f"`{s.path}`" in page, s.path
 
 
 def test_readme_is_at_most_200_lines():

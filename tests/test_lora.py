@@ -297,7 +297,7 @@ def test_stream_trains_lora_exactly_and_sends_back_only_what_trains(server_ident
 
     grid.pull_messages = recording_pull  # type: ignore[method-assign]
     settings = _settings(
-        paths={"message_timeout_s": 60.0, "schedule.stream_timeout_s": 60.0},
+        paths={"failure.message_timeout_s": 60.0, "stream.timeout_s": 60.0},
         describe=grid.names.get,
     )
     start = ArrayRecord(lora_model().state_dict())

@@ -130,10 +130,10 @@ def _round(
                 "train.lr": LR,
                 "seed": SEED,
                 # the round's deadline (a loaded 2-core machine)
-                "message_timeout_s": 30.0,
+                "failure.message_timeout_s": 30.0,
                 # 20 s: a loaded 2-core machine's slow stage
-                "schedule.stream_timeout_s": stream_timeout_s,
-                "schedule.stream_tls": tls,
+                "stream.timeout_s": stream_timeout_s,
+                "stream.tls": tls,
             }
         ),
         describe=grid.names.get,

@@ -107,8 +107,8 @@ def _settings(grid: Counted, kind: str, microbatches: int, **kw) -> RunSettings:
                 "train.optimizer": "adam",
                 "train.lr": LR,
                 "seed": SEED,
-                "message_timeout_s": 30.0,
-                "schedule.stream_timeout_s": kw.pop("stream_timeout_s", 20.0),
+                "failure.message_timeout_s": 30.0,
+                "stream.timeout_s": kw.pop("stream_timeout_s", 20.0),
             }
         ),
         describe=grid.names.get,
@@ -300,8 +300,8 @@ def _federated(
                 "train.optimizer": "sgd",
                 "train.lr": BN_LR,
                 "seed": BN_SEED,
-                "message_timeout_s": 30.0,
-                "schedule.stream_timeout_s": 20.0,
+                "failure.message_timeout_s": 30.0,
+                "stream.timeout_s": 20.0,
             }
         ),
         describe=grid.names.get,
@@ -444,7 +444,7 @@ def test_a_pipeline_with_more_stages_than_the_engines_workers_is_refused():
 
 
 def test_a_silence_bound_below_the_predicted_step_is_refused(server_identity):
-    """``schedule.stream_timeout_s`` below the plan's predicted step would take a stage
+    """``stream.timeout_s`` below the plan's predicted step would take a stage
     still computing for a silent one (and drop a healthy node): refused before any
     message, naming the setting and the step."""
     from dataclasses import replace
@@ -453,7 +453,7 @@ def test_a_silence_bound_below_the_predicted_step_is_refused(server_identity):
     step = 0.5
     pipeline = replace(pipeline, plan=replace(pipeline.plan, predicted_step_time_s=step))
     try:
-        with pytest.raises(ValueError, match=r"schedule.stream_timeout_s=.*predicted step"):
+        with pytest.raises(ValueError, match=r"stream.timeout_s=.*predicted step"):
             StreamRunner(_settings(grid, "gpipe", 2, stream_timeout_s=step / 2)).check_plan(
                 pipeline
             )

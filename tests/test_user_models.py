@@ -176,7 +176,7 @@ def _stream_round(name: str) -> dict[str, torch.Tensor]:
     grid = ThreadedGrid(apps, {n: {"sky-node": n, "partition-id": k} for k, n in enumerate(names)})
     settings = _settings(
         name,
-        paths={"message_timeout_s": 60.0, "schedule.stream_timeout_s": 60.0},
+        paths={"failure.message_timeout_s": 60.0, "stream.timeout_s": 60.0},
         describe=grid.names.get,
     )
     weights = ArrayRecord(converted(name).state_dict())

@@ -681,7 +681,7 @@ def hydra_overrides(fleet: str, rounds: int, steps: int, sessions: bool) -> list
         "schedule.kind=gpipe",
         "schedule.microbatches=4",
         "schedule.batch_size=64",
-        f"schedule.stream_sessions={str(sessions).lower()}",
+        f"stream.sessions={str(sessions).lower()}",
         f"num_rounds={rounds}",
         f"train.steps_per_round={steps}",
         "train.lr=0.001",
@@ -692,7 +692,7 @@ def hydra_overrides(fleet: str, rounds: int, steps: int, sessions: bool) -> list
         "benchmark.repeats=2",
         "benchmark.echo_repeats=1",
         "benchmark.state_probe_mb=0",
-        "message_timeout_s=120",
+        "failure.message_timeout_s=120",
         "messaging.poll_interval_s=0.05",
     ]
 

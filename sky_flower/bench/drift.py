@@ -114,7 +114,7 @@ def run_one(scenario: str, how: str, args: argparse.Namespace) -> dict[str, Any]
             "benchmark.echo_jitter_s": 0.0,
             "benchmark.state_probe_mb": 0.0,
             "messaging.poll_interval_s": 1e-4,  # in process: hardly a pause
-            "train.max_failed_rounds": 2,
+            "failure.max_failed_rounds": 2,
             "replan.mode": "on" if how == "online" else "off",
             "train.optimizer_state": "keep",
         }

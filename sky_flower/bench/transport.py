@@ -168,7 +168,7 @@ def flower_cases(
                 "benchmark.repeats": 3,
                 "benchmark.echo_repeats": 3,
                 "benchmark.state_probe_mb": 4.0,
-                "schedule.direct_timeout_s": 60.0,
+                "direct.timeout_s": 60.0,
             }
         )
         return SkyStrategy(

@@ -78,7 +78,7 @@ class Emulation:
         late, or (``direct`` transport, ``fail_on: train.sky_direct``) mid-round
         before step ``fail_step``: ``crash`` drops out of the round's process group at
         once (its sockets close, as when the process is killed) and raises; ``stall``
-        stops communicating for 1.5 x the round's ``schedule.direct_timeout_s``, then
+        stops communicating for 1.5 x the round's ``direct.timeout_s``, then
         raises.
     fail_round : int
         Only misbehave in this round (0 = every round), so a test can check that the
@@ -164,7 +164,7 @@ class Emulation:
                 raise ValueError(
                     f"{where}: fail_mode stall on {self.fail_on or 'every message'} needs "
                     f"fail_delay_s > 0 (how long the node stays silent; set it past "
-                    f"message_timeout_s to stall past the deadline): a relay node does not "
+                    f"failure.message_timeout_s to stall past the deadline): a relay node does not "
                     f"know its deadline (on train.sky_direct the default is 1.5 x the "
                     f"round's timeout)"
                 )

@@ -146,7 +146,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         variant=str(s.get("detag_variant", "paper")),
         phase_rule=str(s.get("phase_rule", "sqrt")),
         seed=seed,
-        message_timeout_s=float(cfg.message_timeout_s),
+        message_timeout_s=float(cfg.failure.message_timeout_s),
     )
     steps_per = strategy.algorithm.rounds_per_step
     if int(s.rounds) < steps_per:

@@ -220,7 +220,7 @@ def _strategy(cfg: DictConfig, model: FlatModel, layout: Any, n: int) -> Any:  #
         "max_time_s": float(s.max_time_s),
         "staleness": int(s.staleness),
         "seed": int(cfg.seed),
-        "message_timeout_s": float(cfg.message_timeout_s),
+        "message_timeout_s": float(cfg.failure.message_timeout_s),
         "min_live_workers": s.get("min_live_workers"),
         "staleness_policy": str(s.get("staleness_policy", "discard")),
     }

@@ -327,8 +327,8 @@ def plan_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         row["error"] = f"{type(err).__name__}: {err}"
         write_json(out_dir / ROW_FILE, row)
         raise
-    method, objective = settings.allocation, str(cfg.objective)
-    limit = settings.milp_time_limit_s
+    method, objective = settings.allocation.method, str(cfg.objective)
+    limit = settings.allocation.time_limit_s
     try:
         plan = partition(cost, method, objective=objective, time_limit_s=limit)
     except ValueError as err:

@@ -204,7 +204,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         if kind in ("benchmark", "plan"):
             write_json(out_dir / f"{kind}.json", payload)
 
-    recorder = SkyRecorder(out_dir / "results.json", settings.allocation, str(cfg.fleet.name))
+    recorder = SkyRecorder(
+        out_dir / "results.json", settings.allocation.method, str(cfg.fleet.name)
+    )
     model = SkyModel.from_settings(
         model_fn, inputs["input_shape"], settings, input_dtype=inputs["input_dtype"]
     )

@@ -1,11 +1,32 @@
 """One source of the Sky strategy's settings: frozen dataclasses whose defaults are the
 only defaults.
 
-Every field names where it is set: its Hydra path (``conf/config.yaml``, the
-``transport`` and ``allocation`` groups) and its run-config key (``flwr run
---run-config``, ``[tool.flwr.app.config]``; ``None``: Hydra only). :meth:`SkySettings.
-from_hydra` and :meth:`SkySettings.from_run_config` read and validate them,
-:meth:`SkySettings.replace` overrides values by Hydra path; ``SkyStrategy`` takes the
+A setting's place in the tree is its name everywhere: the attribute path
+(``settings.stream.timeout_s``) is the Hydra path (``stream.timeout_s=60``,
+``conf/config.yaml``; ``allocation`` and ``fleet`` are also Hydra config groups, read at
+``allocation.method`` and ``fleet.name``). Its run-config key (``flwr run
+--run-config``, ``[tool.flwr.app.config]``) follows one rule: the field's name with ``_``
+as ``-``, after its group's prefix in :data:`KEY_PREFIXES` (``stream.timeout_s`` ->
+``stream-timeout-s``, ``train.local_epochs`` -> ``local-epochs``). A field declares its
+key only where the published key differs from the rule:
+
+- ``num_rounds``: ``num-server-rounds`` (Flower's own key);
+- ``allocation.method``: ``allocation``; ``allocation.time_limit_s``: ``milp-time-limit-s``;
+  ``fleet.name``: ``fleet``;
+- ``schedule.kind``: ``schedule-kind``; ``schedule.chunks``: ``schedule-chunks``;
+- ``benchmark.warmup``, ``benchmark.repeats``: ``benchmark-warmup``, ``benchmark-repeats``;
+- ``deadlines.first_contact_s``, ``benchmark_s``, ``setup_s``, ``collect_s``:
+  ``first-contact-timeout-s``, ``benchmark-timeout-s``, ``setup-timeout-s``,
+  ``collect-timeout-s``; ``deadlines.stage_multiple``: ``stage-timeout-multiple``;
+- ``objective.reduction``, ``objective.weight``: ``loss-reduction``, ``loss-weight``;
+- ``replan.mode``: ``replan``;
+
+and ``key=None`` for a Hydra-only setting (``benchmark.echo_bytes``), ``hydra=False``
+for a run-config-only one (``results_path``). :func:`settings_fields` lists every
+setting with its path and key.
+
+:meth:`SkySettings.from_hydra` and :meth:`SkySettings.from_run_config` read and validate
+them, :meth:`SkySettings.replace` overrides values by path; ``SkyStrategy`` takes the
 settings object itself (``SkyStrategy(model, settings)``). A test
 (``tests/test_settings.py``) compares every default here with the Hydra YAML and
 ``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
@@ -17,6 +38,7 @@ No torch, scipy or Flower is imported here (a ClientApp imports this module on s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,17 +64,7 @@ NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
 DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
-# -- one setting's value read and checked: converted to the field's type (int, float, str,
-# bool, a tuple of ints), against its choices and rule, with an error naming the Hydra
-# path or run-config key
-def _run_config_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"run config {name} must be {rule}, got {value}")
-
-
-def _hydra_error(name: str, value: Any, rule: str) -> ValueError:  # noqa: ANN401
-    return ValueError(f"{name} must be {rule}, got {value}")
-
-
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _A = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -60,86 +72,59 @@ def _checked(
     name: str,
     raw: Any,  # noqa: ANN401 - a config value
     f: dataclasses.Field,
-    error: Callable[[str, Any, str], ValueError],
+    said: str,
 ) -> Any:  # noqa: ANN401 - the field's type
-    """``raw`` converted to ``f``'s type and checked against its rule and choices."""
-    run = error is _run_config_error
+    """``raw`` converted to ``f``'s type (int, float, str, bool, a tuple of ints) and
+    checked against its choices and rule; an error names the setting ``name`` (its path
+    or run-config key) after ``said`` (``"run config "`` or ``""``)."""
     if str(f.type).startswith("tuple"):
         try:
             return tuple(int(v) for v in raw)
         except (TypeError, ValueError) as err:
-            raise error(name, raw, "a list of integers") from err
-    kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
-    prefix = "run config " if run else ""
+            raise ValueError(f"{said}{name} must be a list of integers, got {raw}") from err
+    kind = _TYPES[str(f.type)]
+    wrong = ValueError(f"{said}{name}={raw!r} must be {_A[kind]}")
     if kind is bool:  # true / false only (not 0 / 1, not "yes")
         if not isinstance(raw, bool):
-            raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
+            raise wrong
         return raw
-    if isinstance(raw, bool) or (run and kind is str and not isinstance(raw, str)):
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}")
+    if isinstance(raw, bool) or (said and kind is str and not isinstance(raw, str)):
+        raise wrong
     try:
         value = kind(raw)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{prefix}{name}={raw!r} must be {_A[kind]}") from err
+        raise wrong from err
     if kind is int and value != raw:
-        raise ValueError(f"{prefix}{name}={raw!r} must be an integer")
+        raise wrong
     choices = f.metadata["choices"]
     if choices and value not in choices:
-        if run:
+        if said:
             raise ValueError(
                 f"run config {name}={value!r} is not valid: choose one of {', '.join(choices)} "
                 f"(e.g. flwr run <app> --run-config \"{name}='{choices[0]}'\")"
             )
-        raise ValueError(f"unknown {f.name} {value!r} ({name}): choose one of {', '.join(choices)}")
+        noun = "allocation" if name == "allocation.method" else f.name
+        raise ValueError(f"unknown {noun} {value!r} ({name}): choose one of {', '.join(choices)}")
     rule = f.metadata["rule"]
     if rule is not None and not rule[1](value):
-        raise error(name, value, rule[0])
+        raise ValueError(f"{said}{name} must be {rule[0]}, got {value}")
     return value
 
 
-def check_kind_on_transport(
-    kind: str,
-    transport: str,
-    name: Callable[[str], str] = str,
-    said: str = "",
-    example: str = "",
-) -> None:
-    """Refuse a schedule kind the transport cannot run: ``sequential`` on ``direct``
-    (torch.distributed.pipelining has no such schedule), ``interleaved``,
-    ``zero_bubble`` and ``auto`` anywhere but ``direct``. ``name`` spells a setting in
-    the caller's words (``schedule.kind`` or ``schedule-kind``), ``said`` prefixes the
-    message (``"run config "``), ``example`` ends it.
-
-    Raises
-    ------
-    ValueError
-        Naming both settings and what to set instead.
-    """
-    if transport == "direct" and kind == "sequential":
-        raise ValueError(
-            f"{said}{name('schedule.kind')}=sequential runs on transport=relay and stream, "
-            "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
-            "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
-            f"transport=direct. Set {name('schedule.kind')} to one of gpipe, 1f1b, "
-            f"interleaved, zero_bubble, auto, or {name('schedule.transport')} to relay or "
-            f"stream{example}"
-        )
-    if kind in CHUNKED_KINDS and transport != "direct":
-        raise ValueError(
-            f"{said}{name('schedule.kind')}={kind} runs on {name('schedule.transport')}=direct "
-            f"only (torch.distributed.pipelining): set {name('schedule.transport')}=direct"
-        )
+_DERIVED = "derived"  # a field's run-config key follows the rule (module docstring)
 
 
 def _setting(
     default: Any,  # noqa: ANN401 - a scalar or a tuple of ints
-    key: str | None,
-    hydra: str | None,
     rule: Rule | None = None,
     choices: tuple[str, ...] | None = None,
+    *,
+    key: str | None = _DERIVED,
+    hydra: bool = True,
     run_default: Any = None,  # noqa: ANN401 - as default
 ) -> Any:  # noqa: ANN401 - a dataclasses.field
-    """A settings field: its default, run-config ``key``, ``hydra`` path and check."""
+    """A settings field: its default, check, run-config ``key`` where it is not the
+    rule's (``None``: Hydra only) and whether Hydra sets it."""
     meta = {"key": key, "hydra": hydra, "rule": rule, "choices": choices}
     if run_default is not None:  # the run config's default differs (documented there)
         meta["run_default"] = run_default
@@ -147,17 +132,35 @@ def _setting(
 
 
 @dataclass(frozen=True)
+class AllocationSettings:
+    """How the layers are cut: the ``allocation`` group (``allocation=optimal``) sets
+    ``method``."""
+
+    method: str = _setting("heuristic", choices=ALLOCATIONS, key="allocation")
+    time_limit_s: float = _setting(MILP_TIME_LIMIT_S, POSITIVE, key="milp-time-limit-s")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """The packaged fleet (``conf/fleet/``) by name: the ``fleet`` group (``fleet=edge3``)
+    sets it and its nodes; ``""`` under ``flwr run``: no fleet file (a real federation)."""
+
+    name: str = _setting("edge4", key="fleet")
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """What every stage trains with."""
 
-    optimizer: str = _setting("adam", "optimizer", "train.optimizer", choices=OPTIMIZERS)
-    lr: float = _setting(1e-4, "lr", "train.lr", POSITIVE)
-    local_epochs: float = _setting(1.0, "local-epochs", "train.local_epochs", POSITIVE)
-    steps_per_round: int = _setting(
-        0, "steps-per-round", "train.steps_per_round", (">= 0 (0: use local-epochs)", AT_LEAST_0[1])
-    )
-    # issue 30: BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
-    bn_policy: str = _setting("average", "bn-policy", "train.bn_policy", choices=BN_POLICIES)
+    optimizer: str = _setting("adam", choices=OPTIMIZERS)
+    lr: float = _setting(1e-4, POSITIVE)
+    local_epochs: float = _setting(1.0, POSITIVE)
+    steps_per_round: int = _setting(0, (">= 0 (0: use local-epochs)", AT_LEAST_0[1]))
+    # BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
+    bn_policy: str = _setting("average", choices=BN_POLICIES)
+    # round: a fresh optimizer every round; keep: each pipeline's optimizer state kept
+    # across rounds, moved with its layers (sky_flower.sky.migration)
+    optimizer_state: str = _setting("round", choices=("round", "keep"))
 
 
 # the schedule's defaults are those of the pure core's Schedule (sky_flower.core.schedule),
@@ -169,40 +172,23 @@ _SCHEDULE = Schedule()
 class ScheduleSettings:
     """One training step: batch, micro-batches, pipeline schedule and transport."""
 
-    batch_size: int = _setting(
-        _SCHEDULE.batch_size, "batch-size", "schedule.batch_size", AT_LEAST_1
-    )
-    microbatches: int = _setting(
-        _SCHEDULE.microbatches, "microbatches", "schedule.microbatches", AT_LEAST_1
-    )
-    kind: str = _setting(_SCHEDULE.kind, "schedule-kind", "schedule.kind", choices=SCHEDULE_KINDS)
+    batch_size: int = _setting(_SCHEDULE.batch_size, AT_LEAST_1)
+    microbatches: int = _setting(_SCHEDULE.microbatches, AT_LEAST_1)
+    kind: str = _setting(_SCHEDULE.kind, choices=SCHEDULE_KINDS, key="schedule-kind")
     # run config: "auto" (stream when fleet is "", else relay; auto_transport)
-    transport: str = _setting(
-        _SCHEDULE.transport,
-        "transport",
-        "schedule.transport",
-        choices=TRANSPORTS,
-        run_default="auto",
-    )
-    microbatches_per_message: int = _setting(
-        _SCHEDULE.microbatches_per_message,
-        "microbatches-per-message",
-        "schedule.microbatches_per_message",
-        AT_LEAST_0,
-    )
-    # issue 16 (slice schedules): model chunks per stage of interleaved / zero_bubble
-    chunks: int = _setting(_SCHEDULE.chunks, "schedule-chunks", "schedule.chunks", AT_LEAST_1)
+    transport: str = _setting(_SCHEDULE.transport, choices=TRANSPORTS, run_default="auto")
+    microbatches_per_message: int = _setting(_SCHEDULE.microbatches_per_message, AT_LEAST_0)
+    # model chunks per stage of interleaved / zero_bubble
+    chunks: int = _setting(_SCHEDULE.chunks, AT_LEAST_1, key="schedule-chunks")
 
 
 @dataclass(frozen=True)
 class DirectSettings:
     """``transport=direct``: the round's process group."""
 
-    timeout_s: float = _setting(30.0, "direct-timeout-s", "schedule.direct_timeout_s", POSITIVE)
-    join_timeout_s: float = _setting(
-        60.0, "direct-join-timeout-s", "schedule.direct_join_timeout_s", POSITIVE
-    )
-    host: str = _setting("127.0.0.1", "direct-host", "schedule.direct_host", NOT_BLANK)
+    timeout_s: float = _setting(30.0, POSITIVE)
+    join_timeout_s: float = _setting(60.0, POSITIVE)
+    host: str = _setting("127.0.0.1", NOT_BLANK)
 
 
 @dataclass(frozen=True)
@@ -210,86 +196,66 @@ class StreamSettings:
     """``transport=stream``: the round's endpoint on the ServerApp
     (:mod:`sky_flower.sky.transport.stream`)."""
 
-    host: str = _setting("127.0.0.1", "stream-host", "schedule.stream_host", NOT_BLANK)
-    bind: str = _setting("127.0.0.1", "stream-bind", "schedule.stream_bind", NOT_BLANK)
-    tls: bool = _setting(True, "stream-tls", "schedule.stream_tls")
-    max_frame_mb: float = _setting(
-        256.0, "stream-max-frame-mb", "schedule.stream_max_frame_mb", POSITIVE
-    )
-    timeout_s: float = _setting(30.0, "stream-timeout-s", "schedule.stream_timeout_s", POSITIVE)
+    host: str = _setting("127.0.0.1", NOT_BLANK)
+    bind: str = _setting("127.0.0.1", NOT_BLANK)
+    tls: bool = _setting(True)
+    max_frame_mb: float = _setting(256.0, POSITIVE)
+    timeout_s: float = _setting(30.0, POSITIVE)
     # stage sessions (sky_flower.sky.transport.session) on stream and direct: one Flower
     # message per stage node per plan, every round driven over the stream (direct: its
     # control stream, the process group kept); False: one set-up message per round
-    sessions: bool = _setting(True, "stream-sessions", "schedule.stream_sessions")
+    sessions: bool = _setting(True)
     # a session hands over to a fresh one (at a round's start) before it is this old:
     # below Flower's message TTL (flwr.app.DEFAULT_TTL, 12 h)
-    session_max_s: float = _setting(
-        36000.0, "stream-session-max-s", "schedule.stream_session_max_s", POSITIVE
-    )
+    session_max_s: float = _setting(36000.0, POSITIVE)
 
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
     """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64)."""
 
-    warmup: int = _setting(2, "benchmark-warmup", "benchmark.warmup", AT_LEAST_0)
-    repeats: int = _setting(3, "benchmark-repeats", "benchmark.repeats", AT_LEAST_1, run_default=7)
-    echo_bytes: tuple[int, ...] = _setting((1024, 4194304), None, "benchmark.echo_bytes")
-    echo_repeats: int = _setting(
-        3, "echo-repeats", "benchmark.echo_repeats", AT_LEAST_1, run_default=7
-    )
-    echo_jitter_s: float = _setting(0.1, "echo-jitter-s", "benchmark.echo_jitter_s", AT_LEAST_0)
-    state_probe_mb: float = _setting(
-        16.0, "state-probe-mb", "benchmark.state_probe_mb", AT_LEAST_0, run_default=64.0
-    )
+    warmup: int = _setting(2, AT_LEAST_0, key="benchmark-warmup")
+    repeats: int = _setting(3, AT_LEAST_1, key="benchmark-repeats", run_default=7)
+    echo_bytes: tuple[int, ...] = _setting((1024, 4194304), key=None)
+    echo_repeats: int = _setting(3, AT_LEAST_1, run_default=7)
+    echo_jitter_s: float = _setting(0.1, AT_LEAST_0)
+    state_probe_mb: float = _setting(16.0, AT_LEAST_0, run_default=64.0)
 
 
 @dataclass(frozen=True)
 class FailurePolicy:
     """When a node fails a round, and how many failed rounds end the run."""
 
-    max_failed_rounds: int = _setting(2, "max-failed-rounds", "train.max_failed_rounds", AT_LEAST_1)
-    message_timeout_s: float = _setting(120.0, "message-timeout-s", "message_timeout_s", POSITIVE)
-    # issue 17, finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this
-    # x the best so far fails like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
-    divergence_factor: float = _setting(
-        0.0, "divergence-factor", "train.divergence_factor", DIVERGENCE
-    )
+    max_failed_rounds: int = _setting(2, AT_LEAST_1)
+    message_timeout_s: float = _setting(120.0, POSITIVE)
+    # finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this x the
+    # best so far fails like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
+    divergence_factor: float = _setting(0.0, DIVERGENCE)
 
 
 @dataclass(frozen=True)
 class DeadlineSettings:
     """Per-phase message deadlines (s; :mod:`sky_flower.sky.transport.deadlines`): none is below
-    ``message_timeout_s``; a stage message's is ``message_timeout_s + stage_multiple x``
-    its predicted time."""
+    ``failure.message_timeout_s``; a stage message's is ``failure.message_timeout_s +
+    stage_multiple x`` its predicted time."""
 
-    first_contact_s: float = _setting(
-        300.0, "first-contact-timeout-s", "deadlines.first_contact_s", POSITIVE
-    )
-    benchmark_s: float = _setting(120.0, "benchmark-timeout-s", "deadlines.benchmark_s", POSITIVE)
-    setup_s: float = _setting(60.0, "setup-timeout-s", "deadlines.setup_s", POSITIVE)
-    stage_multiple: float = _setting(
-        5.0, "stage-timeout-multiple", "deadlines.stage_multiple", AT_LEAST_0
-    )
-    collect_s: float = _setting(60.0, "collect-timeout-s", "deadlines.collect_s", POSITIVE)
-    busy_wait_s: float = _setting(30.0, "busy-wait-s", "deadlines.busy_wait_s", AT_LEAST_0)
+    first_contact_s: float = _setting(300.0, POSITIVE, key="first-contact-timeout-s")
+    benchmark_s: float = _setting(120.0, POSITIVE, key="benchmark-timeout-s")
+    setup_s: float = _setting(60.0, POSITIVE, key="setup-timeout-s")
+    stage_multiple: float = _setting(5.0, AT_LEAST_0, key="stage-timeout-multiple")
+    collect_s: float = _setting(60.0, POSITIVE, key="collect-timeout-s")
+    busy_wait_s: float = _setting(30.0, AT_LEAST_0)
 
 
 @dataclass(frozen=True)
 class MessagingSettings:
     """How the ServerApp waits: reply polling period and the wait for nodes."""
 
-    poll_interval_s: float = _setting(
-        0.002,
-        "poll-interval-s",
-        "messaging.poll_interval_s",
-        POSITIVE,
-        run_default=FLWR_RUN_POLL_INTERVAL_S,
-    )
-    node_wait_s: float = _setting(300.0, "node-wait-s", "messaging.node_wait_s", POSITIVE)
+    poll_interval_s: float = _setting(0.002, POSITIVE, run_default=FLWR_RUN_POLL_INTERVAL_S)
+    node_wait_s: float = _setting(300.0, POSITIVE)
     # flwr run: wait for this many SuperNodes (0: the fleet's size; no fleet: all that
     # connect within node-wait-s)
-    min_nodes: int = _setting(0, "min-nodes", "messaging.min_nodes", AT_LEAST_0)
+    min_nodes: int = _setting(0, AT_LEAST_0)
 
 
 UNIT_INTERVAL: Rule = ("in (0, 1]", lambda v: 0 < v <= 1)
@@ -298,16 +264,12 @@ FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 
 @dataclass(frozen=True)
 class ReplanSettings:
-    """Online re-planning (:mod:`sky_flower.sky.planning.replan`) and optimizer state across
-    rounds (:mod:`sky_flower.sky.migration`). ``mode`` off by default: the plan stays
-    fixed (as before) unless a run asks for it; see docs/replanning.md."""
+    """Online re-planning (:mod:`sky_flower.sky.planning.replan`). ``mode`` off by default:
+    the plan stays fixed unless a run asks for it; see docs/replanning.md."""
 
-    mode: str = _setting("off", "replan", "replan.mode", choices=("off", "on", "force"))
-    threshold: float = _setting(0.10, "replan-threshold", "replan.threshold", FRACTION)
-    smoothing: float = _setting(0.5, "replan-smoothing", "replan.smoothing", UNIT_INTERVAL)
-    optimizer_state: str = _setting(
-        "round", "optimizer-state", "train.optimizer_state", choices=("round", "keep")
-    )
+    mode: str = _setting("off", choices=("off", "on", "force"), key="replan")
+    threshold: float = _setting(0.10, FRACTION)
+    smoothing: float = _setting(0.5, UNIT_INTERVAL)
 
 
 REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
@@ -324,13 +286,11 @@ class ObjectiveSettings:
     training scales each micro-batch's loss by it so that it equals unsplit training.
     Hydra: the ``task`` group."""
 
-    loss: str = _setting("torch.nn.functional:cross_entropy", "loss", "objective.loss", REFERENCE)
-    metric: str = _setting(
-        "sky_flower.pipeline.objective:correct_count", "metric", "objective.metric", REFERENCE
-    )
-    # issue 30: exact for any loss (docs/models.md)
-    reduction: str = _setting("mean", "loss-reduction", "objective.reduction", choices=REDUCTIONS)
-    weight: str = _setting("", "loss-weight", "objective.weight", REFERENCE_OR_BLANK)
+    loss: str = _setting("torch.nn.functional:cross_entropy", REFERENCE)
+    metric: str = _setting("sky_flower.pipeline.objective:correct_count", REFERENCE)
+    # exact for any loss (docs/models.md)
+    reduction: str = _setting("mean", choices=REDUCTIONS, key="loss-reduction")
+    weight: str = _setting("", REFERENCE_OR_BLANK, key="loss-weight")
 
     def functions(self, run_config: bool = False) -> tuple[Callable, Callable]:
         """``(loss_fn, metric_fn)`` imported (the reduction checked too,
@@ -372,45 +332,32 @@ class ObjectiveSettings:
             raise ValueError(f"{err}{named}") from err
 
     def _imported(self, name: str, resolve: Callable, run_config: bool) -> Callable:
-        f = next(f for f in dataclasses.fields(self) if f.name == name)
-        key = f.metadata["key"] if run_config else f.metadata["hydra"]
+        s = _SETTINGS[f"objective.{name}"]
+        key = s.key if run_config else s.path
         try:
             return resolve(getattr(self, name))
         except ValueError as err:
             raise ValueError(f"{'run config ' if run_config else ''}{key}: {err}") from err
 
 
-GROUPS = {
-    "train": TrainSettings,
-    "schedule": ScheduleSettings,
-    "direct": DirectSettings,
-    "stream": StreamSettings,
-    "benchmark": BenchmarkSettings,
-    "failure": FailurePolicy,
-    "deadlines": DeadlineSettings,
-    "messaging": MessagingSettings,
-    "objective": ObjectiveSettings,
-    "replan": ReplanSettings,
-}
+# run-config key prefixes of the groups whose keys carry their group's name
+# (``stream.timeout_s`` -> ``stream-timeout-s``); the other groups' keys are the bare name
+KEY_PREFIXES = {"direct": "direct-", "stream": "stream-", "replan": "replan-"}
 
 
 @dataclass(frozen=True)
 class SkySettings:
     """Every setting of a Sky run (see the module docstring).
 
-    ``fleet`` is a packaged fleet's name (under Hydra the ``fleet`` group's ``name``;
-    the nodes themselves come from the fleet), ``results_path`` the file a ``flwr run``
-    writes ``results.json`` to (``""``: none; the Hydra job writes its own).
+    ``results_path`` is the file a ``flwr run`` writes ``results.json`` to (``""``: none;
+    the Hydra job writes its own).
     """
 
-    num_rounds: int = _setting(2, "num-server-rounds", "num_rounds", AT_LEAST_1)
-    allocation: str = _setting("heuristic", "allocation", "allocation.method", choices=ALLOCATIONS)
-    milp_time_limit_s: float = _setting(
-        MILP_TIME_LIMIT_S, "milp-time-limit-s", "allocation.time_limit_s", POSITIVE
-    )
-    fleet: str = _setting("edge4", "fleet", "fleet.name")
-    seed: int = _setting(0, "seed", "seed")
-    results_path: str = _setting("", "results-path", None)
+    num_rounds: int = _setting(2, AT_LEAST_1, key="num-server-rounds")
+    allocation: AllocationSettings = field(default_factory=AllocationSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
+    seed: int = _setting(0)
+    results_path: str = _setting("", hydra=False)
     train: TrainSettings = field(default_factory=TrainSettings)
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     direct: DirectSettings = field(default_factory=DirectSettings)
@@ -446,7 +393,7 @@ class SkySettings:
             value = OmegaConf.select(cfg, path, default=default)
             return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
-        settings = cls._build(lambda meta, f: meta["hydra"], read, _hydra_error)
+        settings = cls._build(_hydra_path, read)
         settings.check_combinations()
         return settings
 
@@ -488,10 +435,7 @@ class SkySettings:
         if run_config.get("transport", "auto") == "auto":  # the run config's default
             run_config = {**run_config, "transport": auto_transport(run_config)}
 
-        def read(key: str, default: Any) -> Any:  # noqa: ANN401
-            return run_config.get(key, default)
-
-        settings = cls._build(lambda meta, f: meta["key"], read, _run_config_error)
+        settings = cls._build(lambda s: s.key, run_config.get, said="run config ")
         settings = dataclasses.replace(settings, words="run_config")
         settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
@@ -509,20 +453,13 @@ class SkySettings:
             choices refuse, or settings that do not go together (named as the settings
             were named before: Hydra paths or run-config keys).
         """
-        current = dict(_leaf_values(self))
-        unknown = sorted(set(overrides) - set(current))
+        paths = [s.path for s in settings_fields() if s.hydra]
+        unknown = sorted(set(overrides) - set(paths))
         if unknown:
             raise ValueError(
-                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(current)}"
+                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(paths)}"
             )
-
-        def read(path: str, default: Any) -> Any:  # noqa: ANN401
-            return overrides[path] if path in overrides else current[path]
-
-        def name_of(meta: Mapping[str, Any], f: dataclasses.Field) -> str | None:
-            return meta["hydra"] or None
-
-        settings = self._build(name_of, read, _hydra_error, base=self)
+        settings = self._build(_hydra_path, overrides.get, base=self)
         settings = dataclasses.replace(settings, words=self.words)
         settings.check_combinations()
         return settings
@@ -531,43 +468,35 @@ class SkySettings:
         """The setting at Hydra path ``path`` in its caller's words: the run-config key
         for settings read from a run config (where the setting has one), else the
         Hydra path. Errors built here name settings through it."""
-        if self.words == "run_config":
-            for f, _ in settings_fields():
-                if f.metadata["hydra"] == path and f.metadata["key"]:
-                    return str(f.metadata["key"])
+        s = _SETTINGS.get(path)
+        if self.words == "run_config" and s is not None and s.key:
+            return s.key
         return path
 
     @classmethod
     def _build(
         cls,
-        name_of: Callable[[Mapping[str, Any], dataclasses.Field], str | None],
+        name_of: Callable[[Setting], str | None],
         read: Callable[[str, Any], Any],
-        error: Callable[[str, Any, str], ValueError],
+        said: str = "",
         base: SkySettings | None = None,
     ) -> SkySettings:
-        """Read every field (``name_of`` its path or key, ``None``: not settable there;
-        a field not settable keeps ``base``'s value, else its default)."""
-        run = error is _run_config_error
-
-        def build(kind: type, old: Any) -> Any:  # noqa: ANN401 - one settings dataclass
-            values: dict[str, Any] = {}
-            for f in dataclasses.fields(kind):
-                if f.metadata.get("internal"):
-                    continue
-                if f.name in GROUPS:
-                    values[f.name] = build(GROUPS[f.name], getattr(old, f.name, None))
-                    continue
-                name = name_of(f.metadata, f)
-                default = f.metadata.get("run_default", f.default) if run else f.default
-                if old is not None:
-                    default = getattr(old, f.name)
-                if name is None:
-                    values[f.name] = default
-                    continue
-                values[f.name] = _checked(name, read(name, default), f, error)
-            return kind(**values)
-
-        return build(cls, base)
+        """Read every setting as ``read(name, default)`` (``name_of``: its path or key,
+        ``None``: not settable there; the default is ``base``'s value, else the field's;
+        ``said``: ``"run config "`` for a run config's keys and defaults)."""
+        groups: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+        top: dict[str, Any] = {}
+        for s in settings_fields():
+            if base is not None:
+                value = s.value(base)
+            else:
+                value = s.field.metadata.get("run_default", s.default) if said else s.default
+            name = name_of(s)
+            if name is not None:
+                value = _checked(name, read(name, value), s.field, said)
+            group, _, leaf = s.path.rpartition(".")
+            (groups[group] if group else top)[leaf] = value
+        return cls(**top, **{group: GROUPS[group](**v) for group, v in groups.items()})
 
     def check_combinations(self) -> None:
         """Refuse settings that are each valid but do not go together, naming them in
@@ -576,12 +505,12 @@ class SkySettings:
         Raises
         ------
         ValueError
-            ``schedule.kind=sequential`` with ``transport=direct``, or ``interleaved``,
-            ``zero_bubble``, ``auto`` on another transport; micro-batches that do
-            not divide the batch; ``microbatches_per_message`` that does not divide
-            ``microbatches``; ``train.optimizer_state=keep`` with a schedule that may
-            run several chunks per stage; ``benchmark.echo_bytes`` not two sizes
-            ``0 < small < large``.
+            ``schedule.kind=sequential`` with ``transport=direct`` (torch has no such
+            schedule), or ``interleaved``, ``zero_bubble``, ``auto`` on another
+            transport; micro-batches that do not divide the batch;
+            ``microbatches_per_message`` that does not divide ``microbatches``;
+            ``train.optimizer_state=keep`` with a schedule that may run several chunks
+            per stage; ``benchmark.echo_bytes`` not two sizes ``0 < small < large``.
         """
         s, n = self.schedule, self.name
         run = self.words == "run_config"
@@ -591,7 +520,20 @@ class SkySettings:
             if run
             else ""
         )
-        check_kind_on_transport(s.kind, s.transport, n, said, example)
+        if s.transport == "direct" and s.kind == "sequential":
+            raise ValueError(
+                f"{said}{n('schedule.kind')}=sequential runs on transport=relay and stream, "
+                "gpipe and 1f1b on transport=direct (torch.distributed.pipelining, with "
+                "interleaved, zero_bubble and auto) and on relay: got kind=sequential, "
+                f"transport=direct. Set {n('schedule.kind')} to one of gpipe, 1f1b, "
+                f"interleaved, zero_bubble, auto, or {n('schedule.transport')} to relay or "
+                f"stream{example}"
+            )
+        if s.kind in CHUNKED_KINDS and s.transport != "direct":  # torch's schedules only
+            raise ValueError(
+                f"{said}{n('schedule.kind')}={s.kind} runs on {n('schedule.transport')}=direct"
+                f" only (torch.distributed.pipelining): set {n('schedule.transport')}=direct"
+            )
         if s.batch_size % s.microbatches:
             batch = n("schedule.batch_size") if run else "batch_size"
             raise ValueError(
@@ -604,7 +546,7 @@ class SkySettings:
                 f" must be 0 (the cost model picks it) or a divisor of "
                 f"{n('schedule.microbatches')}={s.microbatches}"
             )
-        if self.replan.optimizer_state == "keep" and s.kind in CHUNKED_KINDS:
+        if self.train.optimizer_state == "keep" and s.kind in CHUNKED_KINDS:
             raise ValueError(
                 f"{said}{n('train.optimizer_state')}=keep moves each layer's optimizer state "
                 f"with its stage, which needs one chunk per stage: {n('schedule.kind')}="
@@ -637,27 +579,58 @@ class SkySettings:
         )
 
 
-def _leaf_values(settings: Any, kind: type | None = None) -> Iterator[tuple[str, Any]]:  # noqa: ANN401
-    """``(Hydra path, value)`` of every leaf setting that has a Hydra path."""
-    for f in dataclasses.fields(kind or type(settings)):
-        if f.metadata.get("internal"):
-            continue
-        value = getattr(settings, f.name)
-        if f.name in GROUPS:
-            yield from _leaf_values(value, GROUPS[f.name])
-        elif f.metadata["hydra"]:
-            yield f.metadata["hydra"], value
+# the groups, field name -> settings class: every field of SkySettings that is not a leaf
+GROUPS: dict[str, Any] = {
+    f.name: f.default_factory
+    for f in dataclasses.fields(SkySettings)
+    if f.default_factory is not dataclasses.MISSING
+}
 
 
-def settings_fields(kind: type = SkySettings) -> Iterator[tuple[dataclasses.Field, Any]]:
-    """Every leaf field of the settings, with its default: ``(field, default)``."""
+@dataclass(frozen=True)
+class Setting:
+    """One leaf setting: ``path``, its attribute path and Hydra path
+    (``stream.timeout_s``); its run-config ``key`` (``None``: Hydra only); whether
+    Hydra sets it; its dataclass ``field`` (default, rule, choices)."""
+
+    path: str
+    key: str | None
+    hydra: bool
+    field: dataclasses.Field
+
+    @property
+    def default(self) -> Any:  # noqa: ANN401 - the field's type
+        return self.field.default
+
+    def value(self, settings: SkySettings) -> Any:  # noqa: ANN401 - the field's type
+        """This setting's value in ``settings``."""
+        return functools.reduce(getattr, self.path.split("."), settings)
+
+
+def _leaves(kind: type, group: str = "") -> Iterator[Setting]:
     for f in dataclasses.fields(kind):
         if f.metadata.get("internal"):
             continue
-        if f.name in GROUPS:
-            yield from settings_fields(GROUPS[f.name])
-        else:
-            yield f, f.default
+        if not group and f.name in GROUPS:
+            yield from _leaves(GROUPS[f.name], f.name)
+            continue
+        key = f.metadata["key"]
+        if key == _DERIVED:
+            key = KEY_PREFIXES.get(group, "") + f.name.replace("_", "-")
+        path = f"{group}.{f.name}" if group else f.name
+        yield Setting(path, key, f.metadata["hydra"], f)
+
+
+_SETTINGS = {s.path: s for s in _leaves(SkySettings)}
+
+
+def settings_fields() -> tuple[Setting, ...]:
+    """Every leaf setting, in field order."""
+    return tuple(_SETTINGS.values())
+
+
+def _hydra_path(s: Setting) -> str | None:
+    return s.path if s.hydra else None
 
 
 def auto_transport(run_config: Mapping[str, Any]) -> str:
@@ -666,16 +639,15 @@ def auto_transport(run_config: Mapping[str, Any]) -> str:
     collect, the nodes connect out to the ServerApp's TLS data plane,
     docs/transports.md), else ``relay`` (an emulated fleet in Flower's simulation
     engine, where a Flower message costs milliseconds)."""
-    fleet = run_config.get("fleet", SkySettings.__dataclass_fields__["fleet"].default)
+    fleet = run_config.get("fleet", FleetSettings().name)
     return "stream" if fleet == "" else "relay"
 
 
 def run_config_keys() -> dict[str, tuple[type, Any]]:
     """Run-config key -> ``(type, default)``, in field order."""
-    kinds = {"int": int, "float": float, "str": str, "bool": bool}
     keys: dict[str, tuple[type, Any]] = {}
-    for f, default in settings_fields():
-        if f.metadata["key"] is not None:
-            kind = kinds[str(f.type)]
-            keys[f.metadata["key"]] = (kind, f.metadata.get("run_default", default))
+    for s in settings_fields():
+        if s.key is not None:
+            kind = _TYPES[str(s.field.type)]
+            keys[s.key] = (kind, s.field.metadata.get("run_default", s.default))
     return keys

@@ -36,7 +36,7 @@ class Planner:
     Parameters
     ----------
     settings : SkySettings
-        ``allocation``, ``milp_time_limit_s``, ``train`` (epochs or steps per round,
+        ``allocation`` (method, MILP time limit), ``train`` (epochs or steps per round,
         optimizer), ``replan``, ``schedule``.
     model : SkyModel
         The model and one sample's shape and dtype (profiled once, on the server).
@@ -85,10 +85,10 @@ class Planner:
             nodes,  # type: ignore[arg-type]
             samples,  # type: ignore[arg-type]
             self.schedule,
-            s.allocation,
+            s.allocation.method,
             local_epochs=s.train.local_epochs,
             steps_per_round=s.train.steps_per_round,
-            time_limit_s=s.milp_time_limit_s,
+            time_limit_s=s.allocation.time_limit_s,
             alternatives=alternatives,
             log_tables=log_tables,
         )
@@ -136,7 +136,7 @@ class Planner:
         candidate = self._candidate(rnd, current, layers, nodes, samples, bool(joined))
         steps = {p.owner: p.measured_step_time_s for p in row.pipelines or []}
         measured = round_time(current, lambda p: steps.get(p.owner) or 0.0)
-        keep = self.settings.replan.optimizer_state == "keep"
+        keep = self.settings.train.optimizer_state == "keep"
         d = decide(
             cfg, current, candidate, layers, nodes, self.schedule, measured, num_rounds - rnd, keep
         )
@@ -170,7 +170,7 @@ class Planner:
         )
         log_decision(rnd, d)
         assert d.new is not None
-        planning.log_plan_tables(d.new.fplan, d.new.planned, self.settings.allocation)
+        planning.log_plan_tables(d.new.fplan, d.new.planned, self.settings.allocation.method)
         return r
 
     def _candidate(  # noqa: PLR0913

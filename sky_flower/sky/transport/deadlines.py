@@ -1,10 +1,11 @@
 """How long the Sky server waits for each message, per phase of a run.
 
-One ``message_timeout_s`` for every message failed both ways: a node's first message
-includes its start-up (a Ray actor, a ClientApp process, torch imports: seconds), and a
-slow node's long stage may rightly take many times a fast node's. So each phase has its
-own deadline (seconds from the push), and no deadline is below ``message_timeout_s``
-(the floor: an old config keeps at least the patience it had):
+One ``failure.message_timeout_s`` for every message failed both ways: a node's first
+message includes its start-up (a Ray actor, a ClientApp process, torch imports: seconds),
+and a slow node's long stage may rightly take many times a fast node's. So each phase has
+its own deadline (seconds from the push), and no deadline is below
+``failure.message_timeout_s`` (the floor: an old config keeps at least the patience it
+had):
 
 ==================  ====================================================================
 first contact       a node's first message, start-up included: ``max(floor,
@@ -47,7 +48,7 @@ def deadline(
     phase : str
         ``benchmark``, ``setup``, ``stage`` or ``collect``.
     floor_s : float
-        ``message_timeout_s``: no deadline is shorter; a stage message's is this
+        ``failure.message_timeout_s``: no deadline is shorter; a stage message's is this
         plus the scaled prediction.
     predicted_s : float
         ``stage`` only: the message's predicted seconds (>= 0; NaN or inf count as

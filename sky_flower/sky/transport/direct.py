@@ -6,7 +6,7 @@ The server hosts the round's TCPStore, pushes one ``train.sky_direct`` message p
 rendezvous: only these messages carry it), and waits for every stage's weights and
 timings.
 
-With stage sessions (``schedule.stream_sessions``, on by default;
+With stage sessions (``stream.sessions``, on by default;
 :mod:`sky_flower.sky.transport.session`) those messages start a session instead: each
 also carries a :class:`~sky_flower.sky.protocol.SessionLink`, the stage's control stream
 to a stream endpoint the server hosts (TLS, the certificate pinned, a ticket per
@@ -117,10 +117,10 @@ def stage_weights(
 class DirectRunner(EndpointWaits, Runner):
     """Runs a round on the direct transport.
 
-    Waits at most ``message_timeout_s`` plus ``stage_multiple`` x the predicted round
-    (:mod:`sky_flower.sky.transport.deadlines`); once one stage
-    has failed, at most ``direct_timeout_s`` + 5 s more for the others (they stop within
-    ``direct_timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
+    Waits at most ``failure.message_timeout_s`` plus ``deadlines.stage_multiple`` x the
+    predicted round (:mod:`sky_flower.sky.transport.deadlines`); once one stage has
+    failed, at most ``direct.timeout_s`` + 5 s more for the others (they stop within
+    ``direct.timeout_s`` mid-round: gloo's timeout, or at once when a peer's sockets
     close).
 
     """
@@ -149,7 +149,7 @@ class DirectRunner(EndpointWaits, Runner):
 
     def check_plan(self, plan: Pipeline) -> None:
         """Refuse ``1f1b`` with fewer micro-batches than stages, and a peer timeout
-        (``schedule.direct_timeout_s``) below the plan's predicted step.
+        (``direct.timeout_s``) below the plan's predicted step.
 
         Raises
         ------
@@ -160,7 +160,7 @@ class DirectRunner(EndpointWaits, Runner):
         step = plan.plan.predicted_step_time_s
         if self.s.settings.direct.timeout_s < step:
             raise ValueError(
-                f"schedule.direct_timeout_s={self.s.settings.direct.timeout_s:g} s (run config "
+                f"direct.timeout_s={self.s.settings.direct.timeout_s:g} s (run config "
                 f"direct-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
                 "peer still computing would be taken for a stalled one. Raise it well above "
                 f"the step (at least {step:.3g} s)"
@@ -241,12 +241,12 @@ class DirectRunner(EndpointWaits, Runner):
 
     def collect(self, ex: Exchange, ids: Sequence[str]) -> dict[str, Message]:
         """Every stage's reply, or those that came before the deadline (a stage's error
-        shortens the others' deadlines to ``direct_timeout_s`` + 5 s)."""
+        shortens the others' deadlines to ``direct.timeout_s`` + 5 s)."""
         got: dict[str, Message] = {}
         while len(got) < len(ids):
             for reply in ex.poll(ids, raise_late=False):
                 got[reply.metadata.reply_to_message_id] = reply
-                if reply.has_error():  # the others stop within direct_timeout_s
+                if reply.has_error():  # the others stop within direct.timeout_s
                     ex.shorten(self.s.settings.direct.timeout_s + 5.0)
             if ex.late(ids):  # the missing ones are named by the caller
                 return got
@@ -447,7 +447,7 @@ class DirectRunner(EndpointWaits, Runner):
         self, session: StreamSession, plan: Pipeline, server_round: int, budget: float
     ) -> tuple[list[tuple[str, str]], list[FrameReply]]:
         """Every stage's ``end`` frame of round ``server_round``, within ``budget``
-        (after a stage's failure, ``direct_timeout_s`` + 5 s more for the others: they
+        (after a stage's failure, ``direct.timeout_s`` + 5 s more for the others: they
         stop within the group's timeout). Per stage :func:`reply_status`'s ``(kind,
         text)``, and the replies (all of them when every stage is ``ok``).
 

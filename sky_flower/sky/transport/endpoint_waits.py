@@ -84,7 +84,7 @@ class EndpointWaits:
     def _inbound(
         self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], owing: list[int]
     ) -> tuple[int, dict[str, Any], RecordDict]:
-        """The next frame, within ``stream_timeout_s``.
+        """The next frame, within ``stream.timeout_s``.
 
         Raises
         ------
@@ -131,7 +131,7 @@ class EndpointWaits:
         return text
 
     def join(self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str]) -> None:
-        """Wait until every stage has connected (``stream_timeout_s`` after the set-up
+        """Wait until every stage has connected (``stream.timeout_s`` after the set-up
         messages arrived; a stage's error reply fails the round at once)."""
         until = time.perf_counter() + self.s.deadline("setup") + self.s.settings.stream.timeout_s
         while len(ep.joined) < plan.num_stages:

@@ -126,7 +126,7 @@ class RunSettings:
     # train.optimizer_state=keep: the pipelines' optimizer states between rounds
     # (sky_flower.sky.migration.OptimizerStore); None: a fresh optimizer every round
     optimizer_store: Any = None
-    # transport=stream with schedule.stream_sessions: the run's live stage sessions
+    # transport=stream with stream.sessions: the run's live stage sessions
     # (sky_flower.sky.transport.session.StreamSessions); None: a set-up every round
     sessions: Any = None
 

@@ -23,7 +23,7 @@ as its TTL (``flwr.app.DEFAULT_TTL``, 12 h). A session spends the set-up message
    plan of its pipeline changes (re-planning, a join, a dropped node), when a round of
    it fails (then at once: its endpoint closes, its stages' messages end with an error
    and are no longer waited for), when the run ends, or at a round's start when it
-   could outlive ``schedule.stream_session_max_s`` or Flower's TTL: it hands over to a
+   could outlive ``stream.session_max_s`` or Flower's TTL: it hands over to a
    fresh session, which loses nothing because the server holds every stage's state at
    each round's end.
 
@@ -179,7 +179,7 @@ class StreamSessions:
     Parameters
     ----------
     max_age_s : float
-        ``schedule.stream_session_max_s``: a session is handed over before this age.
+        ``stream.session_max_s``: a session is handed over before this age.
     close_deadline_s : float
         How long a graceful close waits for the stages' Flower replies.
     capacity : int or None

@@ -13,9 +13,9 @@ and the weights come back as the Flower replies. Two Flower messages per stage p
 (the set-up and its reply), every hop a frame.
 
 Faults, each failing the pipeline by name within a bound: a stage that does not join
-within ``stream_timeout_s`` (or whose Flower reply is an error first: a refused ticket
+within ``stream.timeout_s`` (or whose Flower reply is an error first: a refused ticket
 or certificate, before any tensor moves), a stream that closes or breaks mid-step, a
-frame above the cap or malformed, a stage silent for ``stream_timeout_s`` while it owes
+frame above the cap or malformed, a stage silent for ``stream.timeout_s`` while it owes
 a reply.
 """
 
@@ -59,7 +59,7 @@ class StreamRunner(EndpointWaits, Runner):
     label = "stream"  # the benchmark times each node's link over the data plane
 
     def check_plan(self, plan: Pipeline) -> None:
-        """Refuse a silence bound (``schedule.stream_timeout_s``) below the plan's
+        """Refuse a silence bound (``stream.timeout_s``) below the plan's
         predicted step: a healthy stage computing its share of a step would be blamed
         for silence and dropped.
 
@@ -71,7 +71,7 @@ class StreamRunner(EndpointWaits, Runner):
         step = plan.plan.predicted_step_time_s
         if self.s.settings.stream.timeout_s < step:
             raise ValueError(
-                f"schedule.stream_timeout_s={self.s.settings.stream.timeout_s:g} s (run config "
+                f"stream.timeout_s={self.s.settings.stream.timeout_s:g} s (run config "
                 f"stream-timeout-s) is below the plan's predicted step of {step:.3g} s: a "
                 "stage still computing would be taken for a silent one and dropped. Raise "
                 f"it well above the step (at least {step:.3g} s; the default is 30 s)"
@@ -251,7 +251,7 @@ class StreamRunner(EndpointWaits, Runner):
         return st.inflight.pop(key)
 
     def collect(self, ex: Exchange, plan: Pipeline, ids: list[str]) -> list[Message]:
-        """Every stage's Flower reply (its weights), within ``stream_timeout_s`` plus the
+        """Every stage's Flower reply (its weights), within ``stream.timeout_s`` plus the
         collect deadline after the ``end`` frames."""
         until = time.perf_counter() + self.s.deadline("collect") + self.s.settings.stream.timeout_s
         while len(self.got) < len(ids):
@@ -331,7 +331,7 @@ class StreamRunner(EndpointWaits, Runner):
         self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], server_round: int
     ) -> list[FrameReply]:
         """Every stage's ``end`` frame of the round (its weights, figures and, keep, its
-        optimizer state), as replies in stage order, within ``stream_timeout_s``
+        optimizer state), as replies in stage order, within ``stream.timeout_s``
         each.
 
         Raises
