@@ -651,10 +651,6 @@ class SkyStrategy(Strategy):
         st.replans.append(self.planner.taken(rnd, d, joined))
         self._install(d.new)
 
-    def _replan(self) -> None:
-        """Re-plan on the fleet now (the configured allocation only)."""
-        self.make_plan(alternatives=False)
-
     def _report_failed(self, record: RoundRecord) -> None:
         """Record a failed round and report it."""
         self.state.rounds.append(record)
@@ -753,10 +749,10 @@ class SkyStrategy(Strategy):
         old, failed = st.node_profiles, [p for p, _ in out]
         st.node_profiles = [n for n in old if n not in failed]
         try:
-            self._replan()
+            self.make_plan(alternatives=False)
         except ValueError as plan_err:  # e.g. the others cannot hold the model
             st.node_profiles = old
-            self._replan()
+            self.make_plan(alternatives=False)
             log(
                 WARNING,
                 "Cannot re-plan without %s: %s",
@@ -778,7 +774,7 @@ class SkyStrategy(Strategy):
             st.node_profiles.insert(min(index, len(st.node_profiles)), prof)
             record.restored_nodes = [*(record.restored_nodes or []), prof.name]
         try:
-            self._replan()
+            self.make_plan(alternatives=False)
         except ValueError as plan_err:  # cannot happen: they held the model before
             st.node_profiles = old
             log(WARNING, "Cannot re-plan with %s put back: %s", ", ".join(names), plan_err)
