@@ -49,14 +49,12 @@ from flwr.supercore import log
 from sky_flower.core.cost import CostModel
 from sky_flower.core.partition import Plan
 from sky_flower.core.profile import LayerProfile, NodeProfile
-from sky_flower.flower.exchange import Exchange
 from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
 from sky_flower.sky.planning.benchmark import Link, benchmark_event, wait_for_nodes
 from sky_flower.sky.planning.replan import ReplanRecord
-from sky_flower.sky.protocol import ARRAYS
 from sky_flower.sky.rounds import report
 from sky_flower.sky.rounds.blame import Verdict, diverged_text
 from sky_flower.sky.rounds.executor import RUNNERS, Evaluator, RoundExecutor
@@ -82,13 +80,11 @@ from sky_flower.sky.rounds.recovery import Recovery
 from sky_flower.sky.rounds.state import RunState
 from sky_flower.sky.settings import SkySettings
 from sky_flower.sky.transport.direct import kinds_label
-from sky_flower.sky.transport.relay import RelayRunner
 from sky_flower.sky.transport.runner import (
     Pipeline,
     Runner,
     RunSettings,
     SkyNodeError,
-    merge_weights,
 )
 
 PLAINTEXT = (  # logged when transport=direct
@@ -273,11 +269,6 @@ class SkyStrategy(Strategy):
         return self.state.node_profiles
 
     @property
-    def layer_profiles(self) -> list[LayerProfile]:
-        """The model's layer profiles (after :meth:`profile_model`)."""
-        return self.state.layer_profiles
-
-    @property
     def global_arrays(self) -> ArrayRecord | None:
         """The last good global model."""
         return self.state.global_arrays
@@ -433,31 +424,18 @@ class SkyStrategy(Strategy):
         self.planner.installed()
         self.hooks.on_plan(fed.event())
 
-    def steps_in_round(self) -> int:
-        """Training steps per round."""
-        t = self.settings.train
-        return planning.steps_in_round(
-            t.steps_per_round, t.local_epochs, self.state.num_examples, self.schedule.batch_size
-        )
-
     # -- Flower's Strategy interface ---------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One ``train.sky_setup`` message per stage (the relay's round set-up)."""
-        assert self.pipeline is not None, "run the benchmark round and make_plan() first"
-        runner = RelayRunner(self.run_settings())
-        return runner.setup_messages(self.pipeline, arrays, server_round)
+        """Not used: :meth:`start` runs each round through its transport's runner."""
+        raise NotImplementedError("SkyStrategy runs its rounds in start()")
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Reassemble the global model from the stages' weight replies (every layer
-        exactly once, else ``SkyNodeError``)."""
-        names = self.state.names
-        ex = Exchange(None, 1.0, describe=names.get, error_cls=SkyNodeError)  # type: ignore[arg-type]
-        expected = set(self.model.model_fn().state_dict().keys())
-        return merge_weights(list(replies), ex, expected, ARRAYS), None
+        """Not used: :meth:`start` aggregates each round itself (FedAvg of the pipelines)."""
+        raise NotImplementedError("SkyStrategy runs its rounds in start()")
 
     # no node-side evaluation: the server evaluates (``start(evaluate_fn=...)``); the
     # functions, not a base class, of what every server-side-evaluated strategy shares
@@ -667,10 +645,6 @@ class SkyStrategy(Strategy):
         st.replans.append(self.planner.taken(rnd, d, joined))
         self._install(d.new)
 
-    def _replan(self) -> None:
-        """Re-plan on the fleet now (the configured allocation only)."""
-        self.make_plan(alternatives=False)
-
     def _report_failed(self, record: RoundRecord) -> None:
         """Record a failed round and report it."""
         self.state.rounds.append(record)
@@ -769,10 +743,10 @@ class SkyStrategy(Strategy):
         old, failed = st.node_profiles, [p for p, _ in out]
         st.node_profiles = [n for n in old if n not in failed]
         try:
-            self._replan()
+            self.make_plan(alternatives=False)
         except ValueError as plan_err:  # e.g. the others cannot hold the model
             st.node_profiles = old
-            self._replan()
+            self.make_plan(alternatives=False)
             log(
                 WARNING,
                 "Cannot re-plan without %s: %s",
@@ -794,7 +768,7 @@ class SkyStrategy(Strategy):
             st.node_profiles.insert(min(index, len(st.node_profiles)), prof)
             record.restored_nodes = [*(record.restored_nodes or []), prof.name]
         try:
-            self._replan()
+            self.make_plan(alternatives=False)
         except ValueError as plan_err:  # cannot happen: they held the model before
             st.node_profiles = old
             log(WARNING, "Cannot re-plan with %s put back: %s", ", ".join(names), plan_err)

@@ -25,9 +25,15 @@ from sky_flower.gossip.matrices import (
     components,
     consensus_distance,
     gossip_matrix,
-    plain_gossip,
     torus_shape,
 )
+
+
+def plain_gossip(X, W, rounds=1):
+    """``W^rounds @ X``: ``rounds`` plain gossip rounds (the baseline)."""
+    for _ in range(rounds):
+        X = W @ X
+    return X
 
 
 def _valid(topology, n):

@@ -1,4 +1,4 @@
-"""Calibration of the cost model (issue 16): what a step pays beyond its layers.
+"""Calibration of the cost model: what a step pays beyond its layers.
 
 The benchmark round measures, per node (:class:`~sky_flower.core.profile.NodeProfile`):
 
@@ -33,8 +33,8 @@ CALIBRATION_FIELDS = ("microbatch_overhead_s", "peer_latency_s", "host", "host_p
 
 
 def uncalibrated(nodes: Sequence[NodeProfile]) -> list[NodeProfile]:
-    """``nodes`` with the calibration fields at their defaults (the cost model as it
-    was before issue 16)."""
+    """``nodes`` with the calibration fields at their defaults (an uncalibrated cost
+    model)."""
     return [
         replace(
             n,
@@ -54,7 +54,7 @@ class Calibration:
     schedule: Schedule
     relay: bool
 
-    # --- calibration (issue 16) -----------------------------------------------------
+    # --- calibration ---------------------------------------------------------------
     def _init_calibration(self, nodes: Sequence[NodeProfile]) -> None:
         """Arrays of the benchmark's calibration fields (all 0 / "" when not measured,
         which leaves the model as it was): ``mb_overhead`` (N,) s per micro-batch and

@@ -364,9 +364,6 @@ class CostModel(LowerBounds, Calibration):
                 f"{self.nodes[self.owner].name!r} must run stage 0"
             )
 
-    # Backwards-compatible name.
-    check_bounds = check_stages
-
     def terms(self, plan: Sequence[Sequence[int]]) -> StageTerms:
         """Per-stage forward, backward, link and overhead times of a plan."""
         st = np.asarray(self.as_stages(plan), dtype=int).reshape(-1, 3)

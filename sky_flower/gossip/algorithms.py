@@ -330,8 +330,7 @@ def default_phase_rounds(spectral_gap: float, nodes: int = 2, rule: str = "sqrt"
     set ``R = max(log(n) / 2, log(s0^2 T / (Delta L)) / 2) / sqrt(1 - lambda)``; the
     second term needs the outer variance ``s0^2``, the initial gap ``Delta`` and the
     smoothness ``L``, unknown in practice, so it is *dropped* here, and the log is taken
-    natural (*inferred*: the paper does not say). (Until issue 18's line-by-line check
-    this rule was ``ceil(ln(n) / sqrt(gap))``, twice the paper's first term.)
+    natural (*inferred*: the paper does not say).
 
     Parameters
     ----------

@@ -286,13 +286,6 @@ def consensus_distance(X: np.ndarray) -> float:
     return float(np.mean(np.sum((X - X.mean(axis=0)) ** 2, axis=1)))
 
 
-def plain_gossip(X: np.ndarray, W: np.ndarray, rounds: int = 1) -> np.ndarray:
-    """``W^rounds @ X`` for an ``(n, d)`` stack ``X``: ``rounds`` gossip rounds."""
-    for _ in range(rounds):
-        X = W @ X
-    return X
-
-
 def acceleration_eta(mixing_rate: float) -> float:
     """Momentum of accelerated gossip: ``eta = (1 - sqrt(1 - l^2)) / (1 + sqrt(1 - l^2))``
     for mixing rate ``l`` = ``max(|lambda_2|, |lambda_min|)`` (DeTAG paper, Algorithm 3)."""

@@ -151,11 +151,6 @@ class Sizes:
     predicted_s: float
     target_s: float
 
-    @property
-    def relative_error(self) -> float:
-        """``|predicted - target| / target``."""
-        return abs(self.predicted_s - self.target_s) / self.target_s
-
 
 def _largest_int(lo: int, hi: int, ok: object) -> int | None:
     """Largest ``x`` in ``[lo, hi]`` with ``ok(x)`` for a predicate true on a prefix; None

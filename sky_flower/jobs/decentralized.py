@@ -203,6 +203,3 @@ def summary(results: dict[str, Any]) -> str:
         f"{head}homogeneity {results['homogeneity']}%]: final loss "
         f"{number(results['final_loss'])}, test accuracy {number(results['final_test_accuracy'])}"
     )
-
-
-run_decentralized_job = run_job  # the name before sky_flower.jobs.common

@@ -321,6 +321,3 @@ def summary(results: dict[str, Any]) -> str:
         f"{results['target_accuracy']:.3f} at {reached} s; "
         f"{results['updates_sent_total']} updates sent"
     )
-
-
-run_hermes_job = run_job  # the name before sky_flower.jobs.common

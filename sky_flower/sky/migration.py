@@ -30,7 +30,6 @@ from sky_flower.pipeline.stage import meta_layers, slice_state
 OPTIM_KEY = "sky.optim-state"  # array record: optimizer state by parameter name
 WANT_KEY = "sky.optim-wanted"  # config record of a collect: reply with the state
 SEP = "::"  # "<parameter name>::<state name>"
-OPTIMIZER_STATES = ("round", "keep")
 
 
 def param_names(model_fn: Callable[[], nn.Module], first: int, last: int) -> list[str]:

@@ -15,8 +15,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-import numpy as np
-
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.federated.plan import OwnerPipeline, steps_in_round
 from sky_flower.core.partition import (
@@ -111,9 +109,6 @@ class Instance:
         kinds = _kinds([*self.owners, *self.helpers])
         self.owner_kind = kinds[: len(self.owners)]
         self.helper_kind = kinds[len(self.owners) :]
-        self.helper_speed = [
-            float(np.sum(h.layer_fwd_s) + np.sum(h.layer_bwd_s)) for h in self.helpers
-        ]
         self._cache: dict[tuple, tuple[Plan | None, int, tuple[int, ...]]] = {}
         self.unproven = 0  # per-pipeline ``optimal`` plans that were not proven
 

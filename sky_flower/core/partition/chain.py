@@ -229,6 +229,17 @@ class _ChainDP:
                 out[(i, last)] = np.where(self.fits[i], v, np.inf)
         return out
 
+    def run(
+        self, case: str, upper: float, deadline: float = math.inf
+    ) -> tuple[float, list[Stage] | None, bool]:
+        """The programme of ``case`` (:func:`_chain_case`): ``(value, stages, proven)``;
+        ``upper``: a known plan's step (GPipe's branch and bound starts under it)."""
+        if case == "throughput":
+            return self.throughput(deadline)
+        if case == "one_pass":
+            return self.one_pass(deadline)
+        return self.gpipe(upper, deadline)
+
     def throughput(self, deadline: float = math.inf) -> tuple[float, list[Stage] | None, bool]:
         """The least period (seconds per micro-batch)."""
         self._build()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -38,6 +38,49 @@ def backtrack(
         steps.append((t, int(reach[prev]), int(reach[state])))
         state = prev
     return steps[::-1]
+
+
+def sweep_levels(  # noqa: PLR0913
+    levels: Sequence[np.ndarray],
+    digits: np.ndarray,
+    strides: list[int],
+    e0: int,
+    num_layers: int,
+    extend: Callable[[int, int, np.ndarray], np.ndarray],
+    deadline: float = math.inf,
+) -> list[tuple[int, int, int]] | None | str:
+    """The level-wise furthest-reach programme over kind counts both DPs run: state
+    ``s`` uses ``digits[s, t]`` nodes of kind ``t``, ``levels[k]`` the states with ``k``
+    after the owner's ``[0, e0)``; ``extend(t, k, p)`` the ends of a node of kind ``t``
+    appended ``k``-th after ``p`` layers (-1: none). Returns the path (:func:`backtrack`)
+    to the first state reaching ``num_layers``, None, or ``"timeout"`` past ``deadline``."""
+    num_states = len(digits)
+    reach = np.full(num_states, -1, dtype=np.int64)
+    via = np.full(num_states, -1, dtype=np.int64)
+    reach[0] = e0
+    for k in range(1, len(levels)):
+        if time.perf_counter() > deadline:
+            return "timeout"
+        idx = levels[k]
+        best = np.full(len(idx), -1, dtype=np.int64)
+        best_t = np.full(len(idx), -1, dtype=np.int64)
+        for t in range(len(strides)):
+            rows = np.flatnonzero(digits[idx, t] > 0)
+            p = reach[idx[rows] - strides[t]]
+            live = p >= 0
+            if not live.any():
+                continue
+            rows, p = rows[live], p[live]
+            e = extend(t, k, p)
+            better = e > best[rows]
+            best[rows[better]] = e[better]
+            best_t[rows[better]] = t
+        reach[idx] = best
+        via[idx] = best_t
+        done = np.flatnonzero(best == num_layers)
+        if len(done):
+            return backtrack(int(idx[done[0]]), reach, via, strides)
+    return None
 
 
 class _OverKinds:
@@ -153,34 +196,13 @@ class _PeriodDP(_OverKinds):
             self._digits = np.indices(radix).reshape(len(radix), -1).T.astype(np.int16)
             level = self._digits.sum(axis=1)
             self._levels = [np.flatnonzero(level == k) for k in range(int(level.max()) + 1)]
-        digits, strides = self._digits, self._strides
-        reach = np.full(self.num_states, -1, dtype=np.int64)
-        via = np.full(self.num_states, -1, dtype=np.int64)
-        reach[0] = e0
-        for k in range(1, len(self._levels)):
-            idx = self._levels[k]
-            best = np.full(len(idx), -1, dtype=np.int64)
-            best_t = np.full(len(idx), -1, dtype=np.int64)
-            for t in range(len(strides)):
-                has = digits[idx, t] > 0
-                if not has.any():
-                    continue
-                rows = np.flatnonzero(has)
-                p = reach[idx[rows] - strides[t]]
-                live = p > 0
-                if not live.any():
-                    continue
-                rows, p = rows[live], p[live]
-                e = self._extend_many(t, p, k, T, ok_prev)
-                better = (e > p) & (e > best[rows])
-                best[rows[better]] = e[better]
-                best_t[rows[better]] = t
-            reach[idx] = best
-            via[idx] = best_t
-            done = np.flatnonzero(best == L)
-            if len(done):
-                return self._stages(e0, backtrack(int(idx[done[0]]), reach, via, strides))
-        return None
+
+        def extend(t: int, k: int, p: np.ndarray) -> np.ndarray:
+            e = self._extend_many(t, p, k, T, ok_prev)
+            return np.where(e > p, e, -1)  # a node appended covers more layers
+
+        steps = sweep_levels(self._levels, self._digits, self._strides, e0, L, extend)
+        return None if steps is None else self._stages(e0, steps)  # type: ignore[arg-type]
 
     def solve(self, upper: float, deadline: float) -> tuple:
         """``(stages, proven)``: the least-period plan found before ``deadline``.

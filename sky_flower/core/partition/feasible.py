@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sky_flower.core.cost import CostModel, Stage
-from sky_flower.core.partition.dp import backtrack
+from sky_flower.core.partition.dp import sweep_levels
 
 FEASIBILITY_STATE_LIMIT = 4_000_000  # capacity-kind count vectors x pipeline lengths
 
@@ -115,37 +115,22 @@ class _KindDP:
             return None
         digits = np.indices(self.radix).reshape(len(self.radix), -1).T
         level = digits.sum(axis=1)
-        reach = np.full(self.num_states, -1, dtype=np.int64)
-        via = np.full(self.num_states, -1, dtype=np.int64)
-        reach[0] = e0
-        for k in range(1, min(n_stages - 1, int(level.max())) + 1):
-            if time.perf_counter() > deadline:
-                return "timeout"
-            idx = np.flatnonzero(level == k)
-            mp = mem(k)
-            best = np.full(len(idx), -1, dtype=np.int64)
-            best_t = np.full(len(idx), -1, dtype=np.int64)
-            for t, cap in enumerate(self.caps):
-                rows = np.flatnonzero(digits[idx, t] > 0)
-                p = reach[idx[rows] - self.strides[t]]
-                live = p >= 0
-                rows, p = rows[live], p[live]
-                e = np.minimum(np.searchsorted(mp, mp[p] + cap, side="right") - 1, L)
-                e = np.maximum(e, p)  # an empty block: the node holds nothing
-                better = e > best[rows]
-                best[rows[better]] = e[better]
-                best_t[rows[better]] = t
-            reach[idx] = best
-            via[idx] = best_t
-            done = np.flatnonzero(best == L)
-            if len(done):
-                return self._witness(int(idx[done[0]]), reach, via, e0)
-        return None
+        levels = [np.flatnonzero(level == k) for k in range(min(n_stages - 1, level.max()) + 1)]
 
-    def _witness(self, s: int, reach: np.ndarray, via: np.ndarray, e0: int) -> list[Stage]:
+        mems: dict[int, np.ndarray] = {}
+
+        def extend(t: int, k: int, p: np.ndarray) -> np.ndarray:
+            mp = mems[k] if k in mems else mems.setdefault(k, mem(k))
+            e = np.minimum(np.searchsorted(mp, mp[p] + self.caps[t], side="right") - 1, L)
+            return np.maximum(e, p)  # an empty block: the node holds nothing
+
+        steps = sweep_levels(levels, digits, self.strides, e0, L, extend, deadline)
+        return steps if steps is None or steps == "timeout" else self._witness(steps, e0)  # type: ignore[arg-type]
+
+    def _witness(self, steps: list[tuple[int, int, int]], e0: int) -> list[Stage]:
         pool = [list(m) for m in self.members]
         stages = [(self.cost.owner, 0, e0 - 1)]
-        for t, p, e in backtrack(s, reach, via, self.strides):
+        for t, p, e in steps:
             node = pool[t].pop(0)
             if e > p:
                 stages.append((node, p, e - 1))

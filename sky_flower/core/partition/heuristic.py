@@ -359,13 +359,7 @@ def _small_exact(
     dp = _ChainDP(cost)
     if dp.work > HEURISTIC_CHAIN_WORK:
         return []
-    case = _chain_case(cost, objective)
-    if case == "one_pass":
-        _, stages, _ = dp.one_pass(deadline)
-    elif case == "gpipe":
-        _, stages, _ = dp.gpipe(upper, deadline)
-    else:
-        _, stages, _ = dp.throughput(deadline)
+    _, stages, _ = dp.run(_chain_case(cost, objective) or "throughput", upper, deadline)
     return [stages] if stages is not None else []
 
 

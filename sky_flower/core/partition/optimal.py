@@ -259,13 +259,7 @@ def _by_chain(  # noqa: PLR0913
     dp = _ChainDP(cost)
     if case is None or dp.work > CHAIN_DP_WORK_LIMIT:
         return None
-    deadline = t0 + time_limit_s
-    if case == "throughput":
-        _, stages, done = dp.throughput(deadline)
-    elif case == "one_pass":
-        _, stages, done = dp.one_pass(deadline)
-    else:
-        _, stages, done = dp.gpipe(h.predicted_step_time_s, deadline)
+    _, stages, done = dp.run(case, h.predicted_step_time_s, t0 + time_limit_s)
     h_v = h.objective_value_s
     if stages is None or cost.objective(stages, objective) > h_v:
         stages = h.spec

@@ -46,7 +46,7 @@ class LinkTiming:
         reports it (direct: the stages talk peer to peer; stream: a frame, not a Flower
         message) instead of timing relay echoes.
     calibrate : bool
-        ``direct``: also time the gloo step's fixed costs (issue 16).
+        ``direct``: also time the gloo step's fixed costs.
     stream : dict, optional
         ``transport=stream``: the endpoint's settings (:class:`sky_flower.sky.transport.channel.
         Endpoint` keywords): each node's link is timed over the data plane itself
@@ -406,7 +406,7 @@ def peer_link(prof: P.ProfileReply) -> Link:
 
 
 def calibration(prof: P.ProfileReply) -> dict[str, Any]:
-    """The reply's calibration fields for :class:`NodeProfile` (issue 16; the direct
+    """The reply's calibration fields for :class:`NodeProfile` (the direct
     transport's benchmark asks for them, 0 / "" otherwise)."""
     fields = {f: getattr(prof, f) for f in CALIBRATION_FIELDS}
     fields["host"] = "" if prof.host == P.NO_HOST else prof.host
@@ -451,13 +451,13 @@ def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | No
 
 
 def device_lines(nodes: Sequence[NodeProfile]) -> list[str]:
-    """Each device the nodes compute on, by name (issue 31), if any node reported one."""
+    """Each device the nodes compute on, by name, if any node reported one."""
     lines = [f"  {n.name:<12} {n.device}: {n.device_name}" for n in nodes if n.device_name]
     return ["Devices:", *lines] if lines else []
 
 
 def calibration_lines(nodes: Sequence[NodeProfile]) -> list[str]:
-    """The benchmark's calibration per node (issue 16), if it measured any."""
+    """The benchmark's calibration per node, if it measured any."""
     if not any(n.host for n in nodes):
         return []
     return ["Calibration (direct):"] + [

@@ -273,15 +273,10 @@ def pipeline(
     handler_rate: Mapping[str, float] | None = None,
 ) -> Pipeline:
     """The :class:`Pipeline` a runner executes for ``planned`` (``nodes``: the profiled
-    nodes by name; ``node_ids``: name -> Flower node id).
-
-    On ``stream``, its ``setup_s`` is the predicted set-up of a stage session
-    (:func:`session_setup_s`): the slowest stage's
-    ``max_k (setup_i + W_k / bw_i)``, with ``setup_i`` the stage node's measured Flower
-    round trip (s), ``W_k`` the bytes of the stage's weights (trainable and frozen) and
-    ``bw_i`` the node's bandwidth (bytes/s). The round that sets a session up is
-    charged it once (:func:`sky_flower.sky.rounds.federation.round_row`); the
-    steady-state rounds of the session are not. 0 on the other transports.
+    nodes by name; ``node_ids``: name -> Flower node id). On ``stream``, its
+    ``setup_s`` is a stage session's predicted set-up (:func:`session_setup_s`), charged
+    once, to the round that sets the session up
+    (:func:`sky_flower.sky.rounds.federation.round_row`); 0 on the other transports.
     """
     by_name = {n.name: n for n in nodes}
     stages = [by_name[st.node] for st in planned.plan.stages]

@@ -28,7 +28,7 @@ ROUND_COLUMNS = ("round", "train loss", "test acc", "step time (s)", "predicted 
 
 def compute_ratio(stage: StageRecord) -> str:
     """Measured over predicted compute of a stage (``"-"`` without a prediction): the
-    calibration's check, per stage (issue 16 aims at 0.75-1.25)."""
+    calibration's check, per stage (it aims at 0.75-1.25)."""
     predicted = stage.predicted_compute_s
     return f"{stage.measured_compute_s / predicted:.2f}" if predicted else "-"
 
