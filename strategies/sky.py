@@ -53,14 +53,16 @@ from sky_flower.flower.strategy import ServerSideEvaluation
 from sky_flower.pipeline.graph import ModuleKeys
 from sky_flower.sky.model import SkyModel
 from sky_flower.sky.planning import planning
-from sky_flower.sky.planning.benchmark import Link, benchmark_event, wait_for_nodes
+from sky_flower.sky.planning.benchmark import Link, wait_for_nodes
 from sky_flower.sky.planning.replan import ReplanRecord
 from sky_flower.sky.rounds import report
 from sky_flower.sky.rounds.blame import Verdict, diverged_text
 from sky_flower.sky.rounds.executor import RUNNERS, Evaluator, RoundExecutor
 from sky_flower.sky.rounds.hooks import (
+    BenchmarkEnd,
     EventCallback,
     HookList,
+    PlanInstalled,
     RoundEnd,
     RunEnd,
     RunRecords,
@@ -398,7 +400,7 @@ class SkyStrategy(Strategy):
         st.num_examples, st.handler_rate = found.num_examples, found.handler_rate
         st.samples = dict(found.samples)
         st.names.update(found.names)
-        self.hooks.on_benchmark(benchmark_event(layers, found))
+        self.hooks.on_benchmark(BenchmarkEnd(tuple(layers), tuple(found.nodes), found.emulation))
         return st.node_profiles
 
     def make_plan(self, alternatives: bool = True) -> Plan:
@@ -422,7 +424,7 @@ class SkyStrategy(Strategy):
         st.federated = fed
         st.runs = planning.pipeline_runs(fed, st.node_profiles, st.ids, st.handler_rate)
         self.planner.installed()
-        self.hooks.on_plan(fed.event())
+        self.hooks.on_plan(PlanInstalled(fed))
 
     # -- Flower's Strategy interface ---------------------------------------------------
     def configure_train(

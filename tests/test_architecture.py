@@ -440,3 +440,18 @@ def test_parts_are_built_without_callbacks():
             if chain[0] == "self" and (len(chain) > 2 or chain[-1] in methods):
                 bad.append(f"{ast.unparse(node.func)}(... {text} ...)")
     assert not bad, "a part is handed a bound method: " + "; ".join(bad)
+
+
+def test_hooks_receive_typed_events_not_documents():
+    """Every ``SkyHooks`` point but ``on_evaluate`` takes one frozen event dataclass
+    (its ``to_dict()`` is the JSON a writer wants), not a dict or the strategy."""
+    import dataclasses
+    import typing
+
+    from sky_flower.sky.rounds import hooks
+
+    points = [n for n in vars(hooks.SkyHooks) if n.startswith("on_") and n != "on_evaluate"]
+    assert len(points) == 5
+    for name in points:
+        event = typing.get_type_hints(getattr(hooks.SkyHooks, name), vars(hooks))["event"]
+        assert dataclasses.is_dataclass(event) and event.__dataclass_params__.frozen, name

@@ -119,7 +119,8 @@ def test_a_pipelines_setup_is_its_slowest_stages_flower_round_trip_plus_its_weig
     (planned,) = fed.planned
     (run,) = planning.pipeline_runs(fed, nodes, {n.name: n.node_id for n in nodes})
     if transport == "relay":
-        assert run.pipeline.setup_s == 0.0 and fed.event()["pipelines"][0]["predicted_setup_s"] == 0
+        assert run.pipeline.setup_s == 0.0
+        assert fed.to_dict()["pipelines"][0]["predicted_setup_s"] == 0
         assert planning.setup_lines(fed.fplan, fed.planned) == []
         return
     by_name = {n.name: n for n in nodes}
@@ -133,7 +134,7 @@ def test_a_pipelines_setup_is_its_slowest_stages_flower_round_trip_plus_its_weig
     assert [(s.first_layer, s.last_layer) for s in planned.plan.stages] == [(0, 1), (2, 2), (3, 3)]
     assert expected == pytest.approx(7.0)
     assert run.pipeline.setup_s == pytest.approx(expected)
-    assert fed.event()["pipelines"][0]["predicted_setup_s"] == pytest.approx(expected)
+    assert fed.to_dict()["pipelines"][0]["predicted_setup_s"] == pytest.approx(expected)
     lines = planning.setup_lines(fed.fplan, fed.planned)
     assert lines[1].split() == ["n0", "7.000", "s"]
     # a node without a measured set-up: nothing predicted (not a partial figure)

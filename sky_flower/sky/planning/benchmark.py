@@ -483,14 +483,6 @@ def duration(seconds: float) -> str:
     return f"{seconds:.3f} s" if seconds >= 0.1 else f"{seconds * 1e3:.2f} ms"
 
 
-def benchmark_event(layers: Sequence[LayerProfile], result: BenchmarkResult) -> dict[str, Any]:
-    """The ``("benchmark", ...)`` event's payload."""
-    return {
-        "layers": [lp.to_dict() for lp in layers],
-        "nodes": [{**n.to_dict(), "emulation": result.emulation[n.name]} for n in result.nodes],
-    }
-
-
 # under Flower's simulation runtime (an ``InMemoryGrid``) the SuperNodes are registered
 # once, when the runtime starts (``num-supernodes``), a moment after the ServerApp thread
 # starts; no node joins later, so waiting past this many seconds is waiting for nothing

@@ -308,8 +308,8 @@ class FederatedPlanned:
     alternatives: dict[str, float | None]
     alternative_rounds: dict[str, float | None]
 
-    def event(self) -> dict[str, Any]:
-        """The ``("plan", ...)`` event's payload: one ``pipelines`` row per pipeline;
+    def to_dict(self) -> dict[str, Any]:
+        """``plan.json``'s content (the ``on_plan`` event's): one ``pipelines`` row per pipeline;
         the top-level keys of a one-pipeline plan (``stages``...) are the first
         pipeline's, ``predicted_step_time_s`` the slowest pipeline's, ``idle_nodes``
         the helpers in no pipeline."""

@@ -7,13 +7,15 @@ records it is given. No Flower or torch import here (the results writer uses it)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
 
 if TYPE_CHECKING:
+    from sky_flower.core.profile import LayerProfile, NodeProfile
+    from sky_flower.sky.planning.planning import FederatedPlanned
     from sky_flower.sky.planning.replan import ReplanRecord
 
 
@@ -50,6 +52,36 @@ class RunStart:
 
 
 @dataclass(frozen=True)
+class BenchmarkEnd:
+    """The benchmark round finished: the model's ``layers`` as profiled, the ``nodes``
+    that answered (in fleet order), and each node's ``emulation`` (its device
+    emulation's name, ``""``: none)."""
+
+    layers: tuple[LayerProfile, ...]
+    nodes: tuple[NodeProfile, ...]
+    emulation: Mapping[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """``benchmark.json``'s content: ``{"layers": [...], "nodes": [...]}``."""
+        return {
+            "layers": [lp.to_dict() for lp in self.layers],
+            "nodes": [{**n.to_dict(), "emulation": self.emulation[n.name]} for n in self.nodes],
+        }
+
+
+@dataclass(frozen=True)
+class PlanInstalled:
+    """A plan was installed (the first, or a re-plan): ``planned``, one pipeline per
+    data owner with its predictions and the other allocations' (``alternatives``)."""
+
+    planned: FederatedPlanned
+
+    def to_dict(self) -> dict[str, Any]:
+        """``plan.json``'s content (:meth:`FederatedPlanned.to_dict`)."""
+        return self.planned.to_dict()
+
+
+@dataclass(frozen=True)
 class RoundEnd:
     """A round ended: its ``record`` (a failed one has ``error``; a pipeline that
     diverged is already in ``diverged``) and the run's ``records`` with it."""
@@ -80,11 +112,11 @@ class SkyHooks:
     def on_start(self, event: RunStart) -> None:
         """The run starts."""
 
-    def on_benchmark(self, event: dict[str, Any]) -> None:
-        """The benchmark round finished: ``benchmark.json``'s content."""
+    def on_benchmark(self, event: BenchmarkEnd) -> None:
+        """The benchmark round finished (``event.to_dict()``: ``benchmark.json``)."""
 
-    def on_plan(self, event: dict[str, Any]) -> None:
-        """A plan was installed: ``plan.json``'s content."""
+    def on_plan(self, event: PlanInstalled) -> None:
+        """A plan was installed (``event.to_dict()``: ``plan.json``)."""
 
     def on_evaluate(self, server_round: int, metrics: dict[str, float]) -> None:
         """The global model of ``server_round`` (0: the initial model) was evaluated."""
@@ -98,18 +130,19 @@ class SkyHooks:
 
 class EventCallback(SkyHooks):
     """A hook from one callable ``fn(kind, payload)``, called with ``("benchmark",
-    event)``, ``("plan", event)`` and ``("round", record as a dict)``."""
+    event.to_dict())``, ``("plan", event.to_dict())`` and ``("round", record.to_dict())``:
+    the JSON documents the Hydra job writes."""
 
     def __init__(self, fn: Callable[[str, dict[str, Any]], None]) -> None:
         self.fn = fn
 
-    def on_benchmark(self, event: dict[str, Any]) -> None:
-        """``fn("benchmark", event)``."""
-        self.fn("benchmark", event)
+    def on_benchmark(self, event: BenchmarkEnd) -> None:
+        """``fn("benchmark", event.to_dict())``."""
+        self.fn("benchmark", event.to_dict())
 
-    def on_plan(self, event: dict[str, Any]) -> None:
-        """``fn("plan", event)``."""
-        self.fn("plan", event)
+    def on_plan(self, event: PlanInstalled) -> None:
+        """``fn("plan", event.to_dict())``."""
+        self.fn("plan", event.to_dict())
 
     def on_round(self, event: RoundEnd) -> None:
         """``fn("round", record.to_dict())``: the row as ``results.json`` has it."""
