@@ -10,11 +10,12 @@ import math
 from collections.abc import Iterable, Sequence
 
 
-def num(value: float | None, spec: str = ".3f", missing: str = "-") -> str:
-    """``value`` as a cell: ``format(value, spec)``, or ``missing`` for ``None`` or NaN."""
+def num(value: float | None, spec: str = ".3f", unit: str = "", missing: str = "-") -> str:
+    """``value`` as a cell: ``format(value, spec) + unit``, or ``missing`` for ``None``
+    or NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
-    return format(value, spec)
+    return format(value, spec) + unit
 
 
 def markdown(headers: Sequence[object], rows: Iterable[Sequence[object]]) -> str:

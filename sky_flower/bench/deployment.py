@@ -77,6 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sky_flower import tables
 from sky_flower.core.profile import LayerProfile
 from sky_flower.deploy import read_results, run_local
 from sky_flower.emulation.devices import Emulation
@@ -603,14 +604,12 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
     """Table 3's lines (Markdown)."""
 
     def secs(v: float | None) -> str:
-        return "not reached" if v is None else f"{v:.1f} s"
+        return tables.num(v, ".1f", " s", missing="not reached")
 
-    lines = [
-        f"| fleet | method | plan (round 1) | data used | rounds to {target:g} | time to "
-        f"{target:g} from launch | round 1 starts | sum of rounds to {target:g} | test "
-        "accuracy per round | round times | run | FedAvg/Sky |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["fleet", "method", "plan (round 1)", "data used", f"rounds to {target:g}"]
+    head += [f"time to {target:g} from launch", "round 1 starts"]
+    head += [f"sum of rounds to {target:g}", "test accuracy per round", "round times", "run"]
+    rows = []
     for fleet, e in acc.items():
         if not isinstance(e, dict):
             continue
@@ -622,9 +621,8 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
                 continue
             row = e[key]
             if row.get("error") and "accuracies" not in row:
-                lines.append(f"| {fleet} | {method} | failed: {row['error']} |" + " |" * 9)
+                rows.append([fleet, method, f"failed: {row['error']}", *[""] * 9])
                 continue
-            plan = row.get("plan") or "alone: " + ", ".join(e["fedavg_owners"])
             used = row.get("samples_trained")
             share = f"{used}/{total} ({used / total:.0%})" if used is not None and total else "-"
             ratio = ""
@@ -636,23 +634,26 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
                     label += ", best" if k == best else ""
                     parts.append(f"{ft / st:.2f}x ({label})" if ft else f"- ({label})")
                 ratio = "; ".join(parts)
-            if key == best:
-                method += " (best FedAvg)"
-            accs = " ".join("-" if a is None else f"{a:.3f}" for a in row["accuracies"])
-            times = " ".join(f"{t:.1f}" for t in row["round_times_s"] if t is not None)
-            err = f" (error: {row['error']})" if row.get("error") else ""
             load = row.get("load_avg")
-            load_note = f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""
-            start = row.get("round1_start_s")
-            wall = row.get("run_wall_s")
-            lines.append(
-                f"| {fleet} | {method} | {plan} | {share} | {row['rounds_to_target'] or '-'} | "
-                f"{secs(row.get('time_to_target_s'))}{err} | "
-                f"{'-' if start is None else f'{start:.0f} s'} | "
-                f"{secs(row.get('rounds_sum_to_target_s'))} | {accs} | {times} s | "
-                f"{'-' if wall is None else f'{wall:.0f} s'}{load_note} | {ratio} |"
+            rows.append(
+                [
+                    fleet,
+                    method + (" (best FedAvg)" if key == best else ""),
+                    row.get("plan") or "alone: " + ", ".join(e["fedavg_owners"]),
+                    share,
+                    row["rounds_to_target"] or "-",
+                    secs(row.get("time_to_target_s"))
+                    + (f" (error: {row['error']})" if row.get("error") else ""),
+                    tables.num(row.get("round1_start_s"), ".0f", " s"),
+                    secs(row.get("rounds_sum_to_target_s")),
+                    " ".join(tables.num(a) for a in row["accuracies"]),
+                    " ".join(f"{t:.1f}" for t in row["round_times_s"] if t is not None) + " s",
+                    tables.num(row.get("run_wall_s"), ".0f", " s")
+                    + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""),
+                    ratio,
+                ]
             )
-    return lines
+    return tables.markdown([*head, "FedAvg/Sky"], rows).splitlines()
 
 
 # --- table 4: stage sessions round by round -----------------------------------------------
@@ -870,106 +871,112 @@ def session_rounds(
 def rounds_table(res: Mapping[str, Any]) -> list[str]:
     """Table 4's lines (Markdown)."""
 
-    def f(v: float | None, fmt: str = ".2f", unit: str = "") -> str:
-        return "-" if v is None else f"{v:{fmt}}{unit}"
+    f = tables.num
 
     def rng(r: Sequence[float] | None) -> str:
         return "" if not r else f" ({r[0]:.2f}-{r[1]:.2f})"
 
-    lines = [
-        "| fleet | variant | round 1 (set-up, msgs) | steady round, median | Flower msgs per "
-        "steady round | round meas/pred, median (range) | step meas/pred, median (range) | "
-        "steady rounds within 25 % (round, step) | vs simulation (steady round) | run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["fleet", "variant", "round 1 (set-up, msgs)", "steady round, median"]
+    head += ["Flower msgs per steady round", "round meas/pred, median (range)"]
+    head += ["step meas/pred, median (range)", "steady rounds within 25 % (round, step)"]
+    rows = []
     for fleet, entry in res.items():
         sim = entry.get("simulation", {}).get("steady_round_s")
         for variant, row in entry.items():
             label = ROUND_LABELS.get(variant, variant)
             if not row.get("rounds"):
-                lines.append(f"| {fleet} | {label} | failed: {row.get('error')} |" + " |" * 7)
+                rows.append([fleet, label, f"failed: {row.get('error')}", *[""] * 7])
                 continue
             msgs = row.get("steady_messages")
-            msgs_text = (
-                "-" if not msgs else str(msgs[0]) if msgs[0] == msgs[1] else f"{msgs[0]}-{msgs[1]}"
-            )
             load = row.get("load_avg")
-            err = f" (error: {row['error']})" if row.get("error") else ""
-            vs = ratio(row.get("steady_round_s"), sim)
             n = row.get("steady_rounds", 0)
-            lines.append(
-                f"| {fleet} | {label} | {f(row['round1_s'], '.1f', ' s')} "
-                f"({f(row['round1_setup_s'], '.1f', ' s')}, {f(row['round1_messages'], 'd')}) | "
-                f"{f(row['steady_round_s'], '.2f', ' s')} | {msgs_text} | "
-                f"{f(row['steady_round_ratio'])}{rng(row.get('round_ratio_range'))} | "
-                f"{f(row['steady_step_ratio'])}{rng(row.get('step_ratio_range'))} | "
-                f"{row['steady_round_within_25']}/{n}, {row['steady_step_within_25']}/{n} | "
-                f"{'-' if variant == 'simulation' else f(vs, '.2f', 'x')} | "
-                f"{row['run_wall_s']:.0f} s"
-                + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else "")
-                + f"{err} |"
+            rows.append(
+                [
+                    fleet,
+                    label,
+                    f"{f(row['round1_s'], '.1f', ' s')} ({f(row['round1_setup_s'], '.1f', ' s')}, "
+                    f"{f(row['round1_messages'], 'd')})",
+                    f(row["steady_round_s"], ".2f", " s"),
+                    "-" if not msgs else msgs[0] if msgs[0] == msgs[1] else f"{msgs[0]}-{msgs[1]}",
+                    f(row["steady_round_ratio"], ".2f") + rng(row.get("round_ratio_range")),
+                    f(row["steady_step_ratio"], ".2f") + rng(row.get("step_ratio_range")),
+                    f"{row['steady_round_within_25']}/{n}, {row['steady_step_within_25']}/{n}",
+                    "-"
+                    if variant == "simulation"
+                    else f(ratio(row.get("steady_round_s"), sim), ".2f", "x"),
+                    f"{row['run_wall_s']:.0f} s"
+                    + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else "")
+                    + (f" (error: {row['error']})" if row.get("error") else ""),
+                ]
             )
-    lines.append("")
-    lines.append(
-        "| fleet | variant | round | time s | predicted s | meas/pred | step s | predicted "
-        "step s | meas/pred | set-up s | Flower msgs | session round |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for fleet, entry in res.items():
-        for variant, row in entry.items():
-            for i, rnd in enumerate(row.get("rounds") or []):
-                lines.append(
-                    f"| {fleet} | {ROUND_LABELS.get(variant, variant)} | {rnd} | "
-                    f"{f(row['round_time_s'][i], '.2f')} | "
-                    f"{f(row['predicted_round_time_s'][i], '.3f')} | "
-                    f"{f(row['round_ratio'][i])} | {f(row['measured_step_time_s'][i], '.4f')} | "
-                    f"{f(row['predicted_step_time_s'][i], '.4f')} | {f(row['step_ratio'][i])} | "
-                    f"{f(row['setup_s'][i], '.2f')} | {f(row['flower_messages'][i], 'd')} | "
-                    f"{f(row['session_round'][i], 'd')} |"
-                )
-    return lines
+    lines = tables.markdown([*head, "vs simulation (steady round)", "run"], rows).splitlines()
+    head = ["fleet", "variant", "round", "time s", "predicted s", "meas/pred", "step s"]
+    head += ["predicted step s", "meas/pred", "set-up s", "Flower msgs", "session round"]
+    columns = [
+        ("round_time_s", ".2f"),
+        ("predicted_round_time_s", ".3f"),
+        ("round_ratio", ".2f"),
+        ("measured_step_time_s", ".4f"),
+        ("predicted_step_time_s", ".4f"),
+        ("step_ratio", ".2f"),
+        ("setup_s", ".2f"),
+        ("flower_messages", "d"),
+        ("session_round", "d"),
+    ]
+    rows = [
+        [fleet, ROUND_LABELS.get(variant, variant), rnd]
+        + [f(row[key][i], spec) for key, spec in columns]
+        for fleet, entry in res.items()
+        for variant, row in entry.items()
+        for i, rnd in enumerate(row.get("rounds") or [])
+    ]
+    return [*lines, "", *tables.markdown(head, rows).splitlines()]
 
 
-def tables(res: dict[str, Any]) -> str:
+def page(res: dict[str, Any]) -> str:
     """The printed tables (Markdown)."""
-    lines = []
+    parts = []
     if "hops" in res:
-        h = res["hops"]
-        lines += [
-            "| payload (each way) | Flower message median | p90 | stream hop median | p90 "
-            "| ratio |",
-            "|---|---|---|---|---|---|",
-        ]
+        h, rows = res["hops"], []
         for size in (str(s) for s in SIZES):
             f, s = h["flower"][size], h["stream"][size]
             label = f"{int(size) // 1024} KiB" if int(size) < 2**20 else f"{int(size) >> 20} MiB"
-            lines.append(
-                f"| {label} | {f['median_s']:.3f} s | {f['p90_s']:.3f} s | "
-                f"{s['median_s'] * 1e3:.1f} ms | {s['p90_s'] * 1e3:.1f} ms | "
-                f"{f['median_s'] / s['median_s']:.0f}x |"
+            rows.append(
+                [
+                    label,
+                    f"{f['median_s']:.3f} s",
+                    f"{f['p90_s']:.3f} s",
+                    f"{s['median_s'] * 1e3:.1f} ms",
+                    f"{s['p90_s'] * 1e3:.1f} ms",
+                    f"{f['median_s'] / s['median_s']:.0f}x",
+                ]
             )
-        lines.append("")
+        head = ["payload (each way)", "Flower message median", "p90", "stream hop median"]
+        parts.append(tables.markdown([*head, "p90", "ratio"], rows))
     if "transports" in res:
-        lines += [
-            "| transport | measured step | predicted step | meas/pred | round time | run |",
-            "|---|---|---|---|---|---|",
-        ]
+        rows = []
         for t, row in res["transports"].items():
             if row.get("error") or "measured_step_time_s" not in row:
-                lines.append(f"| {t} | failed: {row.get('error')} | | | | |")
+                rows.append([t, f"failed: {row.get('error')}", "", "", "", ""])
                 continue
             m, p = row["measured_step_time_s"], row["predicted_step_time_s"]
-            lines.append(
-                f"| {t} | {m:.3f} s | {p:.3f} s | {m / p if p else float('nan'):.2f} | "
-                f"{row['round_time_s']:.1f} s | {row['run_wall_s']:.0f} s |"
+            rows.append(
+                [
+                    t,
+                    f"{m:.3f} s",
+                    f"{p:.3f} s",
+                    f"{m / p if p else float('nan'):.2f}",
+                    f"{row['round_time_s']:.1f} s",
+                    f"{row['run_wall_s']:.0f} s",
+                ]
             )
-        lines.append("")
+        head = ["transport", "measured step", "predicted step", "meas/pred", "round time", "run"]
+        parts.append(tables.markdown(head, rows))
     if "accuracy" in res:
-        lines += accuracy_table(res["accuracy"], res["target"])
-        lines.append("")
+        parts.append("\n".join(accuracy_table(res["accuracy"], res["target"])))
     if "rounds" in res:
-        lines += rounds_table(res["rounds"])
-    return "\n".join(lines)
+        parts.append("\n".join(rounds_table(res["rounds"])))
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1018,7 +1025,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def save() -> str:
-        text = tables(res)
+        text = page(res)
         (args.out / "results.json").write_text(json.dumps(res, indent=1))
         (args.out / "table.md").write_text(text + "\n")
         return text
