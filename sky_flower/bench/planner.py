@@ -63,9 +63,9 @@ def _plan(cost: CostModel, method: str, objective: str, limit: float) -> Plan | 
         return type(e).__name__
 
 
-def show(head: list[str], rows: list[list[object]]) -> None:
-    """Print a section's table, indented under its title."""
-    print(textwrap.indent(tables.text(head, rows, align="l", sep="  "), "   "))
+def show(head: list[str], rows: list[list[object]], align: str = "l") -> None:
+    """Print a section's table, indented under its title (``align``: :func:`tables.text`'s)."""
+    print(textwrap.indent(tables.text(head, rows, align=align, sep="  "), "   "))
 
 
 def steady_state() -> None:
@@ -146,7 +146,7 @@ def optimal_small(limit: float) -> None:
             ]
         )
     head = ["instance", "heuristic", "optimal", "bound", "proven", "gap", "time s", "note"]
-    show(head, rows)
+    show(head, rows, align="lrrrrrrl")
 
 
 def grid(quick: bool, limit: float) -> None:
@@ -167,7 +167,7 @@ def grid(quick: bool, limit: float) -> None:
             cells.append(f"{e.period_s / h.period_s:.2f}" if ok else "-")  # type: ignore[union-attr]
             cells.append(str(o.proven_optimal) if isinstance(o, Plan) else "-")
             rows.append(cells)
-    show(["nodes", "layers", "even", "heur", "optimal", "bound", "e/h", "proven"], rows)
+    show(["nodes", "layers", "even", "heur", "optimal", "bound", "e/h", "proven"], rows, "r")
 
 
 def main(argv: list[str] | None = None) -> None:
