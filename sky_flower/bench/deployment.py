@@ -5,8 +5,8 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 1. **Hop latency**: one Flower message (``query.sky_echo`` through the SuperLink and a
    SuperNode, a fresh ClientApp process each) against one stream hop (an echo frame on
    the round's data plane, :mod:`sky_flower.sky.transport.stream_probe`), 1 KiB and 4 MiB each
-   way, median and p90. A tiny probe app (written to the work directory) does both from
-   its ServerApp against the fleet's first SuperNode.
+   way, median and p90. A tiny probe app (``examples/hop-probe``) does both from its
+   ServerApp against the fleet's first SuperNode.
 2. **The same plan on relay, stream and direct**: the sky-app, ``allocation=even``
    (one stage per node), ``gpipe`` with 4 micro-batches, 1 round of ``--steps`` steps:
    measured step (median), predicted step, the round's wall time (``round_time_s``:
@@ -14,8 +14,8 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 
 3. **Time to a target test accuracy, FedAvg against Sky** (``--only accuracy``): per
    fleet (``--fleets``: a straggler owner, a phone that cannot hold the model, a uniform
-   fleet; ``conf/fleet/*_owners*.yaml``), a FedAvg probe app (written to the work
-   directory: Flower's ``FedAvg`` on the example fedavg-app's model, data and test, each
+   fleet; ``conf/fleet/*_owners*.yaml``), a FedAvg probe app (``examples/fedavg-probe``,
+   assembled in the work directory by :func:`fedavg_probe`: Flower's ``FedAvg`` on the example fedavg-app's model, data and test, each
    SuperNode's emulated slowdown and link applied as Sky applies them, and an owner
    whose memory cap cannot hold the model's training memory trains nothing), once per
    local-epoch count of ``--fedavg-epochs``, and the sky-app on ``transport='stream'``
@@ -68,6 +68,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,74 +83,8 @@ from sky_flower.core.profile import LayerProfile
 from sky_flower.deploy import read_results, run_local
 from sky_flower.emulation.devices import Emulation
 
-SKY_APP = Path(__file__).resolve().parents[2] / "examples" / "sky-app"
-SIZES = (1024, 4 << 20)
-
-PROBE_TOML = """[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "hop-probe"
-version = "1.0.0"
-dependencies = ["flwr==1.42.0", "sky-flower"]
-
-[tool.setuptools]
-py-modules = ["hop_probe"]
-
-[tool.flwr.app]
-publisher = "sky-flower"
-
-[tool.flwr.app.components]
-serverapp = "hop_probe:server"
-clientapp = "hop_probe:client"
-
-[tool.flwr.app.config]
-results-path = ""
-repeats = 7
-"""
-
-PROBE_PY = '''"""Flower message vs stream hop, timed from the ServerApp (bench.deployment)."""
-import json, statistics, time
-import torch
-from flwr.app import ArrayRecord, Context
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from sky_flower.flower.exchange import Exchange
-from sky_flower.sky import protocol as P
-from sky_flower.sky.transport.channel import Endpoint
-from sky_flower.sky.node.client import SkyClient
-from sky_flower.sky.transport.runner import message
-from sky_flower.sky.transport.stream_probe import probe_link
-
-client = SkyClient(model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(1, 1)),
-                   load_data=lambda c: None).register(ClientApp())
-server = ServerApp()
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    repeats = int(context.run_config["repeats"])
-    while not list(grid.get_node_ids()):
-        time.sleep(0.5)
-    nid = sorted(grid.get_node_ids())[0]
-    ex = Exchange(grid, 120.0, poll_interval_s=0.01)
-    out = {"flower": {}, "stream": {}}
-    for size in SIZES:
-        times = []
-        for i in range(repeats + 1):
-            payload = ArrayRecord({"p": torch.zeros(size, dtype=torch.uint8)})
-            t0 = time.perf_counter()
-            ex.request([message(nid, P.ECHO, {P.PAYLOAD: payload}, "echo")])
-            if i:
-                times.append(time.perf_counter() - t0)
-        out["flower"][str(size)] = times
-    small, big = SIZES
-    fig = probe_link(ex, nid, lambda n: Endpoint(n), SIZES, 5 * repeats, extra=((big, big),))
-    out["stream"] = {str(small): fig.rtts[(small, small)], str(big): fig.rtts[(big, big)]}
-    with open(str(context.run_config["results-path"]), "w") as f:
-        json.dump(out, f)
-'''.replace("SIZES", repr(SIZES))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SKY_APP = EXAMPLES / "sky-app"
 
 
 def p90(values: list[float]) -> float:
@@ -160,11 +95,14 @@ def p90(values: list[float]) -> float:
 
 def hops(workdir: Path, fleet: str, repeats: int) -> dict[str, Any]:
     """Table 1's figures: per path and size, the round trips (s), median and p90."""
-    app = workdir / "hop-probe"
-    app.mkdir(parents=True, exist_ok=True)
-    (app / "pyproject.toml").write_text(PROBE_TOML.replace("repeats = 7", f"repeats = {repeats}"))
-    (app / "hop_probe.py").write_text(PROBE_PY)
-    _, _, res = run_local(app, fleet, workdir=workdir / "hops", timeout_s=900, echo=False)
+    _, _, res = run_local(
+        EXAMPLES / "hop-probe",
+        fleet,
+        run_config=f"repeats={repeats}",
+        workdir=workdir / "hops",
+        timeout_s=900,
+        echo=False,
+    )
     if not res or "flower" not in res:
         raise RuntimeError(f"the probe app wrote no figures: {res}")
     return {
@@ -206,148 +144,17 @@ def transports(
 
 
 # --- table 3: time to a target test accuracy, FedAvg against Sky -------------------------
-FEDAVG_APP = Path(__file__).resolve().parents[2] / "examples" / "fedavg-app"
+FEDAVG_APP = EXAMPLES / "fedavg-app"
 ACCURACY_FLEETS = ("straggler_owners4", "phone_owners4", "uniform_owners3")
 BATCH = 32  # the fedavg-app's batch size (task.train)
 
-FEDAVG_TOML = """[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
 
-[project]
-name = "fedavg-probe"
-version = "1.0.0"
-dependencies = ["flwr==1.42.0", "sky-flower"]
-
-[tool.setuptools]
-py-modules = ["fedavg_probe", "fedavg_task"]
-
-[tool.flwr.app]
-publisher = "sky-flower"
-
-[tool.flwr.app.components]
-serverapp = "fedavg_probe:server"
-clientapp = "fedavg_probe:client"
-
-[tool.flwr.app.config]
-num-server-rounds = 5
-lr = 0.003
-local-epochs = 1.0
-batch-size = 32
-min-nodes = 1
-results-path = ""
-"""
-
-FEDAVG_PY = '''"""FedAvg on emulated devices, timed per round (bench.deployment, table 3).
-
-fedavg_task.py is examples/fedavg-app's task.py (model, data, test), copied. Training is
-its loop (Adam, shuffled batches) with the node's emulation as Sky's stages apply it:
-sleep slowdown x each step's compute (Emulation.after_compute), and the link delay of the
-model both ways once per message. A node without data, or whose memory cap cannot hold
-the model's training memory (the server sends it: weights, gradients, Adam state and the
-batch's stashed activations), trains nothing: it replies 0 examples (no weight in FedAvg).
-"""
-import json, time
-import torch
-from torch import nn
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
-from sky_flower.app import emulation_from_node_config
-from sky_flower.bench.deployment import model_training_bytes
-from fedavg_task import Net, initial_weights, load_data, load_test, test
-
-client = ClientApp()
-server = ServerApp()
-
-
-def train_emulated(net, data, epochs, lr, batch, emu):
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    losses = []
-    for _ in range(max(1, round(epochs))):
-        for idx in torch.randperm(len(y)).split(batch):
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            emu.after_compute(time.perf_counter() - t0)
-            losses.append(loss.item())
-    return sum(losses) / len(losses)
-
-
-@client.train()
-def train(msg: Message, context: Context) -> Message:
-    emu = emulation_from_node_config(context.node_config)
-    cfg = msg.content["config"]
-    arrays, n, loss = msg.content["arrays"], 0, 0.0
-    if emu.holds_data and emu.memory_bytes() >= int(cfg["need-bytes"]):
-        model = Net()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        nc = context.node_config
-        data = load_data(int(nc["partition-id"]), int(nc["num-partitions"]))
-        loss = train_emulated(model, data, float(cfg["local-epochs"]), float(cfg["lr"]),
-                              int(cfg["batch-size"]), emu)
-        arrays, n = ArrayRecord(model.state_dict()), len(data)
-    time.sleep(emu.link_delay_s(2 * arrays.count_bytes()))
-    metrics = MetricRecord({"train_loss": loss, "num-examples": n})
-    return Message(content=RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
-
-
-class CountingFedAvg(FedAvg):
-    """FedAvg that records, per round, the examples and owners that trained."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.trained = {}
-
-    def aggregate_train(self, server_round, replies):
-        replies = list(replies)
-        ns = [int(m.content["metrics"]["num-examples"]) for m in replies if m.has_content()]
-        self.trained[server_round] = (sum(ns), sum(1 for n in ns if n > 0))
-        return super().aggregate_train(server_round, replies)
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    rounds, batch, k = int(cfg["num-server-rounds"]), int(cfg["batch-size"]), int(cfg["min-nodes"])
-    t_wait = time.perf_counter()
-    while len(list(grid.get_node_ids())) < k:  # every SuperNode, before round 1 (as Sky)
-        time.sleep(0.5)
-    wait_s = time.perf_counter() - t_wait
-    need = model_training_bytes(Net(), [64], batch)
-    test_set, marks = load_test(), {}
-
-    def evaluate(rnd, arrays):
-        t0 = time.perf_counter()
-        model = Net()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, acc = test(model, test_set)
-        marks[rnd] = (t0, time.perf_counter(), time.time())
-        return MetricRecord({"accuracy": acc, "loss": loss})
-
-    strategy = CountingFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=k,
-                              min_available_nodes=k)
-    config = ConfigRecord({"lr": float(cfg["lr"]), "local-epochs": float(cfg["local-epochs"]),
-                           "batch-size": batch, "need-bytes": need})
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_weights()),
-                            train_config=config, num_rounds=rounds, evaluate_fn=evaluate)
-    acc = {r: float(m["accuracy"]) for r, m in result.evaluate_metrics_serverapp.items()}
-    rows = [
-        {"round": r, "test_accuracy": acc.get(r), "round_time_s": marks[r][0] - marks[r - 1][1],
-         "evaluated_unix_s": marks[r][2],
-         "samples_trained": strategy.trained.get(r, (None, None))[0],
-         "owners_trained": strategy.trained.get(r, (None, None))[1]}
-        for r in range(1, rounds + 1) if r in marks
-    ]
-    out = {"initial_test_accuracy": acc.get(0), "rounds": rows, "need_bytes": need,
-           "node_wait_s": wait_s, "completed": len(rows) == rounds, "error": None}
-    with open(str(cfg["results-path"]), "w") as f:
-        json.dump(out, f, indent=1)
-'''
+def fedavg_probe(app: Path) -> Path:
+    """Assemble the FedAvg probe app (``examples/fedavg-probe``) in ``app``, with the
+    fedavg-app's ``task.py`` beside it as ``fedavg_task.py``; return ``app``."""
+    shutil.copytree(EXAMPLES / "fedavg-probe", app, dirs_exist_ok=True)
+    shutil.copy(FEDAVG_APP / "fedavg_app" / "task.py", app / "fedavg_task.py")
+    return app
 
 
 def training_bytes(layers: Sequence[LayerProfile], batch: int) -> float:
@@ -540,11 +347,7 @@ def accuracy(
     into ``out`` run by run (``save()`` after each)."""
     from sky_flower.app import load_fleet
 
-    app = workdir / "fedavg-probe"
-    app.mkdir(parents=True, exist_ok=True)
-    (app / "pyproject.toml").write_text(FEDAVG_TOML)
-    (app / "fedavg_probe.py").write_text(FEDAVG_PY)
-    (app / "fedavg_task.py").write_text((FEDAVG_APP / "fedavg_app" / "task.py").read_text())
+    app = fedavg_probe(workdir / "fedavg-probe")
     sys.path.insert(0, str(FEDAVG_APP))
     try:
         from fedavg_app.task import Net
@@ -938,7 +741,7 @@ def page(res: dict[str, Any]) -> str:
     parts = []
     if "hops" in res:
         h, rows = res["hops"], []
-        for size in (str(s) for s in SIZES):
+        for size in h["flower"]:
             f, s = h["flower"][size], h["stream"][size]
             label = f"{int(size) // 1024} KiB" if int(size) < 2**20 else f"{int(size) >> 20} MiB"
             rows.append(
