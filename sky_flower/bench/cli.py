@@ -1,0 +1,73 @@
+"""What the benchmarks' command lines share: a parser with ``--out`` (and ``--quick``),
+the grid defaults ``--quick`` picks for the flags not given, and the output directory's
+``results.json`` and ``table.md``. Each benchmark adds only its own flags."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sky_flower.jobs.common import write_json
+
+
+def parser(name: str, doc: str | None, quick: str | None = None) -> argparse.ArgumentParser:
+    """``python -m sky_flower.bench.<name>``'s parser, described by the first paragraph
+    of ``doc``, with ``--out`` (default ``outputs/bench_<name>_<time>``) and, where
+    ``quick`` (its help) is given, ``--quick``."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m sky_flower.bench.{name}",
+        description=(doc or "").split("\n\n")[0],
+    )
+    p.add_argument("--out", type=Path, default=None, help=f"default: outputs/bench_{name}_<time>")
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    return p
+
+
+def parse(
+    p: argparse.ArgumentParser,
+    argv: list[str] | None,
+    full: Mapping[str, Any] | None = None,
+    quick: Mapping[str, Any] | None = None,
+) -> argparse.Namespace:
+    """Parse ``argv``; every flag left at ``None`` that ``full`` (or, with ``--quick``,
+    ``quick``) names takes its value there; ``--out`` defaults to
+    ``outputs/bench_<name>_<time>``.
+
+    Exits with a usage error (status 2) when ``--out`` exists and is not a directory."""
+    args = p.parse_args(argv)
+    defaults(args, full, quick)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out: {args.out} exists and is not a directory")
+    if args.out is None:
+        name = p.prog.removeprefix("python -m sky_flower.bench.").replace(" --", "_")
+        args.out = Path("outputs") / f"bench_{name}_{time.strftime('%Y%m%d-%H%M%S')}"
+    return args
+
+
+def defaults(
+    args: argparse.Namespace,
+    full: Mapping[str, Any] | None,
+    quick: Mapping[str, Any] | None = None,
+) -> None:
+    """Set every flag of ``args`` still ``None`` that ``full`` (with ``--quick``: ``quick``)
+    names to its value there (a list copied)."""
+    for key, value in ((quick if getattr(args, "quick", False) else full) or {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def write(out: Path, text: str, results: Any) -> None:  # noqa: ANN401 - a JSON-able payload
+    """Write ``out/table.md`` (``text``) and ``out/results.json`` (``results``, strictly
+    valid JSON: :func:`sky_flower.jobs.common.write_json`); ``out`` is created."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    write_json(out / "results.json", results)
+
+
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags as JSON values (paths as text)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
