@@ -13,15 +13,18 @@ from typing import Any
 from sky_flower.jobs.common import write_json
 
 
-def parser(name: str, doc: str | None, quick: str | None = None) -> argparse.ArgumentParser:
+def parser(
+    name: str, doc: str | None, quick: str | None = None, out: bool = True
+) -> argparse.ArgumentParser:
     """``python -m sky_flower.bench.<name>``'s parser, described by the first paragraph
-    of ``doc``, with ``--out`` (default ``outputs/bench_<name>_<time>``) and, where
-    ``quick`` (its help) is given, ``--quick``."""
+    of ``doc``, with ``--out`` (unless ``out`` is false; :func:`out_dir` picks its
+    default) and, where ``quick`` (its help) is given, ``--quick``."""
     p = argparse.ArgumentParser(
         prog=f"python -m sky_flower.bench.{name}",
         description=(doc or "").split("\n\n")[0],
     )
-    p.add_argument("--out", type=Path, default=None, help=f"default: outputs/bench_{name}_<time>")
+    if out:
+        p.add_argument("--out", type=Path, help=f"default: outputs/bench_{name}_<time>")
     if quick is not None:
         p.add_argument("--quick", action="store_true", help=quick)
     return p
@@ -34,18 +37,22 @@ def parse(
     quick: Mapping[str, Any] | None = None,
 ) -> argparse.Namespace:
     """Parse ``argv``; every flag left at ``None`` that ``full`` (or, with ``--quick``,
-    ``quick``) names takes its value there; ``--out`` defaults to
-    ``outputs/bench_<name>_<time>``.
+    ``quick``) names takes its value there (:func:`defaults`).
 
     Exits with a usage error (status 2) when ``--out`` exists and is not a directory."""
     args = p.parse_args(argv)
     defaults(args, full, quick)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        p.error(f"--out: {args.out} exists and is not a directory")
-    if args.out is None:
-        name = p.prog.removeprefix("python -m sky_flower.bench.").replace(" --", "_")
-        args.out = Path("outputs") / f"bench_{name}_{time.strftime('%Y%m%d-%H%M%S')}"
+    out = getattr(args, "out", None)
+    if out is not None and out.exists() and not out.is_dir():
+        p.error(f"--out: {out} exists and is not a directory")
     return args
+
+
+def out_dir(out: Path | None, name: str) -> Path:
+    """``out`` (``--out``), else ``outputs/bench_<name>_<time>``; created."""
+    out = out or Path("outputs") / f"bench_{name}_{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def defaults(

@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return noise_main(argv[1:])
     args = parse_args(argv)
     torch.set_num_threads(1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)  # the plots go there as the grid runs
+    out = args.out = cli.out_dir(args.out, "decentralized")  # the plots go there as it runs
     model = FlatModel(args.hidden_width)
     train, test = load_split("digits", 0.2, args.seed)
     settings = [

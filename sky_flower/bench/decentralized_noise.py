@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ``--out``; print the table; return its rows."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = cli.out_dir(args.out, "decentralized_noise")
     model, t0 = FlatModel(args.hidden_width), time.time()
     table, everything = [], []
     grid = itertools.product(args.nodes, args.topologies, args.homogeneity, args.batch_sizes)

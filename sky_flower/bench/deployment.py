@@ -15,10 +15,11 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 3. **Time to a target test accuracy, FedAvg against Sky** (``--only accuracy``): per
    fleet (``--fleets``: a straggler owner, a phone that cannot hold the model, a uniform
    fleet; ``conf/fleet/*_owners*.yaml``), a FedAvg probe app (``examples/fedavg-probe``,
-   assembled in the work directory by :func:`fedavg_probe`: Flower's ``FedAvg`` on the example fedavg-app's model, data and test, each
-   SuperNode's emulated slowdown and link applied as Sky applies them, and an owner
-   whose memory cap cannot hold the model's training memory trains nothing), once per
-   local-epoch count of ``--fedavg-epochs``, and the sky-app on ``transport='stream'``
+   assembled in the work directory by :func:`fedavg_probe`: Flower's ``FedAvg`` on the
+   example fedavg-app's model, data and test, each SuperNode's emulated slowdown and
+   link applied as Sky applies them, and an owner whose memory cap cannot hold the
+   model's training memory trains nothing), once per local-epoch count of
+   ``--fedavg-epochs``, and the sky-app on ``transport='stream'``
    with stage sessions (``allocation=heuristic``, one local epoch), ``--rounds`` rounds
    each, Adam at ``--lr``, batch 32. The time to ``--target`` is counted **from the
    run's launch** (the launcher's start: SuperLink, SuperNodes, ``flwr run``, Sky's
