@@ -33,23 +33,28 @@ def text(
     align: str = "",
     sep: str = " ",
     rule: bool = False,
+    indent: str = "",
 ) -> str:
     """A plain-text table: each column as wide as its widest cell, columns joined by
     ``sep``, trailing spaces dropped (so a last, free-text column is not padded).
 
     ``align`` holds one letter per column, ``"l"`` (left) or ``"r"`` (right); columns
-    past its end are right-aligned. ``rule`` puts a line of dashes under the header."""
+    past its end are right-aligned. ``rule`` puts a line of dashes under the header;
+    ``indent`` starts every line."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(cells[0]))]
     align = align.ljust(len(widths), "r")
 
     def line(row: list[str]) -> str:
-        return sep.join(
-            c.ljust(w) if a == "l" else c.rjust(w)
-            for c, w, a in zip(row, widths, align, strict=False)
-        ).rstrip()
+        return (
+            indent
+            + sep.join(
+                c.ljust(w) if a == "l" else c.rjust(w)
+                for c, w, a in zip(row, widths, align, strict=False)
+            ).rstrip()
+        )
 
     lines = [line(r) for r in cells]
     if rule:
-        lines.insert(1, "-" * max(len(x) for x in lines))
+        lines.insert(1, indent + "-" * max(len(x) - len(indent) for x in lines))
     return "\n".join(lines)

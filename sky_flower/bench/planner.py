@@ -25,7 +25,6 @@ entries (:func:`sky_flower.core.bert.bert_layer_profiles`) on its emulated fleet
 from __future__ import annotations
 
 import argparse
-import textwrap
 import time
 
 from sky_flower import tables
@@ -65,7 +64,7 @@ def _plan(cost: CostModel, method: str, objective: str, limit: float) -> Plan | 
 
 def show(head: list[str], rows: list[list[object]], align: str = "l") -> None:
     """Print a section's table, indented under its title (``align``: :func:`tables.text`'s)."""
-    print(textwrap.indent(tables.text(head, rows, align=align, sep="  "), "   "))
+    print(tables.text(head, rows, align=align, sep="  ", indent="   "))
 
 
 def steady_state() -> None:

@@ -15,7 +15,6 @@ may refuse, it ignores memory), and the median and worst solve time.
 
 from __future__ import annotations
 
-import textwrap
 import time
 
 import numpy as np
@@ -121,8 +120,8 @@ def random_fleets(quick: bool, limit: float = 60.0) -> None:
             rows += found
             notes.append(f"{label}, {objective}: {note}")
     head = ["set", "objective", "method", "optimal", "worst", "mean", "refus", "accep"]
-    table = tables.text([*head, "median s", "max s"], rows, align="lll", sep="  ")
-    print(textwrap.indent("\n".join([table, *notes]), "   "))
+    print(tables.text([*head, "median s", "max s"], rows, align="lll", sep="  ", indent="   "))
+    print("\n".join(f"   {note}" for note in notes))
 
 
 def _rows(objective: str, label: str, insts: list, limit: float) -> tuple[list[list], str]:
