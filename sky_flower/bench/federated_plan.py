@@ -115,7 +115,7 @@ def owners_sweep(args: argparse.Namespace) -> None:
         fedavg = tables.num(ref.fedavg_round_time_s, ".1f", " s", missing="infeasible")
         notes.append(f"   {owners} owners: bound {ref.lower_bound_s:.1f} s, FedAvg {fedavg}")
     head = ["owners", "method", "round s", "/bound", "plan s", "proven", "waits", "idle"]
-    print(tables.text(head, rows, align="rll", sep="  ", indent="   "))
+    print(tables.text(head, rows, align="rl", sep="  ", indent="   "))
     print("\n".join(notes))
 
 
