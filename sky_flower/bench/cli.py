@@ -5,6 +5,7 @@ the grid defaults ``--quick`` picks for the flags not given, and the output dire
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,6 +74,22 @@ def write(out: Path, text: str, results: Any) -> None:  # noqa: ANN401 - a JSON-
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text + "\n")
     write_json(out / "results.json", results)
+
+
+def commit() -> str:
+    """This checkout's short commit (``"unknown"`` outside a git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:

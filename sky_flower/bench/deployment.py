@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.core.profile import LayerProfile
 from sky_flower.deploy import read_results, run_local
 from sky_flower.emulation.devices import Emulation
@@ -816,9 +817,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = cli.commit()
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit,
