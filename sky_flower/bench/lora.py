@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,8 +52,9 @@ import torch
 from sky_flower import tables
 from sky_flower.bench import cli
 from sky_flower.bench.models import machine, stage_rows
+from sky_flower.bench.zoo import EXAMPLES, example_module
 
-APP = Path(__file__).resolve().parents[2] / "examples" / "lora-app"
+APP = EXAMPLES / "lora-app"
 RUNS = (  # (name, lora rank (0: full fine-tuning), fleet)
     ("LoRA r=4", 4, "lora4"),
     ("full fine-tuning", 0, "lora4"),
@@ -66,11 +66,7 @@ MIB = 2**20
 
 def app_task() -> Any:  # noqa: ANN401 - the example app's task module
     """``examples/lora-app``'s ``lora_app.task``."""
-    if str(APP) not in sys.path:
-        sys.path.insert(0, str(APP))
-    from lora_app import task
-
-    return task
+    return example_module("lora-app", "lora_app.task")
 
 
 def run_config(fleet: str, rounds: int, steps: int, results: Path) -> dict[str, Any]:
