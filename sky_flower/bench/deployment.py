@@ -75,17 +75,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sky_flower import tables
 from sky_flower.bench import cli
+from sky_flower.bench.zoo import EXAMPLES, example_module
 from sky_flower.core.profile import LayerProfile
 from sky_flower.deploy import read_results, run_local
 from sky_flower.emulation.devices import Emulation
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SKY_APP = EXAMPLES / "sky-app"
 
 
@@ -268,27 +268,34 @@ def log_marks(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def stamped(workdir: Path) -> Iterator[tuple[TimedLines, dict[str, Any]]]:
+    """A run's log sink, every line stamped from now (``run.timed.log`` in ``workdir``),
+    and its marks, filled when the block ends: :func:`log_marks` with ``launch_unix_s``,
+    ``run_wall_s`` and ``load_avg`` (1-min load at the start and end)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    sink, marks = TimedLines(t0, workdir / "run.timed.log"), {}
+    try:
+        yield sink, marks
+    finally:
+        sink.close()
+        marks.update(log_marks(sink.lines), launch_unix_s=t0, run_wall_s=time.time() - t0)
+        marks["load_avg"] = [load0, os.getloadavg()[0]]
+
+
 def timed_run(
     app: Path, fleet: str, workdir: Path, timeout_s: float, **kw: Any
 ) -> tuple[dict[str, Any] | None, dict[str, Any], str | None]:
-    """``run_local`` with every log line stamped from the launch (``run.timed.log`` in
-    ``workdir``): the run's ``results.json``, its :func:`log_marks` with ``run_wall_s``
-    and ``load_avg`` (1-min load at the start and end), and the error that ended it."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    t0, load0 = time.time(), os.getloadavg()[0]
-    sink, res, err = TimedLines(t0, workdir / "run.timed.log"), None, None
-    try:
-        with contextlib.redirect_stdout(sink):
+    """``run_local`` with every log line stamped from the launch (:func:`stamped`): the
+    run's ``results.json``, its marks and the error that ended it."""
+    res, err = None, None
+    with stamped(workdir) as (sink, marks), contextlib.redirect_stdout(sink):
+        try:
             _, _, res = run_local(app, fleet, workdir=workdir, timeout_s=timeout_s, **kw)
-    except Exception as e:  # noqa: BLE001 - recorded in the table
-        err = f"{type(e).__name__}: {e}"[:300]
-        res = read_results(workdir / "results.json")  # what it wrote before it failed
-    finally:
-        sink.close()
-    marks = log_marks(sink.lines)
-    marks["launch_unix_s"] = t0
-    marks["run_wall_s"] = time.time() - t0
-    marks["load_avg"] = [load0, os.getloadavg()[0]]
+        except Exception as e:  # noqa: BLE001 - recorded in the table
+            err = f"{type(e).__name__}: {e}"[:300]
+            res = read_results(workdir / "results.json")  # what it wrote before it failed
     return res, marks, err
 
 
@@ -350,13 +357,8 @@ def accuracy(
     from sky_flower.app import load_fleet
 
     app = fedavg_probe(workdir / "fedavg-probe")
-    sys.path.insert(0, str(FEDAVG_APP))
-    try:
-        from fedavg_app.task import Net
-
-        need = model_training_bytes(Net(), [64], BATCH)
-    finally:
-        sys.path.remove(str(FEDAVG_APP))
+    net = example_module("fedavg-app", "fedavg_app.task").Net()
+    need = model_training_bytes(net, [64], BATCH)
     common = f"num-server-rounds={rounds} lr={lr} batch-size={BATCH}"
     sky = (
         f"{common} local-epochs=1.0 allocation='heuristic' transport='stream' "
@@ -516,43 +518,38 @@ def hydra_job(
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "sky_flower.run", *overrides, f"hydra.run.dir={workdir}"]
     (workdir / "job.cmd").write_text(" ".join(cmd) + "\n")
-    t0, load0 = time.time(), os.getloadavg()[0]
-    sink, err = TimedLines(t0, workdir / "run.timed.log"), None
-    proc = subprocess.Popen(
-        cmd,
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    err = None
+    with stamped(workdir) as (sink, marks):
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sink.write(line)
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sink.write(line)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=timeout_s)
-        if code != 0:
-            err = f"python -m sky_flower.run exited with code {code} (see run.timed.log)"
-    except subprocess.TimeoutExpired:
-        err = f"the Hydra job did not finish within {timeout_s:g} s"
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
-            for q in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    q.kill()
-        proc.wait(timeout=30)
-    reader.join(timeout=30)
-    sink.close()
-    marks = log_marks(sink.lines)
-    marks["launch_unix_s"] = t0
-    marks["run_wall_s"] = time.time() - t0
-    marks["load_avg"] = [load0, os.getloadavg()[0]]
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+            if code != 0:
+                err = f"python -m sky_flower.run exited with code {code} (see run.timed.log)"
+        except subprocess.TimeoutExpired:
+            err = f"the Hydra job did not finish within {timeout_s:g} s"
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+                for q in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        q.kill()
+            proc.wait(timeout=30)
+        reader.join(timeout=30)
     return read_results(workdir / "results.json"), marks, err
 
 
