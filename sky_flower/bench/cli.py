@@ -5,11 +5,14 @@ the grid defaults ``--quick`` picks for the flags not given, and the output dire
 from __future__ import annotations
 
 import argparse
+import platform
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from sky_flower.jobs.common import write_json
 
@@ -90,6 +93,34 @@ def commit() -> str:
     except OSError:
         return "unknown"
     return done.stdout.strip() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and logical cores, torch threads, Python, torch and transformers
+    versions."""
+    from sky_flower.pipeline.device import cpu_name
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover - the hf extra is installed here
+        tf_version = "not installed"
+    return {
+        "cpu": cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+    }
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """:func:`machine` as the line a benchmark prints first."""
+    return (
+        f"Machine: {info['cpu']}, torch on {info['torch_threads']} thread(s), Python "
+        f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}"
+    )
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:

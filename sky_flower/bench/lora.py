@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sky_flower import tables
 from sky_flower.bench import cli
-from sky_flower.bench.models import machine, stage_rows
+from sky_flower.bench.models import stage_rows
 from sky_flower.bench.zoo import EXAMPLES, example_module
 
 APP = EXAMPLES / "lora-app"
@@ -227,11 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.parse(parser, argv)
     out = cli.out_dir(args.out, "lora")
     os.environ.setdefault("SKY_FLOWER_CACHE", str(out / "cache"))  # the app's base model
-    info = machine()
-    print(
-        f"Machine: {info['cpu']}, torch on {torch.get_num_threads()} thread(s), "
-        f"Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}"
-    )
+    info = cli.machine()
+    print(cli.machine_line(info))
     print(f"{args.rounds} round(s) of {args.steps} steps per run, in process (relay)")
     t_start = time.perf_counter()
     rows = []

@@ -61,7 +61,6 @@ full per-cut byte lists, the plans, the losses) into ``--out`` (default
 from __future__ import annotations
 
 import copy
-import platform
 import time
 import warnings
 from collections.abc import Callable
@@ -107,26 +106,6 @@ ERROR_CHARS = 420  # of an error's text in the table (results.json keeps all of 
 # --------------------------------------------------------------------------------------
 # the machine, the data
 # --------------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    """CPU model and logical cores, torch threads, Python, torch and transformers
-    versions."""
-    from sky_flower.pipeline.device import cpu_name
-
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:  # pragma: no cover - the hf extra is installed here
-        tf_version = "not installed"
-    return {
-        "cpu": cpu_name(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-    }
-
-
 def objective(model: ZooModel) -> tuple[Callable | None, Callable | None]:
     """``(loss_fn, metric_fn)`` for :func:`run_split_step` (None: cross-entropy and
     correct predictions, the defaults)."""
@@ -473,12 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     # one thread, as tests/reference.py trains: tiny models gain nothing from a second
     torch.set_num_threads(1)
-    info = machine()
-    print(
-        f"Machine: {info['cpu']}, torch on {info['torch_threads']} "
-        f"thread, Python {info['python']}, "
-        f"torch {info['torch']}, transformers {info['transformers']}"
-    )
+    info = cli.machine()
+    print(cli.machine_line(info))
     print(fleet_line())
     t_start = time.perf_counter()
     rows = []
