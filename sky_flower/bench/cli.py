@@ -1,6 +1,7 @@
 """What the benchmarks' command lines share: a parser with ``--out`` (and ``--quick``),
-the grid defaults ``--quick`` picks for the flags not given, and the output directory's
-``results.json`` and ``table.md``. Each benchmark adds only its own flags."""
+the grid defaults ``--quick`` picks for the flags not given, the output directory's
+``results.json`` and ``table.md``, and the machine and commit a page names. Each
+benchmark adds only its own flags."""
 
 from __future__ import annotations
 
