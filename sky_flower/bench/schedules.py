@@ -32,6 +32,7 @@ import torch
 
 from sky_flower import tables
 from sky_flower.bench import cli
+from sky_flower.bench.transport import even_bounds
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.profile import NodeProfile, profile_layers, time_layers
 from sky_flower.core.schedule import DIRECT_KINDS, predict
@@ -40,16 +41,6 @@ from sky_flower.pipeline.models import build_model
 
 S, M, BATCH, CHUNKS = 4, 8, 64, 2
 SLOWDOWNS = (1.0, 0.0, 1.0, 0.0)  # x2, x1, x2, x1
-
-
-def even_stages(num_layers: int, stages: int) -> list[tuple[int, int, int]]:
-    """``(node, first, last)``: ``num_layers`` layers evenly over ``stages`` nodes."""
-    counts = [num_layers // stages + (1 if i < num_layers % stages else 0) for i in range(stages)]
-    out, a = [], 0
-    for i, c in enumerate(counts):
-        out.append((i, a, a + c - 1))
-        a += c
-    return out
 
 
 def cost_model(model_cfg: dict, kind: str) -> CostModel:
@@ -107,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = cli.parse(ap, argv)
     model_cfg = {"name": "mlp", "in_features": 64, "hidden_width": args.width, "hidden_layers": 8}
     cost = cost_model(model_cfg, "gpipe")
-    plan = even_stages(cost.num_layers, S)
+    plan = [(i, a, b) for i, (a, b) in enumerate(even_bounds(cost.num_layers, S))]
     rows = []
     for kind in DIRECT_KINDS:
         pred = predict(cost, plan, kind, CHUNKS)

@@ -47,9 +47,10 @@ import torch
 from sky_flower import tables
 from sky_flower.bench import cli
 from sky_flower.emulation.devices import Emulation
-from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
+from sky_flower.pipeline.data import load_split, owner_partition
 from sky_flower.pipeline.direct import run_local
 from sky_flower.pipeline.models import build_model
+from sky_flower.pipeline.stage import step_batch
 from sky_flower.tables import num
 
 MODELS = {
@@ -81,14 +82,7 @@ def owner_batches(steps: int, rnd: int = 1, seed: int = 0) -> list[tuple[Any, An
     """The data owner's first ``steps`` batches of round ``rnd`` (as the client draws them)."""
     train, _ = load_split("digits", 0.2, seed)
     data = owner_partition(train, 0, 1, seed)
-    per_epoch = len(data) // BATCH
-    out = []
-    for step in range(steps):
-        idx = batch_indices(len(data), BATCH, rnd * 1000 + step // per_epoch, seed)[
-            step % per_epoch
-        ]
-        out.append((torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])))
-    return out
+    return [step_batch(data, BATCH, rnd, seed, step) for step in range(steps)]
 
 
 def time_unsplit(model_cfg: dict, M: int, steps: int) -> float:
