@@ -310,8 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         plot(s, curves, args.target_loss, out / f"{s.label()}.png")
         table.append(row)
         print(format_row(row, args.algorithms, args.rounds), flush=True)
-    # strictly valid JSON: a diverged run's NaN losses as null, listed under "nonfinite"
     md = markdown_table(table, args.algorithms, args.rounds, args.target_loss)
+    # strictly valid JSON: a diverged run's NaN losses as null, listed under "nonfinite"
     cli.write(out, md, {"args": cli.args_json(args), "runs": everything})
     write_csv(table, out / "table.csv", list(table[0]))
     print("\n" + md)
