@@ -205,8 +205,11 @@ def _f(v: Any, sd: Any = None, fmt: str = "{:.1f}") -> str:
 def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
     """The table (mean ± sample sd over seeds) and the comparison with the paper."""
 
-    def scaled(v: float | None, k: float) -> float | None:
-        return None if v is None else k * v
+    def mb(v: float | None) -> float | None:
+        return None if v is None else v / 1e6
+
+    def pct(v: float | None) -> float | None:
+        return None if v is None else 100 * v
 
     cells = []
     for r in rows:
@@ -216,14 +219,14 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
                 f"{r['reached']}/{r['seeds']}",
                 _f(r["time_to_target_s"], r["time_to_target_s_sd"]),
                 _f(r["updates_sent_total"], r["updates_sent_total_sd"], "{:.0f}"),
-                _f(scaled(r["bytes_sent"], 1e-6), scaled(r["bytes_sent_sd"], 1e-6), "{:.2f}"),
+                _f(mb(r["bytes_sent"]), mb(r["bytes_sent_sd"]), "{:.2f}"),
                 _f(r["worker_rounds"], r["worker_rounds_sd"], "{:.0f}"),
                 f"{_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
                 f" ({_f(r['min_rounds_per_worker'])})",
-                _f(scaled(r["minor_share"], 100), None, "{:.1f}%"),
+                _f(pct(r["minor_share"]), None, "{:.1f}%"),
                 _f(r["final_test_accuracy"], r["final_test_accuracy_sd"], "{:.3f}"),
                 _f(r["time_to_0.9_s"], r["time_to_0.9_s_sd"]),
-                _f(scaled(r["raised_after_0.9"], 100), None, "{:.0f}%"),
+                _f(pct(r["raised_after_0.9"]), None, "{:.0f}%"),
             ]
             + ([f"error: {r['error'][:160]}"] if r["error"] else [])
         )
@@ -231,17 +234,18 @@ def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
     head += ["worker rounds", "rounds per worker (fewest)", "minor rounds", "final test acc"]
     head += ["time to 0.9 (s)", "merges raising the test loss after 0.9"]
     lines = [note, "", tables.markdown(head, cells)]
-    sv = cmp["comm_saving_vs_ssp"]
-    sv_sd = None if cmp["saving_sd"] is None else 100 * cmp["saving_sd"]
+    speedup = _f(cmp["speedup_vs_bsp"], cmp["speedup_sd"], "{:.2f}")
+    saving = _f(pct(cmp["comm_saving_vs_ssp"]), pct(cmp["saving_sd"]))
+    paper = [
+        ["Hermes training time vs BSP", f"{speedup}x less ({cmp['speedup_n']} seeds)"]
+        + [f"up to {PAPER['speedup_vs_bsp']}x less"],
+        ["Hermes communication vs SSP", f"{saving}% less ({cmp['saving_n']} seeds)"]
+        + [f"{100 * PAPER['comm_saving_vs_ssp']:.1f}% less"],
+    ]
+    head = ["figure", "ours (mean ± sd over seeds)", "paper (arXiv 2410.20495)"]
     lines += [
         "",
-        "| figure | ours (mean ± sd over seeds) | paper (arXiv 2410.20495) |",
-        "|---|---|---|",
-        f"| Hermes training time vs BSP | "
-        f"{_f(cmp['speedup_vs_bsp'], cmp['speedup_sd'], '{:.2f}')}x less "
-        f"({cmp['speedup_n']} seeds) | up to {PAPER['speedup_vs_bsp']}x less |",
-        f"| Hermes communication vs SSP | {_f(None if sv is None else 100 * sv, sv_sd)}% less "
-        f"({cmp['saving_n']} seeds) | {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
+        tables.markdown(head, paper),
         "",
         "Per seed: speed-up vs BSP "
         + (", ".join(f"{x:.2f}x" for x in cmp["speedups"]) or "-")
