@@ -22,6 +22,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from sky_flower import tables
+
 COLUMNS = [
     "job",
     "allocation",
@@ -58,34 +60,33 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Rows as a text table."""
+    """Rows as a text table (a failed job's error after its row)."""
 
-    def fmt(v: Any) -> str:
-        return f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))
+    def fmt(v: Any) -> str:  # noqa: ANN401 - a JSON value
+        return tables.num(v, ".4f") if isinstance(v, float) else tables.num(v, "")
 
-    head = (
-        f"{'job':>4}  {'allocation':<10} {'fleet':<9} {'predicted s':>11} "
-        f"{'measured s':>10} {'bound s':>8} {'test acc':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['job']:>4}  {fmt(r['allocation']):<10} {fmt(r['fleet']):<9} "
-            f"{fmt(r['predicted_step_time_s']):>11} {fmt(r['measured_step_time_s']):>10} "
-            f"{fmt(r['lower_bound_s']):>8} {fmt(r['final_test_accuracy']):>8}"
-            + (f"  error: {r['error'][:80]}" if r["error"] else "")
-        )
-    return "\n".join(lines)
+    head = ["job", "allocation", "fleet", "predicted s", "measured s", "bound s", "test acc"]
+    cells = [
+        [fmt(r[k]) for k in ("job", *COLUMNS[1:-1])]
+        + ([f" error: {r['error'][:80]}"] if r["error"] else [])
+        for r in rows
+    ]
+    return tables.text([*head, ""], cells, align="rll" + "r" * 4 + "l", rule=True)
 
 
 def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
     """Collect the jobs of ``sweep_dir``, write them to its ``summary.csv``, return them."""
     rows = collect(sweep_dir)
-    with open(sweep_dir / "summary.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+    write_csv(rows, sweep_dir / "summary.csv", COLUMNS)
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> None:
+    """Write ``rows`` (dicts with ``columns``) as CSV."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    return rows
 
 
 def finish_sweep(

@@ -20,7 +20,6 @@ config, a crash) makes the sweep exit 1.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from sky_flower.compare import finish_sweep, sweep_cli
+from sky_flower.compare import finish_sweep, sweep_cli, write_csv
 from sky_flower.jobs.plan import ROW_FILE
 
 COLUMNS = [
@@ -75,14 +74,6 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         row = json.loads(row_file.read_text())
         rows.append({"job": row_file.parent.name, **{k: row.get(k) for k in COLUMNS[1:]}})
     return rows
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write ``rows`` as CSV with :data:`COLUMNS`."""
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def _value(row: dict[str, Any]) -> float | None:
@@ -185,7 +176,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 def summarise(sweep_dir: Path) -> list[dict[str, Any]]:
     """Collect ``sweep_dir``'s jobs into ``plan_sweep.csv`` and ``plan_sweep.png``."""
     rows = collect(sweep_dir)
-    write_csv(rows, sweep_dir / "plan_sweep.csv")
+    write_csv(rows, sweep_dir / "plan_sweep.csv", COLUMNS)
     plot(rows, sweep_dir / "plan_sweep.png")
     return rows
 

@@ -201,3 +201,23 @@ def test_session_summary_sets_round_one_apart_from_the_steady_state():
 def test_session_summary_of_a_run_without_rounds():
     s = session_summary([])
     assert s["round1_s"] is None and s["steady_round_s"] is None and s["steady_rounds"] == 0
+
+
+def test_the_probe_apps_import_as_flower_apps(tmp_path, monkeypatch):
+    """The bench's two apps (``examples/hop-probe``; ``examples/fedavg-probe`` as
+    :func:`fedavg_probe` assembles it) load the way ``flwr run`` loads them: their
+    pyproject's components name a ServerApp and a ClientApp."""
+    import importlib
+    import tomllib
+
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from sky_flower.bench.deployment import EXAMPLES, fedavg_probe
+
+    for app in (EXAMPLES / "hop-probe", fedavg_probe(tmp_path / "fedavg-probe")):
+        monkeypatch.syspath_prepend(str(app))
+        components = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+        for key, cls in (("serverapp", ServerApp), ("clientapp", ClientApp)):
+            module, name = components["components"][key].split(":")
+            assert isinstance(getattr(importlib.import_module(module), name), cls), (app, key)

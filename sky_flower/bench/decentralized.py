@@ -24,7 +24,6 @@ and test accuracy against communication rounds).
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import math
 import sys
@@ -35,11 +34,13 @@ from typing import Any
 
 import torch
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.bench.decentralized_fast import simulate
+from sky_flower.compare import write_csv
 from sky_flower.gossip.algorithms import ALGORITHMS, make_algorithm
 from sky_flower.gossip.matrices import TOPOLOGIES, gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
-from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.data import load_split
 
 
@@ -131,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's argument parser; the grid flags default to None, filled in by
     :func:`parse_args` from :data:`FULL_DEFAULTS` or :data:`QUICK_DEFAULTS`."""
     full, quick = FULL_DEFAULTS, QUICK_DEFAULTS
-    p = argparse.ArgumentParser(prog="python -m sky_flower.bench.decentralized")
+    p = cli.parser(
+        "decentralized",
+        None,
+        quick="the small grid for the flags not given: X 0, 100; gaps 1, 0.05; 150 rounds; lr 0.4",
+    )
     p.add_argument("--nodes", type=int, nargs="+", default=[8], help=">= 2 each (default: 8)")
     p.add_argument(
         "--homogeneity",
@@ -175,12 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-loss", type=float, default=0.5, help="> 0 (default: 0.5)")
     p.add_argument("--phase-rounds", type=int, default=0, help="DeTAG's R (0: 1/sqrt(gap))")
     p.add_argument("--seed", type=int, default=0, help=">= 0 (default: 0)")
-    p.add_argument("--out", type=Path, default=None, help="default: outputs/bench_<time>")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="the small grid for the flags not given: X 0, 100; gaps 1, 0.05; 150 rounds; lr 0.4",
-    )
     return p
 
 
@@ -192,16 +191,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     matrix with ``lambda_min <= -1/3``, a batch larger than a node's data).
     """
     p = build_parser()
-    args = p.parse_args(argv)
+    args = cli.parse(p, argv)
     if args.gaps is None and args.topology != "complete":
         args.gaps = [None]  # the sparse topology's own gap
-    for key, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, list(value) if isinstance(value, list) else value)
+    cli.defaults(args, FULL_DEFAULTS, QUICK_DEFAULTS)
     _check_values(p, args)
     _check_grid(p, args)
-    if args.out is None:
-        args.out = Path("outputs") / time.strftime("bench_%Y-%m-%d_%H-%M-%S")
     return args
 
 
@@ -230,8 +225,6 @@ def _check_values(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--phase-rounds: must be >= 0 (0: automatic), got {args.phase_rounds}")
     if args.seed < 0:
         p.error(f"--seed: must be >= 0, got {args.seed}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        p.error(f"--out: {args.out} exists and is not a directory")
 
 
 def _check_grid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -277,8 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return noise_main(argv[1:])
     args = parse_args(argv)
     torch.set_num_threads(1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out = cli.out_dir(args.out, "decentralized")  # the plots go there as it runs
     model = FlatModel(args.hidden_width)
     train, test = load_split("digits", 0.2, args.seed)
     settings = [
@@ -318,14 +310,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         plot(s, curves, args.target_loss, out / f"{s.label()}.png")
         table.append(row)
         print(format_row(row, args.algorithms, args.rounds), flush=True)
-    # strictly valid JSON: a diverged run's NaN losses as null, listed under "nonfinite"
-    write_json(out / "results.json", {"args": _jsonable(vars(args)), "runs": everything})
-    with open(out / "table.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
     md = markdown_table(table, args.algorithms, args.rounds, args.target_loss)
-    (out / "table.md").write_text(md + "\n")
+    # strictly valid JSON: a diverged run's NaN losses as null, listed under "nonfinite"
+    cli.write(out, md, {"args": cli.args_json(args), "runs": everything})
+    write_csv(table, out / "table.csv", list(table[0]))
     print("\n" + md)
     print(f"\n{len(everything)} runs in {time.time() - t0:.0f} s; outputs in {out}")
     return table
@@ -355,33 +343,24 @@ def markdown_table(
     table: list[dict[str, Any]], algorithms: list[str], limit: int, target: float
 ) -> str:
     """Rounds to the target loss (and final loss) per setting and algorithm."""
-    head = "| nodes | X (%) | gap | " + " | ".join(algorithms) + " | fastest |"
-    lines = [
+    rows = []
+    for row in table:
+        hits = {a: row[f"{a}_rounds"] for a in algorithms if row[f"{a}_rounds"] is not None}
+        gap = row["spectral_gap"]
+        rows.append(
+            [row["nodes"], f"{row['homogeneity']:g}", gap if gap else "topology"]
+            + [
+                f"{_cell(row[f'{a}_rounds'], limit)} ({_loss(row[f'{a}_final_loss'])})"
+                for a in algorithms
+            ]
+            + [", ".join(a for a in hits if hits[a] == min(hits.values())) if hits else "-"]
+        )
+    return (
         f"Communication rounds to reach training loss {target:g} (final loss after {limit} "
         "rounds in brackets; the best of the step sizes tried; diverged: the loss blew up "
-        "(inf/nan) and the run stopped)",
-        "",
-        head,
-        "|" + "---|" * (len(algorithms) + 4),
-    ]
-    for row in table:
-        cells = [
-            f"{_cell(row[f'{a}_rounds'], limit)} ({_loss(row[f'{a}_final_loss'])})"
-            for a in algorithms
-        ]
-        hits = {a: row[f"{a}_rounds"] for a in algorithms if row[f"{a}_rounds"] is not None}
-        fastest = ", ".join(a for a in hits if hits[a] == min(hits.values())) if hits else "-"
-        gap = row["spectral_gap"]
-        lines.append(
-            f"| {row['nodes']} | {row['homogeneity']:g} | {gap if gap else 'topology'} | "
-            + " | ".join(cells)
-            + f" | {fastest} |"
-        )
-    return "\n".join(lines)
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+        "(inf/nan) and the run stopped)\n\n"
+        + tables.markdown(["nodes", "X (%)", "gap", *algorithms, "fastest"], rows)
+    )
 
 
 if __name__ == "__main__":

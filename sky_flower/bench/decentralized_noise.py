@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from scipy import stats
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.bench.decentralized_fast import simulate
 from sky_flower.gossip.algorithms import ALGORITHMS, PHASE_RULES, DeTAG, make_algorithm
 from sky_flower.gossip.matrices import GossipMatrix, gossip_matrix
 from sky_flower.gossip.training import FlatModel, node_splits
-from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.data import load_split
 
 VECTORS_SENT = {"dpsgd": 1, "d2": 1, "dsgt": 2, "detag": 2}
@@ -219,39 +220,33 @@ def _ci(s: dict[str, float], digits: int = 3) -> str:
 def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """One line per setting and algorithm: lr, R, final loss and accuracy, accuracy at
     D-PSGD's byte budget; each ``mean ± 95 % CI half-width [min, max]`` over seeds."""
-    lines = [
-        f"{len(args.seeds)} seeds, {args.rounds} gossip rounds; mean ± 95 % CI half-width "
-        "[min, max] over seeds; equal bytes: at the bytes D-PSGD sends in all its rounds",
-        "",
-        "| nodes | topology (gap) | X % | batch | algorithm | lr | R | final loss "
-        "| final test acc | test acc at equal bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for t in table:
-        head = (
-            f"| {t['nodes']} | {t['topology']} ({t['gap']:.3f}) | {t['homogeneity']:g} "
-            f"| {t['batch']} "
-        )
+        setting = [t["nodes"], f"{t['topology']} ({t['gap']:.3f})", f"{t['homogeneity']:g}"]
         for name, c in t["cells"].items():
             if "refused" in c:
-                lines.append(head + f"| {name} | refused: {c['refused']} | | | | |")
+                rows.append(
+                    [*setting, t["batch"], name, f"refused: {c['refused']}", "", "", "", ""]
+                )
                 continue
-            lines.append(
-                head + f"| {name} | {c['lr']:g} | {c['R']} | {_ci(c['loss'])} | "
-                f"{_ci(c['acc'])} | {_ci(c['acc_at_bytes'])} |"
-            )
-    if args.checkpoints:
-        lines += ["", checkpoint_markdown(table, args.checkpoints)]
-    return "\n".join(lines)
+            cis = [_ci(c["loss"]), _ci(c["acc"]), _ci(c["acc_at_bytes"])]
+            rows.append([*setting, t["batch"], name, f"{c['lr']:g}", c["R"], *cis])
+    head = ["nodes", "topology (gap)", "X %", "batch", "algorithm", "lr", "R", "final loss"]
+    text = (
+        f"{len(args.seeds)} seeds, {args.rounds} gossip rounds; mean ± 95 % CI half-width "
+        "[min, max] over seeds; equal bytes: at the bytes D-PSGD sends in all its rounds\n\n"
+        + tables.markdown([*head, "final test acc", "test acc at equal bytes"], rows)
+    )
+    return text + (
+        "\n\n" + checkpoint_markdown(table, args.checkpoints) if args.checkpoints else ""
+    )
 
 
 def checkpoint_markdown(table: list[dict[str, Any]], checkpoints: list[int]) -> str:
     """Training loss (averaged model) at each of ``checkpoints`` gossip rounds, one line
     per setting and algorithm, ``mean ± 95 % CI half-width`` over seeds; then the
     first-seed loss of every step size tried (the tuning)."""
-    head = "| setting | algorithm | lr | " + " | ".join(f"loss @ {c}" for c in checkpoints)
-    lines = [head + " | tuning (seed 0 final loss by lr) |"]
-    lines.append("|---|---|---|" + "---|" * len(checkpoints) + "---|")
+    rows = []
     for t in table:
         setting = f"{t['nodes']} {t['topology']} X{t['homogeneity']:g} b{t['batch']}"
         for name, c in t["cells"].items():
@@ -263,9 +258,9 @@ def checkpoint_markdown(table: list[dict[str, Any]], checkpoints: list[int]) -> 
                 half = (st["ci_hi"] - st["ci_lo"]) / 2.0
                 cps.append(f"{st['mean']:.3f} ± {half:.3f}" if math.isfinite(st["mean"]) else "-")
             tune = ", ".join(f"{k}: {v:.3f}" for k, v in c["tuning"].items())
-            row = f"| {setting} | {name} | {c['lr']:g} | " + " | ".join(cps)
-            lines.append(row + f" | {tune} |")
-    return "\n".join(lines)
+            rows.append([setting, name, f"{c['lr']:g}", *cps, tune])
+    head = ["setting", "algorithm", "lr", *(f"loss @ {c}" for c in checkpoints)]
+    return tables.markdown([*head, "tuning (seed 0 final loss by lr)"], rows)
 
 
 FULL = {"rounds": 200, "nodes": [16, 32], "batch_sizes": [1, 4], "lrs": [0.1, 0.2, 0.4]}
@@ -275,7 +270,7 @@ QUICK = {"rounds": 60, "nodes": [16], "batch_sizes": [2], "lrs": [0.2]}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line (see the module docstring); grid flags not given come from
     :data:`FULL` or, with ``--quick``, :data:`QUICK`. Bad values exit with status 2."""
-    p = argparse.ArgumentParser(prog="python -m sky_flower.bench.decentralized --noise")
+    p = cli.parser("decentralized --noise", None, quick="16 nodes, batch 2, 60 rounds")
     p.add_argument("--nodes", type=int, nargs="+", default=None)
     p.add_argument("--topologies", nargs="+", default=["ring", "torus"])
     p.add_argument("--homogeneity", type=float, nargs="+", default=[0.0, 25.0])
@@ -296,12 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="refuse D2 where lambda_min(W) <= -1/3 instead of running it on (I + W) / 2",
     )
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--quick", action="store_true", help="16 nodes, batch 2, 60 rounds")
-    args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = cli.parse(p, argv, FULL, QUICK)
     if args.rounds < 1 or min(args.batch_sizes) < 1 or min(args.nodes) < 2:
         p.error("--rounds and --batch-sizes must be >= 1, --nodes >= 2")
     if args.hidden_width < 0 or any(not 1 <= c <= args.rounds for c in args.checkpoints):
@@ -312,8 +302,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--eta must be in [0, 1)")
     if min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct and >= 0")
-    if args.out is None:
-        args.out = Path("outputs") / time.strftime("bench_noise_%Y-%m-%d_%H-%M-%S")
     return args
 
 
@@ -322,7 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ``--out``; print the table; return its rows."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.out = cli.out_dir(args.out, "decentralized_noise")
     model, t0 = FlatModel(args.hidden_width), time.time()
     table, everything = [], []
     grid = itertools.product(args.nodes, args.topologies, args.homogeneity, args.batch_sizes)
@@ -334,10 +322,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         title = f"{nodes} nodes, {topology}, X={x:g}%, batch {batch}, {len(args.seeds)} seeds"
         plot_setting(title, raw, args.out / f"n{nodes}_{topology}_X{x:g}_b{batch}.png")
         print(markdown([table[-1]], args).splitlines()[-len(row["cells"]) :], flush=True)
-    args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_json(args.out / "results.json", {"args": args_json, "table": table, "runs": everything})
     md = markdown(table, args)
-    (args.out / "table.md").write_text(md + "\n")
+    cli.write(args.out, md, {"args": cli.args_json(args), "table": table, "runs": everything})
     print("\n" + md + f"\n\n{time.time() - t0:.0f} s; outputs in {args.out}")
     return table
 

@@ -5,8 +5,8 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 1. **Hop latency**: one Flower message (``query.sky_echo`` through the SuperLink and a
    SuperNode, a fresh ClientApp process each) against one stream hop (an echo frame on
    the round's data plane, :mod:`sky_flower.sky.transport.stream_probe`), 1 KiB and 4 MiB each
-   way, median and p90. A tiny probe app (written to the work directory) does both from
-   its ServerApp against the fleet's first SuperNode.
+   way, median and p90. A tiny probe app (``examples/hop-probe``) does both from its
+   ServerApp against the fleet's first SuperNode.
 2. **The same plan on relay, stream and direct**: the sky-app, ``allocation=even``
    (one stage per node), ``gpipe`` with 4 micro-batches, 1 round of ``--steps`` steps:
    measured step (median), predicted step, the round's wall time (``round_time_s``:
@@ -14,11 +14,12 @@ Four tables, each from real deployments started by the launcher (:mod:`sky_flowe
 
 3. **Time to a target test accuracy, FedAvg against Sky** (``--only accuracy``): per
    fleet (``--fleets``: a straggler owner, a phone that cannot hold the model, a uniform
-   fleet; ``conf/fleet/*_owners*.yaml``), a FedAvg probe app (written to the work
-   directory: Flower's ``FedAvg`` on the example fedavg-app's model, data and test, each
-   SuperNode's emulated slowdown and link applied as Sky applies them, and an owner
-   whose memory cap cannot hold the model's training memory trains nothing), once per
-   local-epoch count of ``--fedavg-epochs``, and the sky-app on ``transport='stream'``
+   fleet; ``conf/fleet/*_owners*.yaml``), a FedAvg probe app (``examples/fedavg-probe``,
+   assembled in the work directory by :func:`fedavg_probe`: Flower's ``FedAvg`` on the
+   example fedavg-app's model, data and test, each SuperNode's emulated slowdown and
+   link applied as Sky applies them, and an owner whose memory cap cannot hold the
+   model's training memory trains nothing), once per local-epoch count of
+   ``--fedavg-epochs``, and the sky-app on ``transport='stream'``
    with stage sessions (``allocation=heuristic``, one local epoch), ``--rounds`` rounds
    each, Adam at ``--lr``, batch 32. The time to ``--target`` is counted **from the
    run's launch** (the launcher's start: SuperLink, SuperNodes, ``flwr run``, Sky's
@@ -68,87 +69,24 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sky_flower import tables
+from sky_flower.bench import cli
+from sky_flower.bench.zoo import EXAMPLES, example_module
 from sky_flower.core.profile import LayerProfile
 from sky_flower.deploy import read_results, run_local
 from sky_flower.emulation.devices import Emulation
 
-SKY_APP = Path(__file__).resolve().parents[2] / "examples" / "sky-app"
-SIZES = (1024, 4 << 20)
-
-PROBE_TOML = """[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "hop-probe"
-version = "1.0.0"
-dependencies = ["flwr==1.42.0", "sky-flower"]
-
-[tool.setuptools]
-py-modules = ["hop_probe"]
-
-[tool.flwr.app]
-publisher = "sky-flower"
-
-[tool.flwr.app.components]
-serverapp = "hop_probe:server"
-clientapp = "hop_probe:client"
-
-[tool.flwr.app.config]
-results-path = ""
-repeats = 7
-"""
-
-PROBE_PY = '''"""Flower message vs stream hop, timed from the ServerApp (bench.deployment)."""
-import json, statistics, time
-import torch
-from flwr.app import ArrayRecord, Context
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from sky_flower.flower.exchange import Exchange
-from sky_flower.sky import protocol as P
-from sky_flower.sky.transport.channel import Endpoint
-from sky_flower.sky.node.client import SkyClient
-from sky_flower.sky.transport.runner import message
-from sky_flower.sky.transport.stream_probe import probe_link
-
-client = SkyClient(model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(1, 1)),
-                   load_data=lambda c: None).register(ClientApp())
-server = ServerApp()
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    repeats = int(context.run_config["repeats"])
-    while not list(grid.get_node_ids()):
-        time.sleep(0.5)
-    nid = sorted(grid.get_node_ids())[0]
-    ex = Exchange(grid, 120.0, poll_interval_s=0.01)
-    out = {"flower": {}, "stream": {}}
-    for size in SIZES:
-        times = []
-        for i in range(repeats + 1):
-            payload = ArrayRecord({"p": torch.zeros(size, dtype=torch.uint8)})
-            t0 = time.perf_counter()
-            ex.request([message(nid, P.ECHO, {P.PAYLOAD: payload}, "echo")])
-            if i:
-                times.append(time.perf_counter() - t0)
-        out["flower"][str(size)] = times
-    small, big = SIZES
-    fig = probe_link(ex, nid, lambda n: Endpoint(n), SIZES, 5 * repeats, extra=((big, big),))
-    out["stream"] = {str(small): fig.rtts[(small, small)], str(big): fig.rtts[(big, big)]}
-    with open(str(context.run_config["results-path"]), "w") as f:
-        json.dump(out, f)
-'''.replace("SIZES", repr(SIZES))
+SKY_APP = EXAMPLES / "sky-app"
 
 
 def p90(values: list[float]) -> float:
@@ -159,11 +97,14 @@ def p90(values: list[float]) -> float:
 
 def hops(workdir: Path, fleet: str, repeats: int) -> dict[str, Any]:
     """Table 1's figures: per path and size, the round trips (s), median and p90."""
-    app = workdir / "hop-probe"
-    app.mkdir(parents=True, exist_ok=True)
-    (app / "pyproject.toml").write_text(PROBE_TOML.replace("repeats = 7", f"repeats = {repeats}"))
-    (app / "hop_probe.py").write_text(PROBE_PY)
-    _, _, res = run_local(app, fleet, workdir=workdir / "hops", timeout_s=900, echo=False)
+    _, _, res = run_local(
+        EXAMPLES / "hop-probe",
+        fleet,
+        run_config=f"repeats={repeats}",
+        workdir=workdir / "hops",
+        timeout_s=900,
+        echo=False,
+    )
     if not res or "flower" not in res:
         raise RuntimeError(f"the probe app wrote no figures: {res}")
     return {
@@ -205,148 +146,17 @@ def transports(
 
 
 # --- table 3: time to a target test accuracy, FedAvg against Sky -------------------------
-FEDAVG_APP = Path(__file__).resolve().parents[2] / "examples" / "fedavg-app"
+FEDAVG_APP = EXAMPLES / "fedavg-app"
 ACCURACY_FLEETS = ("straggler_owners4", "phone_owners4", "uniform_owners3")
 BATCH = 32  # the fedavg-app's batch size (task.train)
 
-FEDAVG_TOML = """[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
 
-[project]
-name = "fedavg-probe"
-version = "1.0.0"
-dependencies = ["flwr==1.42.0", "sky-flower"]
-
-[tool.setuptools]
-py-modules = ["fedavg_probe", "fedavg_task"]
-
-[tool.flwr.app]
-publisher = "sky-flower"
-
-[tool.flwr.app.components]
-serverapp = "fedavg_probe:server"
-clientapp = "fedavg_probe:client"
-
-[tool.flwr.app.config]
-num-server-rounds = 5
-lr = 0.003
-local-epochs = 1.0
-batch-size = 32
-min-nodes = 1
-results-path = ""
-"""
-
-FEDAVG_PY = '''"""FedAvg on emulated devices, timed per round (bench.deployment, table 3).
-
-fedavg_task.py is examples/fedavg-app's task.py (model, data, test), copied. Training is
-its loop (Adam, shuffled batches) with the node's emulation as Sky's stages apply it:
-sleep slowdown x each step's compute (Emulation.after_compute), and the link delay of the
-model both ways once per message. A node without data, or whose memory cap cannot hold
-the model's training memory (the server sends it: weights, gradients, Adam state and the
-batch's stashed activations), trains nothing: it replies 0 examples (no weight in FedAvg).
-"""
-import json, time
-import torch
-from torch import nn
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
-from sky_flower.app import emulation_from_node_config
-from sky_flower.bench.deployment import model_training_bytes
-from fedavg_task import Net, initial_weights, load_data, load_test, test
-
-client = ClientApp()
-server = ServerApp()
-
-
-def train_emulated(net, data, epochs, lr, batch, emu):
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    losses = []
-    for _ in range(max(1, round(epochs))):
-        for idx in torch.randperm(len(y)).split(batch):
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            emu.after_compute(time.perf_counter() - t0)
-            losses.append(loss.item())
-    return sum(losses) / len(losses)
-
-
-@client.train()
-def train(msg: Message, context: Context) -> Message:
-    emu = emulation_from_node_config(context.node_config)
-    cfg = msg.content["config"]
-    arrays, n, loss = msg.content["arrays"], 0, 0.0
-    if emu.holds_data and emu.memory_bytes() >= int(cfg["need-bytes"]):
-        model = Net()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        nc = context.node_config
-        data = load_data(int(nc["partition-id"]), int(nc["num-partitions"]))
-        loss = train_emulated(model, data, float(cfg["local-epochs"]), float(cfg["lr"]),
-                              int(cfg["batch-size"]), emu)
-        arrays, n = ArrayRecord(model.state_dict()), len(data)
-    time.sleep(emu.link_delay_s(2 * arrays.count_bytes()))
-    metrics = MetricRecord({"train_loss": loss, "num-examples": n})
-    return Message(content=RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
-
-
-class CountingFedAvg(FedAvg):
-    """FedAvg that records, per round, the examples and owners that trained."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.trained = {}
-
-    def aggregate_train(self, server_round, replies):
-        replies = list(replies)
-        ns = [int(m.content["metrics"]["num-examples"]) for m in replies if m.has_content()]
-        self.trained[server_round] = (sum(ns), sum(1 for n in ns if n > 0))
-        return super().aggregate_train(server_round, replies)
-
-
-@server.main()
-def main(grid: Grid, context: Context) -> None:
-    cfg = context.run_config
-    rounds, batch, k = int(cfg["num-server-rounds"]), int(cfg["batch-size"]), int(cfg["min-nodes"])
-    t_wait = time.perf_counter()
-    while len(list(grid.get_node_ids())) < k:  # every SuperNode, before round 1 (as Sky)
-        time.sleep(0.5)
-    wait_s = time.perf_counter() - t_wait
-    need = model_training_bytes(Net(), [64], batch)
-    test_set, marks = load_test(), {}
-
-    def evaluate(rnd, arrays):
-        t0 = time.perf_counter()
-        model = Net()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, acc = test(model, test_set)
-        marks[rnd] = (t0, time.perf_counter(), time.time())
-        return MetricRecord({"accuracy": acc, "loss": loss})
-
-    strategy = CountingFedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=k,
-                              min_available_nodes=k)
-    config = ConfigRecord({"lr": float(cfg["lr"]), "local-epochs": float(cfg["local-epochs"]),
-                           "batch-size": batch, "need-bytes": need})
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_weights()),
-                            train_config=config, num_rounds=rounds, evaluate_fn=evaluate)
-    acc = {r: float(m["accuracy"]) for r, m in result.evaluate_metrics_serverapp.items()}
-    rows = [
-        {"round": r, "test_accuracy": acc.get(r), "round_time_s": marks[r][0] - marks[r - 1][1],
-         "evaluated_unix_s": marks[r][2],
-         "samples_trained": strategy.trained.get(r, (None, None))[0],
-         "owners_trained": strategy.trained.get(r, (None, None))[1]}
-        for r in range(1, rounds + 1) if r in marks
-    ]
-    out = {"initial_test_accuracy": acc.get(0), "rounds": rows, "need_bytes": need,
-           "node_wait_s": wait_s, "completed": len(rows) == rounds, "error": None}
-    with open(str(cfg["results-path"]), "w") as f:
-        json.dump(out, f, indent=1)
-'''
+def fedavg_probe(app: Path) -> Path:
+    """Assemble the FedAvg probe app (``examples/fedavg-probe``) in ``app``, with the
+    fedavg-app's ``task.py`` beside it as ``fedavg_task.py``; return ``app``."""
+    shutil.copytree(EXAMPLES / "fedavg-probe", app, dirs_exist_ok=True)
+    shutil.copy(FEDAVG_APP / "fedavg_app" / "task.py", app / "fedavg_task.py")
+    return app
 
 
 def training_bytes(layers: Sequence[LayerProfile], batch: int) -> float:
@@ -458,27 +268,34 @@ def log_marks(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def stamped(workdir: Path) -> Iterator[tuple[TimedLines, dict[str, Any]]]:
+    """A run's log sink, every line stamped from now (``run.timed.log`` in ``workdir``),
+    and its marks, filled when the block ends: :func:`log_marks` with ``launch_unix_s``,
+    ``run_wall_s`` and ``load_avg`` (1-min load at the start and end)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    sink, marks = TimedLines(t0, workdir / "run.timed.log"), {}
+    try:
+        yield sink, marks
+    finally:
+        sink.close()
+        marks.update(log_marks(sink.lines), launch_unix_s=t0, run_wall_s=time.time() - t0)
+        marks["load_avg"] = [load0, os.getloadavg()[0]]
+
+
 def timed_run(
     app: Path, fleet: str, workdir: Path, timeout_s: float, **kw: Any
 ) -> tuple[dict[str, Any] | None, dict[str, Any], str | None]:
-    """``run_local`` with every log line stamped from the launch (``run.timed.log`` in
-    ``workdir``): the run's ``results.json``, its :func:`log_marks` with ``run_wall_s``
-    and ``load_avg`` (1-min load at the start and end), and the error that ended it."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    t0, load0 = time.time(), os.getloadavg()[0]
-    sink, res, err = TimedLines(t0, workdir / "run.timed.log"), None, None
-    try:
-        with contextlib.redirect_stdout(sink):
+    """``run_local`` with every log line stamped from the launch (:func:`stamped`): the
+    run's ``results.json``, its marks and the error that ended it."""
+    res, err = None, None
+    with stamped(workdir) as (sink, marks), contextlib.redirect_stdout(sink):
+        try:
             _, _, res = run_local(app, fleet, workdir=workdir, timeout_s=timeout_s, **kw)
-    except Exception as e:  # noqa: BLE001 - recorded in the table
-        err = f"{type(e).__name__}: {e}"[:300]
-        res = read_results(workdir / "results.json")  # what it wrote before it failed
-    finally:
-        sink.close()
-    marks = log_marks(sink.lines)
-    marks["launch_unix_s"] = t0
-    marks["run_wall_s"] = time.time() - t0
-    marks["load_avg"] = [load0, os.getloadavg()[0]]
+        except Exception as e:  # noqa: BLE001 - recorded in the table
+            err = f"{type(e).__name__}: {e}"[:300]
+            res = read_results(workdir / "results.json")  # what it wrote before it failed
     return res, marks, err
 
 
@@ -539,18 +356,9 @@ def accuracy(
     into ``out`` run by run (``save()`` after each)."""
     from sky_flower.app import load_fleet
 
-    app = workdir / "fedavg-probe"
-    app.mkdir(parents=True, exist_ok=True)
-    (app / "pyproject.toml").write_text(FEDAVG_TOML)
-    (app / "fedavg_probe.py").write_text(FEDAVG_PY)
-    (app / "fedavg_task.py").write_text((FEDAVG_APP / "fedavg_app" / "task.py").read_text())
-    sys.path.insert(0, str(FEDAVG_APP))
-    try:
-        from fedavg_app.task import Net
-
-        need = model_training_bytes(Net(), [64], BATCH)
-    finally:
-        sys.path.remove(str(FEDAVG_APP))
+    app = fedavg_probe(workdir / "fedavg-probe")
+    net = example_module("fedavg-app", "fedavg_app.task").Net()
+    need = model_training_bytes(net, [64], BATCH)
     common = f"num-server-rounds={rounds} lr={lr} batch-size={BATCH}"
     sky = (
         f"{common} local-epochs=1.0 allocation='heuristic' transport='stream' "
@@ -603,14 +411,12 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
     """Table 3's lines (Markdown)."""
 
     def secs(v: float | None) -> str:
-        return "not reached" if v is None else f"{v:.1f} s"
+        return tables.num(v, ".1f", " s", missing="not reached")
 
-    lines = [
-        f"| fleet | method | plan (round 1) | data used | rounds to {target:g} | time to "
-        f"{target:g} from launch | round 1 starts | sum of rounds to {target:g} | test "
-        "accuracy per round | round times | run | FedAvg/Sky |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["fleet", "method", "plan (round 1)", "data used", f"rounds to {target:g}"]
+    head += [f"time to {target:g} from launch", "round 1 starts"]
+    head += [f"sum of rounds to {target:g}", "test accuracy per round", "round times", "run"]
+    rows = []
     for fleet, e in acc.items():
         if not isinstance(e, dict):
             continue
@@ -622,9 +428,8 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
                 continue
             row = e[key]
             if row.get("error") and "accuracies" not in row:
-                lines.append(f"| {fleet} | {method} | failed: {row['error']} |" + " |" * 9)
+                rows.append([fleet, method, f"failed: {row['error']}", *[""] * 9])
                 continue
-            plan = row.get("plan") or "alone: " + ", ".join(e["fedavg_owners"])
             used = row.get("samples_trained")
             share = f"{used}/{total} ({used / total:.0%})" if used is not None and total else "-"
             ratio = ""
@@ -636,23 +441,26 @@ def accuracy_table(acc: Mapping[str, Any], target: float) -> list[str]:
                     label += ", best" if k == best else ""
                     parts.append(f"{ft / st:.2f}x ({label})" if ft else f"- ({label})")
                 ratio = "; ".join(parts)
-            if key == best:
-                method += " (best FedAvg)"
-            accs = " ".join("-" if a is None else f"{a:.3f}" for a in row["accuracies"])
-            times = " ".join(f"{t:.1f}" for t in row["round_times_s"] if t is not None)
-            err = f" (error: {row['error']})" if row.get("error") else ""
             load = row.get("load_avg")
-            load_note = f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""
-            start = row.get("round1_start_s")
-            wall = row.get("run_wall_s")
-            lines.append(
-                f"| {fleet} | {method} | {plan} | {share} | {row['rounds_to_target'] or '-'} | "
-                f"{secs(row.get('time_to_target_s'))}{err} | "
-                f"{'-' if start is None else f'{start:.0f} s'} | "
-                f"{secs(row.get('rounds_sum_to_target_s'))} | {accs} | {times} s | "
-                f"{'-' if wall is None else f'{wall:.0f} s'}{load_note} | {ratio} |"
+            rows.append(
+                [
+                    fleet,
+                    method + (" (best FedAvg)" if key == best else ""),
+                    row.get("plan") or "alone: " + ", ".join(e["fedavg_owners"]),
+                    share,
+                    row["rounds_to_target"] or "-",
+                    secs(row.get("time_to_target_s"))
+                    + (f" (error: {row['error']})" if row.get("error") else ""),
+                    tables.num(row.get("round1_start_s"), ".0f", " s"),
+                    secs(row.get("rounds_sum_to_target_s")),
+                    " ".join(tables.num(a) for a in row["accuracies"]),
+                    " ".join(f"{t:.1f}" for t in row["round_times_s"] if t is not None) + " s",
+                    tables.num(row.get("run_wall_s"), ".0f", " s")
+                    + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else ""),
+                    ratio,
+                ]
             )
-    return lines
+    return tables.markdown([*head, "FedAvg/Sky"], rows).splitlines()
 
 
 # --- table 4: stage sessions round by round -----------------------------------------------
@@ -710,43 +518,38 @@ def hydra_job(
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "sky_flower.run", *overrides, f"hydra.run.dir={workdir}"]
     (workdir / "job.cmd").write_text(" ".join(cmd) + "\n")
-    t0, load0 = time.time(), os.getloadavg()[0]
-    sink, err = TimedLines(t0, workdir / "run.timed.log"), None
-    proc = subprocess.Popen(
-        cmd,
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    err = None
+    with stamped(workdir) as (sink, marks):
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sink.write(line)
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sink.write(line)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=timeout_s)
-        if code != 0:
-            err = f"python -m sky_flower.run exited with code {code} (see run.timed.log)"
-    except subprocess.TimeoutExpired:
-        err = f"the Hydra job did not finish within {timeout_s:g} s"
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
-            for q in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    q.kill()
-        proc.wait(timeout=30)
-    reader.join(timeout=30)
-    sink.close()
-    marks = log_marks(sink.lines)
-    marks["launch_unix_s"] = t0
-    marks["run_wall_s"] = time.time() - t0
-    marks["load_avg"] = [load0, os.getloadavg()[0]]
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+            if code != 0:
+                err = f"python -m sky_flower.run exited with code {code} (see run.timed.log)"
+        except subprocess.TimeoutExpired:
+            err = f"the Hydra job did not finish within {timeout_s:g} s"
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+                for q in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        q.kill()
+            proc.wait(timeout=30)
+        reader.join(timeout=30)
     return read_results(workdir / "results.json"), marks, err
 
 
@@ -870,106 +673,112 @@ def session_rounds(
 def rounds_table(res: Mapping[str, Any]) -> list[str]:
     """Table 4's lines (Markdown)."""
 
-    def f(v: float | None, fmt: str = ".2f", unit: str = "") -> str:
-        return "-" if v is None else f"{v:{fmt}}{unit}"
+    f = tables.num
 
     def rng(r: Sequence[float] | None) -> str:
         return "" if not r else f" ({r[0]:.2f}-{r[1]:.2f})"
 
-    lines = [
-        "| fleet | variant | round 1 (set-up, msgs) | steady round, median | Flower msgs per "
-        "steady round | round meas/pred, median (range) | step meas/pred, median (range) | "
-        "steady rounds within 25 % (round, step) | vs simulation (steady round) | run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["fleet", "variant", "round 1 (set-up, msgs)", "steady round, median"]
+    head += ["Flower msgs per steady round", "round meas/pred, median (range)"]
+    head += ["step meas/pred, median (range)", "steady rounds within 25 % (round, step)"]
+    rows = []
     for fleet, entry in res.items():
         sim = entry.get("simulation", {}).get("steady_round_s")
         for variant, row in entry.items():
             label = ROUND_LABELS.get(variant, variant)
             if not row.get("rounds"):
-                lines.append(f"| {fleet} | {label} | failed: {row.get('error')} |" + " |" * 7)
+                rows.append([fleet, label, f"failed: {row.get('error')}", *[""] * 7])
                 continue
             msgs = row.get("steady_messages")
-            msgs_text = (
-                "-" if not msgs else str(msgs[0]) if msgs[0] == msgs[1] else f"{msgs[0]}-{msgs[1]}"
-            )
             load = row.get("load_avg")
-            err = f" (error: {row['error']})" if row.get("error") else ""
-            vs = ratio(row.get("steady_round_s"), sim)
             n = row.get("steady_rounds", 0)
-            lines.append(
-                f"| {fleet} | {label} | {f(row['round1_s'], '.1f', ' s')} "
-                f"({f(row['round1_setup_s'], '.1f', ' s')}, {f(row['round1_messages'], 'd')}) | "
-                f"{f(row['steady_round_s'], '.2f', ' s')} | {msgs_text} | "
-                f"{f(row['steady_round_ratio'])}{rng(row.get('round_ratio_range'))} | "
-                f"{f(row['steady_step_ratio'])}{rng(row.get('step_ratio_range'))} | "
-                f"{row['steady_round_within_25']}/{n}, {row['steady_step_within_25']}/{n} | "
-                f"{'-' if variant == 'simulation' else f(vs, '.2f', 'x')} | "
-                f"{row['run_wall_s']:.0f} s"
-                + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else "")
-                + f"{err} |"
+            rows.append(
+                [
+                    fleet,
+                    label,
+                    f"{f(row['round1_s'], '.1f', ' s')} ({f(row['round1_setup_s'], '.1f', ' s')}, "
+                    f"{f(row['round1_messages'], 'd')})",
+                    f(row["steady_round_s"], ".2f", " s"),
+                    "-" if not msgs else msgs[0] if msgs[0] == msgs[1] else f"{msgs[0]}-{msgs[1]}",
+                    f(row["steady_round_ratio"], ".2f") + rng(row.get("round_ratio_range")),
+                    f(row["steady_step_ratio"], ".2f") + rng(row.get("step_ratio_range")),
+                    f"{row['steady_round_within_25']}/{n}, {row['steady_step_within_25']}/{n}",
+                    "-"
+                    if variant == "simulation"
+                    else f(ratio(row.get("steady_round_s"), sim), ".2f", "x"),
+                    f"{row['run_wall_s']:.0f} s"
+                    + (f" (load {load[0]:.1f} to {load[1]:.1f})" if load else "")
+                    + (f" (error: {row['error']})" if row.get("error") else ""),
+                ]
             )
-    lines.append("")
-    lines.append(
-        "| fleet | variant | round | time s | predicted s | meas/pred | step s | predicted "
-        "step s | meas/pred | set-up s | Flower msgs | session round |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for fleet, entry in res.items():
-        for variant, row in entry.items():
-            for i, rnd in enumerate(row.get("rounds") or []):
-                lines.append(
-                    f"| {fleet} | {ROUND_LABELS.get(variant, variant)} | {rnd} | "
-                    f"{f(row['round_time_s'][i], '.2f')} | "
-                    f"{f(row['predicted_round_time_s'][i], '.3f')} | "
-                    f"{f(row['round_ratio'][i])} | {f(row['measured_step_time_s'][i], '.4f')} | "
-                    f"{f(row['predicted_step_time_s'][i], '.4f')} | {f(row['step_ratio'][i])} | "
-                    f"{f(row['setup_s'][i], '.2f')} | {f(row['flower_messages'][i], 'd')} | "
-                    f"{f(row['session_round'][i], 'd')} |"
-                )
-    return lines
+    lines = tables.markdown([*head, "vs simulation (steady round)", "run"], rows).splitlines()
+    head = ["fleet", "variant", "round", "time s", "predicted s", "meas/pred", "step s"]
+    head += ["predicted step s", "meas/pred", "set-up s", "Flower msgs", "session round"]
+    columns = [
+        ("round_time_s", ".2f"),
+        ("predicted_round_time_s", ".3f"),
+        ("round_ratio", ".2f"),
+        ("measured_step_time_s", ".4f"),
+        ("predicted_step_time_s", ".4f"),
+        ("step_ratio", ".2f"),
+        ("setup_s", ".2f"),
+        ("flower_messages", "d"),
+        ("session_round", "d"),
+    ]
+    rows = [
+        [fleet, ROUND_LABELS.get(variant, variant), rnd]
+        + [f(row[key][i], spec) for key, spec in columns]
+        for fleet, entry in res.items()
+        for variant, row in entry.items()
+        for i, rnd in enumerate(row.get("rounds") or [])
+    ]
+    return [*lines, "", *tables.markdown(head, rows).splitlines()]
 
 
-def tables(res: dict[str, Any]) -> str:
+def page(res: dict[str, Any]) -> str:
     """The printed tables (Markdown)."""
-    lines = []
+    parts = []
     if "hops" in res:
-        h = res["hops"]
-        lines += [
-            "| payload (each way) | Flower message median | p90 | stream hop median | p90 "
-            "| ratio |",
-            "|---|---|---|---|---|---|",
-        ]
-        for size in (str(s) for s in SIZES):
+        h, rows = res["hops"], []
+        for size in h["flower"]:
             f, s = h["flower"][size], h["stream"][size]
             label = f"{int(size) // 1024} KiB" if int(size) < 2**20 else f"{int(size) >> 20} MiB"
-            lines.append(
-                f"| {label} | {f['median_s']:.3f} s | {f['p90_s']:.3f} s | "
-                f"{s['median_s'] * 1e3:.1f} ms | {s['p90_s'] * 1e3:.1f} ms | "
-                f"{f['median_s'] / s['median_s']:.0f}x |"
+            rows.append(
+                [
+                    label,
+                    f"{f['median_s']:.3f} s",
+                    f"{f['p90_s']:.3f} s",
+                    f"{s['median_s'] * 1e3:.1f} ms",
+                    f"{s['p90_s'] * 1e3:.1f} ms",
+                    f"{f['median_s'] / s['median_s']:.0f}x",
+                ]
             )
-        lines.append("")
+        head = ["payload (each way)", "Flower message median", "p90", "stream hop median"]
+        parts.append(tables.markdown([*head, "p90", "ratio"], rows))
     if "transports" in res:
-        lines += [
-            "| transport | measured step | predicted step | meas/pred | round time | run |",
-            "|---|---|---|---|---|---|",
-        ]
+        rows = []
         for t, row in res["transports"].items():
             if row.get("error") or "measured_step_time_s" not in row:
-                lines.append(f"| {t} | failed: {row.get('error')} | | | | |")
+                rows.append([t, f"failed: {row.get('error')}", "", "", "", ""])
                 continue
             m, p = row["measured_step_time_s"], row["predicted_step_time_s"]
-            lines.append(
-                f"| {t} | {m:.3f} s | {p:.3f} s | {m / p if p else float('nan'):.2f} | "
-                f"{row['round_time_s']:.1f} s | {row['run_wall_s']:.0f} s |"
+            rows.append(
+                [
+                    t,
+                    f"{m:.3f} s",
+                    f"{p:.3f} s",
+                    f"{m / p if p else float('nan'):.2f}",
+                    f"{row['round_time_s']:.1f} s",
+                    f"{row['run_wall_s']:.0f} s",
+                ]
             )
-        lines.append("")
+        head = ["transport", "measured step", "predicted step", "meas/pred", "round time", "run"]
+        parts.append(tables.markdown(head, rows))
     if "accuracy" in res:
-        lines += accuracy_table(res["accuracy"], res["target"])
-        lines.append("")
+        parts.append("\n".join(accuracy_table(res["accuracy"], res["target"])))
     if "rounds" in res:
-        lines += rounds_table(res["rounds"])
-    return "\n".join(lines)
+        parts.append("\n".join(rounds_table(res["rounds"])))
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1005,9 +814,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = cli.commit()
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit,
@@ -1018,7 +825,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def save() -> str:
-        text = tables(res)
+        text = page(res)
         (args.out / "results.json").write_text(json.dumps(res, indent=1))
         (args.out / "table.md").write_text(text + "\n")
         return text

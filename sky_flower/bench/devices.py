@@ -26,12 +26,12 @@ import argparse
 import datetime
 import math
 import platform
-import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import InfeasibleMemoryError, partition
 from sky_flower.core.profile import (
@@ -103,21 +103,6 @@ def node(  # noqa: PLR0913
     )
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-            check=False,
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def layer_table(
     names: Sequence[str], measured: dict[str, tuple[list[float], list[float], list[float]]]
 ) -> str:
@@ -127,24 +112,22 @@ def layer_table(
     ms = {d: [(f + b) * 1e3 for f, b in zip(*measured[d][:2], strict=True)] for d in devs}
     gpu = devs[1] if len(devs) > 1 else None
 
-    def row(label: str, values: dict[str, float]) -> str:
-        text = f"{label:<14}" + "".join(f"{values[d]:14.3f}" for d in devs)
-        if gpu is not None:
-            text += f"{values['cpu'] / values[gpu]:9.1f}x" if values[gpu] > 0 else f"{'-':>10}"
-        return text
+    def row(label: str, values: dict[str, float]) -> list[str]:
+        cells = [label, *(f"{values[d]:.3f}" for d in devs)]
+        if gpu is None:
+            return cells
+        return [*cells, f"{values['cpu'] / values[gpu]:.1f}x" if values[gpu] > 0 else "-"]
 
-    head = f"{'layer':<14}" + "".join(f"{d:>14}" for d in devs)
-    head += f"{'speed-up':>10}" if gpu is not None else ""
-    rows = [head, "-" * len(head)]
-    rows += [row(name, {d: ms[d][j] for d in devs}) for j, name in enumerate(names)]
+    rows = [row(name, {d: ms[d][j] for d in devs}) for j, name in enumerate(names)]
     rows.append(row("total", {d: sum(ms[d]) for d in devs}))
     rows.append(row("optimizer step", {d: sum(measured[d][2]) * 1e3 for d in devs}))
-    return "\n".join(rows)
+    head = ["layer", *devs] + (["speed-up"] if gpu is not None else [])
+    return tables.text(head, rows, align="l", sep="  ", rule=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the per-device layer table and the mixed fleet's plans."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = cli.parser("devices", __doc__, out=False)
     ap.add_argument("--width", type=int, default=512, help="MLP hidden width")
     ap.add_argument("--layers", type=int, default=8, help="MLP hidden blocks")
     ap.add_argument("--batch", type=int, default=64, help="samples per step")
@@ -154,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cpu-memory-mb", type=float, default=16.0, help="CPU nodes' memory cap")
     ap.add_argument("--latency-ms", type=float, default=1.0)
     ap.add_argument("--bandwidth-mb-s", type=float, default=1000.0)
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv)
     if args.batch % args.micro:
         ap.error(f"--batch {args.batch} is not divisible into --micro {args.micro}")
     torch.set_num_threads(1)  # as every Sky stage handler runs
@@ -163,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     infos = {str(d): device_info(d) for d in devices}
     print(
         f"sky_flower.bench.devices  {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
-        f"  commit {_commit()}  torch {torch.__version__}  host {platform.node()}"
+        f"  commit {cli.commit()}  torch {torch.__version__}  host {platform.node()}"
     )
     for info in infos.values():
         total = f" of {info.total_bytes / MIB:.0f}" if info.device != "cpu" else ""

@@ -28,16 +28,13 @@ Usage::
     python -m sky_flower.bench.drift            # 10 rounds, about 5 minutes on 2 cores
     python -m sky_flower.bench.drift --quick    # smaller model and rounds, about 2 minutes
 
-It prints the tables (markdown) and writes ``results.json`` into ``--out``.
+It prints the tables (markdown) and writes ``table.md`` and ``results.json`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +42,8 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.clientapp import ClientApp
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.emulation.devices import Emulation
 from sky_flower.flower.inprocess import InProcessGrid, server_identity
 from sky_flower.pipeline.data import Split, load_split, owner_partition
@@ -52,6 +51,7 @@ from sky_flower.pipeline.models import build_mlp
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.settings import SkySettings
 from sky_flower.strategies.sky import SkyModel, SkyStrategy
+from sky_flower.tables import num
 
 DRIFT_ROUND = 3
 SLOW = 3.0  # slowdown 3: 4x slower
@@ -186,47 +186,46 @@ def summarise(runs: dict[str, dict], target: float) -> dict[str, dict[str, Any]]
 def table(scenario: str, runs: dict[str, dict], summary: dict[str, dict], target: float) -> str:
     """The scenario's markdown tables: step time per round, then the summary."""
     n = max(len(r["rounds"]) for r in runs.values())
-    head = "| run | " + " | ".join(str(i + 1) for i in range(n)) + " |"
-    lines = [f"{scenario}: measured step s per round (drift at round {DRIFT_ROUND})", "", head]
-    lines.append("|---" * (n + 1) + "|")
-    for how, run in runs.items():
-        cells = ["failed" if r["step_s"] is None else f"{r['step_s']:.3f}" for r in run["rounds"]]
-        lines.append(f"| {how} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"| run | median step after s | time to {target:.2f} acc s | recovery rounds | re-plans |",
+    steps = [
+        [how, *(num(r["step_s"], missing="failed") for r in run["rounds"])]
+        for how, run in runs.items()
     ]
-    lines.append("|---|---|---|---|---|")
-    for how, s in summary.items():
-        t = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
-        rec = "-" if s["recovery_rounds"] is None else str(s["recovery_rounds"])
-        med = "-" if s["median_step_after_s"] is None else f"{s['median_step_after_s']:.3f}"
-        lines.append(f"| {how} | {med} | {t} | {rec} | {s['replans']} |")
-    return "\n".join(lines)
+    rows = [
+        [how, num(s["median_step_after_s"]), num(s["time_to_target_s"], ".1f")]
+        + [num(s["recovery_rounds"], "d"), s["replans"]]
+        for how, s in summary.items()
+    ]
+    head = ["run", "median step after s", f"time to {target:.2f} acc s", "recovery rounds"]
+    return "\n\n".join(
+        [
+            f"{scenario}: measured step s per round (drift at round {DRIFT_ROUND})",
+            tables.markdown(["run", *(str(i + 1) for i in range(n))], steps),
+            tables.markdown([*head, "re-plans"], rows),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run both scenarios three ways, print the tables, write ``results.json``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    p = cli.parser("drift", __doc__, quick="smaller model, fewer steps")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    args = cli.parse(p, argv)
     quick, full = (512, 6, 4, 128), (512, 8, 8, 256)  # width, layers, steps/round, batch
     args.width, args.layers, args.steps, args.batch = quick if args.quick else full
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     server_identity()
-    out = args.out or Path("outputs") / f"bench_drift_{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.out_dir(args.out, "drift")
     results: dict[str, Any] = {}
+    texts = []
     for scenario in ("slow", "leave"):
         runs = {how: run_one(scenario, how, args) for how in ("static", "online", "oracle")}
         summary = summarise(runs, args.target)
         results[scenario] = {"runs": runs, "summary": summary}
-        print(table(scenario, runs, summary, args.target), "\n", flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        texts.append(table(scenario, runs, summary, args.target))
+        print(texts[-1], "\n", flush=True)
+    cli.write(out, "\n\n".join(texts), results)
     return results
 
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.federated import plan_federation
 from sky_flower.core.fleets import synthetic_node_profiles
@@ -44,6 +45,7 @@ from sky_flower.pipeline.data import Split, load_split, owner_partition
 from sky_flower.pipeline.models import build_mlp
 from sky_flower.pipeline.stage import step_batch
 from sky_flower.sky.planning.planning import profile_model
+from sky_flower.tables import num
 
 METHODS = ("even", "heuristic", "optimal")
 # (name, holds data, slowdown, memory as a multiple of the whole model's training memory)
@@ -204,27 +206,19 @@ def _fits_alone(layers: Sequence[LayerProfile], node: NodeProfile, schedule: Sch
 
 def table(rows: Sequence[dict[str, Any]], target: float) -> str:
     """The rows as a markdown table."""
-
-    def f(v: Any, fmt: str) -> str:  # noqa: ANN401
-        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
-
-    lines = [
-        f"| method | round s (pred.) | data used | final acc | rounds to {target:.2f} "
-        "| time to target s | note |",
-        "|---|---|---|---|---|---|---|",
+    cells = [
+        [r["method"], num(r.get("round_s"), ".2f"), num(r.get("data_share"), ".0%")]
+        + [num(r.get("final_acc")), num(r.get("rounds_to_target"), "d")]
+        + [num(r.get("time_to_target_s"), ".1f"), r.get("note", "")]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {f(r.get('round_s'), '.2f')} | {f(r.get('data_share'), '.0%')} "
-            f"| {f(r.get('final_acc'), '.3f')} | {f(r.get('rounds_to_target'), 'd')} "
-            f"| {f(r.get('time_to_target_s'), '.1f')} | {r.get('note', '')} |"
-        )
-    return "\n".join(lines)
+    head = ["method", "round s (pred.)", "data used", "final acc", f"rounds to {target:.2f}"]
+    return tables.markdown([*head, "time to target s", "note"], cells)
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run benchmarks 1 and 2 and print their tables; return their rows."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser("federated", __doc__, out=False)
     p.add_argument("--width", type=int, default=512, help="MLP hidden width")
     p.add_argument("--layers", type=int, default=6, help="MLP hidden layers")
     p.add_argument("--batch-size", type=int, default=32)
@@ -233,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--target", type=float, default=0.95, help="target test accuracy")
     p.add_argument("--flops", type=float, default=5e9, help="FLOP/s of a native node")
     p.add_argument("--time-limit", type=float, default=10.0, help="optimal's limit (s)")
-    args = p.parse_args(argv)
+    args = cli.parse(p, argv)
     out = {}
     for title, spec in (
         ("1. owners too small for the model", SMALL_OWNERS),

@@ -23,6 +23,8 @@ import argparse
 import dataclasses
 import time
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.core.bert import bert_layer_profiles
 from sky_flower.core.cost import Schedule
 from sky_flower.core.federated import FederatedPlan, plan_federation
@@ -97,9 +99,7 @@ def owners_sweep(args: argparse.Namespace) -> None:
         f"(16 GiB), {args.cloud} cloud (80 GiB, 4x); owners: phones {args.phone_gib} GiB / "
         f"laptops {args.laptop_gib} GiB"
     )
-    head = ["owners", "method", "round s", "/bound", "plan s", "proven", "waits", "idle"]
-    widths = [6, 9, 10, 7, 7, 6, 5, 4]
-    print("   " + "  ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
+    rows, notes = [], []
     for owners in args.owners:
         nodes, samples = fleet(layers, owners, args, schedule)
         fps: dict[str, FederatedPlan | str] = {}
@@ -110,14 +110,13 @@ def owners_sweep(args: argparse.Namespace) -> None:
                 )
             except (InfeasibleMemoryError, ValueError) as e:
                 fps[method] = type(e).__name__
-        for method, fp in fps.items():
-            cells = [str(owners), method, *_cells(fp)]
-            print("   " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        rows += [[owners, method, *_cells(fp)] for method, fp in fps.items()]
         ref = next(fp for fp in fps.values() if not isinstance(fp, str))
-        fedavg = (
-            "infeasible" if ref.fedavg_round_time_s is None else f"{ref.fedavg_round_time_s:.1f} s"
-        )
-        print(f"   {'':>6}  bound {ref.lower_bound_s:.1f} s, FedAvg {fedavg}")
+        fedavg = tables.num(ref.fedavg_round_time_s, ".1f", " s", missing="infeasible")
+        notes.append(f"   {owners} owners: bound {ref.lower_bound_s:.1f} s, FedAvg {fedavg}")
+    head = ["owners", "method", "round s", "/bound", "plan s", "proven", "waits", "idle"]
+    print(tables.text(head, rows, align="rl", sep="  ", indent="   "))
+    print("\n".join(notes))
 
 
 def scale(args: argparse.Namespace) -> None:
@@ -144,8 +143,7 @@ def scale(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the options and print both sections."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = cli.parser("federated_plan", __doc__, quick="owners 2 and 4 only, no scale run", out=False)
     ap.add_argument("--owners", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--edge", type=int, default=3)
     ap.add_argument("--cloud", type=int, default=1)
@@ -155,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--phone-gib", type=float, default=1.5)
     ap.add_argument("--laptop-gib", type=float, default=8.0)
     ap.add_argument("--optimal-limit", type=float, default=60.0)
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv)
     if args.quick:
         args.owners = [o for o in args.owners if o <= 4]
     owners_sweep(args)

@@ -29,7 +29,6 @@ for one job at a time, not for the whole benchmark).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -37,6 +36,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from sky_flower import tables
+from sky_flower.bench import cli
+from sky_flower.compare import write_csv
 
 METHODS = ("hermes", "bsp", "asp", "ssp")
 #: The full bench's SGD step: at 0.3 (conf/hermes.yaml) BSP reaches 0.95 in 24 rounds per
@@ -201,42 +204,48 @@ def _f(v: Any, sd: Any = None, fmt: str = "{:.1f}") -> str:
 
 def markdown(rows: list[dict[str, Any]], cmp: dict[str, Any], note: str) -> str:
     """The table (mean ± sample sd over seeds) and the comparison with the paper."""
-    lines = [
-        note,
-        "",
-        "| method | reached | time to target (s) | updates sent | bytes sent (MB) | "
-        "worker rounds | rounds per worker (fewest) | minor rounds | final test acc | "
-        "time to 0.9 (s) | merges raising the test loss after 0.9 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+
+    def mb(v: float | None) -> float | None:
+        return None if v is None else v / 1e6
+
+    def pct(v: float | None) -> float | None:
+        return None if v is None else 100 * v
+
+    cells = []
     for r in rows:
-        mb = None if r["bytes_sent"] is None else r["bytes_sent"] / 1e6
-        mb_sd = None if r["bytes_sent_sd"] is None else r["bytes_sent_sd"] / 1e6
-        share = None if r["minor_share"] is None else 100 * r["minor_share"]
-        raised = None if r["raised_after_0.9"] is None else 100 * r["raised_after_0.9"]
-        lines.append(
-            f"| {r['method']} | {r['reached']}/{r['seeds']} | "
-            f"{_f(r['time_to_target_s'], r['time_to_target_s_sd'])} | "
-            f"{_f(r['updates_sent_total'], r['updates_sent_total_sd'], '{:.0f}')} | "
-            f"{_f(mb, mb_sd, '{:.2f}')} | {_f(r['worker_rounds'], r['worker_rounds_sd'], '{:.0f}')}"
-            f" | {_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
-            f" ({_f(r['min_rounds_per_worker'])})"
-            f" | {_f(share, None, '{:.1f}%')} | "
-            f"{_f(r['final_test_accuracy'], r['final_test_accuracy_sd'], '{:.3f}')} | "
-            f"{_f(r['time_to_0.9_s'], r['time_to_0.9_s_sd'])} | {_f(raised, None, '{:.0f}%')} |"
-            + (f" error: {r['error'][:160]}" if r["error"] else "")
+        cells.append(
+            [
+                r["method"],
+                f"{r['reached']}/{r['seeds']}",
+                _f(r["time_to_target_s"], r["time_to_target_s_sd"]),
+                _f(r["updates_sent_total"], r["updates_sent_total_sd"], "{:.0f}"),
+                _f(mb(r["bytes_sent"]), mb(r["bytes_sent_sd"]), "{:.2f}"),
+                _f(r["worker_rounds"], r["worker_rounds_sd"], "{:.0f}"),
+                f"{_f(r['rounds_per_worker'], r['rounds_per_worker_sd'], '{:.1f}')}"
+                f" ({_f(r['min_rounds_per_worker'])})",
+                _f(pct(r["minor_share"]), None, "{:.1f}%"),
+                _f(r["final_test_accuracy"], r["final_test_accuracy_sd"], "{:.3f}"),
+                _f(r["time_to_0.9_s"], r["time_to_0.9_s_sd"]),
+                _f(pct(r["raised_after_0.9"]), None, "{:.0f}%"),
+            ]
+            + ([f"error: {r['error'][:160]}"] if r["error"] else [])
         )
-    sv = cmp["comm_saving_vs_ssp"]
-    sv_sd = None if cmp["saving_sd"] is None else 100 * cmp["saving_sd"]
+    head = ["method", "reached", "time to target (s)", "updates sent", "bytes sent (MB)"]
+    head += ["worker rounds", "rounds per worker (fewest)", "minor rounds", "final test acc"]
+    head += ["time to 0.9 (s)", "merges raising the test loss after 0.9"]
+    lines = [note, "", tables.markdown(head, cells)]
+    speedup = _f(cmp["speedup_vs_bsp"], cmp["speedup_sd"], "{:.2f}")
+    saving = _f(pct(cmp["comm_saving_vs_ssp"]), pct(cmp["saving_sd"]))
+    paper = [
+        ["Hermes training time vs BSP", f"{speedup}x less ({cmp['speedup_n']} seeds)"]
+        + [f"up to {PAPER['speedup_vs_bsp']}x less"],
+        ["Hermes communication vs SSP", f"{saving}% less ({cmp['saving_n']} seeds)"]
+        + [f"{100 * PAPER['comm_saving_vs_ssp']:.1f}% less"],
+    ]
+    head = ["figure", "ours (mean ± sd over seeds)", "paper (arXiv 2410.20495)"]
     lines += [
         "",
-        "| figure | ours (mean ± sd over seeds) | paper (arXiv 2410.20495) |",
-        "|---|---|---|",
-        f"| Hermes training time vs BSP | "
-        f"{_f(cmp['speedup_vs_bsp'], cmp['speedup_sd'], '{:.2f}')}x less "
-        f"({cmp['speedup_n']} seeds) | up to {PAPER['speedup_vs_bsp']}x less |",
-        f"| Hermes communication vs SSP | {_f(None if sv is None else 100 * sv, sv_sd)}% less "
-        f"({cmp['saving_n']} seeds) | {100 * PAPER['comm_saving_vs_ssp']:.1f}% less |",
+        tables.markdown(head, paper),
         "",
         "Per seed: speed-up vs BSP "
         + (", ".join(f"{x:.2f}x" for x in cmp["speedups"]) or "-")
@@ -276,41 +285,36 @@ def plot(runs: dict[str, list[dict[str, Any]]], target: float, title: str, path:
     plt.close(fig)
 
 
+FULL = {"target": 0.95, "max_time": 180.0, "seeds": [0, 1, 2], "hidden": 256, "lr": FULL_LR}
+QUICK = {"target": 0.9, "max_time": 45.0, "seeds": [0], "hidden": 64}  # lr: conf's
+
+
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="target 0.9, 45 s cap, 1 seed")
-    ap.add_argument("--target", type=float, default=None, help="target test accuracy")
-    ap.add_argument("--max-time", type=float, default=None, help="cap per job (s)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
+    ap = cli.parser("hermes", __doc__, quick="target 0.9, 45 s cap, 1 seed")
+    ap.add_argument("--target", type=float, help="target test accuracy")
+    ap.add_argument("--max-time", type=float, help="cap per job (s)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="default 0 1 2")
     ap.add_argument("--fleet", default="slowlinks8", help="slowlinks8|straggler8|slowlinks16|...")
-    ap.add_argument("--hidden", type=int, default=None, help="MLP width (default 256; quick 64)")
-    ap.add_argument(
-        "--lr", type=float, default=None, help=f"SGD step (default {FULL_LR}; quick: conf's 0.3)"
-    )
+    ap.add_argument("--hidden", type=int, help="MLP width (default 256; quick 64)")
+    ap.add_argument("--lr", type=float, help=f"SGD step (default {FULL_LR}; quick: conf's 0.3)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--lock", default=None, help="run each job under `flock LOCK`")
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--from-dir",
         action="store_true",
         help="run nothing: tables and plot from the whole seeds already in --out",
     )
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
-    return ap.parse_args(argv)
+    return cli.parse(ap, argv, FULL, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; return 1 if a job failed."""
     args = _args(argv)
-    target = args.target if args.target is not None else (0.9 if args.quick else 0.95)
-    cap = args.max_time if args.max_time is not None else (45.0 if args.quick else 180.0)
-    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
-    hidden = args.hidden if args.hidden is not None else (64 if args.quick else 256)
-    lr = args.lr if args.lr is not None else (None if args.quick else FULL_LR)
+    target, cap, seeds, hidden, lr = args.target, args.max_time, args.seeds, args.hidden, args.lr
     if args.from_dir and args.out is None:
         raise SystemExit("--from-dir reads the jobs in --out: give --out DIR")
-    out = args.out or Path("outputs") / time.strftime("bench_hermes_%Y%m%d_%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.out_dir(args.out, "hermes")
     overrides = [
         f"fleet={args.fleet}",
         f"strategy.target_accuracy={target}",
@@ -342,10 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = markdown(rows, comparison(runs), note)
     (out / "table.md").write_text(text)
-    with open(out / "table.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "table.csv", list(rows[0]))
     plot(runs, target, f"{args.fleet}, MLP 64-{hidden}-10, digits", out / "accuracy_vs_time.png")
     print(text)
     print(f"benchmark finished in {time.monotonic() - t0:.0f} s; outputs in {out}")

@@ -40,21 +40,19 @@ It prints the machine and the tables and writes ``table.md`` and ``results.json`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from sky_flower import tables
+from sky_flower.bench import cli
+from sky_flower.bench.models import stage_rows
+from sky_flower.bench.zoo import EXAMPLES, example_module
 
-from sky_flower.bench.models import machine, stage_rows
-from sky_flower.jobs.common import write_json
-
-APP = Path(__file__).resolve().parents[2] / "examples" / "lora-app"
+APP = EXAMPLES / "lora-app"
 RUNS = (  # (name, lora rank (0: full fine-tuning), fleet)
     ("LoRA r=4", 4, "lora4"),
     ("full fine-tuning", 0, "lora4"),
@@ -66,11 +64,7 @@ MIB = 2**20
 
 def app_task() -> Any:  # noqa: ANN401 - the example app's task module
     """``examples/lora-app``'s ``lora_app.task``."""
-    if str(APP) not in sys.path:
-        sys.path.insert(0, str(APP))
-    from lora_app import task
-
-    return task
+    return example_module("lora-app", "lora_app.task")
 
 
 def run_config(fleet: str, rounds: int, steps: int, results: Path) -> dict[str, Any]:
@@ -179,75 +173,60 @@ def _name(row: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown tables: one summary row per run, then the plans, then the rounds."""
-    head = (
-        "| run | fleet | trainable / all params | whole model MiB (one node) | plan "
-        "| sent per round KiB (full KiB, %) | step s predicted | step s measured (median) "
-        "| held-out loss: start -> last round |"
-    )
-    lines = [head, "|" + "---|" * 9]
+    summary, plans, rounds = [], [], []
     for r in rows:
-        name = _name(r)
+        run = [_name(r), r["fleet"]]
         params = f"{r['trainable_params']:,} / {r['params']:,}"
         if "infeasible" in r:
             text = r["infeasible"].split("\n")[0].replace("|", "/")
-            lines.append(f"| {name} | {r['fleet']} | {params} | | infeasible: {text} | | | | |")
+            summary.append([*run, params, "", f"infeasible: {text}", "", "", "", ""])
             continue
-        plan = ", ".join(f"{s['node']}: {s['first']}-{s['last']}" for s in r["stages"])
         last = r["rounds"][-1]
         sent, full = last["weights_sent_bytes"], last["full_weights_bytes"]
-        steps = [x["measured_step_time_s"] for x in r["rounds"]]
-        lines.append(
-            f"| {name} | {r['fleet']} | {params} | {_mib(r['model_memory_bytes'])} | {plan} "
-            f"| {_kib(sent)} ({_kib(full)}, {100 * sent / full:.1f} %) "
-            f"| {r['predicted_step_time_s']:.3f} | {', '.join(f'{s:.2f}' for s in steps)} "
-            f"| {r['initial_test_loss']:.3f} -> {last['test_loss']:.3f} |"
+        summary.append(
+            [*run, params, _mib(r["model_memory_bytes"])]
+            + [", ".join(f"{s['node']}: {s['first']}-{s['last']}" for s in r["stages"])]
+            + [f"{_kib(sent)} ({_kib(full)}, {100 * sent / full:.1f} %)"]
+            + [f"{r['predicted_step_time_s']:.3f}"]
+            + [", ".join(f"{x['measured_step_time_s']:.2f}" for x in r["rounds"])]
+            + [f"{r['initial_test_loss']:.3f} -> {last['test_loss']:.3f}"]
         )
-    lines += ["", "Predicted memory per stage (MiB used / cap):", ""]
-    lines += ["| run | fleet | stages |", "|---|---|---|"]
-    for r in rows:
-        if "infeasible" in r:
-            continue
-        name = _name(r)
-        cells = ", ".join(
-            f"{s['node']} [{s['first']}-{s['last']}] {_mib(s['memory_bytes'])}/"
-            f"{_mib(s['capacity_bytes'])}"
+        stages = [
+            f"{s['node']} [{s['first']}-{s['last']}] "
+            f"{_mib(s['memory_bytes'])}/{_mib(s['capacity_bytes'])}"
             for s in r["stages"]
-        )
-        lines.append(f"| {name} | {r['fleet']} | {cells} |")
-    lines += ["", "Per round (train loss over the round's steps; held-out loss, perplexity):", ""]
-    lines += [
-        "| run | fleet | round | train loss | held-out loss | perplexity | step s measured "
-        "| round s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "infeasible" in r:
-            continue
-        name = _name(r)
-        for x in r["rounds"]:
-            lines.append(
-                f"| {name} | {r['fleet']} | {x['round']} | {x['train_loss']:.4f} "
-                f"| {x['test_loss']:.4f} | {x['test_perplexity']:.1f} "
-                f"| {x['measured_step_time_s']:.2f} | {x['round_time_s']:.1f} |"
-            )
-    return "\n".join(lines)
+        ]
+        plans.append([*run, ", ".join(stages)])
+        rounds += [
+            [*run, x["round"], f"{x['train_loss']:.4f}", f"{x['test_loss']:.4f}"]
+            + [f"{x['test_perplexity']:.1f}", f"{x['measured_step_time_s']:.2f}"]
+            + [f"{x['round_time_s']:.1f}"]
+            for x in r["rounds"]
+        ]
+    head = ["run", "fleet", "trainable / all params", "whole model MiB (one node)", "plan"]
+    head += ["sent per round KiB (full KiB, %)", "step s predicted", "step s measured (median)"]
+    rounds_head = ["run", "fleet", "round", "train loss", "held-out loss", "perplexity"]
+    return "\n\n".join(
+        [
+            tables.markdown([*head, "held-out loss: start -> last round"], summary),
+            "Predicted memory per stage (MiB used / cap):",
+            tables.markdown(["run", "fleet", "stages"], plans),
+            "Per round (train loss over the round's steps; held-out loss, perplexity):",
+            tables.markdown([*rounds_head, "step s measured", "round s"], rounds),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser("lora", __doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    out = args.out or Path("outputs") / f"bench_lora_{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    args = cli.parse(parser, argv)
+    out = cli.out_dir(args.out, "lora")
     os.environ.setdefault("SKY_FLOWER_CACHE", str(out / "cache"))  # the app's base model
-    info = machine()
-    print(
-        f"Machine: {info['cpu']}, torch on {torch.get_num_threads()} thread(s), "
-        f"Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}"
-    )
+    info = cli.machine()
+    print(cli.machine_line(info))
     print(f"{args.rounds} round(s) of {args.steps} steps per run, in process (relay)")
     t_start = time.perf_counter()
     rows = []
@@ -267,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         if "infeasible" in r:
             print(f"\nfull fine-tuning on {r['fleet']}, the planner's refusal:\n{r['infeasible']}")
     print(f"Benchmark finished in {total:.0f} s; outputs in {out}")
-    (out / "table.md").write_text(f"{text}\n\nMachine: {info}; {total:.0f} s in all\n")
-    write_json(out / "results.json", {"machine": info, "total_s": total, "rows": rows})
+    results = {"machine": info, "total_s": total, "rows": rows}
+    cli.write(out, f"{text}\n\nMachine: {info}; {total:.0f} s in all", results)
 
 
 if __name__ == "__main__":

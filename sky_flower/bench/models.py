@@ -60,18 +60,17 @@ full per-cut byte lists, the plans, the losses) into ``--out`` (default
 
 from __future__ import annotations
 
-import argparse
 import copy
-import platform
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.bench.zoo import ZOO, ZooModel
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.example import as_dtype
@@ -82,7 +81,6 @@ from sky_flower.core.profile import (
     profile_layers,
     time_layers,
 )
-from sky_flower.jobs.common import write_json
 from sky_flower.pipeline.graph import as_sequential
 from sky_flower.pipeline.lm import lm_cross_entropy, token_correct
 from sky_flower.pipeline.stage import (
@@ -108,26 +106,6 @@ ERROR_CHARS = 420  # of an error's text in the table (results.json keeps all of 
 # --------------------------------------------------------------------------------------
 # the machine, the data
 # --------------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    """CPU model and logical cores, torch threads, Python, torch and transformers
-    versions."""
-    from sky_flower.pipeline.device import cpu_name
-
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:  # pragma: no cover - the hf extra is installed here
-        tf_version = "not installed"
-    return {
-        "cpu": cpu_name(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-    }
-
-
 def objective(model: ZooModel) -> tuple[Callable | None, Callable | None]:
     """``(loss_fn, metric_fn)`` for :func:`run_split_step` (None: cross-entropy and
     correct predictions, the defaults)."""
@@ -389,15 +367,10 @@ def _kib(nbytes: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown tables: the summary, the bytes per cut, the plans."""
-    head = (
-        "| model | convert s | units | max cut B/sample | owner cap / model KiB "
-        "| plan (node: units) | predicted step s | split vs unsplit max abs diff | exact |"
-    )
-    lines = [head, "|" + "---|" * 9]
+    summary, cuts, overheads, splits = [], [], [], []
     for r in rows:
         if "error" in r:
-            err = _failed(r)
-            lines.append(f"| {r['model']} | failed: {err} | | | | | | | |")
+            summary.append([r["model"], f"failed: {_failed(r)}", "", "", "", "", "", "", ""])
             continue
         cells = [r["model"], f"{r['convert_s']:.2f}", str(r["units"])]
         cb = r["cut_bytes"]
@@ -410,55 +383,49 @@ def table(rows: list[dict[str, Any]]) -> str:
             cells.append(f"{_kib(owner)} / {_kib(plan['model_memory_bytes'])}")
             stages = ", ".join(f"{s['node']}: {s['first']}-{s['last']}" for s in plan["stages"])
             idle = f" ({', '.join(plan['idle_nodes'])} idle)" if plan["idle_nodes"] else ""
-            cells.append(stages + idle)
-            cells.append(f"{plan['predicted_step_time_s']:.4f}")
+            cells += [stages + idle, f"{plan['predicted_step_time_s']:.4f}"]
         ex = r["exactness"]
         if _failed(ex):
             cells += [f"failed: {_failed(ex)}", ""]
         else:
             cells += [f"{ex['max_abs_diff']:.3g}", "yes" if ex["exact"] else "**no**"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Bytes per sample crossing each cut (units in order):", ""]
-    lines += ["| model | cuts before | bytes per cut |", "|---|---|---|"]
-    for r in rows:
-        if "error" in r or _failed(r["cut_bytes"]):
-            continue
-        points = ", ".join(p.removeprefix("hf.") for p in r["split_points"])
-        lines.append(
-            f"| {r['model']} | {points} | {', '.join(f'{b:,.0f}' for b in r['cut_bytes'])} |"
-        )
-    lines += ["", f"One forward + backward on a batch of {BATCH} (training mode, median):", ""]
-    lines += ["| model | module ms | converted ms | converted / module |", "|---|---|---|---|"]
-    for r in rows:
+        summary.append(cells)
+        if not _failed(cb):
+            points = ", ".join(p.removeprefix("hf.") for p in r["split_points"])
+            cuts.append([r["model"], points, ", ".join(f"{b:,.0f}" for b in cb)])
         oh = r.get("overhead")
-        if oh is None or _failed(oh):
-            continue
-        lines.append(
-            f"| {r['model']} | {oh['module_ms']:.2f} | {oh['converted_ms']:.2f} "
-            f"| {oh['ratio']:.2f}x |"
-        )
-    lines += ["", "Split training (stages as unit ranges; tensors = weights + buffers):", ""]
-    lines += [
-        "| model | stages | tensors (buffers) | changed by training | loss step 1, 2 "
-        "| two stages, each single cut: exact |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ex = r.get("exactness")
-        if ex is None or _failed(ex):
-            continue
-        stages = ", ".join(f"{a}-{b}" for a, b in ex["bounds"])
-        loss = ", ".join(f"{v:.4f}" for v in ex["loss_unsplit"])
-        cuts = ex["single_cuts"]
-        ok = sum(v == "exact" for v in cuts.values())
-        odd = "; ".join(
-            f"cut before unit {c}: {_short(v)}" for c, v in cuts.items() if v != "exact"
-        )
-        lines.append(
-            f"| {r['model']} | {stages} | {ex['tensors']} ({ex['buffers']}) | {ex['changed']} "
-            f"| {loss} | {ok}/{len(cuts)}{'; ' + odd if odd else ''} |"
-        )
-    return "\n".join(lines)
+        if oh is not None and not _failed(oh):
+            overheads.append([r["model"], f"{oh['module_ms']:.2f}", f"{oh['converted_ms']:.2f}"])
+            overheads[-1].append(f"{oh['ratio']:.2f}x")
+        if not _failed(ex):
+            single = ex["single_cuts"]
+            ok = sum(v == "exact" for v in single.values())
+            odd = "; ".join(
+                f"cut before unit {c}: {_short(v)}" for c, v in single.items() if v != "exact"
+            )
+            splits.append(
+                [r["model"], ", ".join(f"{a}-{b}" for a, b in ex["bounds"])]
+                + [f"{ex['tensors']} ({ex['buffers']})", ex["changed"]]
+                + [", ".join(f"{v:.4f}" for v in ex["loss_unsplit"])]
+                + [f"{ok}/{len(single)}{'; ' + odd if odd else ''}"]
+            )
+    head = ["model", "convert s", "units", "max cut B/sample", "owner cap / model KiB"]
+    head += ["plan (node: units)", "predicted step s", "split vs unsplit max abs diff", "exact"]
+    split_head = ["model", "stages", "tensors (buffers)", "changed by training"]
+    split_head += ["loss step 1, 2", "two stages, each single cut: exact"]
+    return "\n\n".join(
+        [
+            tables.markdown(head, summary),
+            "Bytes per sample crossing each cut (units in order):",
+            tables.markdown(["model", "cuts before", "bytes per cut"], cuts),
+            f"One forward + backward on a batch of {BATCH} (training mode, median):",
+            tables.markdown(
+                ["model", "module ms", "converted ms", "converted / module"], overheads
+            ),
+            "Split training (stages as unit ranges; tensors = weights + buffers):",
+            tables.markdown(split_head, splits),
+        ]
+    )
 
 
 def fleet_line() -> str:
@@ -474,25 +441,19 @@ def fleet_line() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser("models", __doc__)
     parser.add_argument("--models", default="", help="comma-separated zoo names (default all)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()] or list(ZOO)
     unknown = [n for n in names if n not in ZOO]
     if unknown:
         parser.error(f"unknown models {unknown}: choose from {', '.join(ZOO)}")
-    out = args.out or Path("outputs") / f"bench_models_{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.out_dir(args.out, "models")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     # one thread, as tests/reference.py trains: tiny models gain nothing from a second
     torch.set_num_threads(1)
-    info = machine()
-    print(
-        f"Machine: {info['cpu']}, torch on {info['torch_threads']} "
-        f"thread, Python {info['python']}, "
-        f"torch {info['torch']}, transformers {info['transformers']}"
-    )
+    info = cli.machine()
+    print(cli.machine_line(info))
     print(fleet_line())
     t_start = time.perf_counter()
     rows = []
@@ -510,10 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         for said in r.get("warnings", []):
             print(f"warning ({r['model']}): {said}")
     print(f"Benchmark finished in {total:.0f} s; outputs in {out}")
-    (out / "table.md").write_text(
-        f"{fleet_line()}\n\n{text}\n\nMachine: {info}; {total:.0f} s in all\n"
-    )
-    write_json(out / "results.json", {"machine": info, "total_s": total, "rows": rows})
+    page = f"{fleet_line()}\n\n{text}\n\nMachine: {info}; {total:.0f} s in all"
+    cli.write(out, page, {"machine": info, "total_s": total, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from sky_flower import tables
 from sky_flower.bench.random_fleets import random_fleets
 from sky_flower.core.bert import bert_layer_profiles
 from sky_flower.core.cost import CostModel, Schedule
@@ -61,8 +62,9 @@ def _plan(cost: CostModel, method: str, objective: str, limit: float) -> Plan | 
         return type(e).__name__
 
 
-def _row(cells: list[object], widths: list[int]) -> str:
-    return "  ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True))
+def show(head: list[str], rows: list[list[object]], align: str = "l") -> None:
+    """Print a section's table, indented under its title (``align``: :func:`tables.text`'s)."""
+    print(tables.text(head, rows, align=align, sep="  ", indent="   "))
 
 
 def steady_state() -> None:
@@ -82,32 +84,19 @@ def steady_state() -> None:
 def steps() -> None:
     """Section 2."""
     print("\n2. Step time, 64 nodes x 160 layers (s per step)")
-    w = [22, 10, 10, 10, 12, 12]
-    print("   " + _row(["schedule", "even", "heuristic", "bound", "even/heur", "heur/bound"], w))
+    rows = []
     for label, sched in [
         ("GPipe M=256 (4 x 64)", Schedule(256, 256, "gpipe", "direct")),
         ("1F1B M=256 (4 x 64)", Schedule(256, 256, "1f1b", "direct")),
         ("sequential M=1", Schedule(32, 1, "sequential", "direct")),
     ]:
         cost = instance(64, 160, sched)
-        e = partition(cost, "even")
+        e = partition(cost, "even").predicted_step_time_s
         h = partition(cost, "heuristic")
-        lb = cost.step_lower_bound()
-        print(
-            "   "
-            + _row(
-                [
-                    label,
-                    f"{e.predicted_step_time_s:.3f}",
-                    f"{h.predicted_step_time_s:.3f}",
-                    f"{lb:.3f}",
-                    f"{e.predicted_step_time_s / h.predicted_step_time_s:.3f}",
-                    f"{h.predicted_step_time_s / lb:.3f}",
-                ],
-                w,
-            )
-            + f"   ({len(h.stages)} stages)"
-        )
+        step, lb = h.predicted_step_time_s, cost.step_lower_bound()
+        cells = [e, step, lb, e / step, step / lb]
+        rows.append([label, *(f"{v:.3f}" for v in cells), len(h.stages)])
+    show(["schedule", "even", "heuristic", "bound", "even/heur", "heur/bound", "stages"], rows)
 
 
 def solve_times() -> None:
@@ -134,8 +123,7 @@ def _timed(fn: object) -> float:
 def optimal_small(limit: float) -> None:
     """Section 4."""
     print(f"\n4. optimal (time limit {limit:g} s): throughput, and a GPipe step with M = 4")
-    w = [22, 10, 10, 10, 7, 8, 9]
-    print("   " + _row(["instance", "heuristic", "optimal", "bound", "proven", "gap", "time s"], w))
+    rows = []
     for nodes, num_layers, objective, sched in [
         (16, 40, "throughput", Schedule(32, 1, "gpipe", "direct")),
         (32, 160, "throughput", Schedule(32, 1, "gpipe", "direct")),
@@ -144,24 +132,20 @@ def optimal_small(limit: float) -> None:
         cost = instance(nodes, num_layers, sched)
         h = partition(cost, "heuristic", objective=objective)
         o = partition(cost, "optimal", objective=objective, time_limit_s=limit)
-        gap = "-" if o.mip_gap is None else f"{o.mip_gap:.3f}"
-        label = f"{nodes}x{num_layers} {objective}"
-        print(
-            "   "
-            + _row(
-                [
-                    label,
-                    f"{h.objective_value_s:.4f}",
-                    f"{o.objective_value_s:.4f}",
-                    f"{o.lower_bound_s:.4f}",
-                    o.proven_optimal,
-                    gap,
-                    f"{o.solve_time_s:.2f}",
-                ],
-                w,
-            )
+        rows.append(
+            [
+                f"{nodes}x{num_layers} {objective}",
+                f"{h.objective_value_s:.4f}",
+                f"{o.objective_value_s:.4f}",
+                f"{o.lower_bound_s:.4f}",
+                o.proven_optimal,
+                tables.num(o.mip_gap),
+                f"{o.solve_time_s:.2f}",
+                o.note or "-",
+            ]
         )
-        print(f"   {'':22}  note: {o.note or '-'}")
+    head = ["instance", "heuristic", "optimal", "bound", "proven", "gap", "time s", "note"]
+    show(head, rows, align="lrrrrrrl")
 
 
 def grid(quick: bool, limit: float) -> None:
@@ -169,22 +153,20 @@ def grid(quick: bool, limit: float) -> None:
     nodes_list = [4, 8, 16] if quick else [4, 8, 16, 32, 64]
     layers_list = [10, 20, 40] if quick else [10, 20, 40, 80, 160]
     print(f"\n5. Sweep grid, throughput (s per micro-batch); optimal limit {limit:g} s")
-    w = [5, 6, 9, 9, 9, 9, 7, 7]
-    print("   " + _row(["nodes", "layers", "even", "heur", "optimal", "bound", "e/h", "proven"], w))
+    rows = []
     for num_layers in layers_list:
         for nodes in nodes_list:
             cost = instance(nodes, num_layers, Schedule(32, 1, "gpipe", "direct"))
             res = {m: _plan(cost, m, "throughput", limit) for m in ("even", "heuristic", "optimal")}
             cells: list[object] = [nodes, num_layers]
-            for m in ("even", "heuristic", "optimal"):
-                p = res[m]
-                cells.append(f"{p.period_s:.4f}" if isinstance(p, Plan) else p[:9])
+            cells += [f"{p.period_s:.4f}" if isinstance(p, Plan) else p[:9] for p in res.values()]
             cells.append(f"{cost.period_lower_bound():.4f}")
             e, h, o = res["even"], res["heuristic"], res["optimal"]
             ok = isinstance(e, Plan) and isinstance(h, Plan)
             cells.append(f"{e.period_s / h.period_s:.2f}" if ok else "-")  # type: ignore[union-attr]
             cells.append(str(o.proven_optimal) if isinstance(o, Plan) else "-")
-            print("   " + _row(cells, w))
+            rows.append(cells)
+    show(["nodes", "layers", "even", "heur", "optimal", "bound", "e/h", "proven"], rows, "r")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from sky_flower import tables
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.partition import InfeasibleMemoryError, brute_force, heuristic, partition
 from sky_flower.core.partition.feasible import check_memory
@@ -111,16 +112,20 @@ def _instances(quick: bool) -> list[tuple[str, int, int, int]]:
 def random_fleets(quick: bool, limit: float = 60.0) -> None:
     """Section 6: print the table."""
     print(f"\n6. Random small fleets: a link per pair, binding memory (optimal limit {limit:g} s)")
-    w = [10, 10, 9, 8, 7, 7, 6, 6, 9, 9]
-    head = ["set", "objective", "method", "optimal", "worst", "mean", "refus", "accep"]
-    print("   " + _row([*head, "median s", "max s"], w))
     insts = _instances(quick)
+    rows, notes = [], []
     for objective in ("step", "throughput"):
         for label in ("2-4 nodes", "8 nodes"):
-            _table(objective, label, [x for x in insts if x[0] == label], limit, w)
+            found, note = _rows(objective, label, [x for x in insts if x[0] == label], limit)
+            rows += found
+            notes.append(f"{label}, {objective}: {note}")
+    head = ["set", "objective", "method", "optimal", "worst", "mean", "refus", "accep"]
+    print(tables.text([*head, "median s", "max s"], rows, align="lll", sep="  ", indent="   "))
+    print("\n".join(f"   {note}" for note in notes))
 
 
-def _table(objective: str, label: str, insts: list, limit: float, w: list[int]) -> None:
+def _rows(objective: str, label: str, insts: list, limit: float) -> tuple[list[list], str]:
+    """The table's rows of one set and objective, and the note on its instances."""
     stats = {m: {"ratios": [], "times": [], "refused": 0, "accepted": 0} for m in METHODS}
     unproven = infeasible = 0
     sched = Schedule(8, 4, "gpipe", "direct")
@@ -142,6 +147,7 @@ def _table(objective: str, label: str, insts: list, limit: float, w: list[int]) 
             st["accepted"] += (not fits) and plan is not None
             if exact is not None and plan is not None:
                 st["ratios"].append(plan.objective_value_s / exact if exact > 0 else 1.0)
+    rows = []
     for m in METHODS:
         st = stats[m]
         r = np.array(st["ratios"]) if st["ratios"] else np.array([np.nan])
@@ -158,12 +164,8 @@ def _table(objective: str, label: str, insts: list, limit: float, w: list[int]) 
             f"{np.median(t):.3f}",
             f"{t.max():.2f}",
         ]
-        print("   " + _row(cells, w))
-    print(
-        f"   {'':10}  {len(insts)} instances, {infeasible} infeasible (proven), "
+        rows.append(cells)
+    return rows, (
+        f"{len(insts)} instances, {infeasible} infeasible (proven), "
         f"{unproven} feasible but not proven (left out of the ratios)"
     )
-
-
-def _row(cells: list[object], widths: list[int]) -> str:
-    return "  ".join(f"{c!s:>{wd}}" for c, wd in zip(cells, widths, strict=True))

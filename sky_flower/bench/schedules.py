@@ -26,11 +26,13 @@ No Flower, no Ray (the lock is not needed). About 1 min on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
+from sky_flower import tables
+from sky_flower.bench import cli
+from sky_flower.bench.transport import even_bounds
 from sky_flower.core.cost import CostModel, Schedule
 from sky_flower.core.profile import NodeProfile, profile_layers, time_layers
 from sky_flower.core.schedule import DIRECT_KINDS, predict
@@ -39,16 +41,6 @@ from sky_flower.pipeline.models import build_model
 
 S, M, BATCH, CHUNKS = 4, 8, 64, 2
 SLOWDOWNS = (1.0, 0.0, 1.0, 0.0)  # x2, x1, x2, x1
-
-
-def even_stages(num_layers: int, stages: int) -> list[tuple[int, int, int]]:
-    """``(node, first, last)``: ``num_layers`` layers evenly over ``stages`` nodes."""
-    counts = [num_layers // stages + (1 if i < num_layers % stages else 0) for i in range(stages)]
-    out, a = [], 0
-    for i, c in enumerate(counts):
-        out.append((i, a, a + c - 1))
-        a += c
-    return out
 
 
 def cost_model(model_cfg: dict, kind: str) -> CostModel:
@@ -100,13 +92,13 @@ def measure(model_cfg: dict, kind: str, stages: list, steps: int) -> tuple[float
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark; print the table; return its rows."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser("schedules", __doc__, out=False)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
-    args = ap.parse_args(argv)
+    args = cli.parse(ap, argv)
     model_cfg = {"name": "mlp", "in_features": 64, "hidden_width": args.width, "hidden_layers": 8}
     cost = cost_model(model_cfg, "gpipe")
-    plan = even_stages(cost.num_layers, S)
+    plan = [(i, a, b) for i, (a, b) in enumerate(even_bounds(cost.num_layers, S))]
     rows = []
     for kind in DIRECT_KINDS:
         pred = predict(cost, plan, kind, CHUNKS)
@@ -124,18 +116,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
     print(f"S={S}, M={M}, batch {BATCH}, MLP width {args.width}, slowdowns {SLOWDOWNS}")
-    print(
-        "| schedule | v | measured step s | predicted s | meas/pred | bubble sim | "
-        "bubble meas | peak memory per stage MiB (predicted) |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        mem = ", ".join(f"{m:.1f}" for m in r["memory_mib"])
-        print(
-            f"| {r['kind']} | {r['chunks']} | {r['measured_step_s']:.3f} | "
-            f"{r['predicted_step_s']:.3f} | {r['measured_step_s'] / r['predicted_step_s']:.2f} | "
-            f"{r['bubble_simulated']:.0%} | {r['bubble_measured']:.0%} | {mem} |"
-        )
+    cells = [
+        [r["kind"], r["chunks"], f"{r['measured_step_s']:.3f}", f"{r['predicted_step_s']:.3f}"]
+        + [f"{r['measured_step_s'] / r['predicted_step_s']:.2f}", f"{r['bubble_simulated']:.0%}"]
+        + [f"{r['bubble_measured']:.0%}", ", ".join(f"{m:.1f}" for m in r["memory_mib"])]
+        for r in rows
+    ]
+    head = ["schedule", "v", "measured step s", "predicted s", "meas/pred", "bubble sim"]
+    print(tables.markdown([*head, "bubble meas", "peak memory per stage MiB (predicted)"], cells))
     return rows
 
 

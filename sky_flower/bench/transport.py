@@ -35,22 +35,23 @@ machine wrap it in ``flock /tmp/sky-ray.lock``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from sky_flower import tables
+from sky_flower.bench import cli
 from sky_flower.emulation.devices import Emulation
-from sky_flower.jobs.common import write_json
-from sky_flower.pipeline.data import batch_indices, load_split, owner_partition
+from sky_flower.pipeline.data import load_split, owner_partition
 from sky_flower.pipeline.direct import run_local
 from sky_flower.pipeline.models import build_model
+from sky_flower.pipeline.stage import step_batch
+from sky_flower.tables import num
 
 MODELS = {
     "mlp": {"name": "mlp", "in_features": 64, "hidden_width": 1024, "hidden_layers": 8},
@@ -81,14 +82,7 @@ def owner_batches(steps: int, rnd: int = 1, seed: int = 0) -> list[tuple[Any, An
     """The data owner's first ``steps`` batches of round ``rnd`` (as the client draws them)."""
     train, _ = load_split("digits", 0.2, seed)
     data = owner_partition(train, 0, 1, seed)
-    per_epoch = len(data) // BATCH
-    out = []
-    for step in range(steps):
-        idx = batch_indices(len(data), BATCH, rnd * 1000 + step // per_epoch, seed)[
-            step % per_epoch
-        ]
-        out.append((torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])))
-    return out
+    return [step_batch(data, BATCH, rnd, seed, step) for step in range(steps)]
 
 
 def time_unsplit(model_cfg: dict, M: int, steps: int) -> float:
@@ -263,69 +257,53 @@ def _ratios(x: dict[str, Any], key: str) -> str:
 def calibration_table(rows: list[dict[str, Any]]) -> str:
     """Measured / predicted step time per Flower cell, by the cost model before and
     after calibration (in parentheses: the stages' measured / predicted compute)."""
-    head = (
-        "| model | S | M | case | measured s | predicted before | predicted after | "
-        "meas/pred before (stages) | meas/pred after (stages) |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        for case in ("direct", "relay-pipe", "relay"):
-            x = r.get(case, {})
-            if "step_s" not in x:
-                continue
-            lines.append(
-                f"| {r['model']} | {r['S']} | {r['M']} | {case} | {_fmt(x['step_s'])} | "
-                f"{_fmt(x.get('predicted_before_s'))} | {_fmt(x.get('predicted_s'))} | "
-                f"{_ratios(x, 'predicted_before_s')} | {_ratios(x, 'predicted_s')} |"
-            )
-    return "\n".join(lines)
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    rows = [
+        [r["model"], r["S"], r["M"], case, num(x["step_s"]), num(x.get("predicted_before_s"))]
+        + [num(x.get("predicted_s")), _ratios(x, "predicted_before_s"), _ratios(x, "predicted_s")]
+        for r in rows
+        for case in ("direct", "relay-pipe", "relay")
+        if "step_s" in (x := r.get(case, {}))
+    ]
+    head = ["model", "S", "M", "case", "measured s", "predicted before", "predicted after"]
+    return tables.markdown([*head, "meas/pred before (stages)", "meas/pred after (stages)"], rows)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as a Markdown table (seconds per step; ratios)."""
-    head = (
-        "| model | S | M | (a) unsplit | (b) pipelining | (c) direct | (d) relay-pipe | "
-        "(e) relay | (c)/(b) | (c) predicted | (c) meas/pred | (d) meas/pred | "
-        "(b) set-up | (c) set-up |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(x: dict[str, Any]) -> str:
+        if "error" in x:
+            return "n/a" if x["error"].startswith("n/a") else "failed"
+        return num(x.get("step_s"))
+
+    def ratio(a: dict[str, Any], b: dict[str, Any], missing: str = "-") -> str:
+        return num(a["step_s"] / b["step_s"], ".2f") if "step_s" in a and "step_s" in b else missing
+
+    cells = []
     for r in rows:
         c, b, d = r.get("direct", {}), r.get("pipelining", {}), r.get("relay-pipe", {})
-        e = r.get("relay", {})
-
-        def cell(x: dict[str, Any]) -> str:
-            if "error" in x:
-                return "n/a" if x["error"].startswith("n/a") else "failed"
-            return _fmt(x.get("step_s"))
-
-        ratio = _fmt(c["step_s"] / b["step_s"], 2) if "step_s" in c and "step_s" in b else "-"
-        cp = _fmt(c["step_s"] / c["predicted_s"], 2) if "step_s" in c else "-"
-        dp = _fmt(d["step_s"] / d["predicted_s"], 2) if "step_s" in d else "n/a"
-        lines.append(
-            f"| {r['model']} | {r['S']} | {r['M']} | {_fmt(r.get('unsplit'))} | {cell(b)} | "
-            f"{cell(c)} | {cell(d)} | {cell(e)} | {ratio} | {_fmt(c.get('predicted_s'))} | "
-            f"{cp} | {dp} | {_fmt(b.get('setup_s'), 2)} | {_fmt(c.get('setup_s'), 2)} |"
+        cp, dp = {"step_s": c.get("predicted_s")}, {"step_s": d.get("predicted_s")}
+        cells.append(
+            [r["model"], r["S"], r["M"], num(r.get("unsplit")), cell(b), cell(c), cell(d)]
+            + [cell(r.get("relay", {})), ratio(c, b), num(c.get("predicted_s"))]
+            + [ratio(c, cp), ratio(d, dp, "n/a"), num(b.get("setup_s"), ".2f")]
+            + [num(c.get("setup_s"), ".2f")]
         )
-    return "\n".join(lines)
+    head = ["model", "S", "M", "(a) unsplit", "(b) pipelining", "(c) direct", "(d) relay-pipe"]
+    head += ["(e) relay", "(c)/(b)", "(c) predicted", "(c) meas/pred", "(d) meas/pred"]
+    return tables.markdown([*head, "(b) set-up", "(c) set-up"], cells)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="MLP only, S in {1,2,4}, M in {1,4}")
+    parser = cli.parser("transport", __doc__, quick="MLP only, S in {1,2,4}, M in {1,4}")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per case")
     parser.add_argument("--kind", default="gpipe", choices=("gpipe", "1f1b"))
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     models = ["mlp"] if args.quick else list(MODELS)
     Ss, Ms = [1, 2, 4], [1, 4] if args.quick else [1, 4, 8]
     steps = args.steps or (4 if args.quick else 6)
-    out = args.out or Path("outputs") / f"bench_transport_{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.out_dir(args.out, "transport")
     logging.getLogger("flwr").setLevel(logging.WARNING)
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -351,8 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows) + "\n\nCalibration (issue 16):\n\n" + calibration_table(rows)
     print(text)
     print(f"Benchmark finished in {time.perf_counter() - t_start:.0f} s; outputs in {out}")
-    (out / "table.md").write_text(text + "\n")
-    write_json(out / "results.json", rows)  # strictly valid JSON (NaN/inf: null)
+    cli.write(out, text, rows)  # strictly valid JSON (NaN/inf: null)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Models as Flower users write them, built small and seeded, for the model benchmark
 (:mod:`sky_flower.bench.models`) and the conversion tests: none was written for Sky.
 
-* ``quickstart_cnn``: Flower's quickstart-pytorch ``Net`` (``examples/quickstart-pytorch``
-  in Flower's repository): conv1, one ``pool`` module called twice, conv2, fc1-3,
-  ``F.relu`` and ``view`` in ``forward``.
+* ``quickstart_cnn``: Flower's quickstart-pytorch ``Net``, imported from this
+  repository's copy of the app (``examples/quickstart-pytorch``): conv1, one ``pool``
+  module called twice, conv2, fc1-3, ``F.relu`` and ``view`` in ``forward``.
 * ``resnet18``: a torchvision-style ResNet-18 layout (``BasicBlock`` x [2, 2, 2, 2],
   BatchNorm inside every block, ``ReLU(inplace=True)``, a downsample branch),
   ``width`` channels in the first layer (torchvision: 64).
@@ -17,38 +17,35 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sky_flower.pipeline.data import Split
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-class QuickstartNet(nn.Module):
-    """Flower's quickstart-pytorch CNN, as Flower writes it: ``(B, 3, 32, 32)`` images
-    -> ``(B, 10)`` logits."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
+def example_module(app: str, module: str) -> ModuleType:
+    """Module ``module`` of the example app ``examples/<app>`` (its folder put on
+    ``sys.path`` once)."""
+    folder = str(EXAMPLES / app)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(module)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits."""
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.view(-1, 16 * 5 * 5)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+
+def quickstart_net() -> nn.Module:
+    """Flower's quickstart-pytorch CNN, as Flower writes it (``examples/quickstart-pytorch``'s
+    ``pytorchexample.task.Net``): ``(B, 3, 32, 32)`` images -> ``(B, 10)`` logits."""
+    return example_module("quickstart-pytorch", "pytorchexample.task").Net()
 
 
 class BasicBlock(nn.Module):
@@ -230,7 +227,7 @@ def _bert() -> nn.Module:
 
 T = 8  # tokens per sample
 ZOO: dict[str, ZooModel] = {
-    "quickstart_cnn": ZooModel("quickstart_cnn", "image", (3, 32, 32), QuickstartNet),
+    "quickstart_cnn": ZooModel("quickstart_cnn", "image", (3, 32, 32), quickstart_net),
     "resnet18": ZooModel("resnet18", "image", (3, 32, 32), lambda: ResNet(width=8)),
     "bert_cls": ZooModel("bert_cls", "classify", (T,), _bert, classes=3),
     **{name: ZooModel(name, "lm", (T,), _hf(name)) for name in HF_CONFIGS},

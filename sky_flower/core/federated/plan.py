@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sky_flower import tables
 from sky_flower.core.partition import Plan
 
 
@@ -127,19 +128,22 @@ class FederatedPlan:
         """The plan as text: one row per pipeline (owner, samples, steps, stages as
         ``node[first-last]``, predicted step time, start, duration, what it waits for),
         then the round time, FedAvg's and the lower bound."""
-        head = (
-            f"{'#':>2}  {'owner':<12} {'samples':>7} {'steps':>6}  {'step s':>8} "
-            f"{'start s':>9} {'time s':>9}  {'after':<6} stages"
-        )
-        rows = [head, "-" * len(head)]
-        for i, p in enumerate(self.pipelines):
-            stages = " ".join(f"{s.node}[{s.first_layer}-{s.last_layer}]" for s in p.plan.stages)
-            after = ",".join(str(j) for j in p.after) or "-"
-            rows.append(
-                f"{i:>2}  {p.owner:<12} {p.samples:>7} {p.steps:>6}  "
-                f"{p.plan.predicted_step_time_s:8.4f} {p.start_s:9.3f} {p.time_s:9.3f}  "
-                f"{after:<6} {stages}"
+        cells = [
+            (
+                i,
+                p.owner,
+                p.samples,
+                p.steps,
+                f"{p.plan.predicted_step_time_s:.4f}",
+                f"{p.start_s:.3f}",
+                f"{p.time_s:.3f}",
+                ",".join(str(j) for j in p.after) or "-",
+                " ".join(f"{s.node}[{s.first_layer}-{s.last_layer}]" for s in p.plan.stages),
             )
+            for i, p in enumerate(self.pipelines)
+        ]
+        head = ("#", "owner", "samples", "steps", "step s", "start s", "time s", "after", "stages")
+        rows = [tables.text(head, cells, align="rlrrrrrll", sep="  ", rule=True)]
         fedavg = (
             "infeasible (an owner cannot hold the model)"
             if self.fedavg_round_time_s is None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sky_flower import tables
 from sky_flower.core.cost import CostModel, Stage
 
 OBJECTIVES = ("step", "throughput")
@@ -137,17 +138,19 @@ class Plan:
 
     def table(self) -> str:
         """The plan as a text table (stage, node, layers, compute s, transfer s, memory)."""
-        head = (
-            f"{'stage':>5}  {'node':<12} {'layers':>9}  {'compute s':>9}  "
-            f"{'transfer s':>10}  {'memory MiB':>15}"
-        )
-        rows = [head, "-" * len(head)]
-        for k, s in enumerate(self.stages):
-            mem = f"{s.memory_bytes / MIB:.1f}/{s.memory_capacity_bytes / MIB:.0f}"
-            rows.append(
-                f"{k:>5}  {s.node:<12} {f'{s.first_layer}-{s.last_layer}':>9}  "
-                f"{s.compute_s:9.4f}  {s.transfer_s:10.4f}  {mem:>15}"
+        cells = [
+            (
+                k,
+                s.node,
+                f"{s.first_layer}-{s.last_layer}",
+                f"{s.compute_s:.4f}",
+                f"{s.transfer_s:.4f}",
+                f"{s.memory_bytes / MIB:.1f}/{s.memory_capacity_bytes / MIB:.0f}",
             )
+            for k, s in enumerate(self.stages)
+        ]
+        head = ("stage", "node", "layers", "compute s", "transfer s", "memory MiB")
+        rows = [tables.text(head, cells, align="rl", sep="  ", rule=True)]
         gap = f", gap {self.mip_gap:.2e}" if self.mip_gap is not None else ""
         rows.append(
             f"{self.method}: predicted step {self.predicted_step_time_s:.4f} s, period "

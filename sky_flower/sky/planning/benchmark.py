@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from sky_flower import tables
 from sky_flower.core.calibration import CALIBRATION_FIELDS
 from sky_flower.core.cost import Schedule
 from sky_flower.core.profile import LayerProfile, NodeProfile
@@ -433,21 +434,24 @@ def order_nodes(nodes: Sequence[NodeProfile], node_order: Sequence[str]) -> list
 def benchmark_table(nodes: Sequence[NodeProfile], emulation: dict[str, str] | None = None) -> str:
     """The benchmark round's results as a text table."""
     emulation = emulation or {}
-    head = (
-        f"{'node':<12} {'data':>4} {'device':>7} {'fwd+bwd ms':>10} {'memory MiB':>10} "
-        f"{'latency ms':>10} {'bw MB/s':>9} {'state ms/MiB':>12}  emulation"
-    )
-    rows = [head, "-" * (len(head) + 20)]
-    for n in nodes:
-        bw = "inf" if n.bandwidth_bps == float("inf") else f"{n.bandwidth_bps / 1e6:.1f}"
-        rows.append(
-            f"{n.name:<12} {'yes' if n.holds_data else 'no':>4} {n.device:>7} "
-            f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:10.2f} "
-            f"{n.memory_bytes / 2**20:10.1f} {n.latency_s * 1e3:10.1f} {bw:>9} "
-            f"{n.state_s_per_byte * 1e3 * 2**20:12.2f}  "
-            f"{emulation.get(n.name, '')}"
+    head = ("node", "data", "device", "fwd+bwd ms", "memory MiB", "latency ms", "bw MB/s")
+    head += ("state ms/MiB", "emulation")
+    rows = [
+        (
+            n.name,
+            "yes" if n.holds_data else "no",
+            n.device,
+            f"{(sum(n.layer_fwd_s) + sum(n.layer_bwd_s)) * 1e3:.2f}",
+            f"{n.memory_bytes / 2**20:.1f}",
+            f"{n.latency_s * 1e3:.1f}",
+            "inf" if n.bandwidth_bps == float("inf") else f"{n.bandwidth_bps / 1e6:.1f}",
+            f"{n.state_s_per_byte * 1e3 * 2**20:.2f}",
+            emulation.get(n.name, ""),
         )
-    return "\n".join(rows + device_lines(nodes) + calibration_lines(nodes) + setup_lines(nodes))
+        for n in nodes
+    ]
+    table = tables.text(head, rows, align="lrrrrrrrl", rule=True)
+    return "\n".join([table, *device_lines(nodes), *calibration_lines(nodes), *setup_lines(nodes)])
 
 
 def device_lines(nodes: Sequence[NodeProfile]) -> list[str]:

@@ -11,17 +11,18 @@ from logging import INFO
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from sky_flower import tables
 from sky_flower.core.partition import Plan
 from sky_flower.sky.rounds.records import RoundRecord, StageRecord
 
-# (StageRecord field, header, width, format) in display order
-STAGE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
-    ("messages", "msgs", 5, ".0f"),
-    ("measured_compute_s", "compute s", 10, ".4f"),
-    ("predicted_compute_s", "predicted", 10, ".4f"),
-    ("measured_busy_s", "busy s", 8, ".4f"),
-    ("predicted_busy_s", "predicted", 10, ".4f"),
-    ("median_step_s", "median step s", 13, ".4f"),
+# (StageRecord field, header, format) in display order
+STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("messages", "msgs", ".0f"),
+    ("measured_compute_s", "compute s", ".4f"),
+    ("predicted_compute_s", "predicted", ".4f"),
+    ("measured_busy_s", "busy s", ".4f"),
+    ("predicted_busy_s", "predicted", ".4f"),
+    ("median_step_s", "median step s", ".4f"),
 )
 ROUND_COLUMNS = ("round", "train loss", "test acc", "step time (s)", "predicted (s)", "round (s)")
 
@@ -39,16 +40,13 @@ def stage_table(stages: Sequence[StageRecord]) -> str:
     compute (``meas/pred``) where they predict it."""
     cols = [c for c in STAGE_COLUMNS if stages and getattr(stages[0], c[0]) is not None]
     ratio = bool(stages) and stages[0].predicted_compute_s is not None
-    lines = [
-        f"{'stage':>5} {'node':<12}"
-        + "".join(f" {h:>{w}}" for _, h, w, _ in cols)
-        + (f" {'meas/pred':>9}" if ratio else "")
+    head = ["stage", "node", *(h for _, h, _ in cols)] + (["meas/pred"] if ratio else [])
+    rows = [
+        [st.stage, st.node, *(format(getattr(st, key), fmt) for key, _, fmt in cols)]
+        + ([compute_ratio(st)] if ratio else [])
+        for st in stages
     ]
-    for st in stages:
-        cells = "".join(f" {getattr(st, key):>{w}{fmt}}" for key, _, w, fmt in cols)
-        cells += f" {compute_ratio(st):>9}" if ratio else ""
-        lines.append(f"{st.stage:>5} {st.node:<12}{cells}")
-    return "\n".join(lines)
+    return tables.text(head, rows, align="rl")
 
 
 def stage_report(row: RoundRecord, label: str) -> str:
@@ -165,18 +163,20 @@ def session_line(row: RoundRecord) -> str | None:
 def pipeline_table(row: RoundRecord) -> str:
     """A round's pipelines (``row.pipelines``), one row each: owner, samples trained,
     steps, mean loss, predicted and measured time (s), and the error of one that failed."""
-    lines = [
-        f"{'owner':<12} {'trained':>7} {'steps':>5} {'loss':>8} {'predicted s':>11} "
-        f"{'measured s':>10}  outcome"
-    ]
-    for p in row.pipelines or []:
-        loss = "-" if p.train_loss is None else f"{p.train_loss:.4f}"
-        lines.append(
-            f"{p.owner:<12} {p.samples_trained:>7} {p.steps:>5} {loss:>8} "
-            f"{p.predicted_time_s:>11.2f} {p.measured_time_s:>10.2f}  "
-            + ("ok" if p.error is None else f"FAILED (dropped from the average): {p.error}")
+    head = ("owner", "trained", "steps", "loss", "predicted s", "measured s", "outcome")
+    rows = [
+        (
+            p.owner,
+            p.samples_trained,
+            p.steps,
+            tables.num(p.train_loss, ".4f"),
+            f"{p.predicted_time_s:.2f}",
+            f"{p.measured_time_s:.2f}",
+            "ok" if p.error is None else f"FAILED (dropped from the average): {p.error}",
         )
-    return "\n".join(lines)
+        for p in row.pipelines or []
+    ]
+    return tables.text(head, rows, align="lrrrrrl")
 
 
 def log_final(plans: Sequence[Plan], allocation: str, result: Result) -> None:
