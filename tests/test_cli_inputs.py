@@ -314,6 +314,9 @@ def test_keys_the_user_owns_may_be_added():
         # a node count on a fleet that lists its nodes: other nodes under its name
         (["fleet.nodes=3"], "on fleet edge4, which lists its 4 nodes"),
         (["-m", "fleet=skycomputing,edge3", "fleet.nodes=3,4"], "fleet edge3, which lists"),
+        # a Hydra path renamed in issue 43: its new name
+        (["schedule.stream_timeout_s=5"], "which was renamed to stream.timeout_s"),
+        (["message_timeout_s=5"], "which was renamed to failure.message_timeout_s"),
     ],
 )
 def test_a_misspelt_key_on_the_command_line_is_refused_naming_the_close_key(argv, message, capsys):

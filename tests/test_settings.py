@@ -15,6 +15,7 @@ from sky_flower.jobs.common import conf_dir
 from sky_flower.sky.settings import (
     ALLOCATIONS,
     FLWR_RUN_POLL_INTERVAL_S,
+    RENAMED_PATHS,
     SkySettings,
     run_config_keys,
     settings_fields,
@@ -185,3 +186,13 @@ def test_old_keywords_and_wrong_arguments_are_refused_saying_where_they_went():
     assert main_fn.__module__ == "__main__"
     with pytest.raises(ValueError, match=r"script being run \(__main__\)"):
         ref(main_fn)
+
+
+def test_a_renamed_hydra_path_is_refused_with_its_new_name():
+    """Every old path of ``RENAMED_PATHS`` is no setting any more and its new path is
+    one; ``replace`` names the new path."""
+    paths = {s.path for s in settings_fields()}
+    for old, new in RENAMED_PATHS.items():
+        assert old not in paths and new in paths, (old, new)
+    with pytest.raises(ValueError, match=r"schedule.stream_tls was renamed to stream.tls"):
+        SkySettings().replace({"schedule.stream_tls": False})

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from sky_flower.sky.settings import RENAMED_PATHS
+
 
 def known_keys(conf_dir: str | Path) -> tuple[set[str], dict[str, set[str]]]:
     """The top-level keys of the primary config, its groups and the group options in
@@ -63,6 +65,8 @@ def unknown_key(key: str, top: set[str], sections: dict[str, set[str]]) -> str:
     """``""`` if the dotted ``key`` may be set, else what is wrong with it, with the close
     known key if there is one (``top``, ``sections``: :func:`known_keys`)."""
     head, _, rest = key.partition(".")
+    if key in RENAMED_PATHS:
+        return f"{key}, which was renamed to {RENAMED_PATHS[key]}: set that instead"
     if head not in top:
         close = difflib.get_close_matches(head, sorted(top), n=1)
         hint = f": did you mean {close[0]}?" if close else ""

@@ -46,6 +46,28 @@ from typing import Any
 from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS, Schedule
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
+
+# Hydra paths renamed when the Hydra path became the attribute path (CHANGELOG.md, issue
+# 43): old -> new, so that an old override is refused with its new name
+RENAMED_PATHS = {
+    **{f"schedule.direct_{k}": f"direct.{k}" for k in ("timeout_s", "join_timeout_s", "host")},
+    **{
+        f"schedule.stream_{k}": f"stream.{k}"
+        for k in ("host", "bind", "tls", "max_frame_mb", "timeout_s", "sessions", "session_max_s")
+    },
+    "train.max_failed_rounds": "failure.max_failed_rounds",
+    "message_timeout_s": "failure.message_timeout_s",
+    "train.divergence_factor": "failure.divergence_factor",
+}
+
+
+def renamed(paths: list[str]) -> str:
+    """``" (a was renamed to b, ...)"`` for the old Hydra paths among ``paths``, else
+    ``""``."""
+    said = [f"{p} was renamed to {RENAMED_PATHS[p]}" for p in paths if p in RENAMED_PATHS]
+    return f" ({', '.join(said)})" if said else ""
+
+
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 BN_POLICIES = ("average", "local")  # as sky_flower.sky.rounds.federation.BN_POLICIES
 # schedules that may run several model chunks per stage (sky_flower.core.schedule)
@@ -457,7 +479,8 @@ class SkySettings:
         unknown = sorted(set(overrides) - set(paths))
         if unknown:
             raise ValueError(
-                f"unknown setting(s) {unknown}: valid Hydra paths are {', '.join(paths)}"
+                f"unknown setting(s) {unknown}{renamed(unknown)}: "
+                f"valid Hydra paths are {', '.join(paths)}"
             )
         settings = self._build(_hydra_path, overrides.get, base=self)
         settings = dataclasses.replace(settings, words=self.words)
