@@ -56,6 +56,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -508,73 +509,54 @@ class SkyClient:
         """
         from sky_flower.sky.node.direct_node import run_direct_session, run_direct_stage
 
+        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
         link = msg.content.config_records.get(P.SESSION)
         if link is None:
-            return self._round_stage(msg, context, emu, P.DirectConfig, run_direct_stage)
-        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-        return self._session(
-            msg,
-            context,
-            cfg.stage,
-            lambda *args, **kw: run_direct_session(
-                cfg, P.SessionLink.from_config_record(link), *args, **kw
-            ),
-        )
+            return self._live_stage(msg, context, emu, cfg.stage, partial(run_direct_stage, cfg))
+        run = partial(run_direct_session, cfg, P.SessionLink.from_config_record(link))
+        return self._live_stage(msg, context, None, cfg.stage, run)
 
-    def _session(
+    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """This node's stage for a whole ``stream`` round, or for every round of a
+        stage session (``across_rounds``):
+        :func:`sky_flower.sky.node.stream_node.run_stream_session`."""
+        from sky_flower.sky.node.stream_node import run_stream_session
+
+        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        run = partial(run_stream_session, cfg)
+        return self._live_stage(msg, context, None if cfg.across_rounds else emu, cfg.stage, run)
+
+    def _live_stage(
         self,
         msg: Message,
         context: Context,
+        emu: Emulation | None,
         st: P.StageConfig,
         run: Callable[..., RecordDict],
     ) -> RecordDict:
-        """A stage session's set-up message (``stream``, ``direct``): once (a repeat is
-        refused, :func:`session_repeat`), ``run`` with this node's model, its emulation
-        by round, data by round and objective (the session applies the fleet's faults
-        round by round itself)."""
-        refused = session_repeat(st, context)  # a repeat never runs twice
+        """A stage that stays live for a whole round (``direct``, ``stream``; ``emu``:
+        the handler's emulation, its faults applied around the handler) or for every
+        round of a stage session (``emu`` None: the node's emulation by round, the
+        session applying the fleet's faults round by round itself). It runs once: a
+        repeat is refused (:func:`direct_repeat`, a session's :func:`session_repeat`).
+        ``run`` gets this node's weights, model, id, emulation by round, data by round,
+        objective and (keep) optimizer state."""
+        session = emu is None
+        repeat, ran = (session_repeat, session_ran) if session else (direct_repeat, direct_ran)
+        refused = repeat(st, context)  # a repeat never runs twice
         if refused is not None:
             return refused
-        session_ran(st, context)
+        ran(st, context)
         loss_fn, metric_fn = self._objective(st)
-        base = self.emulation_fn(context)
+        base = self.emulation_fn(context) if emu is None else emu
         return run(
             msg.content.array_records[P.ARRAYS],
             self.model_fn,
             int(context.node_id),
-            base.at_round if base.drifts else (lambda rnd: base),
+            base.at_round if session and base.drifts else (lambda rnd: base),
             lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
             loss_fn,
             metric_fn,
-            optim=msg.content.array_records.get(migration.OPTIM_KEY),
-        )
-
-    def _round_stage(
-        self,
-        msg: Message,
-        context: Context,
-        emu: Emulation,
-        config_cls: type[P.DirectConfig] | type[P.StreamConfig],
-        run: Callable[..., RecordDict],
-    ) -> RecordDict:
-        """A stage that stays live for a whole round (``direct``, ``stream``): once per
-        set-up (a repeat is refused, :func:`direct_repeat`), ``run`` with this node's
-        model, data and objective."""
-        cfg = config_cls.from_config_record(msg.content.config_records.get(P.CONFIG))
-        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
-        if refused is not None:
-            return refused
-        direct_ran(cfg.stage, context)
-        loss_fn, metric_fn = self._objective(cfg.stage)
-        return run(
-            cfg,
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            emu,
-            batch_fn=lambda step: self._batch(context, cfg.stage, step),
-            loss_fn=loss_fn,
-            metric_fn=metric_fn,
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
         )
 
@@ -583,20 +565,6 @@ class SkyClient:
         from sky_flower.sky.transport.stream_probe import echo_frames
 
         return echo_frames(P.StreamLink.from_config_record(msg.content[P.CONFIG]), emu)
-
-    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """This node's stage for a whole ``stream`` round, once per set-up
-        (:func:`sky_flower.sky.node.stream_node.run_stream_stage`), or for every round
-        of a stage session (:func:`sky_flower.sky.node.stream_node.run_stream_session`:
-        the session applies the fleet's faults round by round itself)."""
-        from sky_flower.sky.node.stream_node import run_stream_session, run_stream_stage
-
-        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-        if not cfg.across_rounds:
-            return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
-        return self._session(
-            msg, context, cfg.stage, lambda *args, **kw: run_stream_session(cfg, *args, **kw)
-        )
 
 
 # --- a node's defaults in the simulation engine: its emulation and its data by partition --

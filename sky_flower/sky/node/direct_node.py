@@ -102,8 +102,8 @@ def run_direct_stage(  # noqa: PLR0913
     weights: ArrayRecord,
     model_fn: Callable[[], nn.Module],
     node_id: int,
-    emu: Emulation,
-    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    emulation_at: Callable[[int], Emulation],
+    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
     loss_fn: LossFn,
     metric_fn: MetricFn,
     optim: ArrayRecord | None = None,
@@ -131,10 +131,10 @@ def run_direct_stage(  # noqa: PLR0913
         ``() -> nn.Sequential``, the model.
     node_id : int
         This node's Flower node id (must be the one the rank was planned for).
-    emu : Emulation
-        This node's emulated device.
-    batch_fn : callable
-        ``step -> (x, labels)``, the data owner's batches (used on rank 0 only).
+    emulation_at : callable
+        ``round -> Emulation``: this node's emulated device (the round's).
+    round_batch_fn : callable
+        ``(round, step) -> (x, labels)``, the data owner's batches (used on rank 0 only).
     loss_fn, metric_fn : callable
         The last stage's objective.
     optim : ArrayRecord, optional
@@ -155,6 +155,7 @@ def run_direct_stage(  # noqa: PLR0913
     """
     rdv, st = cfg.rendezvous, cfg.stage
     _check_node(cfg, node_id)
+    emu, batch_fn = emulation_at(st.round), partial(round_batch_fn, st.round)
     device = emu.torch_device()  # the node's device; gloo peers exchange CPU tensors
     stage = _DirectStage.build(cfg, model_fn, weights.to_torch_state_dict(), optim, device)
     try:

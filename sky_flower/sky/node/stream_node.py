@@ -129,50 +129,6 @@ class LiveStage(OpStage):
         return done
 
 
-def run_stream_stage(  # noqa: PLR0913
-    cfg: P.StreamConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emu: Emulation,
-    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
-    """Run this node's stage for one whole round on the ``stream`` transport.
-
-    Connect to the endpoint, answer its op frames until ``end``, reply with the weights
-    (:data:`~sky_flower.sky.protocol.ARRAYS`), figures (:data:`METRICS`: ``compute_s``,
-    ``frames``, ``bytes``, the emulated sleep) and, with ``optim`` (``train.
-    optimizer_state=keep``), the optimizer state by parameter name. Emulation: the
-    node's slowdown after each op's compute, its link delay per op (bytes in and out).
-    A stage whose own computation raises sends a ``STAGE_ERROR`` frame and replies with it.
-
-    Raises
-    ------
-    StageRefusedError
-        If the message was planned for another node.
-    StreamRefusedError
-        A certificate other than the pinned one, a refused ticket, an endpoint not reached.
-    StreamError
-        If the stream breaks before ``end`` (the server stopped, the deadline passed).
-    FaultInjected
-        A fleet fault (``crash`` / ``stall`` before step ``fail_step``: the stream closes).
-    """
-    return run_stream_session(
-        cfg,
-        weights,
-        model_fn,
-        node_id,
-        lambda rnd: emu,
-        lambda rnd, step: batch_fn(step),
-        loss_fn,
-        metric_fn,
-        optim,
-    )
-
-
 def stage_result(  # noqa: PLR0913
     module: nn.Module,
     opt: torch.optim.Optimizer | None,
@@ -214,24 +170,28 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     metric_fn: MetricFn,
     optim: ArrayRecord | None = None,
 ) -> RecordDict:
-    """Serve this node's stage for every round of a stage session on ``stream``
-    (:mod:`sky_flower.sky.transport.session`), until the server's ``close`` frame; or,
-    without ``cfg.across_rounds``, for the one round a per-round set-up begins, its
-    ``end`` answered by the Flower reply (:func:`run_stream_stage`): the node's one
-    stream loop.
+    """Serve this node's stage on the ``stream`` transport (the node's one stream loop):
+    for the one round a per-round set-up begins (``cfg.across_rounds`` false), or for
+    every round of a stage session (:mod:`sky_flower.sky.transport.session`) until the
+    server's ``close`` frame.
 
     The set-up message carried the stage's layer slice (``weights``) and, with
-    ``train.optimizer_state=keep``, its optimizer state (``optim``). Over the stream,
-    per round: ``begin`` (``round``, ``steps``; the entries of the round's global
-    weights that differ from what the stage holds), the op frames exactly as in
-    :func:`run_stream_stage` (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a
-    :class:`LiveStage`), then ``end``, answered by an
-    ``end`` frame with the stage's trainable weights and buffers, its figures and (keep)
-    its optimizer state. An ``end`` with ``release`` (the node runs stages of other
-    pipelines too, which the plan runs one after another) frees the stage's layers and
-    optimizer after the reply; the next ``begin`` then carries the whole slice (and, keep,
-    the optimizer state) and the stage is rebuilt from it, so the node holds one
-    pipeline's stage at a time, as the planner's memory budget assumes. Each round
+    ``train.optimizer_state=keep``, its optimizer state (``optim``). The stage connects
+    outbound to the endpoint and answers its op frames
+    (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a :class:`LiveStage`).
+    Emulation: the node's slowdown after each op's compute, its link delay per op (bytes
+    in and out). A per-round set-up's ``end`` is answered by the Flower reply: the
+    weights (:data:`~sky_flower.sky.protocol.ARRAYS`), figures (:data:`METRICS`:
+    ``compute_s``, ``frames``, ``bytes``, the emulated sleep) and (keep) the optimizer
+    state by parameter name. In a session, per round: ``begin`` (``round``, ``steps``;
+    the entries of the round's global weights that differ from what the stage holds),
+    the op frames, then ``end``, answered by an ``end`` frame with the stage's trainable
+    weights and buffers, its figures and (keep) its optimizer state. An ``end`` with
+    ``release`` (the node runs stages of other pipelines too, which the plan runs one
+    after another) frees the stage's layers and optimizer after the reply; the next
+    ``begin`` then carries the whole slice (and, keep, the optimizer state) and the
+    stage is rebuilt from it, so the node holds one pipeline's stage at a time, as the
+    planner's memory budget assumes. Each round
     starts as a per-round set-up would: the global weights loaded, gradients cleared, a
     fresh optimizer (unless kept), the round's randomness key and data order, the
     node's emulation at that round (fleet drift): the session computes what per-round
@@ -240,9 +200,10 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     Returns
     -------
     RecordDict
-        The Flower reply at ``close``: figures over the session (``rounds``, ``frames``,
-        ``bytes``, ``compute_s``), or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of
-        the stage's own error (also sent as a frame).
+        The Flower reply: a per-round set-up's result at ``end``; a session's figures
+        (``rounds``, ``frames``, ``bytes``, ``compute_s``) at ``close``; or the
+        :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own error (also sent
+        as a frame).
 
     Raises
     ------
@@ -251,10 +212,12 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     StreamRefusedError
         A certificate other than the pinned one, a refused ticket, an endpoint not reached.
     StreamError
-        If the stream breaks or ends before ``close``, or a frame is malformed (an op:
+        If the stream breaks or ends before ``end`` / ``close`` (the server stopped, the
+        deadline passed), or a frame is malformed (an op:
         :class:`~sky_flower.sky.node.stage_ops.MalformedOpError`).
     FaultInjected
-        A fleet fault of the round it strikes in (:func:`faults.round_hook`).
+        A session's fleet fault of the round it strikes in (:func:`faults.round_hook`; a
+        per-round set-up's: around the handler).
     """
     from dataclasses import replace
 
