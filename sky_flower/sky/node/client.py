@@ -71,7 +71,7 @@ from sky_flower.core.profile import (
 )
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation, message_round
-from sky_flower.jobs.quiet import quiet_actor_exit
+from sky_flower.flower.quiet import quiet_actor_exit
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info

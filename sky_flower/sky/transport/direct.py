@@ -43,7 +43,7 @@ from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import StreamSession
+from sky_flower.sky.transport.session import SessionKey, StreamSession
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -382,7 +382,7 @@ class DirectRunner(EndpointWaits, Runner):
         )
 
     # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+    def session_key(self, plan: Pipeline) -> SessionKey:
         """What a session is set up for: a round whose pipeline differs needs another
         (nodes, stage configs without the round, schedule, chunks, links)."""
         stages = tuple(
@@ -391,7 +391,8 @@ class DirectRunner(EndpointWaits, Runner):
         )
         chunks = chunk_plan(plan, self.s, S=plan.num_stages)
         kind = plan_kind(plan, self.s.schedule)
-        return (plan.node_ids, stages, kind, str(chunks), tuple(plan.links), self.s.input_dtype)
+        setup = (stages, kind, str(chunks), tuple(plan.links), self.s.input_dtype)
+        return SessionKey(plan.node_ids, setup)
 
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int

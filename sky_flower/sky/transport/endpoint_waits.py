@@ -22,7 +22,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.channel import Endpoint, StreamError
 from sky_flower.sky.transport.hops import migrated_state
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome
-from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
+from sky_flower.sky.transport.session import TTL_MARGIN_S, SessionKey, StreamSession
 
 FLOWER_POLL_S = 0.5  # how often a wait looks at the stages' Flower replies
 
@@ -193,7 +193,7 @@ class EndpointWaits:
         """A round set up for itself alone (its own set-up messages)."""
         raise NotImplementedError
 
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+    def session_key(self, plan: Pipeline) -> SessionKey:
         """What a session is set up for: a pipeline that differs needs another."""
         raise NotImplementedError
 

@@ -45,7 +45,7 @@ from sky_flower.sky.transport.hops import (
     train_steps,
 )
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import StreamSession
+from sky_flower.sky.transport.session import SessionKey, StreamSession
 
 
 def _op_id(k: int, op: str, g: int) -> str:
@@ -218,13 +218,13 @@ class StreamRunner(EndpointWaits, Runner):
         return [self.got[mid] for mid in ids]
 
     # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+    def session_key(self, plan: Pipeline) -> SessionKey:
         """What a session is set up for: a round whose pipeline differs needs another."""
         stages = tuple(
             stage_config(self.s, k, st.first_layer, st.last_layer, 0, 0)
             for k, st in enumerate(plan.plan.stages)
         )
-        return (plan.node_ids, plan.group_size, self.s.input_dtype, stages)
+        return SessionKey(plan.node_ids, (plan.group_size, self.s.input_dtype, stages))
 
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int

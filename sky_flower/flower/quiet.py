@@ -1,4 +1,4 @@
-"""Third-party notices a sky-flower user cannot act on, silenced one by one (issue 28):
+"""Third-party notices a sky-flower user cannot act on, silenced one by one:
 each is matched by its message and category and its module or logger, so any other
 warning, and these libraries' own warnings and errors, still show."""
 
@@ -36,7 +36,7 @@ def _drop_flwr_records(prefix: str) -> None:
 
 
 def quiet_third_party() -> None:
-    """Silence the third-party notices of a default run (issue 28): Ray's
+    """Silence the third-party notices of a default run: Ray's
     ``FutureWarning`` about accelerator environment variables (this runs on CPUs), the
     ``alembic`` migration plugins' INFO lines (Flower's in-memory SuperLink state) and
     Flower's notice that ``run_simulation`` is deprecated (the job calls it for the
