@@ -88,7 +88,7 @@ from sky_flower.pipeline.stage import (
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import MessageChannel
-from sky_flower.sky.node.stage_ops import OpStage, answer_op
+from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
 from sky_flower.sky.node.stage_state import (
     NodeStateError,
     direct_ran,
@@ -532,15 +532,14 @@ class SkyClient:
         context: Context,
         emu: Emulation | None,
         st: P.StageConfig,
-        run: Callable[..., RecordDict],
+        run: Callable[[NodeStage], RecordDict],
     ) -> RecordDict:
         """A stage that stays live for a whole round (``direct``, ``stream``; ``emu``:
         the handler's emulation, its faults applied around the handler) or for every
         round of a stage session (``emu`` None: the node's emulation by round, the
         session applying the fleet's faults round by round itself). It runs once: a
         repeat is refused (:func:`direct_repeat`, a session's :func:`session_repeat`).
-        ``run`` gets this node's weights, model, id, emulation by round, data by round,
-        objective and (keep) optimizer state."""
+        ``run`` gets what the node gives the stage (:class:`NodeStage`)."""
         session = emu is None
         repeat, ran = (session_repeat, session_ran) if session else (direct_repeat, direct_ran)
         refused = repeat(st, context)  # a repeat never runs twice
@@ -549,16 +548,17 @@ class SkyClient:
         ran(st, context)
         loss_fn, metric_fn = self._objective(st)
         base = self.emulation_fn(context) if emu is None else emu
-        return run(
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            base.at_round if session and base.drifts else (lambda rnd: base),
-            lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
-            loss_fn,
-            metric_fn,
+        node = NodeStage(
+            weights=msg.content.array_records[P.ARRAYS],
+            model_fn=self.model_fn,
+            node_id=int(context.node_id),
+            emulation_at=base.at_round if session and base.drifts else (lambda rnd: base),
+            batch_fn=lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
         )
+        return run(node)
 
     def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Answer echo frames on the stream endpoint (the link over the data plane)."""

@@ -31,10 +31,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from torch import nn
 
 from sky_flower.emulation.devices import EMULATED_S, Emulation
 from sky_flower.pipeline.stage import LossFn, MetricFn, StageExecutor
@@ -48,6 +50,27 @@ Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 # at a time: forward_layers seeds the process-wide CPU generator for each layer, so two
 # at once would draw each other's dropout masks
 _RNG_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class NodeStage:
+    """What the node gives a stage that stays live for a round or a stage session
+    (``direct``, ``stream``): the set-up message's ``weights`` (the stage's layers, keys
+    of the full model) and (``train.optimizer_state=keep``) ``optim``, its optimizer
+    state by parameter name (:mod:`sky_flower.sky.migration`; None: a fresh
+    optimizer); the ``model_fn``; the Flower ``node_id`` (a stage planned for another
+    node is refused); ``emulation_at(round)``, the node's emulated device in a round;
+    ``batch_fn(round, step) -> (x, labels)``, the data owner's batch (stage 0 only);
+    the last stage's ``loss_fn`` and ``metric_fn``."""
+
+    weights: ArrayRecord
+    model_fn: Callable[[], nn.Module]
+    node_id: int
+    emulation_at: Callable[[int], Emulation]
+    batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: LossFn
+    metric_fn: MetricFn
+    optim: ArrayRecord | None = None
 
 
 class MalformedOpError(P.ProtocolError, StreamError):

@@ -28,7 +28,7 @@ from torch import nn
 
 from sky_flower.core.profile import default_optimizer_factory
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import EMULATED_S, Emulation
+from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
@@ -41,7 +41,7 @@ from sky_flower.pipeline.stage import (
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import StreamChannel
-from sky_flower.sky.node.stage_ops import OpStage, answer_op
+from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
 from sky_flower.sky.node.stage_state import load_stage, stage_reduction
 from sky_flower.sky.transport.channel import StreamError, connect
 
@@ -159,24 +159,14 @@ def _changed_entries(records: RecordDict) -> dict[str, torch.Tensor]:
     return {} if rec is None else rec.to_torch_state_dict()
 
 
-def run_stream_session(  # noqa: PLR0913, PLR0915
-    cfg: P.StreamConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emulation_at: Callable[[int], Emulation],
-    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
+def run_stream_session(cfg: P.StreamConfig, node: NodeStage) -> RecordDict:  # noqa: PLR0915
     """Serve this node's stage on the ``stream`` transport (the node's one stream loop):
     for the one round a per-round set-up begins (``cfg.across_rounds`` false), or for
     every round of a stage session (:mod:`sky_flower.sky.transport.session`) until the
     server's ``close`` frame.
 
-    The set-up message carried the stage's layer slice (``weights``) and, with
-    ``train.optimizer_state=keep``, its optimizer state (``optim``). The stage connects
+    The set-up message carried the stage's layer slice (``node.weights``) and,
+    with ``train.optimizer_state=keep``, its optimizer state (``node.optim``). The stage connects
     outbound to the endpoint and answers its op frames
     (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a :class:`LiveStage`).
     Emulation: the node's slowdown after each op's compute, its link delay per op (bytes
@@ -222,31 +212,31 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     from dataclasses import replace
 
     st0 = cfg.stage
-    if cfg.node_id != int(node_id):
+    if cfg.node_id != int(node.node_id):
         raise StageRefusedError(
             f"stage {st0.stage} refused: it is planned for node {cfg.node_id}, not for "
-            f"this node ({node_id})"
+            f"this node ({node.node_id})"
         )
     factory = default_optimizer_factory(st0.optimizer, st0.lr)
-    device = emulation_at(st0.round).torch_device()  # frames carry CPU bytes
-    keep = optim is not None
+    device = node.emulation_at(st0.round).torch_device()  # frames carry CPU bytes
+    keep = node.optim is not None
 
     def build(whole: ArrayRecord, state: ArrayRecord | None) -> tuple[Any, Any]:
-        module, opt = load_stage(model_fn, st0.first, st0.last, (whole, None), factory, device)
+        module, opt = load_stage(node.model_fn, st0.first, st0.last, (whole, None), factory, device)
         if keep and opt is not None:  # migrated (train.optimizer_state=keep), kept live
             from sky_flower.pipeline.stage import optimizer_from_tensors
 
-            local = migration.local_optimizer_state(model_fn, st0.first, st0.last, state)
+            local = migration.local_optimizer_state(node.model_fn, st0.first, st0.last, state)
             optimizer_from_tensors(opt, local.to_torch_state_dict())
         return module, opt
 
-    module, opt = build(weights, optim)
+    module, opt = build(node.weights, node.optim)
     if st0.is_first:  # the data owner's first draw loads its data: in the set-up
-        round_batch_fn(st0.round, 0)
+        node.batch_fn(st0.round, 0)
     channel = StreamChannel(connect(cfg.link, st0.stage), cfg.across_rounds)
     session = channel.across_rounds  # a stage session: begin / end per round until close
     live: LiveStage | None = None
-    emu, hook, at_step, rnd = emulation_at(st0.round), None, -1, st0.round
+    emu, hook, at_step, rnd = node.emulation_at(st0.round), None, -1, st0.round
     frames = nbytes = rounds = 0
     compute_total = slept = 0.0
 
@@ -255,7 +245,7 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
         gradients, a fresh optimizer unless kept, the round's key and data order)."""
         nonlocal module, opt, emu, hook, at_step, rnd, slept
         rnd = int(header["round"])
-        emu = emulation_at(rnd)
+        emu = node.emulation_at(rnd)
         if header.get("rebuild"):  # released after the last round: from the slice
             module, opt = build(
                 records.array_records.get(P.ARRAYS, ArrayRecord()),
@@ -268,7 +258,13 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
         if not keep:  # a fresh optimizer every round
             opt = make_stage_optimizer(module, factory)
         stage = LiveStage(
-            replace(st0, round=rnd), module, opt, round_batch_fn, loss_fn, metric_fn, device
+            replace(st0, round=rnd),
+            module,
+            opt,
+            node.batch_fn,
+            node.loss_fn,
+            node.metric_fn,
+            device,
         )
         # faults: per round inside a session; a per-round set-up's come with its message
         hook = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s) if session else None
@@ -291,8 +287,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
                 figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept}
                 if not session:  # the round's result is the Flower reply
                     figures |= {FRAMES: frames, BYTES: nbytes}
-                    return stage_result(module, opt, figures, model_fn, st0, keep)
-                out = stage_result(module, opt, {**figures, "round": rnd}, model_fn, st0, keep)
+                    return stage_result(module, opt, figures, node.model_fn, st0, keep)
+                out = stage_result(module, opt, {**figures, "round": rnd}, node.model_fn, st0, keep)
                 faults.spoil_reply(emu, P.STREAM, rnd, out)
                 channel.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s
