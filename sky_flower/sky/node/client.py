@@ -5,31 +5,9 @@ Register them on your own ClientApp beside your FedAvg handlers::
     app = ClientApp()
     SkyClient(model_fn=Net, load_data=my_partition).register(app)
 
-Message types served (names and records: :mod:`sky_flower.sky.protocol`):
-
-=====================  ===============================================================
-``query.sky_profile``  time this node's own layers (fwd + bwd per micro-batch, median
-                       after warm-up) on its device, report the device, its name and
-                       memory available, and the emulation
-``query.sky_echo``     send the payload back (the server times two sizes for latency
-                       and bandwidth)
-``train.sky_setup``    receive this round's stage: layer range, weights, optimizer
-``train.sky_forward``  forward of the micro-batches ``first .. first+count-1`` of step
-                       ``step`` (stage 0: of its own batch; the last stage: loss and
-                       backward too); stashes the group's input
-``train.sky_backward`` backward of one group from its stash; gradients accumulate in
-                       ``context.state`` and the optimizer steps once the step's ``M``
-                       micro-batches are all back-propagated (``sequential``: one
-                       group of all ``M``)
-``train.sky_collect``  return the stage's weights at the end of the round
-``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
-                       peer to peer (:mod:`sky_flower.sky.node.direct_node`), return its
-                       weights and timings (one message per stage per round)
-``train.sky_stream``   ``transport=stream``: run the stage for a whole round over the
-                       server's endpoint (:mod:`sky_flower.sky.node.stream_node`);
-                       ``query.sky_stream_echo``: echo frames on it
-                       (:mod:`sky_flower.sky.transport.stream_probe`)
-=====================  ===============================================================
+Every message type of :mod:`sky_flower.sky.protocol` (its table: names and records) is
+served by one handler method of :class:`SkyClient` (:meth:`SkyClient.register`), each
+saying what it does.
 
 A forward or backward is one op that the node's interpreter
 (:func:`sky_flower.sky.node.stage_ops.answer_op`, the stream's too) serves over the
@@ -80,7 +58,6 @@ from sky_flower.pipeline.sources import DataSource
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
-    RngKey,
     StageExecutor,
     model_frozen_keys,
     step_batch,
@@ -99,7 +76,6 @@ from sky_flower.sky.node.stage_state import (
     save_stage,
     session_ran,
     session_repeat,
-    stage_reduction,
     time_state_roundtrip,
 )
 
@@ -170,37 +146,22 @@ class ContextStage(OpStage):
         self.stash = _ContextStash(context)
         self.compute_s = 0.0
 
-    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
         """The stage from ``context.state`` on the node's device (``emu.device``: the
-        records stay on the CPU, the executor moves tensors at its edges), for the
-        ``group.count`` micro-batches of the group; each micro-batch's loss scaled by
-        the reduction for the step's ``M`` (and, for ``weighted``, the step's label
-        weight); the randomness keyed by the run's seed, the round, the step and the
-        micro-batches' indices."""
-        st, state = self.st, self.context.state
-        records = state.array_records
+        records stay on the CPU, the executor moves tensors at its edges)."""
+        st, records = self.st, self.context.state.array_records
         device = self.emu.torch_device()
-        module, opt = load_stage(
-            self.client.model_fn,
-            st.first,
-            st.last,
-            (records[WEIGHTS], records.get(OPTIM)),
-            default_optimizer_factory(st.optimizer, st.lr),
-            device,
-        )
-        key = RngKey(st.seed, st.round, group.step)
-        ex = StageExecutor(
-            module,
-            opt,
-            group.count,
-            st.microbatches,
-            key,
-            group.first,
-            device,
-            stage_reduction(st),
-        )
-        if GRADS in state:
-            ex.load_grads(state.array_records[GRADS].to_torch_state_dict())
+        factory = default_optimizer_factory(st.optimizer, st.lr)
+        weights = (records[WEIGHTS], records.get(OPTIM))
+        module, opt = load_stage(self.client.model_fn, st.first, st.last, weights, factory, device)
+        return module, opt, device
+
+    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+        """The stage's executor for ``group``, with the gradients accumulated over the
+        step so far."""
+        ex = super().executor(group)
+        if GRADS in self.context.state:
+            ex.load_grads(self.context.state.array_records[GRADS].to_torch_state_dict())
         return ex
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

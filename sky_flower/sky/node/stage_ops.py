@@ -39,10 +39,10 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
 from sky_flower.emulation.devices import EMULATED_S, Emulation
-from sky_flower.pipeline.stage import LossFn, MetricFn, StageExecutor
+from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import StageChannel
-from sky_flower.sky.node.stage_state import NodeStateError
+from sky_flower.sky.node.stage_state import NodeStateError, stage_reduction
 from sky_flower.sky.transport.stream_tls import StreamError
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -246,8 +246,21 @@ class OpStage(ABC):
     compute_s: float = 0.0
 
     @abstractmethod
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
+        """The stage's layers, optimizer (None: no trainable parameters) and device."""
+
     def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
-        """The stage's layers and optimizer for ``group``."""
+        """The stage's :meth:`layers` for the ``group.count`` micro-batches of
+        ``group``: each micro-batch's loss scaled by the reduction for the step's ``M``
+        (:func:`~sky_flower.sky.node.stage_state.stage_reduction`), the randomness keyed
+        by the run's seed, the round, the step and the micro-batches' indices."""
+        module, opt, device = self.layers()
+        st = self.st
+        key = RngKey(st.seed, st.round, group.step)
+        reduction = stage_reduction(st)
+        return StageExecutor(
+            module, opt, group.count, st.microbatches, key, group.first, device, reduction
+        )
 
     @abstractmethod
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

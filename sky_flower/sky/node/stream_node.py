@@ -8,13 +8,9 @@ frame the server forwards: ``F`` (forward of micro-batches ``first .. first+coun
 step ``step``; the last stage: loss and backward too), ``B`` (backward of a group from
 its stash), until ``end``. Then it replies over Flower with its weights. The ops are
 served by the node's one interpreter (:func:`sky_flower.sky.node.stage_ops.answer_op`)
-over a :class:`~sky_flower.sky.node.channels.StreamChannel`, on a :class:`LiveStage`.
-
-The computation is the relay's (:class:`sky_flower.pipeline.stage.StageExecutor`:
-forward without a graph, the backward recomputes it, randomness keyed by ``(seed, round,
-step, micro-batch, layer)``, buffers updated once per micro-batch in order, the loss
-divided by the step's ``M``, the optimizer stepping after the step's ``M``-th
-micro-batch): weights, buffers and dropout masks equal the unsplit reference.
+over a :class:`~sky_flower.sky.node.channels.StreamChannel`, on a :class:`LiveStage`: the
+computation is the relay's (:mod:`sky_flower.sky.node.stage_ops`), weights, buffers and
+dropout masks equal the unsplit reference.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
-    RngKey,
-    StageExecutor,
     frozen_keys,
     make_stage_optimizer,
     trained_state,
@@ -42,7 +36,7 @@ from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import StreamChannel
 from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
-from sky_flower.sky.node.stage_state import load_stage, stage_reduction
+from sky_flower.sky.node.stage_state import load_stage
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
@@ -83,24 +77,13 @@ class LiveStage(OpStage):
         self.st, self.module, self.optimizer = st, module, optimizer
         self.batch_fn, self.loss_fn, self.metric_fn = batch_fn, loss_fn, metric_fn
         self.device = torch.device(device)
-        self.reduction = stage_reduction(st)
         self.stash: dict[int, torch.Tensor] = {}  # by a group's first micro-batch
         self.acc_step, self.acc_done = -1, 0
         self.compute_s = 0.0
 
-    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
-        """The live layers and optimizer for ``group`` (the round's randomness key)."""
-        key = RngKey(self.st.seed, self.st.round, group.step)
-        return StageExecutor(
-            self.module,
-            self.optimizer,
-            group.count,
-            self.st.microbatches,
-            key,
-            group.first,
-            self.device,
-            self.reduction,
-        )
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
+        """The live layers and optimizer."""
+        return self.module, self.optimizer, self.device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The data owner's batch of step ``step`` of this round."""
