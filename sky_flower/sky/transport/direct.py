@@ -425,11 +425,11 @@ class DirectRunner(EndpointWaits, Runner):
         arrays: ArrayRecord,
         steps: int,
         server_round: int,
-        budget: float,
     ) -> RoundOutcome:
         """``begin`` to every stage with the changed weights, the steps peer to peer in
         the session's process group, every stage's ``end`` frame (a round that fails
         ends its session: its group is unusable)."""
+        budget = self.stage_budget(plan, steps)
         full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, self.s, S=plan.num_stages)
         slices = [
             stage_weights(full, chunked[k] if chunked else None, st)

@@ -210,10 +210,9 @@ class EndpointWaits:
         arrays: ArrayRecord,
         steps: int,
         server_round: int,
-        budget: float,
     ) -> RoundOutcome:
         """A round's work in ``session`` (its begins, steps and ends;
-        ``session.keep`` at the end), its stages' work bounded by ``budget``."""
+        ``session.keep`` at the end)."""
         raise NotImplementedError
 
     # -- a stage session (sky_flower.sky.transport.session) -----------------------------
@@ -326,7 +325,7 @@ class EndpointWaits:
             )
             session.ex.grid = grid  # this round's (locked) grid
             self.got, self._next_poll = session.got, 0.0
-            out = self.session_work(session, plan, arrays, steps, server_round, budget)
+            out = self.session_work(session, plan, arrays, steps, server_round)
         except BaseException:
             if session is not None:
                 pool.end(session, graceful=False)

@@ -253,7 +253,6 @@ class StreamRunner(EndpointWaits, Runner):
         arrays: ArrayRecord,
         steps: int,
         server_round: int,
-        budget: float,
     ) -> RoundOutcome:
         """``begin`` with the changed weights, the steps, ``end`` with every stage's
         weights as frames."""
