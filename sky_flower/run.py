@@ -20,9 +20,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from sky_flower.flower.quiet import quiet_third_party
 from sky_flower.jobs.added_keys import check_added_keys
 from sky_flower.jobs.common import conf_dir, main_job
-from sky_flower.jobs.quiet import quiet_third_party
 
 _conf_dir = conf_dir  # the name tests and sky_flower.plan used before sky_flower.jobs
 

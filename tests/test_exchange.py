@@ -1,6 +1,6 @@
 """``sky_flower.flower.exchange.Exchange`` against a real Flower ClientApp, in this
 process (no engine): replies in message order, errors naming the failing node with its
-reason, deadlines, the stop flag, the poll period, a bounded drain; and the decentralized
+reason, deadlines, the stop flag, the poll period; and the decentralized
 strategy driving its nodes through it (same rows as the benchmark's one-process path)."""
 
 from __future__ import annotations
@@ -186,22 +186,6 @@ def test_wait_any_returns_the_first_arrivals_and_gives_up_at_until():
     assert ex.wait_any(until=time.monotonic() + 0.1) == []
     assert 0.1 <= time.monotonic() - t0 < 1.0
     assert ex.pending == set(ids[1:])
-
-
-def test_drain_returns_within_its_bound_and_forgets_what_is_pending():
-    grid = HoldingGrid(echo_app(), 2, hold={101: 1, 102: NEVER})
-    ex = Exchange(grid, timeout_s=30.0, poll_interval_s=0.005)
-    ex.push(messages(grid))
-    t0 = time.monotonic()
-    ex.drain(limit_s=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 1.0
-    assert not ex.pending
-    grid = HoldingGrid(echo_app(), 2, hold={101: 1})  # answers come: drain ends at once
-    ex = Exchange(grid, timeout_s=30.0, poll_interval_s=0.005)
-    ex.push(messages(grid))
-    t0 = time.monotonic()
-    ex.drain(limit_s=10.0)
-    assert time.monotonic() - t0 < 0.5 and not ex.pending
 
 
 def test_short_reason_keeps_the_nodes_message():

@@ -76,24 +76,18 @@ class RedeliveringGrid(ProcessPerMessageGrid):
         """Deliver ``msg`` to its destination node now (no message id, no retry)."""
         return self.deliver(msg.metadata.dst_node_id, msg)
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
-            mid = str(uuid.uuid4())
-            msg.metadata.__dict__["_message_id"] = mid
-            nid = msg.metadata.dst_node_id
-            reply = self.deliver(nid, msg)
-            for old in self.held.pop(nid, []):  # stale copies, after a newer message
-                self.late.append((old, self.deliver(nid, old)))
-            if self.twice(msg):
-                again = self.deliver(nid, msg)
-                self.pairs.append((reply, again))
-                reply = again
-            if self.later(msg):
-                self.held.setdefault(nid, []).append(msg)
-            self.replies[mid] = reply
-            ids.append(mid)
-        return ids
+    def handle(self, msg: Message) -> Message:
+        nid = msg.metadata.dst_node_id
+        reply = self.deliver(nid, msg)
+        for old in self.held.pop(nid, []):  # stale copies, after a newer message
+            self.late.append((old, self.deliver(nid, old)))
+        if self.twice(msg):
+            again = self.deliver(nid, msg)
+            self.pairs.append((reply, again))
+            reply = again
+        if self.later(msg):
+            self.held.setdefault(nid, []).append(msg)
+        return reply
 
 
 def _expected(run: dict) -> list:

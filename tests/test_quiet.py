@@ -1,4 +1,4 @@
-"""The third-party notices a run silences (sky_flower/jobs/quiet.py): only those."""
+"""The third-party notices a run silences (sky_flower/flower/quiet.py): only those."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from logging import WARNING
 
 from flwr.supercore import log
 
-from sky_flower.jobs.quiet import (
+from sky_flower.flower.quiet import (
     ACTOR_TERMINATING,
     RUN_SIMULATION_DEPRECATED,
     _DropMessage,

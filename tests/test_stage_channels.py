@@ -22,7 +22,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.node import stream_node
 from sky_flower.sky.node.channels import MessageChannel, StageChannel, StreamChannel
 from sky_flower.sky.node.client import SkyClient
-from sky_flower.sky.node.stage_ops import MalformedOpError
+from sky_flower.sky.node.stage_ops import MalformedOpError, NodeStage
 
 M = 2
 ST = P.StageConfig(
@@ -99,8 +99,7 @@ def _stream(
     monkeypatch.setattr(stream_node, "connect", lambda *a: link)
     cfg = P.StreamConfig(stage=ST, link=LINK, steps=1, node_id=102)
     weights = ArrayRecord({k: v.detach() for k, v in _model().state_dict().items()})
-    reply = stream_node.run_stream_session(
-        cfg,
+    node = NodeStage(
         weights,
         _model,
         102,
@@ -109,6 +108,7 @@ def _stream(
         resolve(ST.loss),
         resolve(ST.metric),
     )
+    reply = stream_node.run_stream_session(cfg, node)
     return reply, link
 
 

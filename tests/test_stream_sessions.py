@@ -42,7 +42,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.migration import OptimizerStore
 from sky_flower.sky.node.client import SkyClient
 from sky_flower.sky.transport.runner import Pipeline, RunSettings, SkyNodeError
-from sky_flower.sky.transport.session import StreamSessions, same_bits
+from sky_flower.sky.transport.session import SessionKey, StreamSessions, same_bits
 from sky_flower.sky.transport.stream import StreamRunner
 
 ROUNDS = 3
@@ -366,7 +366,7 @@ def test_a_session_ends_when_its_pipeline_nodes_change_or_it_shares_a_node():
 
     class _Session:
         def __init__(self, owner: str, nodes: tuple[int, ...]) -> None:
-            self.owner, self.key = owner, (nodes, "rest")
+            self.owner, self.key = owner, SessionKey(nodes, ("rest",))
 
         def close(self, graceful: bool, deadline_s: float) -> int:
             closed.append(self.owner)

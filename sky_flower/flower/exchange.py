@@ -399,20 +399,3 @@ class Exchange:
             As :meth:`push`, :meth:`poll` and :meth:`wait`.
         """
         return self.wait(self.push(messages, timeout_s))
-
-    def drain(self, limit_s: float = 10.0) -> None:
-        """Wait (bounded by ``limit_s``, never raising) for pending replies, so that no
-        message of a failed round is still running on a node when the next one starts.
-        What has not come by then stays in flight in the ledger (see :meth:`abandon`)."""
-        end = time.monotonic() + limit_s
-        while self.deadline and time.monotonic() < end:
-            try:
-                got = list(self.grid.pull_messages(set(self.deadline)))
-            except Exception:  # noqa: BLE001 - best effort on a failed round
-                return
-            self.ledger.answered(got)
-            for reply in got:
-                self.deadline.pop(reply.metadata.reply_to_message_id, None)
-            if self.deadline:
-                time.sleep(max(self.poll_interval_s, 0.01))
-        self.deadline.clear()

@@ -80,16 +80,21 @@ class InProcessGrid(Grid):
             return Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Give each message an id, handle it on its destination node, keep the reply."""
+        """Give each message an id, :meth:`handle` it, keep the reply."""
         ids = []
         for msg in messages:
             mid = str(uuid.uuid4())
             msg.metadata.__dict__["_message_id"] = mid
-            nid = msg.metadata.dst_node_id
-            self.replies[mid] = self.deliver(nid, msg)
-            self.handled.append((nid, msg.metadata.message_type))
+            self.replies[mid] = self.handle(msg)
             ids.append(mid)
         return ids
+
+    def handle(self, msg: Message) -> Message:
+        """The reply to a pushed message: :meth:`deliver` on its destination node."""
+        nid = msg.metadata.dst_node_id
+        reply = self.deliver(nid, msg)
+        self.handled.append((nid, msg.metadata.message_type))
+        return reply
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """The replies to ``message_ids`` that exist, each returned once."""

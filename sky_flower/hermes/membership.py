@@ -169,8 +169,8 @@ def wait_any(
     -------
     (replies, late)
         The replies (error replies included), and the ids of the messages past their
-        deadline, which ``exchange`` then no longer holds as pending (so neither
-        :meth:`Exchange.poll` nor :meth:`Exchange.drain` waits for them).
+        deadline, which ``exchange`` then no longer holds as pending (so
+        :meth:`Exchange.poll` does not wait for them).
     """
     while exchange.pending or stale:
         got = exchange.poll(raise_late=False)

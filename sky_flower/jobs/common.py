@@ -135,8 +135,8 @@ def simulate(
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
+    from sky_flower.flower.quiet import quiet_third_party
     from sky_flower.flower.shutdown import AbandonableEngine
-    from sky_flower.jobs.quiet import quiet_third_party
 
     server_app = ServerApp()
     nodes = AbandonableEngine()
@@ -150,7 +150,7 @@ def simulate(
             raise
 
     error: str | None = None
-    quiet_third_party()  # sky_flower.jobs.quiet
+    quiet_third_party()  # sky_flower.flower.quiet
     try:
         with engine(), nodes.tracking():
             run_simulation(

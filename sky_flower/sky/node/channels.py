@@ -49,19 +49,14 @@ class StageChannel(Protocol):
     :func:`sky_flower.sky.node.stage_ops.run_op`); so is its reply.
     """
 
-    @property
-    def across_rounds(self) -> bool:
-        """Whether the channel lives across rounds (a ``stream`` stage session: ``begin``
-        and ``close`` frames between the ops), rather than for the one Flower message
-        that opened it (the relay's: one op; a per-round ``stream`` set-up's: one round)."""
-        ...
-
-    @property
-    def link_per_op(self) -> bool:
-        """Whether the interpreter sleeps the node's emulated link delay per op, on the
-        bytes of the op and its reply (``stream``); else the transport emulates the link
-        around its whole message (the relay's handler, every message type alike)."""
-        ...
+    #: whether the channel lives across rounds (a ``stream`` stage session: ``begin`` and
+    #: ``close`` frames between the ops), rather than for the one Flower message that
+    #: opened it (the relay's: one op; a per-round ``stream`` set-up's: one round)
+    across_rounds: bool
+    #: whether the interpreter sleeps the node's emulated link delay per op, on the bytes
+    #: of the op and its reply (``stream``); else the transport emulates the link around
+    #: its whole message (the relay's handler, every message type alike)
+    link_per_op: bool
 
     def frames(self) -> Iterator[tuple[Header, RecordDict]]:
         """The frames that arrive, in order, until the channel ends.
@@ -97,20 +92,13 @@ class MessageChannel:
         header's ``step``, ``first``, ``count``) and the op's input records.
     """
 
+    across_rounds = False  # the channel lives for one message (one op)
+    link_per_op = False  # the handler sleeps the link delay of every message, ops' included
+
     def __init__(self, op: str, content: RecordDict) -> None:
         self.op, self.content = op, content
         self.reply: RecordDict | None = None
         self._pending = True
-
-    @property
-    def across_rounds(self) -> bool:
-        """False: the channel lives for one message (one op)."""
-        return False
-
-    @property
-    def link_per_op(self) -> bool:
-        """False: the handler sleeps the link delay of every message, ops' included."""
-        return False
 
     def frames(self) -> Iterator[tuple[Header, RecordDict]]:
         """The message's op, once: header ``{"op": op, **MB record}``, the content."""
@@ -152,18 +140,10 @@ class StreamChannel:
         ``close``) or the one round of a per-round set-up (``StreamConfig``'s).
     """
 
+    link_per_op = True  # each op's frames are the link's traffic
+
     def __init__(self, link: StageLink, across_rounds: bool) -> None:
-        self.link, self._across_rounds = link, bool(across_rounds)
-
-    @property
-    def across_rounds(self) -> bool:
-        """Whether the stream serves a stage session (every round until ``close``)."""
-        return self._across_rounds
-
-    @property
-    def link_per_op(self) -> bool:
-        """True: each op's frames are the link's traffic."""
-        return True
+        self.link, self.across_rounds = link, bool(across_rounds)
 
     def frames(self) -> Iterator[tuple[Header, RecordDict]]:
         """The endpoint's frames (:meth:`StageLink.frames`)."""

@@ -5,31 +5,9 @@ Register them on your own ClientApp beside your FedAvg handlers::
     app = ClientApp()
     SkyClient(model_fn=Net, load_data=my_partition).register(app)
 
-Message types served (names and records: :mod:`sky_flower.sky.protocol`):
-
-=====================  ===============================================================
-``query.sky_profile``  time this node's own layers (fwd + bwd per micro-batch, median
-                       after warm-up) on its device, report the device, its name and
-                       memory available, and the emulation
-``query.sky_echo``     send the payload back (the server times two sizes for latency
-                       and bandwidth)
-``train.sky_setup``    receive this round's stage: layer range, weights, optimizer
-``train.sky_forward``  forward of the micro-batches ``first .. first+count-1`` of step
-                       ``step`` (stage 0: of its own batch; the last stage: loss and
-                       backward too); stashes the group's input
-``train.sky_backward`` backward of one group from its stash; gradients accumulate in
-                       ``context.state`` and the optimizer steps once the step's ``M``
-                       micro-batches are all back-propagated (``sequential``: one
-                       group of all ``M``)
-``train.sky_collect``  return the stage's weights at the end of the round
-``train.sky_direct``   ``transport=direct``: run this node's stage for a whole round
-                       peer to peer (:mod:`sky_flower.sky.node.direct_node`), return its
-                       weights and timings (one message per stage per round)
-``train.sky_stream``   ``transport=stream``: run the stage for a whole round over the
-                       server's endpoint (:mod:`sky_flower.sky.node.stream_node`);
-                       ``query.sky_stream_echo``: echo frames on it
-                       (:mod:`sky_flower.sky.transport.stream_probe`)
-=====================  ===============================================================
+Every message type of :mod:`sky_flower.sky.protocol` (its table: names and records) is
+served by one handler method of :class:`SkyClient` (:meth:`SkyClient.register`), each
+saying what it does.
 
 A forward or backward is one op that the node's interpreter
 (:func:`sky_flower.sky.node.stage_ops.answer_op`, the stream's too) serves over the
@@ -56,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -70,7 +49,7 @@ from sky_flower.core.profile import (
 )
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation, message_round
-from sky_flower.jobs.quiet import quiet_actor_exit
+from sky_flower.flower.quiet import quiet_actor_exit
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
@@ -79,7 +58,6 @@ from sky_flower.pipeline.sources import DataSource
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
-    RngKey,
     StageExecutor,
     model_frozen_keys,
     step_batch,
@@ -87,7 +65,7 @@ from sky_flower.pipeline.stage import (
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import MessageChannel
-from sky_flower.sky.node.stage_ops import OpStage, answer_op
+from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
 from sky_flower.sky.node.stage_state import (
     NodeStateError,
     direct_ran,
@@ -98,7 +76,6 @@ from sky_flower.sky.node.stage_state import (
     save_stage,
     session_ran,
     session_repeat,
-    stage_reduction,
     time_state_roundtrip,
 )
 
@@ -169,37 +146,22 @@ class ContextStage(OpStage):
         self.stash = _ContextStash(context)
         self.compute_s = 0.0
 
-    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
         """The stage from ``context.state`` on the node's device (``emu.device``: the
-        records stay on the CPU, the executor moves tensors at its edges), for the
-        ``group.count`` micro-batches of the group; each micro-batch's loss scaled by
-        the reduction for the step's ``M`` (and, for ``weighted``, the step's label
-        weight); the randomness keyed by the run's seed, the round, the step and the
-        micro-batches' indices."""
-        st, state = self.st, self.context.state
-        records = state.array_records
+        records stay on the CPU, the executor moves tensors at its edges)."""
+        st, records = self.st, self.context.state.array_records
         device = self.emu.torch_device()
-        module, opt = load_stage(
-            self.client.model_fn,
-            st.first,
-            st.last,
-            (records[WEIGHTS], records.get(OPTIM)),
-            default_optimizer_factory(st.optimizer, st.lr),
-            device,
-        )
-        key = RngKey(st.seed, st.round, group.step)
-        ex = StageExecutor(
-            module,
-            opt,
-            group.count,
-            st.microbatches,
-            key,
-            group.first,
-            device,
-            stage_reduction(st),
-        )
-        if GRADS in state:
-            ex.load_grads(state.array_records[GRADS].to_torch_state_dict())
+        factory = default_optimizer_factory(st.optimizer, st.lr)
+        weights = (records[WEIGHTS], records.get(OPTIM))
+        module, opt = load_stage(self.client.model_fn, st.first, st.last, weights, factory, device)
+        return module, opt, device
+
+    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
+        """The stage's executor for ``group``, with the gradients accumulated over the
+        step so far."""
+        ex = super().executor(group)
+        if GRADS in self.context.state:
+            ex.load_grads(self.context.state.array_records[GRADS].to_torch_state_dict())
         return ex
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,95 +470,62 @@ class SkyClient:
         """
         from sky_flower.sky.node.direct_node import run_direct_session, run_direct_stage
 
+        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
         link = msg.content.config_records.get(P.SESSION)
         if link is None:
-            return self._round_stage(msg, context, emu, P.DirectConfig, run_direct_stage)
-        cfg = P.DirectConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-        return self._session(
-            msg,
-            context,
-            cfg.stage,
-            lambda *args, **kw: run_direct_session(
-                cfg, P.SessionLink.from_config_record(link), *args, **kw
-            ),
-        )
+            return self._live_stage(msg, context, emu, cfg.stage, partial(run_direct_stage, cfg))
+        run = partial(run_direct_session, cfg, P.SessionLink.from_config_record(link))
+        return self._live_stage(msg, context, None, cfg.stage, run)
 
-    def _session(
+    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
+        """This node's stage for a whole ``stream`` round, or for every round of a
+        stage session (``across_rounds``):
+        :func:`sky_flower.sky.node.stream_node.run_stream_session`."""
+        from sky_flower.sky.node.stream_node import run_stream_session
+
+        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
+        run = partial(run_stream_session, cfg)
+        return self._live_stage(msg, context, None if cfg.across_rounds else emu, cfg.stage, run)
+
+    def _live_stage(
         self,
         msg: Message,
         context: Context,
+        emu: Emulation | None,
         st: P.StageConfig,
-        run: Callable[..., RecordDict],
+        run: Callable[[NodeStage], RecordDict],
     ) -> RecordDict:
-        """A stage session's set-up message (``stream``, ``direct``): once (a repeat is
-        refused, :func:`session_repeat`), ``run`` with this node's model, its emulation
-        by round, data by round and objective (the session applies the fleet's faults
-        round by round itself)."""
-        refused = session_repeat(st, context)  # a repeat never runs twice
+        """A stage that stays live for a whole round (``direct``, ``stream``; ``emu``:
+        the handler's emulation, its faults applied around the handler) or for every
+        round of a stage session (``emu`` None: the node's emulation by round, the
+        session applying the fleet's faults round by round itself). It runs once: a
+        repeat is refused (:func:`direct_repeat`, a session's :func:`session_repeat`).
+        ``run`` gets what the node gives the stage (:class:`NodeStage`)."""
+        session = emu is None
+        repeat, ran = (session_repeat, session_ran) if session else (direct_repeat, direct_ran)
+        refused = repeat(st, context)  # a repeat never runs twice
         if refused is not None:
             return refused
-        session_ran(st, context)
+        ran(st, context)
         loss_fn, metric_fn = self._objective(st)
-        base = self.emulation_fn(context)
-        return run(
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            base.at_round if base.drifts else (lambda rnd: base),
-            lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
-            loss_fn,
-            metric_fn,
-            optim=msg.content.array_records.get(migration.OPTIM_KEY),
-        )
-
-    def _round_stage(
-        self,
-        msg: Message,
-        context: Context,
-        emu: Emulation,
-        config_cls: type[P.DirectConfig] | type[P.StreamConfig],
-        run: Callable[..., RecordDict],
-    ) -> RecordDict:
-        """A stage that stays live for a whole round (``direct``, ``stream``): once per
-        set-up (a repeat is refused, :func:`direct_repeat`), ``run`` with this node's
-        model, data and objective."""
-        cfg = config_cls.from_config_record(msg.content.config_records.get(P.CONFIG))
-        refused = direct_repeat(cfg.stage, context)  # a repeat never runs twice
-        if refused is not None:
-            return refused
-        direct_ran(cfg.stage, context)
-        loss_fn, metric_fn = self._objective(cfg.stage)
-        return run(
-            cfg,
-            msg.content.array_records[P.ARRAYS],
-            self.model_fn,
-            int(context.node_id),
-            emu,
-            batch_fn=lambda step: self._batch(context, cfg.stage, step),
+        base = self.emulation_fn(context) if emu is None else emu
+        node = NodeStage(
+            weights=msg.content.array_records[P.ARRAYS],
+            model_fn=self.model_fn,
+            node_id=int(context.node_id),
+            emulation_at=base.at_round if session and base.drifts else (lambda rnd: base),
+            batch_fn=lambda rnd, step: self._batch(context, replace(st, round=rnd), step),
             loss_fn=loss_fn,
             metric_fn=metric_fn,
             optim=msg.content.array_records.get(migration.OPTIM_KEY),
         )
+        return run(node)
 
     def stream_echo(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
         """Answer echo frames on the stream endpoint (the link over the data plane)."""
         from sky_flower.sky.transport.stream_probe import echo_frames
 
         return echo_frames(P.StreamLink.from_config_record(msg.content[P.CONFIG]), emu)
-
-    def stream(self, msg: Message, context: Context, emu: Emulation) -> RecordDict:
-        """This node's stage for a whole ``stream`` round, once per set-up
-        (:func:`sky_flower.sky.node.stream_node.run_stream_stage`), or for every round
-        of a stage session (:func:`sky_flower.sky.node.stream_node.run_stream_session`:
-        the session applies the fleet's faults round by round itself)."""
-        from sky_flower.sky.node.stream_node import run_stream_session, run_stream_stage
-
-        cfg = P.StreamConfig.from_config_record(msg.content.config_records.get(P.CONFIG))
-        if not cfg.across_rounds:
-            return self._round_stage(msg, context, emu, P.StreamConfig, run_stream_stage)
-        return self._session(
-            msg, context, cfg.stage, lambda *args, **kw: run_stream_session(cfg, *args, **kw)
-        )
 
 
 # --- a node's defaults in the simulation engine: its emulation and its data by partition --

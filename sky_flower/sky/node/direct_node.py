@@ -28,8 +28,6 @@ from sky_flower.pipeline.direct import (
 from sky_flower.pipeline.engine import Chunk, StageResult, run_steps
 from sky_flower.pipeline.rendezvous import join
 from sky_flower.pipeline.stage import (
-    LossFn,
-    MetricFn,
     RngKey,
     build_stage,
     frozen_keys,
@@ -41,6 +39,7 @@ from sky_flower.pipeline.stage import (
 )
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node.stage_ops import NodeStage
 from sky_flower.sky.node.stage_state import stage_reduction
 
 
@@ -97,17 +96,7 @@ def node_chunks(
     return chunks
 
 
-def run_direct_stage(  # noqa: PLR0913
-    cfg: P.DirectConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emu: Emulation,
-    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
+def run_direct_stage(cfg: P.DirectConfig, node: NodeStage) -> RecordDict:
     """Run this node's stage for one whole round on the ``direct`` transport.
 
     The node joins the round's process group, runs the ``torch.distributed.pipelining``
@@ -125,22 +114,12 @@ def run_direct_stage(  # noqa: PLR0913
     ----------
     cfg : DirectConfig
         The stage, its rendezvous and links.
-    weights : ArrayRecord
-        The stage's layers' weights (keys of the full model).
-    model_fn : callable
-        ``() -> nn.Sequential``, the model.
-    node_id : int
-        This node's Flower node id (must be the one the rank was planned for).
-    emu : Emulation
-        This node's emulated device.
-    batch_fn : callable
-        ``step -> (x, labels)``, the data owner's batches (used on rank 0 only).
-    loss_fn, metric_fn : callable
-        The last stage's objective.
-    optim : ArrayRecord, optional
-        ``train.optimizer_state=keep``: the stage's layers' optimizer state by parameter
-        name (:mod:`sky_flower.sky.migration`), loaded before the round and returned
-        after it (:data:`~sky_flower.sky.migration.OPTIM_KEY`); None: a fresh optimizer.
+    node : NodeStage
+        The stage's weights (keys of the full model), the model, this node's id (must be
+        the one the rank was planned for), its emulation and data (used on rank 0
+        only), the objective and (``train.optimizer_state=keep``) the optimizer state by
+        parameter name, loaded before the round and returned after it
+        (:data:`~sky_flower.sky.migration.OPTIM_KEY`).
 
     A stage whose own computation raises (its model, loss or data) replies with
     :data:`~sky_flower.sky.protocol.STAGE_ERROR` instead (:func:`own_error`).
@@ -154,13 +133,16 @@ def run_direct_stage(  # noqa: PLR0913
         If a peer fails or stalls (bounded by ``timeout_s``), or a fault is injected.
     """
     rdv, st = cfg.rendezvous, cfg.stage
-    _check_node(cfg, node_id)
+    _check_node(cfg, node.node_id)
+    emu = node.emulation_at(st.round)
     device = emu.torch_device()  # the node's device; gloo peers exchange CPU tensors
-    stage = _DirectStage.build(cfg, model_fn, weights.to_torch_state_dict(), optim, device)
+    stage = _DirectStage.build(
+        cfg, node.model_fn, node.weights.to_torch_state_dict(), node.optim, device
+    )
     try:
         res = run_stage(
             rdv,
-            **stage.arguments(cfg, st.round, cfg.steps, emu, batch_fn, loss_fn, metric_fn),
+            **stage.arguments(cfg, st.round, cfg.steps, emu, node),
             fault=faults.step_hook(),
         )
     except Exception as err:
@@ -168,7 +150,7 @@ def run_direct_stage(  # noqa: PLR0913
         if own is None:
             raise
         return RecordDict({P.STAGE_ERROR: P.stage_error(own)})
-    return stage.result(res, emu, model_fn, st)
+    return stage.result(res, emu, node.model_fn, st)
 
 
 def _check_node(cfg: P.DirectConfig, node_id: int) -> None:
@@ -221,15 +203,8 @@ class _DirectStage:
                 device = next(iter(own.values())).device
                 ch.module.load_state_dict({k: v.to(device) for k, v in mine.items()}, strict=False)
 
-    def arguments(  # noqa: PLR0913
-        self,
-        cfg: P.DirectConfig,
-        server_round: int,
-        steps: int,
-        emu: Emulation,
-        batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: LossFn,
-        metric_fn: MetricFn,
+    def arguments(
+        self, cfg: P.DirectConfig, server_round: int, steps: int, emu: Emulation, node: NodeStage
     ) -> dict:
         """:func:`run_stage` / :func:`run_steps`'s keywords for round ``server_round``
         (``fault`` aside)."""
@@ -243,10 +218,10 @@ class _DirectStage:
             "batch_size": st.batch_size,
             "input_shape": list(cfg.input_shape),
             "input_dtype": cfg.input_dtype,
-            "batch_fn": batch_fn if cfg.rendezvous.rank == 0 else None,
+            "batch_fn": partial(node.batch_fn, server_round) if cfg.rendezvous.rank == 0 else None,
             "emulated": emulated(emu, cfg.links),
-            "loss_fn": loss_fn,
-            "metric_fn": metric_fn,
+            "loss_fn": node.loss_fn,
+            "metric_fn": node.metric_fn,
             "rng": RngKey(st.seed, server_round),
             "device": emu.torch_device(),
             "reduction": stage_reduction(st),  # the loss scaling on the last stage
@@ -284,18 +259,7 @@ class _DirectStage:
         return out
 
 
-def run_direct_session(  # noqa: PLR0913
-    cfg: P.DirectConfig,
-    session: P.SessionLink,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emulation_at: Callable[[int], Emulation],
-    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
+def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeStage) -> RecordDict:
     """Serve this node's stage for every round of a ``direct`` stage session
     (:mod:`sky_flower.sky.transport.session`), until the server's ``close``.
 
@@ -341,15 +305,15 @@ def run_direct_session(  # noqa: PLR0913
     from sky_flower.sky.transport.channel import StreamError, connect
 
     rdv, st = cfg.rendezvous, cfg.stage
-    _check_node(cfg, node_id)
-    device = emulation_at(st.round).torch_device()
+    _check_node(cfg, node.node_id)
+    device = node.emulation_at(st.round).torch_device()
     stage: _DirectStage | None = _DirectStage.build(
-        cfg, model_fn, weights.to_torch_state_dict(), optim, device
+        cfg, node.model_fn, node.weights.to_torch_state_dict(), node.optim, device
     )
     if rdv.rank == 0:  # the data owner's first draw loads its data: in the set-up
-        round_batch_fn(st.round, 0)
+        node.batch_fn(st.round, 0)
     link = connect(session.link, rdv.rank)
-    rounds, compute, keep = 0, 0.0, optim is not None
+    rounds, compute, keep = 0, 0.0, node.optim is not None
     try:
         join(rdv, device)
         for header, records in link.frames():
@@ -359,12 +323,12 @@ def run_direct_session(  # noqa: PLR0913
             if op != "begin":
                 raise StreamError(f"a {op!r} frame in a direct stage session (begin or close)")
             rnd, steps = int(header["round"]), int(header["steps"])
-            emu = emulation_at(rnd)
+            emu = node.emulation_at(rnd)
             arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
             if header.get("rebuild") or stage is None:  # released after the last round
                 state = records.array_records.get(migration.OPTIM_KEY)
                 stage = _DirectStage.build(
-                    cfg, model_fn, arrays.to_torch_state_dict(), state, device
+                    cfg, node.model_fn, arrays.to_torch_state_dict(), state, device
                 )
                 stage.keep = keep
             elif len(arrays):
@@ -373,8 +337,7 @@ def run_direct_session(  # noqa: PLR0913
                 p.grad = None
             if not stage.keep:  # a fresh optimizer every round
                 stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
-            batch_fn = partial(round_batch_fn, rnd)  # step -> the round's batch
-            args = stage.arguments(cfg, rnd, steps, emu, batch_fn, loss_fn, metric_fn)
+            args = stage.arguments(cfg, rnd, steps, emu, node)
             try:
                 res = run_steps(
                     rdv, **args, fault=faults.round_hook(emu, P.DIRECT, rnd, session.silence_s)
@@ -388,7 +351,7 @@ def run_direct_session(  # noqa: PLR0913
                 error = RecordDict({P.STAGE_ERROR: P.stage_error(own)})
                 link.send(end, error)
                 return error
-            out = stage.result(res, emu, model_fn, replace(st, round=rnd))
+            out = stage.result(res, emu, node.model_fn, replace(st, round=rnd))
             faults.spoil_reply(emu, P.DIRECT, rnd, out)
             link.send({"op": "end", "round": rnd}, out)
             rounds, compute = rounds + 1, compute + res.compute_s

@@ -31,16 +31,18 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from torch import nn
 
 from sky_flower.emulation.devices import EMULATED_S, Emulation
-from sky_flower.pipeline.stage import LossFn, MetricFn, StageExecutor
+from sky_flower.pipeline.stage import LossFn, MetricFn, RngKey, StageExecutor
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import StageChannel
-from sky_flower.sky.node.stage_state import NodeStateError
+from sky_flower.sky.node.stage_state import NodeStateError, stage_reduction
 from sky_flower.sky.transport.stream_tls import StreamError
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -48,6 +50,27 @@ Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 # at a time: forward_layers seeds the process-wide CPU generator for each layer, so two
 # at once would draw each other's dropout masks
 _RNG_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class NodeStage:
+    """What the node gives a stage that stays live for a round or a stage session
+    (``direct``, ``stream``): the set-up message's ``weights`` (the stage's layers, keys
+    of the full model) and (``train.optimizer_state=keep``) ``optim``, its optimizer
+    state by parameter name (:mod:`sky_flower.sky.migration`; None: a fresh
+    optimizer); the ``model_fn``; the Flower ``node_id`` (a stage planned for another
+    node is refused); ``emulation_at(round)``, the node's emulated device in a round;
+    ``batch_fn(round, step) -> (x, labels)``, the data owner's batch (stage 0 only);
+    the last stage's ``loss_fn`` and ``metric_fn``."""
+
+    weights: ArrayRecord
+    model_fn: Callable[[], nn.Module]
+    node_id: int
+    emulation_at: Callable[[int], Emulation]
+    batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: LossFn
+    metric_fn: MetricFn
+    optim: ArrayRecord | None = None
 
 
 class MalformedOpError(P.ProtocolError, StreamError):
@@ -223,8 +246,21 @@ class OpStage(ABC):
     compute_s: float = 0.0
 
     @abstractmethod
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
+        """The stage's layers, optimizer (None: no trainable parameters) and device."""
+
     def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
-        """The stage's layers and optimizer for ``group``."""
+        """The stage's :meth:`layers` for the ``group.count`` micro-batches of
+        ``group``: each micro-batch's loss scaled by the reduction for the step's ``M``
+        (:func:`~sky_flower.sky.node.stage_state.stage_reduction`), the randomness keyed
+        by the run's seed, the round, the step and the micro-batches' indices."""
+        module, opt, device = self.layers()
+        st = self.st
+        key = RngKey(st.seed, st.round, group.step)
+        reduction = stage_reduction(st)
+        return StageExecutor(
+            module, opt, group.count, st.microbatches, key, group.first, device, reduction
+        )
 
     @abstractmethod
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,13 +8,9 @@ frame the server forwards: ``F`` (forward of micro-batches ``first .. first+coun
 step ``step``; the last stage: loss and backward too), ``B`` (backward of a group from
 its stash), until ``end``. Then it replies over Flower with its weights. The ops are
 served by the node's one interpreter (:func:`sky_flower.sky.node.stage_ops.answer_op`)
-over a :class:`~sky_flower.sky.node.channels.StreamChannel`, on a :class:`LiveStage`.
-
-The computation is the relay's (:class:`sky_flower.pipeline.stage.StageExecutor`:
-forward without a graph, the backward recomputes it, randomness keyed by ``(seed, round,
-step, micro-batch, layer)``, buffers updated once per micro-batch in order, the loss
-divided by the step's ``M``, the optimizer stepping after the step's ``M``-th
-micro-batch): weights, buffers and dropout masks equal the unsplit reference.
+over a :class:`~sky_flower.sky.node.channels.StreamChannel`, on a :class:`LiveStage`: the
+computation is the relay's (:mod:`sky_flower.sky.node.stage_ops`), weights, buffers and
+dropout masks equal the unsplit reference.
 """
 
 from __future__ import annotations
@@ -28,12 +24,10 @@ from torch import nn
 
 from sky_flower.core.profile import default_optimizer_factory
 from sky_flower.emulation import faults
-from sky_flower.emulation.devices import EMULATED_S, Emulation
+from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.pipeline.stage import (
     LossFn,
     MetricFn,
-    RngKey,
-    StageExecutor,
     frozen_keys,
     make_stage_optimizer,
     trained_state,
@@ -41,8 +35,8 @@ from sky_flower.pipeline.stage import (
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import StreamChannel
-from sky_flower.sky.node.stage_ops import OpStage, answer_op
-from sky_flower.sky.node.stage_state import load_stage, stage_reduction
+from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
+from sky_flower.sky.node.stage_state import load_stage
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
@@ -83,24 +77,13 @@ class LiveStage(OpStage):
         self.st, self.module, self.optimizer = st, module, optimizer
         self.batch_fn, self.loss_fn, self.metric_fn = batch_fn, loss_fn, metric_fn
         self.device = torch.device(device)
-        self.reduction = stage_reduction(st)
         self.stash: dict[int, torch.Tensor] = {}  # by a group's first micro-batch
         self.acc_step, self.acc_done = -1, 0
         self.compute_s = 0.0
 
-    def executor(self, group: P.MicroBatchGroup) -> StageExecutor:
-        """The live layers and optimizer for ``group`` (the round's randomness key)."""
-        key = RngKey(self.st.seed, self.st.round, group.step)
-        return StageExecutor(
-            self.module,
-            self.optimizer,
-            group.count,
-            self.st.microbatches,
-            key,
-            group.first,
-            self.device,
-            self.reduction,
-        )
+    def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
+        """The live layers and optimizer."""
+        return self.module, self.optimizer, self.device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The data owner's batch of step ``step`` of this round."""
@@ -127,50 +110,6 @@ class LiveStage(OpStage):
         done = self.acc_done + group.count
         self.acc_step, self.acc_done = (-1, 0) if done >= self.st.microbatches else (step, done)
         return done
-
-
-def run_stream_stage(  # noqa: PLR0913
-    cfg: P.StreamConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emu: Emulation,
-    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
-    """Run this node's stage for one whole round on the ``stream`` transport.
-
-    Connect to the endpoint, answer its op frames until ``end``, reply with the weights
-    (:data:`~sky_flower.sky.protocol.ARRAYS`), figures (:data:`METRICS`: ``compute_s``,
-    ``frames``, ``bytes``, the emulated sleep) and, with ``optim`` (``train.
-    optimizer_state=keep``), the optimizer state by parameter name. Emulation: the
-    node's slowdown after each op's compute, its link delay per op (bytes in and out).
-    A stage whose own computation raises sends a ``STAGE_ERROR`` frame and replies with it.
-
-    Raises
-    ------
-    StageRefusedError
-        If the message was planned for another node.
-    StreamRefusedError
-        A certificate other than the pinned one, a refused ticket, an endpoint not reached.
-    StreamError
-        If the stream breaks before ``end`` (the server stopped, the deadline passed).
-    FaultInjected
-        A fleet fault (``crash`` / ``stall`` before step ``fail_step``: the stream closes).
-    """
-    return run_stream_session(
-        cfg,
-        weights,
-        model_fn,
-        node_id,
-        lambda rnd: emu,
-        lambda rnd, step: batch_fn(step),
-        loss_fn,
-        metric_fn,
-        optim,
-    )
 
 
 def stage_result(  # noqa: PLR0913
@@ -203,35 +142,29 @@ def _changed_entries(records: RecordDict) -> dict[str, torch.Tensor]:
     return {} if rec is None else rec.to_torch_state_dict()
 
 
-def run_stream_session(  # noqa: PLR0913, PLR0915
-    cfg: P.StreamConfig,
-    weights: ArrayRecord,
-    model_fn: Callable[[], nn.Module],
-    node_id: int,
-    emulation_at: Callable[[int], Emulation],
-    round_batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: LossFn,
-    metric_fn: MetricFn,
-    optim: ArrayRecord | None = None,
-) -> RecordDict:
-    """Serve this node's stage for every round of a stage session on ``stream``
-    (:mod:`sky_flower.sky.transport.session`), until the server's ``close`` frame; or,
-    without ``cfg.across_rounds``, for the one round a per-round set-up begins, its
-    ``end`` answered by the Flower reply (:func:`run_stream_stage`): the node's one
-    stream loop.
+def run_stream_session(cfg: P.StreamConfig, node: NodeStage) -> RecordDict:  # noqa: PLR0915
+    """Serve this node's stage on the ``stream`` transport (the node's one stream loop):
+    for the one round a per-round set-up begins (``cfg.across_rounds`` false), or for
+    every round of a stage session (:mod:`sky_flower.sky.transport.session`) until the
+    server's ``close`` frame.
 
-    The set-up message carried the stage's layer slice (``weights``) and, with
-    ``train.optimizer_state=keep``, its optimizer state (``optim``). Over the stream,
-    per round: ``begin`` (``round``, ``steps``; the entries of the round's global
-    weights that differ from what the stage holds), the op frames exactly as in
-    :func:`run_stream_stage` (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a
-    :class:`LiveStage`), then ``end``, answered by an
-    ``end`` frame with the stage's trainable weights and buffers, its figures and (keep)
-    its optimizer state. An ``end`` with ``release`` (the node runs stages of other
-    pipelines too, which the plan runs one after another) frees the stage's layers and
-    optimizer after the reply; the next ``begin`` then carries the whole slice (and, keep,
-    the optimizer state) and the stage is rebuilt from it, so the node holds one
-    pipeline's stage at a time, as the planner's memory budget assumes. Each round
+    The set-up message carried the stage's layer slice (``node.weights``) and,
+    with ``train.optimizer_state=keep``, its optimizer state (``node.optim``). The stage connects
+    outbound to the endpoint and answers its op frames
+    (:func:`~sky_flower.sky.node.stage_ops.answer_op` on a :class:`LiveStage`).
+    Emulation: the node's slowdown after each op's compute, its link delay per op (bytes
+    in and out). A per-round set-up's ``end`` is answered by the Flower reply: the
+    weights (:data:`~sky_flower.sky.protocol.ARRAYS`), figures (:data:`METRICS`:
+    ``compute_s``, ``frames``, ``bytes``, the emulated sleep) and (keep) the optimizer
+    state by parameter name. In a session, per round: ``begin`` (``round``, ``steps``;
+    the entries of the round's global weights that differ from what the stage holds),
+    the op frames, then ``end``, answered by an ``end`` frame with the stage's trainable
+    weights and buffers, its figures and (keep) its optimizer state. An ``end`` with
+    ``release`` (the node runs stages of other pipelines too, which the plan runs one
+    after another) frees the stage's layers and optimizer after the reply; the next
+    ``begin`` then carries the whole slice (and, keep, the optimizer state) and the
+    stage is rebuilt from it, so the node holds one pipeline's stage at a time, as the
+    planner's memory budget assumes. Each round
     starts as a per-round set-up would: the global weights loaded, gradients cleared, a
     fresh optimizer (unless kept), the round's randomness key and data order, the
     node's emulation at that round (fleet drift): the session computes what per-round
@@ -240,9 +173,10 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     Returns
     -------
     RecordDict
-        The Flower reply at ``close``: figures over the session (``rounds``, ``frames``,
-        ``bytes``, ``compute_s``), or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of
-        the stage's own error (also sent as a frame).
+        The Flower reply: a per-round set-up's result at ``end``; a session's figures
+        (``rounds``, ``frames``, ``bytes``, ``compute_s``) at ``close``; or the
+        :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own error (also sent
+        as a frame).
 
     Raises
     ------
@@ -251,39 +185,41 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
     StreamRefusedError
         A certificate other than the pinned one, a refused ticket, an endpoint not reached.
     StreamError
-        If the stream breaks or ends before ``close``, or a frame is malformed (an op:
+        If the stream breaks or ends before ``end`` / ``close`` (the server stopped, the
+        deadline passed), or a frame is malformed (an op:
         :class:`~sky_flower.sky.node.stage_ops.MalformedOpError`).
     FaultInjected
-        A fleet fault of the round it strikes in (:func:`faults.round_hook`).
+        A session's fleet fault of the round it strikes in (:func:`faults.round_hook`; a
+        per-round set-up's: around the handler).
     """
     from dataclasses import replace
 
     st0 = cfg.stage
-    if cfg.node_id != int(node_id):
+    if cfg.node_id != int(node.node_id):
         raise StageRefusedError(
             f"stage {st0.stage} refused: it is planned for node {cfg.node_id}, not for "
-            f"this node ({node_id})"
+            f"this node ({node.node_id})"
         )
     factory = default_optimizer_factory(st0.optimizer, st0.lr)
-    device = emulation_at(st0.round).torch_device()  # frames carry CPU bytes
-    keep = optim is not None
+    device = node.emulation_at(st0.round).torch_device()  # frames carry CPU bytes
+    keep = node.optim is not None
 
     def build(whole: ArrayRecord, state: ArrayRecord | None) -> tuple[Any, Any]:
-        module, opt = load_stage(model_fn, st0.first, st0.last, (whole, None), factory, device)
+        module, opt = load_stage(node.model_fn, st0.first, st0.last, (whole, None), factory, device)
         if keep and opt is not None:  # migrated (train.optimizer_state=keep), kept live
             from sky_flower.pipeline.stage import optimizer_from_tensors
 
-            local = migration.local_optimizer_state(model_fn, st0.first, st0.last, state)
+            local = migration.local_optimizer_state(node.model_fn, st0.first, st0.last, state)
             optimizer_from_tensors(opt, local.to_torch_state_dict())
         return module, opt
 
-    module, opt = build(weights, optim)
+    module, opt = build(node.weights, node.optim)
     if st0.is_first:  # the data owner's first draw loads its data: in the set-up
-        round_batch_fn(st0.round, 0)
+        node.batch_fn(st0.round, 0)
     channel = StreamChannel(connect(cfg.link, st0.stage), cfg.across_rounds)
     session = channel.across_rounds  # a stage session: begin / end per round until close
     live: LiveStage | None = None
-    emu, hook, at_step, rnd = emulation_at(st0.round), None, -1, st0.round
+    emu, hook, at_step, rnd = node.emulation_at(st0.round), None, -1, st0.round
     frames = nbytes = rounds = 0
     compute_total = slept = 0.0
 
@@ -292,7 +228,7 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
         gradients, a fresh optimizer unless kept, the round's key and data order)."""
         nonlocal module, opt, emu, hook, at_step, rnd, slept
         rnd = int(header["round"])
-        emu = emulation_at(rnd)
+        emu = node.emulation_at(rnd)
         if header.get("rebuild"):  # released after the last round: from the slice
             module, opt = build(
                 records.array_records.get(P.ARRAYS, ArrayRecord()),
@@ -305,7 +241,13 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
         if not keep:  # a fresh optimizer every round
             opt = make_stage_optimizer(module, factory)
         stage = LiveStage(
-            replace(st0, round=rnd), module, opt, round_batch_fn, loss_fn, metric_fn, device
+            replace(st0, round=rnd),
+            module,
+            opt,
+            node.batch_fn,
+            node.loss_fn,
+            node.metric_fn,
+            device,
         )
         # faults: per round inside a session; a per-round set-up's come with its message
         hook = faults.round_hook(emu, P.STREAM, rnd, cfg.silence_s) if session else None
@@ -328,8 +270,8 @@ def run_stream_session(  # noqa: PLR0913, PLR0915
                 figures = {P.COMPUTE_S: live.compute_s, EMULATED_S: slept}
                 if not session:  # the round's result is the Flower reply
                     figures |= {FRAMES: frames, BYTES: nbytes}
-                    return stage_result(module, opt, figures, model_fn, st0, keep)
-                out = stage_result(module, opt, {**figures, "round": rnd}, model_fn, st0, keep)
+                    return stage_result(module, opt, figures, node.model_fn, st0, keep)
+                out = stage_result(module, opt, {**figures, "round": rnd}, node.model_fn, st0, keep)
                 faults.spoil_reply(emu, P.STREAM, rnd, out)
                 channel.send({"op": "end", "round": rnd}, out)
                 compute_total += live.compute_s

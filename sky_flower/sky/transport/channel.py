@@ -24,9 +24,7 @@ authenticates the server, not the client: anyone who reaches the port can open c
 The endpoint therefore runs gRPC's asyncio server (``grpc.aio``) on an event loop of its
 own, in one daemon thread (``sky-stream-loop``) that :meth:`Endpoint.close` stops and
 joins; an open call costs a coroutine, not a thread, so no number of idle calls can
-exhaust a pool (the thread-pool server this replaces had ``num_stages + 4`` threads, and
-6 silent TLS calls kept both stages of a 2-stage endpoint out for as long as they stayed
-open). A call must bring its hello within ``hello_timeout_s`` (else it ends with
+exhaust a pool. A call must bring its hello within ``hello_timeout_s`` (else it ends with
 ``DEADLINE_EXCEEDED``), and at most ``max_pending`` calls wait for theirs: one more
 drops the **oldest** waiting call (``RESOURCE_EXHAUSTED``), never the newcomer, so a
 stage, which sends its hello with its call, gets in however many calls an attacker opens
@@ -34,10 +32,9 @@ and keeps opening (unless ``max_pending`` of them arrive between the stage's cal
 its hello, which come in one flight). Both are recorded in :attr:`Endpoint.refused`. A
 TLS handshake must end, and a connection with no call open is closed, within
 ``max(hello_timeout_s, 10 s)`` (:func:`_guard_options`). Frames are decoded on the loop,
-one stage's after another (the GIL serialised the per-stage reader threads before). The
-alternative, a bigger thread pool, still gives each idle call a thread, and the sync
-server has no way to time a first read out; hence the event loop. What this does not
-stop: a flood that saturates the CPU, the network or the process's file descriptors (a
+one stage's after another. A thread pool, however big, gives each idle call a thread,
+and the sync server has no way to time a first read out; hence the event loop. What
+this does not stop: a flood that saturates the CPU, the network or the process's file descriptors (a
 firewall's job), and a pending call may push one message up to the frame cap before it
 is refused (gRPC buffers a message whole before the endpoint sees it).
 
@@ -110,9 +107,7 @@ def decode(frame: bytes, max_frame_bytes: int) -> tuple[dict[str, Any], RecordDi
             raise ValueError("header is no JSON object")
         proto = ProtoRecordDict.FromString(frame[_HEADER.size + n :])
         return header, recorddict_from_proto(proto)
-    except (struct.error, ValueError, TypeError, KeyError) as err:
-        raise FrameError(f"a malformed frame of {len(frame)} bytes: {err}") from err
-    except Exception as err:  # protobuf's DecodeError and friends
+    except Exception as err:  # struct, JSON, protobuf's DecodeError and friends
         raise FrameError(f"a malformed frame of {len(frame)} bytes: {err}") from err
 
 

@@ -43,7 +43,7 @@ from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import migrated_state, optimizer_records, stage_config
 from sky_flower.sky.transport.records import StageRecord
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import StreamSession
+from sky_flower.sky.transport.session import SessionKey, StreamSession
 
 
 def plan_kind(plan: Pipeline, schedule: Schedule) -> str:
@@ -173,34 +173,33 @@ class DirectRunner(EndpointWaits, Runner):
                 "schedule.kind=gpipe"
             )
 
-    def run_round(
+    @property
+    def silence_s(self) -> float:
+        """``direct.timeout_s``: the stages' peer timeout."""
+        return self.s.settings.direct.timeout_s
+
+    def host(self, plan: Pipeline) -> RoundHost:
+        """The rendezvous of ``plan``'s stages (not yet started), NCCL where every stage
+        is on a GPU (:func:`~sky_flower.pipeline.device.direct_backend`)."""
+        d = self.s.settings.direct
+        backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
+        return RoundHost(plan.num_stages, d.timeout_s, d.host, d.join_timeout_s, backend)
+
+    def setup_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
-        """Host the rendezvous, run the round on the stages, merge their weights (see
-        :meth:`Runner.run_round`). An error names the stage(s) that failed or did not
-        answer first, then those that stopped waiting for them; ``nodes`` holds only
-        the former."""
-        pool = self.s.sessions
-        if pool is not None and pool.usable_for(plan.node_ids):
-            return self.session_round(grid, plan, arrays, steps, server_round)
-        if pool is not None:  # a node shared with another pipeline: set up every round
-            pool.drop(plan.plan.stages[0].node)
-        s, S = self.s, plan.num_stages
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        ex = s.exchange(grid, timeout_s=budget)
+        """Host the rendezvous, run the round on the stages, merge their weights. An
+        error names the stage(s) that failed or did not answer first, then those that
+        stopped waiting for them; ``nodes`` holds only the former."""
+        budget = self.stage_budget(plan, steps)
+        ex = self.s.exchange(grid, timeout_s=budget)
         t0 = time.perf_counter()
-        backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
-        d = s.settings.direct
-        with RoundHost(S, d.timeout_s, d.host, d.join_timeout_s, backend) as host:
+        with self.host(plan) as host:
             ids = ex.push(self.configure(plan, arrays, steps, server_round, host))
             got = self.collect(ex, ids)
         wall = time.perf_counter() - t0
         self.raise_failures(ex, plan, [reply_status(got.get(m)) for m in ids], budget)
-        replies = [got[m] for m in ids]
-        try:
-            return self.parse(ex, plan, replies, arrays, steps, wall)
-        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed reply
-            raise ex.fail(f"a stage sent a malformed reply: {type(err).__name__}: {err}") from err
+        return self.parse(ex, plan, [got[m] for m in ids], arrays, steps, wall)
 
     def configure(
         self, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int, host: RoundHost
@@ -247,7 +246,7 @@ class DirectRunner(EndpointWaits, Runner):
             for reply in ex.poll(ids, raise_late=False):
                 got[reply.metadata.reply_to_message_id] = reply
                 if reply.has_error():  # the others stop within direct.timeout_s
-                    ex.shorten(self.s.settings.direct.timeout_s + 5.0)
+                    ex.shorten(self.silence_s + 5.0)
             if ex.late(ids):  # the missing ones are named by the caller
                 return got
             if len(got) < len(ids) and ex.poll_interval_s > 0:
@@ -293,8 +292,23 @@ class DirectRunner(EndpointWaits, Runner):
         Raises
         ------
         SkyNodeError
-            Naming the node whose reply is malformed.
+            Naming the node whose reply is malformed (or, for a reply malformed
+            otherwise, the error).
         """
+        try:
+            return self._parse(ex, plan, replies, arrays, steps, wall)
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # a malformed reply
+            raise ex.fail(f"a stage sent a malformed reply: {type(err).__name__}: {err}") from err
+
+    def _parse(  # noqa: PLR0913
+        self,
+        ex: Exchange,
+        plan: Pipeline,
+        replies: list[Any],
+        arrays: ArrayRecord,
+        steps: int,
+        wall: float,
+    ) -> RoundOutcome:
         sent = {k: tuple(v.shape) for k, v in arrays.items()}
         metrics, slept = [], []
         for reply in replies:
@@ -368,7 +382,7 @@ class DirectRunner(EndpointWaits, Runner):
         )
 
     # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+    def session_key(self, plan: Pipeline) -> SessionKey:
         """What a session is set up for: a round whose pipeline differs needs another
         (nodes, stage configs without the round, schedule, chunks, links)."""
         stages = tuple(
@@ -377,7 +391,8 @@ class DirectRunner(EndpointWaits, Runner):
         )
         chunks = chunk_plan(plan, self.s, S=plan.num_stages)
         kind = plan_kind(plan, self.s.schedule)
-        return (plan.node_ids, stages, kind, str(chunks), tuple(plan.links), self.s.input_dtype)
+        setup = (stages, kind, str(chunks), tuple(plan.links), self.s.input_dtype)
+        return SessionKey(plan.node_ids, setup)
 
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
@@ -392,56 +407,43 @@ class DirectRunner(EndpointWaits, Runner):
             Naming the stages that did not join or whose set-up failed (the store is
             closed too).
         """
-        s, ds = self.s, self.s.settings.direct
-        backend = direct_backend([d for _, d in plan.devices], [h for h, _ in plan.devices])
-        host = RoundHost(plan.num_stages, ds.timeout_s, ds.host, ds.join_timeout_s, backend)
+        host, silence = self.host(plan), self.silence_s
 
         def messages(ep: Endpoint, life: float) -> list[Message]:
             msgs = self.configure(plan, arrays, steps, server_round, host)
             for k, msg in enumerate(msgs):
-                link = P.SessionLink(ep.link(k, life + ds.timeout_s), ds.timeout_s)
+                link = P.SessionLink(ep.link(k, life + silence), silence)
                 msg.content[P.SESSION] = link.to_config_record()
             return msgs
 
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        return self.host_session(
-            grid, plan, self.session_key(plan), budget, ds.timeout_s, messages, host
-        )
+        return self.host_session(grid, plan, steps, messages, host)
 
-    def session_round(
-        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    def session_work(  # noqa: PLR0913
+        self,
+        session: StreamSession,
+        plan: Pipeline,
+        arrays: ArrayRecord,
+        steps: int,
+        server_round: int,
     ) -> RoundOutcome:
-        """Round ``server_round`` of ``plan`` in its ``direct`` stage session (opened,
-        or handed over, first where needed: :meth:`EndpointWaits.in_session`): ``begin``
-        to every stage with the changed weights, the steps peer to peer in the session's
-        process group, every stage's ``end`` frame; the outcome as a per-round set-up's.
-        A round that fails ends its session at once (its group is unusable)."""
-        s, pool = self.s, self.s.sessions
-
-        def work(session: StreamSession, budget: float) -> RoundOutcome:
-            ex = session.ex
-            full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, s, S=plan.num_stages)
-            slices = [
-                stage_weights(full, chunked[k] if chunked else None, st)
-                for k, st in enumerate(plan.plan.stages)
-            ]
-            release = [nid in pool.shared for nid in plan.node_ids]
-            t0 = time.perf_counter()
-            self.send_begins(session, plan, slices, server_round, steps, release)
-            statuses, replies = self.round_frames(session, plan, server_round, budget)
-            wall = time.perf_counter() - t0
-            self.raise_failures(ex, plan, statuses, budget)
-            try:
-                out = self.parse(ex, plan, replies, arrays, steps, wall)
-            except (KeyError, TypeError, ValueError, IndexError) as err:
-                raise ex.fail(
-                    f"a stage sent a malformed reply: {type(err).__name__}: {err}"
-                ) from err
-            session.keep(replies, release)
-            return out
-
-        silence = s.settings.direct.timeout_s
-        return self.in_session(grid, plan, arrays, steps, server_round, silence, work)
+        """``begin`` to every stage with the changed weights, the steps peer to peer in
+        the session's process group, every stage's ``end`` frame (a round that fails
+        ends its session: its group is unusable)."""
+        budget = self.stage_budget(plan, steps)
+        full, chunked = arrays.to_torch_state_dict(), chunk_plan(plan, self.s, S=plan.num_stages)
+        slices = [
+            stage_weights(full, chunked[k] if chunked else None, st)
+            for k, st in enumerate(plan.plan.stages)
+        ]
+        release = [nid in self.s.sessions.shared for nid in plan.node_ids]
+        t0 = time.perf_counter()
+        self.send_begins(session, plan, slices, server_round, steps, release)
+        statuses, replies = self.round_frames(session, plan, server_round, budget)
+        wall = time.perf_counter() - t0
+        self.raise_failures(session.ex, plan, statuses, budget)
+        out = self.parse(session.ex, plan, replies, arrays, steps, wall)
+        session.keep(replies, release)
+        return out
 
     def round_frames(
         self, session: StreamSession, plan: Pipeline, server_round: int, budget: float
@@ -487,6 +489,6 @@ class DirectRunner(EndpointWaits, Runner):
                 else:
                     statuses[k], replies[k] = ("ok", ""), reply
             if statuses[k][0] != "ok":  # the others stop within the group's timeout
-                until = min(until, time.perf_counter() + self.s.settings.direct.timeout_s + 5.0)
+                until = min(until, time.perf_counter() + self.silence_s + 5.0)
         out = [statuses.get(k, ("missing", "")) for k in range(S)]
         return out, [replies[k] for k in range(S) if k in replies]

@@ -22,7 +22,7 @@ from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.channel import Endpoint, StreamError
 from sky_flower.sky.transport.hops import migrated_state
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome
-from sky_flower.sky.transport.session import TTL_MARGIN_S, StreamSession
+from sky_flower.sky.transport.session import TTL_MARGIN_S, SessionKey, StreamSession
 
 FLOWER_POLL_S = 0.5  # how often a wait looks at the stages' Flower replies
 
@@ -165,33 +165,72 @@ class EndpointWaits:
         except StreamError as err:
             raise ex.fail(f"stage {k} on {ex.name(plan.node_ids[k])}: {err}") from err
 
-    # -- a stage session (sky_flower.sky.transport.session) -----------------------------
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
-        """What a session is set up for (the runner's): a pipeline that differs needs
-        another."""
+    def stage_budget(self, plan: Pipeline, steps: int) -> float:
+        """Seconds the stages' work of a round of ``steps`` steps may take (the
+        ``stage`` deadline of the plan's predicted steps)."""
+        return self.s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+
+    def run_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """The round in ``plan``'s stage session (:meth:`session_round`) where it may
+        run in one, else with a set-up of its own (:meth:`setup_round`; a pipeline with
+        a node shared with another ends its session first): see
+        :meth:`Runner.run_round`."""
+        pool = self.s.sessions
+        if pool is not None and pool.usable_for(plan.node_ids):
+            return self.session_round(grid, plan, arrays, steps, server_round)
+        if pool is not None:  # a node shared with another pipeline: set up every round
+            pool.drop(plan.plan.stages[0].node)
+        return self.setup_round(grid, plan, arrays, steps, server_round)
+
+    # -- the runner's own --------------------------------------------------------------
+    silence_s: float  # a stage silent this long while it owes a frame has failed
+
+    def setup_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    ) -> RoundOutcome:
+        """A round set up for itself alone (its own set-up messages)."""
+        raise NotImplementedError
+
+    def session_key(self, plan: Pipeline) -> SessionKey:
+        """What a session is set up for: a pipeline that differs needs another."""
         raise NotImplementedError
 
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> StreamSession:
-        """Set ``plan``'s session up (the runner's, through :meth:`host_session`)."""
+        """Set ``plan``'s session up (through :meth:`host_session`)."""
         raise NotImplementedError
 
-    def host_session(  # noqa: PLR0913
+    def session_work(  # noqa: PLR0913
+        self,
+        session: StreamSession,
+        plan: Pipeline,
+        arrays: ArrayRecord,
+        steps: int,
+        server_round: int,
+    ) -> RoundOutcome:
+        """A round's work in ``session`` (its begins, steps and ends;
+        ``session.keep`` at the end)."""
+        raise NotImplementedError
+
+    # -- a stage session (sky_flower.sky.transport.session) -----------------------------
+
+    def host_session(
         self,
         grid: Grid,
         plan: Pipeline,
-        key: tuple[Any, ...],
-        budget: float,
-        silence_s: float,
+        steps: int,
         messages: Callable[[Endpoint, float], list[Message]],
         host: Any = None,  # noqa: ANN401 - direct: the session's RoundHost
     ) -> StreamSession:
         """Host a session's endpoint, push its set-up messages (``messages(endpoint,
         life_s)``, one per stage, each carrying the stage's layer slice under
         :data:`~sky_flower.sky.protocol.ARRAYS`), wait until every stage has joined.
-        The session's calls live ``life_s``: its maximum age plus two rounds of
-        ``budget``, below Flower's TTL; its Exchange waits ``silence_s`` longer.
+        The session's calls live ``life_s``: its maximum age plus two rounds of the
+        stage budget of ``steps`` steps, below Flower's TTL; its Exchange waits
+        :attr:`silence_s` longer.
 
         Raises
         ------
@@ -200,8 +239,8 @@ class EndpointWaits:
             and ``host`` are closed and the messages abandoned).
         """
         s, pool = self.s, self.s.sessions
-        life = min(pool.max_age_s + 2 * budget, DEFAULT_TTL - TTL_MARGIN_S)
-        ex = s.exchange(grid, timeout_s=life + silence_s)
+        life = min(pool.max_age_s + 2 * self.stage_budget(plan, steps), DEFAULT_TTL - TTL_MARGIN_S)
+        ex = s.exchange(grid, timeout_s=life + self.silence_s)
         t0 = time.perf_counter()
         ep = None
         try:
@@ -209,7 +248,7 @@ class EndpointWaits:
             msgs = messages(ep, life)
             ids = ex.push(msgs, concurrent=True)
             session = StreamSession(
-                key=key,
+                key=self.session_key(plan),
                 ep=ep,
                 ex=ex,
                 ids=ids,
@@ -260,40 +299,33 @@ class EndpointWaits:
             self._send(ex, ep, plan, k, header, RecordDict(content) if content else None)
             session.held[k].update(changed)
 
-    def in_session(  # noqa: PLR0913
-        self,
-        grid: Grid,
-        plan: Pipeline,
-        arrays: ArrayRecord,
-        steps: int,
-        server_round: int,
-        silence_s: float,
-        work: Callable[[StreamSession, float], RoundOutcome],
+    def session_round(
+        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
         """Round ``server_round`` of ``plan`` in its pipeline's stage session: the
         session (:meth:`StreamSessions.ready`: reused if set up for this pipeline and
-        young enough for a round of the stage ``budget`` plus ``silence_s``, else a fresh
-        one from ``self.open_session``), the round's ``work(session, budget)`` (its
-        begins, steps and ends; ``session.keep`` at the end), then the session back in
-        the pool and the round's session figures in ``extra``: the set-up's seconds (0
-        when reused) and its prediction (charged to the round that set the session up),
-        the Flower messages the round cost, the session's round, the wall time. A round
-        that fails ends its session at once."""
-        s, pool = self.s, self.s.sessions
+        young enough for a round of the stage budget plus :attr:`silence_s`, else a
+        fresh one from :meth:`open_session`), the round's :meth:`session_work`, then
+        the session back in the pool and the round's session figures in ``extra``: the
+        set-up's seconds (0 when reused) and its prediction (charged to the round that
+        set the session up), the Flower messages the round cost, the session's round,
+        the wall time; the outcome as a per-round set-up's. A round that fails ends its
+        session at once."""
+        pool = self.s.sessions
         owner = plan.plan.stages[0].node
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
+        budget = self.stage_budget(plan, steps)
         t_start = time.perf_counter()
         session = None
         try:
             session, messages, setup_s = pool.ready(
                 owner,
                 self.session_key(plan),
-                lambda old: old.fits(budget, silence_s, pool.max_age_s),
+                lambda old: old.fits(budget, self.silence_s, pool.max_age_s),
                 lambda: self.open_session(grid, plan, arrays, steps, server_round),
             )
             session.ex.grid = grid  # this round's (locked) grid
             self.got, self._next_poll = session.got, 0.0
-            out = work(session, budget)
+            out = self.session_work(session, plan, arrays, steps, server_round)
         except BaseException:
             if session is not None:
                 pool.end(session, graceful=False)

@@ -9,13 +9,15 @@ arXiv 2006.09503; the last stage runs forward, loss and backward of a group at o
 an op is sent as soon as its input has arrived (:func:`ready_ops`), and every reply is
 checked and filed where the next op finds it (:func:`file_reply`). A reply is a Flower
 ``Message`` on the relay, a frame dressed as one on the stream
-(:class:`sky_flower.sky.transport.stream.FrameReply`): the checks (:func:`take`, :func:`metrics`,
-:mod:`sky_flower.sky.transport.guard`) read ``content`` and ``metadata`` only.
+(:class:`sky_flower.sky.transport.endpoint_waits.FrameReply`): the checks (:func:`take`,
+:func:`metrics`, :mod:`sky_flower.sky.transport.guard`) read ``content`` and
+``metadata`` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +30,9 @@ from sky_flower.emulation.devices import EMULATED_S
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
-from sky_flower.sky.transport.guard import check_reply
+from sky_flower.sky.transport.guard import check_reply, check_stages
 from sky_flower.sky.transport.records import StageRecord
-from sky_flower.sky.transport.runner import Pipeline, RunSettings
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, RunSettings
 
 
 @dataclass
@@ -276,3 +278,65 @@ def stage_rows(
         )
         for k, (pred, got) in enumerate(zip(plan.predictions, stats, strict=True))
     ]
+
+
+def new_stats(num_stages: int) -> list[dict[str, Any]]:
+    """Per stage, its round figures before the first reply (:func:`note` adds to them)."""
+    return [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(num_stages)]
+
+
+@dataclass
+class Trained:
+    """A round's steps as the server saw them: per-step losses and wall seconds, shape
+    (steps,), correct predictions and samples over the round."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    correct: int = 0
+    seen: int = 0
+
+
+def train_steps(steps: int, step: Callable[[int], StepState]) -> Trained:
+    """Run ``steps`` steps, one ``step(i)`` each (its summed loss, correct, seen)."""
+    out = Trained()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        st = step(i)
+        out.step_times.append(time.perf_counter() - t0)
+        out.losses.append(st.loss)
+        out.correct, out.seen = out.correct + st.correct, out.seen + st.seen
+    return out
+
+
+def pipelined_outcome(  # noqa: PLR0913
+    runner: Runner,
+    ex: Exchange,
+    plan: Pipeline,
+    replies: list[Any],
+    arrays: ArrayRecord,
+    trained: Trained,
+    stats: list[dict[str, Any]],
+    busy: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> RoundOutcome:
+    """A relay or stream round's outcome from the stages' weight replies (Flower
+    replies, or a session's ``end`` frames): merged (:meth:`Runner.merge`), checked
+    finite (:func:`~sky_flower.sky.transport.guard.check_stages`), each layer's
+    optimizer state kept for the next set-up (``train.optimizer_state=keep``); the
+    stage rows from ``stats`` (:func:`stage_rows`, ``busy``)."""
+    new, sent, full = runner.merge(replies, ex, arrays)
+    check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
+    store = runner.s.optimizer_store
+    if store is not None:
+        store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
+    return RoundOutcome(
+        arrays=new,
+        losses=trained.losses,
+        correct=trained.correct,
+        seen=trained.seen,
+        step_times=trained.step_times,
+        stages=stage_rows(plan, stats, len(trained.step_times), busy=busy),
+        extra={"microbatches_per_message": plan.group_size, **(extra or {})},
+        weights_bytes=sent,
+        full_weights_bytes=full,
+    )

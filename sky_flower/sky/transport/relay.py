@@ -28,23 +28,18 @@ from sky_flower.pipeline.stage import slice_state
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.deadlines import stage_message_s
-from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import (
     StepState,
     file_reply,
     migrated_state,
-    optimizer_records,
+    new_stats,
+    pipelined_outcome,
     ready_ops,
     stage_config,
-    stage_rows,
     step_orders,
+    train_steps,
 )
-from sky_flower.sky.transport.runner import (
-    Pipeline,
-    RoundOutcome,
-    Runner,
-    message,
-)
+from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
 
 
 class RelayRunner(Runner):
@@ -62,39 +57,18 @@ class RelayRunner(Runner):
         :meth:`Runner.run_round`)."""
         ex = self.s.exchange(grid)
         group = str(server_round)
-        stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in plan.node_ids]
-        losses, step_times, correct, seen = [], [], 0, 0
+        stats = new_stats(plan.num_stages)
         try:
             ex.request(self.setup_messages(plan, arrays, server_round), self.s.deadline("setup"))
-            for step in range(steps):
-                t0 = time.perf_counter()
-                st = self.step(ex, plan, step, group, stats)
-                step_times.append(time.perf_counter() - t0)
-                losses.append(st.loss)
-                correct, seen = correct + st.correct, seen + st.seen
-            store = self.s.optimizer_store
+            trained = train_steps(steps, lambda i: self.step(ex, plan, i, group, stats))
             cfg = {P.CONFIG: self.ident.to_config_record()}
-            cfg.update(migration.want_record() if store is not None else {})
+            cfg.update(migration.want_record() if self.s.optimizer_store is not None else {})
             msgs = [message(nid, P.COLLECT, cfg, group) for nid in plan.node_ids]
             collect = ex.request(msgs, self.s.deadline("collect"))
-            new, sent, full = self.merge(collect, ex, arrays)
-            check_stages(ex, plan, collect)  # finite or rejected (sky_flower.sky.transport.guard)
-            if store is not None:  # each layer's optimizer state, for the next set-up
-                store.put(plan.plan.stages[0].node, optimizer_records(ex, collect))
+            return pipelined_outcome(self, ex, plan, collect, arrays, trained, stats)
         except Exception:  # not waited on: a later push to their nodes waits (Exchange)
             ex.abandon()
             raise
-        return RoundOutcome(
-            arrays=new,
-            losses=losses,
-            correct=correct,
-            seen=seen,
-            step_times=step_times,
-            stages=stage_rows(plan, stats, steps),
-            extra={"microbatches_per_message": plan.group_size},
-            weights_bytes=sent,
-            full_weights_bytes=full,
-        )
 
     def setup_messages(
         self, plan: Pipeline, arrays: ArrayRecord, server_round: int

@@ -73,6 +73,23 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class SessionKey:
+    """What a session is set up for: a round whose pipeline differs needs another.
+
+    Attributes
+    ----------
+    nodes : tuple of int
+        The stages' Flower node ids, shape (S,).
+    setup : tuple
+        The rest of the set-up, as the runner builds it (the stage configs without the
+        round, the schedule, the links, ...).
+    """
+
+    nodes: tuple[int, ...]
+    setup: tuple[Any, ...]
+
+
 @dataclass
 class StreamSession:
     """One pipeline's live session: its endpoint, the Exchange of its set-up messages,
@@ -80,9 +97,9 @@ class StreamSession:
 
     Attributes
     ----------
-    key : tuple
-        What the session was set up for (node ids, layer ranges, stage configs without
-        the round): a round whose pipeline differs needs a new session.
+    key : SessionKey
+        What the session was set up for: a round whose pipeline differs needs a new
+        session.
     ep : Endpoint
         The session's endpoint (its streams, tickets, certificate).
     ex : Exchange
@@ -107,7 +124,7 @@ class StreamSession:
         ``direct``: the session's rendezvous (its TCPStore), closed with it.
     """
 
-    key: tuple[Any, ...]
+    key: SessionKey
     ep: Endpoint
     ex: Exchange
     ids: list[str]
@@ -233,7 +250,7 @@ class StreamSessions:
     def ready(
         self,
         owner: str,
-        key: tuple[Any, ...],
+        key: SessionKey,
         fits: Callable[[StreamSession], bool],
         open_session: Callable[[], StreamSession],
     ) -> tuple[StreamSession, int, float]:
@@ -282,17 +299,16 @@ class StreamSessions:
         :attr:`capacity`."""
         return self.capacity is None or stages <= self.capacity
 
-    def retain(self, owners: set[str] | dict[str, tuple[int, ...]]) -> None:
-        """Close (gracefully) the sessions of data owners no longer planned and, given
-        each planned owner's pipeline nodes (a dict), those whose nodes changed: before
-        any new session is set up, so that no node is asked for a second session while
-        an old one holds it."""
+    def retain(self, nodes: dict[str, tuple[int, ...]]) -> None:
+        """Close (gracefully) the sessions of data owners no longer planned and those
+        whose pipeline's nodes changed (``nodes``: each planned owner's), before any new
+        session is set up, so that no node is asked for a second session while an old
+        one holds it."""
         with self._lock:
             gone = [
                 o
                 for o, s in self._by_owner.items()
-                if o not in owners
-                or (isinstance(owners, dict) and tuple(s.key[0]) != tuple(owners[o]))
+                if o not in nodes or tuple(s.key.nodes) != tuple(nodes[o])
             ]
             ended = [self._by_owner.pop(o) for o in gone]
         for session in ended:
@@ -300,7 +316,7 @@ class StreamSessions:
 
     def close_all(self) -> None:
         """Close every session (the run's end): no endpoint, port or thread is left."""
-        self.retain(set())
+        self.retain({})
 
     def __len__(self) -> int:
         with self._lock:

@@ -33,19 +33,19 @@ from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.transport.channel import Endpoint
 from sky_flower.sky.transport.endpoint_waits import EndpointWaits, FrameMeta, FrameReply
-from sky_flower.sky.transport.guard import check_stages
 from sky_flower.sky.transport.hops import (
     StepState,
     file_reply,
     migrated_state,
-    optimizer_records,
+    new_stats,
+    pipelined_outcome,
     ready_ops,
     stage_config,
-    stage_rows,
     step_orders,
+    train_steps,
 )
 from sky_flower.sky.transport.runner import Pipeline, RoundOutcome, Runner, message
-from sky_flower.sky.transport.session import StreamSession
+from sky_flower.sky.transport.session import SessionKey, StreamSession
 
 
 def _op_id(k: int, op: str, g: int) -> str:
@@ -77,20 +77,20 @@ class StreamRunner(EndpointWaits, Runner):
                 f"it well above the step (at least {step:.3g} s; the default is 30 s)"
             )
 
-    def run_round(
+    @property
+    def silence_s(self) -> float:
+        """``stream.timeout_s``: a stage silent this long has failed."""
+        return self.s.settings.stream.timeout_s
+
+    def setup_round(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
     ) -> RoundOutcome:
         """Host the endpoint, set the stages up over Flower, run ``steps`` steps over
-        the streams, end them, merge the stages' weights (see :meth:`Runner.run_round`)."""
-        pool = self.s.sessions
-        if pool is not None and pool.usable_for(plan.node_ids):
-            return self.session_round(grid, plan, arrays, steps, server_round)
-        if pool is not None:  # a node shared with another pipeline: set up every round
-            pool.drop(plan.plan.stages[0].node)
+        the streams, end them, merge the stages' weights (their Flower replies)."""
         s, S = self.s, plan.num_stages
-        budget = s.deadline("stage", steps * plan.plan.predicted_step_time_s)
-        ex = s.exchange(grid, timeout_s=budget + s.settings.stream.timeout_s)
-        stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
+        budget = self.stage_budget(plan, steps)
+        ex = s.exchange(grid, timeout_s=budget + self.silence_s)
+        stats = new_stats(S)
         t_start = time.perf_counter()
         try:
             with Endpoint(S, **s.stream_endpoint()) as ep:
@@ -99,7 +99,7 @@ class StreamRunner(EndpointWaits, Runner):
                 self._next_poll = 0.0
                 self.join(ex, ep, plan, ids)
                 setup_s = time.perf_counter() - t_start
-                trained = self.train(ex, ep, plan, ids, steps, stats)
+                trained = train_steps(steps, lambda i: self.step(ex, ep, plan, ids, i, stats))
                 for k in range(S):
                     ep.send(k, {"op": "end"})
                 replies = self.collect(ex, plan, ids)
@@ -109,59 +109,8 @@ class StreamRunner(EndpointWaits, Runner):
         extra = {"setup_s": setup_s, "wall_s": time.perf_counter() - t_start}
         extra["flower_messages"] = 2 * S  # the set-up messages and their replies
         extra["predicted_setup_s"] = plan.setup_s  # every round sets its stages up
-        return self.outcome(ex, plan, replies, arrays, trained, stats, extra)
-
-    def train(  # noqa: PLR0913
-        self,
-        ex: Exchange,
-        ep: Endpoint,
-        plan: Pipeline,
-        ids: list[str],
-        steps: int,
-        stats: list[dict[str, Any]],
-    ) -> tuple[list[float], list[float], int, int]:
-        """The round's ``steps`` steps over the streams (:meth:`step`): per-step losses
-        and wall seconds, correct predictions and samples."""
-        losses, step_times, correct, seen = [], [], 0, 0
-        for step in range(steps):
-            t0 = time.perf_counter()
-            st = self.step(ex, ep, plan, ids, step, stats)
-            step_times.append(time.perf_counter() - t0)
-            losses.append(st.loss)
-            correct, seen = correct + st.correct, seen + st.seen
-        return losses, step_times, correct, seen
-
-    def outcome(  # noqa: PLR0913
-        self,
-        ex: Exchange,
-        plan: Pipeline,
-        replies: list[Any],
-        arrays: ArrayRecord,
-        trained: tuple[list[float], list[float], int, int],
-        stats: list[dict[str, Any]],
-        extra: dict[str, Any],
-    ) -> RoundOutcome:
-        """The round's outcome from the stages' weight replies (Flower replies, or a
-        session's ``end`` frames): merged, checked finite, the optimizer states kept."""
-        new, sent, full = self.merge(replies, ex, arrays)
-        check_stages(ex, plan, replies)  # finite or rejected (sky_flower.sky.transport.guard)
-        if self.s.optimizer_store is not None:
-            self.s.optimizer_store.put(plan.plan.stages[0].node, optimizer_records(ex, replies))
-        losses, step_times, correct, seen = trained
-        return RoundOutcome(
-            arrays=new,
-            losses=losses,
-            correct=correct,
-            seen=seen,
-            step_times=step_times,
-            # no busy time: a stage's steps are frames on its stream, not Flower
-            # messages each timed in a handler (the column showed 0 against the
-            # relay's prediction)
-            stages=stage_rows(plan, stats, len(step_times), busy=False),
-            extra={"microbatches_per_message": plan.group_size, **extra},
-            weights_bytes=sent,
-            full_weights_bytes=full,
-        )
+        # no busy time: a stage's steps are frames on its stream, not Flower messages
+        return pipelined_outcome(self, ex, plan, replies, arrays, trained, stats, False, extra)
 
     def configure(  # noqa: PLR0913
         self,
@@ -269,13 +218,13 @@ class StreamRunner(EndpointWaits, Runner):
         return [self.got[mid] for mid in ids]
 
     # -- stage sessions (sky_flower.sky.transport.session) ------------------------------
-    def session_key(self, plan: Pipeline) -> tuple[Any, ...]:
+    def session_key(self, plan: Pipeline) -> SessionKey:
         """What a session is set up for: a round whose pipeline differs needs another."""
         stages = tuple(
             stage_config(self.s, k, st.first_layer, st.last_layer, 0, 0)
             for k, st in enumerate(plan.plan.stages)
         )
-        return (plan.node_ids, plan.group_size, self.s.input_dtype, stages)
+        return SessionKey(plan.node_ids, (plan.group_size, self.s.input_dtype, stages))
 
     def open_session(
         self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
@@ -288,44 +237,38 @@ class StreamRunner(EndpointWaits, Runner):
         SkyNodeError
             Naming the stages that did not join or whose set-up failed.
         """
-        budget = self.s.deadline("stage", steps * plan.plan.predicted_step_time_s)
         return self.host_session(
             grid,
             plan,
-            self.session_key(plan),
-            budget,
-            self.s.settings.stream.timeout_s,
+            steps,
             lambda ep, life: self.configure(
                 plan, arrays, steps, server_round, ep, life, across_rounds=True
             ),
         )
 
-    def session_round(
-        self, grid: Grid, plan: Pipeline, arrays: ArrayRecord, steps: int, server_round: int
+    def session_work(  # noqa: PLR0913
+        self,
+        session: StreamSession,
+        plan: Pipeline,
+        arrays: ArrayRecord,
+        steps: int,
+        server_round: int,
     ) -> RoundOutcome:
-        """Round ``server_round`` of ``plan`` in its stage session (opened, or handed
-        over, first where needed: :meth:`EndpointWaits.in_session`): ``begin`` with the
-        changed weights, the steps, ``end`` with every stage's weights as frames; the
-        outcome as a per-round set-up's. A round that fails ends its session at once."""
-        S, pool = plan.num_stages, self.s.sessions
-        stats = [{"messages": 0, "compute_s": 0.0, "busy_s": 0.0} for _ in range(S)]
-
-        def work(session: StreamSession, budget: float) -> RoundOutcome:
-            ex, ep, ids = session.ex, session.ep, session.ids
-            full = arrays.to_torch_state_dict()
-            slices = [slice_state(full, st.first_layer, st.last_layer) for st in plan.plan.stages]
-            self.send_begins(session, plan, slices, server_round, steps)
-            trained = self.train(ex, ep, plan, ids, steps, stats)
-            release = [nid in pool.shared for nid in plan.node_ids]
-            for k in range(S):
-                self._send(ex, ep, plan, k, {"op": "end", "release": release[k]})
-            replies = self.round_end(ex, ep, plan, ids, server_round)
-            out = self.outcome(ex, plan, replies, arrays, trained, stats, {})
-            session.keep(replies, release)
-            return out
-
-        silence = self.s.settings.stream.timeout_s
-        return self.in_session(grid, plan, arrays, steps, server_round, silence, work)
+        """``begin`` with the changed weights, the steps, ``end`` with every stage's
+        weights as frames."""
+        S, pool, stats = plan.num_stages, self.s.sessions, new_stats(plan.num_stages)
+        ex, ep, ids = session.ex, session.ep, session.ids
+        full = arrays.to_torch_state_dict()
+        slices = [slice_state(full, st.first_layer, st.last_layer) for st in plan.plan.stages]
+        self.send_begins(session, plan, slices, server_round, steps)
+        trained = train_steps(steps, lambda i: self.step(ex, ep, plan, ids, i, stats))
+        release = [nid in pool.shared for nid in plan.node_ids]
+        for k in range(S):
+            self._send(ex, ep, plan, k, {"op": "end", "release": release[k]})
+        replies = self.round_end(ex, ep, plan, ids, server_round)
+        out = pipelined_outcome(self, ex, plan, replies, arrays, trained, stats, busy=False)
+        session.keep(replies, release)
+        return out
 
     def round_end(
         self, ex: Exchange, ep: Endpoint, plan: Pipeline, ids: list[str], server_round: int
