@@ -29,8 +29,8 @@ Example
 >>> import torch
 >>> from torch import nn
 >>> layers = [nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 4)]
->>> peak = measure_stage_peak(layers, torch.randn(2, 8), microbatches=2, kind="gpipe")
->>> peak > 0
+>>> peak = measure_stage_memory(layers, torch.randn(2, 8), microbatches=2, kind="gpipe")
+>>> peak.total > 0
 True
 """
 
@@ -202,8 +202,12 @@ def measure_stage_memory(
     optimizer: str = "adam",
     input_grad: bool = True,
     inflight: int | None = None,
-) -> dict[str, int]:
+) -> StagePeak:
     """Peak bytes of one stage's training step, with a breakdown by category.
+
+    The step runs ``microbatches`` forward and backward passes of ``layers`` in the
+    schedule's order (see :func:`schedule_order`), then the optimizer step, after one
+    untracked warm-up step.
 
     Parameters
     ----------
@@ -281,28 +285,3 @@ def measure_stage_memory(
         for h in hooks:
             h.remove()
     return StagePeak(tracker.peak, dict(tracker.peak_breakdown), dict(tracker.category_peaks))
-
-
-def measure_stage_peak(
-    layers: Sequence[nn.Module],
-    microbatch: torch.Tensor,
-    microbatches: int,
-    kind: str = "gpipe",
-    optimizer: str = "adam",
-    input_grad: bool = True,
-    inflight: int | None = None,
-) -> int:
-    """Peak bytes of live tensors during one training step of a stage.
-
-    The step runs ``microbatches`` forward and backward passes of ``layers`` in the
-    schedule's order (see :func:`schedule_order`), then the optimizer step, after one
-    untracked warm-up step. Arguments and errors as :func:`measure_stage_memory`.
-
-    Returns
-    -------
-    int
-        Peak bytes (parameters, gradients, optimizer state, activations, temporaries).
-    """
-    return measure_stage_memory(
-        layers, microbatch, microbatches, kind, optimizer, input_grad, inflight
-    ).total
