@@ -54,6 +54,7 @@ from torch import fx, nn
 
 from sky_flower.pipeline.packing import CutSpec, pack, pack_inputs, unpack
 from sky_flower.pipeline.shared_values import replicate_shared_inputs
+from sky_flower.pipeline.stage import buffers_kept
 
 __all__ = [
     "CutSpec",
@@ -270,8 +271,6 @@ def _forward_facts(
         if name:
             hooks.append(sub.register_forward_pre_hook(lambda m, a, n=name: before(n, a)))
             hooks.append(sub.register_forward_hook(lambda m, a, o, n=name: after(n)))
-    from sky_flower.pipeline.stage import buffers_kept
-
     name = type(module).__name__
     shapes = ", ".join(f"{tuple(e.shape)} {str(e.dtype).removeprefix('torch.')}" for e in examples)
     try:  # no side effect on the user's module: running statistics, the random stream
@@ -429,8 +428,6 @@ def _probe_values(pipe: Any, examples: tuple[torch.Tensor, ...]) -> dict[fx.Node
     """Every value of ``pipe``'s root graph on ``examples`` (the model's inputs; no
     graph, no side effect on buffers or the random stream): what crosses each cut, for
     its shape and dtype."""
-    from sky_flower.pipeline.stage import buffers_kept
-
     values: dict[fx.Node, Any] = {}
     inputs = iter(examples)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -850,10 +847,7 @@ def original_state_dict(
     keys = list(like.state_dict() if isinstance(like, nn.Module) else like)
     if isinstance(like, nn.Module):  # one tensor under several keys (T5's shared and
         # encoder.embed_tokens): the converted model holds it under one of them
-        held_by: dict[int, list[str]] = {}
-        for key, value in like.state_dict(keep_vars=True).items():
-            held_by.setdefault(id(value), []).append(key)
-        for names in held_by.values():
+        for names in _alias_groups(like):
             present = next((k for k in names if k in out), None)
             for k in names:
                 if present is not None and k not in out:
