@@ -628,8 +628,7 @@ def _as_sequential(
             for b, why in bad_boundaries(pipe, values[mode]).items():
                 bad.setdefault(b, why)
         if bad:
-            _warn_ties(module, pipes[True], points, bad)
-            _warn_merged(module, points, bad, pipes[True])
+            _warn_merged(module, pipes[True], points, bad)
             points = [p for b, p in enumerate(points) if b not in bad]
             continue
         seq = _units(pipes, values)
@@ -722,15 +721,21 @@ def _units(
     return nn.Sequential(*units)
 
 
-def _warn_ties(
+def _warn_merged(
     module: nn.Module,
     pipe: Any,  # noqa: ANN401 - a pipelining Pipe
     points: Sequence[str],
     bad: Mapping[int, str],
 ) -> None:
-    """Warn, naming the parameter and the split points dropped, when a parameter read
-    by several stages (a head tied to the embedding) merges the units between them."""
+    """Warn, naming what is lost, when cuts are merged away: a trainable parameter read
+    by several stages (a head tied to the embedding) merges the units between them (one
+    warning naming the parameter and the split points dropped); a value a cut cannot
+    carry (one without a batch dimension, e.g. T5's position bias, computed from a
+    trainable parameter in one block and read by every later one) merges the units on
+    either side (one warning naming the cuts and the values)."""
+    tied: set[int] = set()
     for names, first, last in _tied_spans(pipe):
+        tied.update(range(first, last))
         lost = [points[b] for b in range(first, last) if b in bad]
         if lost:
             warnings.warn(
@@ -742,19 +747,6 @@ def _warn_ties(
                 "tie_word_embeddings=False in its config) to cut there",
                 stacklevel=4,
             )
-
-
-def _warn_merged(
-    module: nn.Module,
-    points: Sequence[str],
-    bad: Mapping[int, str],
-    pipe: Any,  # noqa: ANN401 - a pipelining Pipe
-) -> None:
-    """Warn, naming the cut and the value, when a cut is dropped for a value it cannot
-    carry (one without a batch dimension, e.g. T5's position bias, computed from a
-    trainable parameter in one block and read by every later one). Ties warn apart
-    (:func:`_warn_ties`)."""
-    tied = {b for _, first, last in _tied_spans(pipe) for b in range(first, last)}
     lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
     if lost:
         warnings.warn(
