@@ -365,16 +365,15 @@ def _ordered_points(
         once.
     """
     calls, in_place = _forward_facts(module, examples)
+    subs = dict(module.named_modules())
     if split_points is None:
         points = set(default_split_points(module, calls, in_place))
         ordered = [n for n in calls if n in points]
         whole = no_split_classes(module)
-        subs = dict(module.named_modules())
         first = next((i for i, n in enumerate(ordered) if type(subs[n]).__name__ in whole), 0)
         # what runs before the first declared block (embeddings, rotary tables, their
         # dropout) is the model's prologue: one unit with the input, not a cut each
         return ordered[first:] if first else ordered[1:]
-    subs = dict(module.named_modules())
     unknown = [n for n in split_points if n not in subs or not n]
     if unknown:
         raise ValueError(f"split points {unknown} are not submodules of {type(module).__name__}")
