@@ -221,7 +221,10 @@ def run_stage(  # noqa: PLR0913
         On an unknown schedule kind, several chunks for GPipe / 1F1B or a missing
         ``batch_fn`` on rank 0.
     """
-    chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
+    if isinstance(module, nn.Module):  # the stage's layers: chunk ``rank`` of ``S``
+        chunks = [Chunk(rdv.rank, module, tuple(input_shape), input_dtype)]
+    else:
+        chunks = list(module)
     _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))  # before joining
     S = rdv.world_size
     C = len(chunks) * S
@@ -311,30 +314,17 @@ class StepLoss:
         )
 
 
-def _chunks(
-    module: nn.Module | Sequence[Chunk],
-    rank: int,
-    input_shape: Sequence[int],
-    input_dtype: torch.dtype | str | None,
-) -> list[Chunk]:
-    """The rank's chunks: ``module`` itself as chunk ``rank``, or the given ones."""
-    if isinstance(module, nn.Module):
-        return [Chunk(rank, module, tuple(input_shape), input_dtype)]
-    return list(module)
-
-
 def _pipeline_stage(  # noqa: PLR0913
     chunk: Chunk,
     wrapped: nn.Module,
     C: int,
     mb_size: int,
-    device: torch.device | None = None,
-    comm: torch.device | None = None,
+    device: torch.device,
+    comm: torch.device,
 ) -> PipelineStage:
     """``torch.distributed.pipelining`` stage ``chunk.index`` of ``C`` whose peer
-    tensors live on ``comm`` (default the CPU), static shapes from a side-effect-free
-    probe of the chunk on ``device`` (in the group: a failure ends it for all)."""
-    device, comm = device or torch.device("cpu"), comm or torch.device("cpu")
+    tensors live on ``comm``, static shapes from a side-effect-free probe of the chunk
+    on ``device`` (in the group: a failure ends it for all)."""
     example = example_input(mb_size, chunk.input_shape, chunk.input_dtype)
     example_out = probe_forward(chunk.module, example.to(device)).to(comm)
     example = example.to(comm)
@@ -393,16 +383,14 @@ def _step(  # noqa: PLR0913
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,
     result: StageResult,
-    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-    comm: torch.device | None = None,
-    step_loss: StepLoss | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None,
+    comm: torch.device,
+    step_loss: StepLoss,
 ) -> None:
     """One step of the schedule on this stage: labels to the last stage, the pipelined
     forward and backward, the optimizer; the last stage records loss and accuracy.
-    The batch and labels enter on ``comm`` (the device peer tensors live on; default
-    the CPU)."""
+    The batch and labels enter on ``comm`` (the device peer tensors live on)."""
     rank, S = rdv.rank, rdv.world_size
-    comm = comm or torch.device("cpu")
     is_last = rank == S - 1
     label_work = None
     x = labels = None
@@ -413,7 +401,7 @@ def _step(  # noqa: PLR0913
             label_work = send_labels(labels, S - 1)
     if is_last and S > 1:
         labels = recv_labels(0, comm)
-    if is_last and step_loss is not None:
+    if is_last:
         step_loss.total = step_loss.reduction.total(labels)
     losses: list[torch.Tensor] = []
     if rank == 0:
