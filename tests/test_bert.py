@@ -19,7 +19,6 @@ from sky_flower.core.bert import (
     BertPooler,
     bert_entry_costs,
     bert_layer_profiles,
-    bert_stash_bytes,
 )
 from sky_flower.run import run_job
 
@@ -181,7 +180,7 @@ def test_activation_bytes_from_shapes():
 def test_stash_bytes_match_real_saved_tensors():
     """Meta-measured stash equals the distinct storages autograd saves on real CPU
     tensors (parameters excluded)."""
-    stash = bert_stash_bytes(num_layers=1, **TINY)
+    stash = [p.stash_bytes for p in bert_layer_profiles(num_layers=1, **TINY)]
     assert len(stash) == 1 + 3 + 2
     kinds = ["embeddings", "attention", "intermediate", "output", "pooler", "classifier"]
     for kind, want in zip(kinds, stash, strict=True):
@@ -199,8 +198,8 @@ def test_stash_bytes_match_real_saved_tensors():
             module(*tiny_cpu_inputs(kind, 1))
         assert sum(saved.values()) == want, kind
     # attention at BERT-large size: 6 s x h activations + the s x s probabilities per head
-    large = bert_stash_bytes(num_layers=1)
-    assert large[1] >= (6 * 128 * 1024 + 16 * 128 * 128) * 4
+    large = bert_layer_profiles(num_layers=1)
+    assert large[1].stash_bytes >= (6 * 128 * 1024 + 16 * 128 * 128) * 4
 
 
 def test_bad_input_refused():

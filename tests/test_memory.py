@@ -10,13 +10,14 @@ from factories import fake_layer
 from torch import nn
 
 from sky_flower.core.bert import (
+    ENTRY_TYPES,
     BertAttention,
     BertIntermediate,
+    bert_entry_costs,
     bert_layer_profiles,
-    bert_stash_bytes,
 )
 from sky_flower.core.cost import CostModel, Schedule
-from sky_flower.core.memory import measure_stage_memory, measure_stage_peak, schedule_order
+from sky_flower.core.memory import measure_stage_memory, schedule_order
 from sky_flower.core.profile import NodeProfile, profile_layers
 from sky_flower.pipeline.models import build_mlp
 
@@ -41,9 +42,10 @@ def test_stash_bytes_measured_for_linear_relu():
 
 
 def test_bert_profiles_carry_the_stash():
-    sizes = dict(num_layers=1, hidden=32, heads=2, intermediate=64, seq_len=8)
-    profiles = bert_layer_profiles(**sizes)
-    assert [p.stash_bytes for p in profiles] == bert_stash_bytes(**sizes)
+    sizes = dict(hidden=32, heads=2, intermediate=64, seq_len=8)
+    profiles = bert_layer_profiles(num_layers=1, **sizes)
+    costs = bert_entry_costs(**sizes)
+    assert [p.stash_bytes for p in profiles] == [costs[k].stash_bytes for k in ENTRY_TYPES]
     assert all(p.stash_bytes > 0 for p in profiles)
 
 
@@ -149,7 +151,7 @@ def test_predicted_peak_against_measured(case, kind, microbatches):
         for layer in layers[:first]:
             x = layer(x)
     stage = layers[first : last + 1]
-    measured = measure_stage_peak(stage, x, microbatches, kind, "adam", input_grad=True)
+    measured = measure_stage_memory(stage, x, microbatches, kind, "adam", input_grad=True).total
 
     opt_tmp, bwd_tmp = step_transients(stage, profiles, first, last, mb, microbatches, inflight)
     bound = max(static + opt_tmp, predicted + bwd_tmp)
@@ -172,17 +174,16 @@ def test_stash_of_in_flight_micro_batches_is_exact_for_bert():
     stash = cost.stage_memory(first, last, inflight=M) - cost.stage_memory(first, last, 0)
     outputs = M * mb * profiles[last].act_out_bytes
     assert result.category_peaks["forward"] == pytest.approx(stash + outputs, rel=1e-3)
-    assert result.total == measure_stage_peak(layers, torch.randn(mb, *shape), M, "gpipe")
 
 
 def test_measurement_leaves_the_layers_alone_and_refuses_bad_input():
     layer = nn.Linear(4, 4)
     before = layer.weight.detach().clone()
-    assert measure_stage_peak([layer], torch.randn(2, 4), 2, "sequential", "sgd") > 0
+    assert measure_stage_memory([layer], torch.randn(2, 4), 2, "sequential", "sgd").total > 0
     assert torch.equal(layer.weight, before) and layer.weight.grad is None
     with pytest.raises(ValueError, match="at least one layer"):
-        measure_stage_peak([], torch.randn(2, 4), 1)
+        measure_stage_memory([], torch.randn(2, 4), 1)
     with pytest.raises(ValueError, match="floating-point"):
-        measure_stage_peak([nn.Embedding(5, 4)], torch.zeros(2, dtype=torch.long), 1)
+        measure_stage_memory([nn.Embedding(5, 4)], torch.zeros(2, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        measure_stage_peak([layer], torch.randn(2, 4), 1, optimizer="lion")
+        measure_stage_memory([layer], torch.randn(2, 4), 1, optimizer="lion")

@@ -27,7 +27,7 @@ FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` on real module
 entry type, built once per type on the meta device (no memory is allocated, so a
 160-layer model profiles in milliseconds; every encoder layer reuses its type's counts).
 Bytes come from shapes; each entry's ``stash_bytes`` (what autograd saves for the backward
-pass) from the tensors the meta forward saves (:func:`bert_stash_bytes`).
+pass) from the tensors the meta forward saves.
 
 Simplifications, all standard for a planner:
 
@@ -94,7 +94,6 @@ __all__ = [
     "EntryCost",
     "bert_entry_costs",
     "bert_layer_profiles",
-    "bert_stash_bytes",
 ]
 
 
@@ -208,32 +207,21 @@ def bert_entry_costs(
 
 
 @lru_cache(maxsize=64)
-def _entry_costs(
-    hidden: int,
-    heads: int,
-    intermediate: int,
-    seq_len: int,
-    num_classes: int,
-    vocab_size: int,
-    max_position: int,
-    type_vocab: int,
-    dtype_bytes: int,
-) -> dict[str, EntryCost]:
-    s, h, inter = seq_len, hidden, intermediate
+def _entry_costs(**sizes: int) -> dict[str, EntryCost]:
+    """:func:`bert_entry_costs` of sizes it has checked, measured once per shape."""
+    s, h, inter = sizes["seq_len"], sizes["hidden"], sizes["intermediate"]
     elems = {
         "embeddings": (s, s * h),
         "attention": (s * h, s * h),
         "intermediate": (s * h, s * (inter + h)),
         "output": (s * (inter + h), s * h),
         "pooler": (s * h, h),
-        "classifier": (h, num_classes),
+        "classifier": (h, sizes["num_classes"]),
     }
     costs: dict[str, EntryCost] = {}
     for kind in ENTRY_TYPES:
         with torch.device(META):  # no memory: only shapes and FLOPs are needed
-            module = _build(
-                kind, h, heads, inter, num_classes, vocab_size, max_position, type_vocab
-            )
+            module = _build(kind, sizes)
         inputs = _inputs(kind, 1, s, h, inter, META)
         fwd, bwd, saved_floats, saved_other = _measure(module, inputs)
         costs[kind] = EntryCost(
@@ -242,7 +230,7 @@ def _entry_costs(
             params=sum(p.numel() for p in module.parameters()),
             in_elems=elems[kind][0],
             out_elems=elems[kind][1],
-            stash_bytes=float(saved_floats * dtype_bytes + saved_other),
+            stash_bytes=float(saved_floats * sizes["dtype_bytes"] + saved_other),
         )
     return costs
 
@@ -300,7 +288,10 @@ def bert_layer_profiles(
         ``act_out_bytes`` are per sample (embedding input: ``seq_len`` int64 ids;
         intermediate output: ``seq_len x (intermediate + hidden)`` including the
         residual; pooler output ``hidden``; classifier output ``num_classes``);
-        ``stash_bytes`` per sample as :func:`bert_stash_bytes` measures it.
+        ``stash_bytes`` per sample: every distinct tensor autograd saves for the
+        entry's backward (:func:`torch.autograd.graph.saved_tensors_hooks` on a meta
+        forward), parameters excluded, its own input included when saved, views of one
+        tensor once.
 
     Raises
     ------
@@ -343,53 +334,3 @@ def bert_layer_profiles(
             )
         )
     return profiles
-
-
-def bert_stash_bytes(
-    num_layers: int = 24,
-    hidden: int = 1024,
-    heads: int = 16,
-    intermediate: int = 4096,
-    seq_len: int = 128,
-    num_classes: int = 3,
-    vocab_size: int = 30522,
-    max_position: int = 512,
-    type_vocab: int = 2,
-    dtype_bytes: int = 4,
-) -> list[float]:
-    """Bytes per sample that autograd keeps for each entry's backward pass.
-
-    Measured with :func:`torch.autograd.graph.saved_tensors_hooks` on a meta forward of
-    each entry type: every distinct tensor saved for backward, parameters excluded, the
-    entry's own input included when autograd saves it (e.g. the input of a Linear).
-    Views of one tensor count once. Same order and length as
-    :func:`bert_layer_profiles`.
-
-    Parameters
-    ----------
-    num_layers, hidden, heads, intermediate, seq_len, num_classes, vocab_size,
-    max_position, type_vocab, dtype_bytes :
-        As in :func:`bert_layer_profiles`.
-
-    Returns
-    -------
-    list of float
-        Bytes per sample, one per entry (``1 + 3 num_layers + 2``).
-
-    Raises
-    ------
-    ValueError
-        As :func:`bert_layer_profiles`.
-    """
-    costs = bert_entry_costs(
-        hidden,
-        heads,
-        intermediate,
-        seq_len,
-        num_classes,
-        vocab_size,
-        max_position,
-        type_vocab,
-        dtype_bytes,
-    )
-    return [costs[kind].stash_bytes for _, kind in _entry_kinds(num_layers)]

@@ -12,6 +12,7 @@ entry of a type and its example inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -114,20 +115,17 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(x[:, 0]))
 
 
-def _build(
-    kind: str,
-    hidden: int,
-    heads: int,
-    intermediate: int,
-    num_classes: int,
-    vocab_size: int,
-    max_position: int,
-    type_vocab: int,
-) -> nn.Module:
+def _build(kind: str, sizes: Mapping[str, int]) -> nn.Module:
+    """One entry of type ``kind`` of the BERT of ``sizes`` (``hidden``, ``heads``,
+    ``intermediate``, ``num_classes``, ``vocab_size``, ``max_position``,
+    ``type_vocab``)."""
+    hidden, intermediate = sizes["hidden"], sizes["intermediate"]
     if kind == "embeddings":
-        return BertEmbeddings(vocab_size, hidden, max_position, type_vocab)
+        return BertEmbeddings(
+            sizes["vocab_size"], hidden, sizes["max_position"], sizes["type_vocab"]
+        )
     if kind == "attention":
-        return BertAttention(hidden, heads)
+        return BertAttention(hidden, sizes["heads"])
     if kind == "intermediate":
         return BertIntermediate(hidden, intermediate)
     if kind == "output":
@@ -135,7 +133,7 @@ def _build(
     if kind == "pooler":
         return BertPooler(hidden)
     if kind == "classifier":
-        return nn.Linear(hidden, num_classes)
+        return nn.Linear(hidden, sizes["num_classes"])
     raise ValueError(f"unknown BERT entry type {kind!r}: choose one of {', '.join(ENTRY_TYPES)}")
 
 

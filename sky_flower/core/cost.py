@@ -63,7 +63,7 @@ activations stashed for the micro-batches in flight: ``relay`` keeps the whole b
 ``sequential`` one micro-batch, ``gpipe`` all ``M``, ``1f1b`` ``min(S - k, M)``
 (``S`` stages). A layer's stash per sample is what autograd saves for its backward pass
 (``LayerProfile.stash_bytes``: e.g. a Linear's input and a ReLU's output), or its output
-``act_out_bytes`` when that was not measured. :func:`sky_flower.core.memory.measure_stage_peak`
+``act_out_bytes`` when that was not measured. :func:`sky_flower.core.memory.measure_stage_memory`
 measures the real peak this predicts (``tests/test_memory.py`` states the tolerance).
 
 :class:`Schedule`, :class:`StageTerms` and the stage type live in

@@ -29,8 +29,8 @@ Example
 >>> import torch
 >>> from torch import nn
 >>> layers = [nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 4)]
->>> peak = measure_stage_peak(layers, torch.randn(2, 8), microbatches=2, kind="gpipe")
->>> peak > 0
+>>> peak = measure_stage_memory(layers, torch.randn(2, 8), microbatches=2, kind="gpipe")
+>>> peak.total > 0
 True
 """
 
@@ -48,8 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sky_flower.core.profile import default_optimizer_factory
-
-MEASURED_KINDS = ("sequential", "gpipe", "1f1b")
+from sky_flower.core.simulate import stage_order
 
 
 def schedule_order(kind: str, microbatches: int, inflight: int | None = None) -> list[str]:
@@ -70,7 +69,8 @@ def schedule_order(kind: str, microbatches: int, inflight: int | None = None) ->
     Returns
     -------
     list of str
-        ``2 M`` entries.
+        ``2 M`` entries: stage 0's order of a pipeline of ``inflight`` stages
+        (:func:`sky_flower.core.simulate.stage_order`).
 
     Raises
     ------
@@ -79,21 +79,8 @@ def schedule_order(kind: str, microbatches: int, inflight: int | None = None) ->
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    if kind not in MEASURED_KINDS:
-        raise ValueError(f"unknown schedule kind {kind!r}: use one of {', '.join(MEASURED_KINDS)}")
-    M = microbatches
-    if kind == "sequential":
-        warmup = 1
-    elif kind == "gpipe":
-        warmup = M
-    else:
-        warmup = max(1, min(M, M if inflight is None else inflight))
-    order = [f"F{m}" for m in range(warmup)]
-    for m in range(M):
-        order.append(f"B{m}")
-        if warmup + m < M:
-            order.append(f"F{warmup + m}")
-    return order
+    stages = max(1, min(microbatches, microbatches if inflight is None else inflight))
+    return [f"{a.op}{a.microbatch}" for a in stage_order(kind, stages, microbatches)[0]]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -202,8 +189,12 @@ def measure_stage_memory(
     optimizer: str = "adam",
     input_grad: bool = True,
     inflight: int | None = None,
-) -> dict[str, int]:
+) -> StagePeak:
     """Peak bytes of one stage's training step, with a breakdown by category.
+
+    The step runs ``microbatches`` forward and backward passes of ``layers`` in the
+    schedule's order (see :func:`schedule_order`), then the optimizer step, after one
+    untracked warm-up step.
 
     Parameters
     ----------
@@ -281,28 +272,3 @@ def measure_stage_memory(
         for h in hooks:
             h.remove()
     return StagePeak(tracker.peak, dict(tracker.peak_breakdown), dict(tracker.category_peaks))
-
-
-def measure_stage_peak(
-    layers: Sequence[nn.Module],
-    microbatch: torch.Tensor,
-    microbatches: int,
-    kind: str = "gpipe",
-    optimizer: str = "adam",
-    input_grad: bool = True,
-    inflight: int | None = None,
-) -> int:
-    """Peak bytes of live tensors during one training step of a stage.
-
-    The step runs ``microbatches`` forward and backward passes of ``layers`` in the
-    schedule's order (see :func:`schedule_order`), then the optimizer step, after one
-    untracked warm-up step. Arguments and errors as :func:`measure_stage_memory`.
-
-    Returns
-    -------
-    int
-        Peak bytes (parameters, gradients, optimizer state, activations, temporaries).
-    """
-    return measure_stage_memory(
-        layers, microbatch, microbatches, kind, optimizer, input_grad, inflight
-    ).total

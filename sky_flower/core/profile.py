@@ -379,7 +379,7 @@ class NodeProfile:
     node_id : int
         Flower node ID in the current run (0 when not known).
     microbatch_overhead_s : float
-        Calibration (issue 16): fixed seconds a ``direct`` stage pays per micro-batch
+        Calibration: fixed seconds a ``direct`` stage pays per micro-batch
         besides its layers' compute (``torch.distributed.pipelining``'s schedule and
         autograd bookkeeping, forward and backward together), from a one-stage schedule
         on the node (:func:`time_microbatch_overhead`). 0 = not measured.

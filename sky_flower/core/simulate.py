@@ -54,15 +54,17 @@ to complete together with the next gradient receive, and before each later send 
 previous one, so a link slower than the stages stalls the sender a little more than here.
 The model charges each link direction as its own FIFO server and lets compute run on.
 
-Closed forms. :func:`gpipe_step_time` is exact for the ``"gpipe"`` order, not an
-approximation: the forward phase is a flow shop of identical jobs over the resources
+Closed form. The ``"gpipe"`` order's step time is exact, not an approximation:
+``(sum Fr + (M-1) max Fr) + (sum Br + (M-1) max Br)``, ``Fr`` the forward resources'
+per-micro-batch times (every stage's forward and every forward link), ``Br`` the
+backward ones. The forward phase is a flow shop of identical jobs over the resources
 ``stage0, link0>1, stage1, ..., stage(S-1)``, whose makespan is ``sum + (M-1) max`` of
 the per-job times; the last stage's ``B0`` starts the moment its ``F(M-1)`` ends (the
 loss is local, the stage is free); every other stage has finished its forwards before the
 first gradient can reach it, and the backward links are resources of their own, so the
-backward phase is again a clean flow shop with every job released at that moment.
-:func:`steady_state_time` is the busiest resource's work per micro-batch; ``M`` times it
-is a lower bound on every kind's step time.
+backward phase is again a clean flow shop with every job released at that moment. The
+cost model's ``gpipe`` step time (:meth:`sky_flower.core.cost.CostModel.step_time_of`)
+is this formula; the tests check it against :func:`simulate`.
 
 Units: seconds throughout (per micro-batch for the inputs, absolute from the start of the
 step for op times).
@@ -143,30 +145,6 @@ def _times(name: str, values: Sequence[float] | np.ndarray, length: int) -> list
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"{name}[{i}] = {float(arr[i])!r}: times must be finite and >= 0 seconds")
     return [float(x) for x in arr]
-
-
-def _validate(
-    fwd_s: Sequence[float] | np.ndarray,
-    bwd_s: Sequence[float] | np.ndarray,
-    fwd_link_s: Sequence[float] | np.ndarray,
-    bwd_link_s: Sequence[float] | np.ndarray,
-    microbatches: int,
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    arr = np.asarray(fwd_s, dtype=float)
-    if arr.ndim != 1 or arr.shape[0] < 1:
-        raise ValueError(
-            f"fwd_s must be a non-empty 1-D sequence (one entry per stage), got shape {arr.shape}"
-        )
-    n = arr.shape[0]
-    f = _times("fwd_s", fwd_s, n)
-    b = _times("bwd_s", bwd_s, n)
-    fl = _times("fwd_link_s", fwd_link_s, n - 1)
-    bl = _times("bwd_link_s", bwd_link_s, n - 1)
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int | np.integer):
-        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-    if microbatches < 1:
-        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    return f, b, fl, bl
 
 
 def stage_order(
@@ -263,8 +241,18 @@ def simulate(
     >>> simulate([1.0, 1.0], [2.0, 2.0], [0.0], [0.0], microbatches=4).step_time_s
     15.0
     """
-    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches)
-    s, mb = len(f), microbatches
+    shape = np.asarray(fwd_s, dtype=float).shape
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(
+            f"fwd_s must be a non-empty 1-D sequence (one entry per stage), got shape {shape}"
+        )
+    s, mb = shape[0], microbatches
+    f, b = _times("fwd_s", fwd_s, s), _times("bwd_s", bwd_s, s)
+    fl, bl = _times("fwd_link_s", fwd_link_s, s - 1), _times("bwd_link_s", bwd_link_s, s - 1)
+    if isinstance(mb, bool) or not isinstance(mb, int | np.integer):
+        raise ValueError(f"microbatches must be an int >= 1, got {mb!r}")
+    if mb < 1:
+        raise ValueError(f"microbatches must be >= 1, got {mb}")
     orders = stage_order(kind, s, mb, interleave_last)
 
     nan = math.nan
@@ -362,83 +350,3 @@ def _result(
         peak.append(top)
     step = max(stage_free)  # every schedule ends with a backward on a stage
     return SimResult(step_time_s=step, busy_s=busy, peak_inflight=peak, ops=ops)
-
-
-def gpipe_step_time(
-    fwd_s: Sequence[float] | np.ndarray,
-    bwd_s: Sequence[float] | np.ndarray,
-    fwd_link_s: Sequence[float] | np.ndarray,
-    bwd_link_s: Sequence[float] | np.ndarray,
-    microbatches: int,
-) -> float:
-    """Closed-form GPipe step time for identical micro-batches.
-
-    ``T = (sum Fr + (M-1) max Fr) + (sum Br + (M-1) max Br)`` where ``Fr`` are the
-    forward resources' per-micro-batch times (every stage's forward and every forward
-    link) and ``Br`` the backward ones (every stage's backward and every backward link).
-    Equal to ``simulate(..., kind="gpipe").step_time_s`` up to rounding (the module
-    docstring gives the argument; the tests check it on random instances).
-
-    Parameters
-    ----------
-    fwd_s, bwd_s : sequence of float, shape (S,)
-        Seconds per micro-batch of each stage's forward and backward.
-    fwd_link_s, bwd_link_s : sequence of float, shape (S-1,)
-        Seconds per micro-batch on each link, forward and backward direction.
-    microbatches : int
-        Micro-batches per step, ``M >= 1``.
-
-    Returns
-    -------
-    float
-        Step time in seconds.
-
-    Raises
-    ------
-    ValueError
-        As :func:`simulate`.
-
-    References
-    ----------
-    Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
-    Parallelism", NeurIPS 2019, arXiv 1811.06965.
-    """
-    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches)
-    fwd = f + fl
-    bwd = b + bl
-    m1 = microbatches - 1
-    return (math.fsum(fwd) + m1 * max(fwd)) + (math.fsum(bwd) + m1 * max(bwd))
-
-
-def steady_state_time(
-    fwd_s: Sequence[float] | np.ndarray,
-    bwd_s: Sequence[float] | np.ndarray,
-    fwd_link_s: Sequence[float] | np.ndarray,
-    bwd_link_s: Sequence[float] | np.ndarray,
-) -> float:
-    """Per-micro-batch period of the busiest resource.
-
-    ``max(max_k (fwd_s[k] + bwd_s[k]), max_k max(fwd_link_s[k], bwd_link_s[k]))``: each
-    resource must do ``M`` times its per-micro-batch work in a step, so ``M`` times this
-    is a lower bound on the step time of every kind, and the period that sets a long
-    pipeline's throughput.
-
-    Parameters
-    ----------
-    fwd_s, bwd_s : sequence of float, shape (S,)
-        Seconds per micro-batch of each stage's forward and backward.
-    fwd_link_s, bwd_link_s : sequence of float, shape (S-1,)
-        Seconds per micro-batch on each link, forward and backward direction.
-
-    Returns
-    -------
-    float
-        Seconds per micro-batch.
-
-    Raises
-    ------
-    ValueError
-        Wrong lengths or a negative or non-finite time.
-    """
-    f, b, fl, bl = _validate(fwd_s, bwd_s, fwd_link_s, bwd_link_s, 1)
-    return max([x + y for x, y in zip(f, b, strict=True)] + fl + bl)

@@ -1,4 +1,4 @@
-"""Node-side calibration measurements of the benchmark round (issue 16; pure torch).
+"""Node-side calibration measurements of the benchmark round (pure torch).
 
 What a ``direct`` step pays besides its layers' compute, measured on the node in well
 under a second:

@@ -46,6 +46,14 @@ class Emulated:
     send_prev_s: Callable[[int], float] = lambda nbytes: 0.0
     compute_s: float = field(default=0.0, init=False)
 
+    def slow_down(self, elapsed: float, compute: bool = True) -> None:
+        """Sleep ``slowdown x elapsed`` seconds after work that took ``elapsed``;
+        ``compute``: count it in :attr:`compute_s` (the stage's forward and backward)."""
+        if compute:
+            self.compute_s += elapsed
+        if self.slowdown > 0:
+            time.sleep(self.slowdown * elapsed)
+
 
 class _BackwardEnd(torch.autograd.Function):
     """Identity whose backward ends the stage's backward timing (input side)."""
@@ -132,10 +140,7 @@ class EmulatedStage(nn.Module):
         self._key, self._microbatch = key, 0
 
     def _end_backward(self, g: torch.Tensor | None) -> None:
-        elapsed = time.perf_counter() - self._t_backward
-        self.emulated.compute_s += elapsed
-        if self.emulated.slowdown > 0:
-            time.sleep(self.emulated.slowdown * elapsed)
+        self.emulated.slow_down(time.perf_counter() - self._t_backward)
         if not self.is_first and g is not None:
             time.sleep(self.emulated.send_prev_s(g.numel() * g.element_size()))
 
@@ -178,9 +183,7 @@ class EmulatedStage(nn.Module):
         self._microbatch += 1
         elapsed = time.perf_counter() - t0
         y = y.to(self.comm_device)
-        self.emulated.compute_s += elapsed
-        if self.emulated.slowdown > 0:
-            time.sleep(self.emulated.slowdown * elapsed)
+        self.emulated.slow_down(elapsed)
         if not self.is_last:
             time.sleep(self.emulated.send_next_s(y.numel() * y.element_size()))
         return _BackwardStart.apply(y, self._box) if y.requires_grad else y
@@ -208,8 +211,7 @@ class EmulatedOptimizer:
         """``inner.step()``, then the emulated slowdown's sleep."""
         t0 = time.perf_counter()
         self.inner.step()
-        if self.emulated.slowdown > 0:
-            time.sleep(self.emulated.slowdown * (time.perf_counter() - t0))
+        self.emulated.slow_down(time.perf_counter() - t0, compute=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``inner.zero_grad``."""
@@ -226,10 +228,7 @@ def emulate_weight_pass(stage: Any, emulated: Emulated) -> None:  # noqa: ANN401
     def timed(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - torch's signature
         t0 = time.perf_counter()
         out = inner(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
-        emulated.compute_s += elapsed
-        if emulated.slowdown > 0:
-            time.sleep(emulated.slowdown * elapsed)
+        emulated.slow_down(time.perf_counter() - t0)
         return out
 
     stage.backward_weight_one_chunk = timed

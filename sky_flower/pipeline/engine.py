@@ -22,8 +22,8 @@ buffers (BatchNorm) update as the whole model's do; each layer's randomness is k
 ``(seed, round, step, micro-batch, layer)`` as on every path
 (:func:`sky_flower.pipeline.stage.forward_layers`); the static-shape probe has no side
 effects (:func:`sky_flower.pipeline.stage.probe_forward`). :func:`run_stage` always
-destroys its process group, so a long-lived process can join the next round's group;
-:func:`run_steps` runs a round in a group joined before and left joined (a direct stage
+destroys its process group, so a long-lived process can join the next round's group,
+unless it runs in a group joined before and left joined (``joined``: a direct stage
 session's rounds).
 """
 
@@ -143,6 +143,7 @@ def run_stage(  # noqa: PLR0913
     input_dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     reduction: LossReduction | None = None,
+    joined: bool = False,
 ) -> StageResult:
     """Run one round (``steps`` steps) of stage ``rdv.rank`` of a pipeline, peer to peer.
 
@@ -199,6 +200,12 @@ def run_stage(  # noqa: PLR0913
     reduction : LossReduction, optional
         How ``loss_fn`` reduces (default ``mean``): how the last stage scales each
         micro-batch's loss.
+    joined : bool
+        This process has already joined the round's group
+        (:func:`~sky_flower.pipeline.rendezvous.join`) and stays in it: a direct stage
+        session (:func:`sky_flower.sky.node.direct_node.run_direct_session`) runs every
+        round of its group this way (``setup_s`` 0). Otherwise the stage joins the group
+        first and always destroys it at the end.
 
     Returns
     -------
@@ -208,72 +215,17 @@ def run_stage(  # noqa: PLR0913
     ------
     DirectStageError
         Naming the stage when it, or a peer it waits for, fails or stalls (after at
-        most ``rdv.timeout_s``); :class:`RankRefusedError` for an unplanned rank.
+        most ``rdv.timeout_s``); :class:`RankRefusedError` for an unplanned rank. After
+        it a joined group is unusable: leave it.
     ValueError
         On an unknown schedule kind, several chunks for GPipe / 1F1B or a missing
         ``batch_fn`` on rank 0.
     """
-    chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
+    if isinstance(module, nn.Module):  # the stage's layers: chunk ``rank`` of ``S``
+        chunks = [Chunk(rdv.rank, module, tuple(input_shape), input_dtype)]
+    else:
+        chunks = list(module)
     _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))  # before joining
-    t0 = time.perf_counter()
-    join(rdv, torch.device(device))
-    try:
-        setup_s = time.perf_counter() - t0
-        result = run_steps(
-            rdv,
-            module,
-            optimizer,
-            kind,
-            microbatches,
-            steps,
-            batch_size,
-            input_shape,
-            batch_fn,
-            emulated,
-            fault,
-            loss_fn,
-            metric_fn,
-            rng,
-            input_dtype,
-            device,
-            reduction,
-        )
-        result.setup_s = setup_s
-    finally:
-        if dist.is_initialized():  # a crashed stage may already have left
-            dist.destroy_process_group()
-    return result
-
-
-def run_steps(  # noqa: PLR0913
-    rdv: Rendezvous,
-    module: nn.Module | Sequence[Chunk],
-    optimizer: torch.optim.Optimizer | None,
-    kind: str,
-    microbatches: int,
-    steps: int,
-    batch_size: int,
-    input_shape: Sequence[int],
-    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    emulated: Emulated | None = None,
-    fault: Callable[[int], None] | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-    rng: RngKey | None = None,
-    input_dtype: torch.dtype | str | None = None,
-    device: torch.device | str = "cpu",
-    reduction: LossReduction | None = None,
-) -> StageResult:
-    """:func:`run_stage`'s ``steps`` steps in the process group this process has
-    already joined (:func:`~sky_flower.pipeline.rendezvous.join`), which it leaves
-    joined: a direct stage session (:func:`sky_flower.sky.node.direct_node.
-    run_direct_session`) runs every round of its group this way. The parameters,
-    result (``setup_s`` 0) and errors are :func:`run_stage`'s; after a
-    :class:`DirectStageError` the group is unusable (a peer failed or stalled, or this
-    stage did): leave it.
-    """
-    chunks = _chunks(module, rdv.rank, input_shape, input_dtype)
-    _check(kind, rdv.rank, batch_fn, batch_size, microbatches, len(chunks))
     S = rdv.world_size
     C = len(chunks) * S
     emulated = emulated or Emulated()
@@ -292,6 +244,10 @@ def run_steps(  # noqa: PLR0913
     ]
     rng = rng or RngKey()
     result = StageResult()
+    if not joined:
+        t0 = time.perf_counter()
+        join(rdv, device)
+        result.setup_s = time.perf_counter() - t0
     try:
         stages = [
             _pipeline_stage(ch, w, C, batch_size // microbatches, device, comm)
@@ -322,6 +278,8 @@ def run_steps(  # noqa: PLR0913
         raise _stage_error(rdv, err) from err
     finally:
         result.compute_s = emulated.compute_s
+        if not joined and dist.is_initialized():  # a crashed stage may already have left
+            dist.destroy_process_group()
     return result
 
 
@@ -356,30 +314,17 @@ class StepLoss:
         )
 
 
-def _chunks(
-    module: nn.Module | Sequence[Chunk],
-    rank: int,
-    input_shape: Sequence[int],
-    input_dtype: torch.dtype | str | None,
-) -> list[Chunk]:
-    """The rank's chunks: ``module`` itself as chunk ``rank``, or the given ones."""
-    if isinstance(module, nn.Module):
-        return [Chunk(rank, module, tuple(input_shape), input_dtype)]
-    return list(module)
-
-
 def _pipeline_stage(  # noqa: PLR0913
     chunk: Chunk,
     wrapped: nn.Module,
     C: int,
     mb_size: int,
-    device: torch.device | None = None,
-    comm: torch.device | None = None,
+    device: torch.device,
+    comm: torch.device,
 ) -> PipelineStage:
     """``torch.distributed.pipelining`` stage ``chunk.index`` of ``C`` whose peer
-    tensors live on ``comm`` (default the CPU), static shapes from a side-effect-free
-    probe of the chunk on ``device`` (in the group: a failure ends it for all)."""
-    device, comm = device or torch.device("cpu"), comm or torch.device("cpu")
+    tensors live on ``comm``, static shapes from a side-effect-free probe of the chunk
+    on ``device`` (in the group: a failure ends it for all)."""
     example = example_input(mb_size, chunk.input_shape, chunk.input_dtype)
     example_out = probe_forward(chunk.module, example.to(device)).to(comm)
     example = example.to(comm)
@@ -438,16 +383,14 @@ def _step(  # noqa: PLR0913
     batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     step: int,
     result: StageResult,
-    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
-    comm: torch.device | None = None,
-    step_loss: StepLoss | None = None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None,
+    comm: torch.device,
+    step_loss: StepLoss,
 ) -> None:
     """One step of the schedule on this stage: labels to the last stage, the pipelined
     forward and backward, the optimizer; the last stage records loss and accuracy.
-    The batch and labels enter on ``comm`` (the device peer tensors live on; default
-    the CPU)."""
+    The batch and labels enter on ``comm`` (the device peer tensors live on)."""
     rank, S = rdv.rank, rdv.world_size
-    comm = comm or torch.device("cpu")
     is_last = rank == S - 1
     label_work = None
     x = labels = None
@@ -458,7 +401,7 @@ def _step(  # noqa: PLR0913
             label_work = send_labels(labels, S - 1)
     if is_last and S > 1:
         labels = recv_labels(0, comm)
-    if is_last and step_loss is not None:
+    if is_last:
         step_loss.total = step_loss.reduction.total(labels)
     losses: list[torch.Tensor] = []
     if rank == 0:

@@ -54,6 +54,7 @@ from torch import fx, nn
 
 from sky_flower.pipeline.packing import CutSpec, pack, pack_inputs, unpack
 from sky_flower.pipeline.shared_values import replicate_shared_inputs
+from sky_flower.pipeline.stage import buffers_kept
 
 __all__ = [
     "CutSpec",
@@ -270,8 +271,6 @@ def _forward_facts(
         if name:
             hooks.append(sub.register_forward_pre_hook(lambda m, a, n=name: before(n, a)))
             hooks.append(sub.register_forward_hook(lambda m, a, o, n=name: after(n)))
-    from sky_flower.pipeline.stage import buffers_kept
-
     name = type(module).__name__
     shapes = ", ".join(f"{tuple(e.shape)} {str(e.dtype).removeprefix('torch.')}" for e in examples)
     try:  # no side effect on the user's module: running statistics, the random stream
@@ -366,16 +365,15 @@ def _ordered_points(
         once.
     """
     calls, in_place = _forward_facts(module, examples)
+    subs = dict(module.named_modules())
     if split_points is None:
         points = set(default_split_points(module, calls, in_place))
         ordered = [n for n in calls if n in points]
         whole = no_split_classes(module)
-        subs = dict(module.named_modules())
         first = next((i for i, n in enumerate(ordered) if type(subs[n]).__name__ in whole), 0)
         # what runs before the first declared block (embeddings, rotary tables, their
         # dropout) is the model's prologue: one unit with the input, not a cut each
         return ordered[first:] if first else ordered[1:]
-    subs = dict(module.named_modules())
     unknown = [n for n in split_points if n not in subs or not n]
     if unknown:
         raise ValueError(f"split points {unknown} are not submodules of {type(module).__name__}")
@@ -429,8 +427,6 @@ def _probe_values(pipe: Any, examples: tuple[torch.Tensor, ...]) -> dict[fx.Node
     """Every value of ``pipe``'s root graph on ``examples`` (the model's inputs; no
     graph, no side effect on buffers or the random stream): what crosses each cut, for
     its shape and dtype."""
-    from sky_flower.pipeline.stage import buffers_kept
-
     values: dict[fx.Node, Any] = {}
     inputs = iter(examples)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -631,8 +627,7 @@ def _as_sequential(
             for b, why in bad_boundaries(pipe, values[mode]).items():
                 bad.setdefault(b, why)
         if bad:
-            _warn_ties(module, pipes[True], points, bad)
-            _warn_merged(module, points, bad, pipes[True])
+            _warn_merged(module, pipes[True], points, bad)
             points = [p for b, p in enumerate(points) if b not in bad]
             continue
         seq = _units(pipes, values)
@@ -725,15 +720,21 @@ def _units(
     return nn.Sequential(*units)
 
 
-def _warn_ties(
+def _warn_merged(
     module: nn.Module,
     pipe: Any,  # noqa: ANN401 - a pipelining Pipe
     points: Sequence[str],
     bad: Mapping[int, str],
 ) -> None:
-    """Warn, naming the parameter and the split points dropped, when a parameter read
-    by several stages (a head tied to the embedding) merges the units between them."""
+    """Warn, naming what is lost, when cuts are merged away: a trainable parameter read
+    by several stages (a head tied to the embedding) merges the units between them (one
+    warning naming the parameter and the split points dropped); a value a cut cannot
+    carry (one without a batch dimension, e.g. T5's position bias, computed from a
+    trainable parameter in one block and read by every later one) merges the units on
+    either side (one warning naming the cuts and the values)."""
+    tied: set[int] = set()
     for names, first, last in _tied_spans(pipe):
+        tied.update(range(first, last))
         lost = [points[b] for b in range(first, last) if b in bad]
         if lost:
             warnings.warn(
@@ -745,19 +746,6 @@ def _warn_ties(
                 "tie_word_embeddings=False in its config) to cut there",
                 stacklevel=4,
             )
-
-
-def _warn_merged(
-    module: nn.Module,
-    points: Sequence[str],
-    bad: Mapping[int, str],
-    pipe: Any,  # noqa: ANN401 - a pipelining Pipe
-) -> None:
-    """Warn, naming the cut and the value, when a cut is dropped for a value it cannot
-    carry (one without a batch dimension, e.g. T5's position bias, computed from a
-    trainable parameter in one block and read by every later one). Ties warn apart
-    (:func:`_warn_ties`)."""
-    tied = {b for _, first, last in _tied_spans(pipe) for b in range(first, last)}
     lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
     if lost:
         warnings.warn(
@@ -850,10 +838,7 @@ def original_state_dict(
     keys = list(like.state_dict() if isinstance(like, nn.Module) else like)
     if isinstance(like, nn.Module):  # one tensor under several keys (T5's shared and
         # encoder.embed_tokens): the converted model holds it under one of them
-        held_by: dict[int, list[str]] = {}
-        for key, value in like.state_dict(keep_vars=True).items():
-            held_by.setdefault(id(value), []).append(key)
-        for names in held_by.values():
+        for names in _alias_groups(like):
             present = next((k for k in names if k in out), None)
             for k in names:
                 if present is not None and k not in out:

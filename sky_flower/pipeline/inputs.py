@@ -1,16 +1,14 @@
-"""Bad data found before Flower starts: whole-data-set checks that cost one pass of
-``min`` / ``max`` / ``isfinite`` over the arrays already in memory.
+"""Bad data found before Flower starts (before Ray, the benchmark round and planning):
+whole-data-set checks that cost one pass of ``min`` / ``max`` / ``isfinite`` over the
+arrays already in memory.
 
-Two failures used to surface only after Ray, the benchmark round and planning had run:
-
-- labels outside the model's output (``Target 6 is out of bounds``, with no key named):
-  the objective was tried on two samples, so whether it failed depended on the seed.
-  :func:`probe_rows` now adds the samples that hold the smallest and the largest label
-  (and input token id) of the *whole* training set to that probe, and
-  :func:`label_range_error` words a failure against the model's output width;
-- ``NaN`` / ``inf`` features, which made the data owner's stage-0 output non-finite and
-  the run blame "stage 0 on <node>": :func:`check_finite_data` refuses them naming the
-  data set, the split, how many samples and the first one.
+- Labels outside the model's output: :func:`probe_rows` adds the samples that hold the
+  smallest and the largest label (and input token id) of the *whole* training set to
+  the samples the objective is tried on, so the probe fails whatever the seed, and
+  :func:`label_range_error` words the failure against the model's output width.
+- ``NaN`` / ``inf`` features, which would make the data owner's stage-0 output
+  non-finite and be blamed on "stage 0 on <node>": :func:`check_finite_data` refuses
+  them naming the data set, the split, how many samples and the first one.
 """
 
 from __future__ import annotations

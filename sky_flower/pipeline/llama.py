@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sky_flower.pipeline.lm import split_heads
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dimension: ``(..., d) -> (..., d)``."""
@@ -79,8 +81,7 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``(B, T, d)`` and the tables ``(T, d / (2 n_heads))`` -> ``(B, T, d)``."""
         B, T, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=2)
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = split_heads(self.qkv(self.attn_norm(x)), self.n_heads)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(y.transpose(1, 2).reshape(B, T, d))
@@ -93,13 +94,9 @@ class LlamaLM(nn.Module):
 
     Parameters
     ----------
-    vocab_size : int
-        Tokens (256 for the byte-level corpus of
-        :func:`sky_flower.pipeline.text.load_python_source`).
-    seq_len : int
-        Longest input ``T`` (the rotary tables' length).
-    d_model, n_heads, n_layers : int
-        Width, attention heads (``d_model / n_heads`` even), blocks.
+    vocab_size, seq_len, d_model, n_heads, n_layers : int
+        As :func:`sky_flower.pipeline.lm.build_transformer_lm`; ``seq_len`` is the
+        rotary tables' length, ``d_model / n_heads`` must be even.
     mlp_ratio : float
         SwiGLU hidden width over ``d_model``.
     tie_head : bool

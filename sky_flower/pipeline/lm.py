@@ -48,6 +48,13 @@ class Embedding(nn.Module):
         return self.drop(self.tok(ids) + self.pos(positions))
 
 
+def split_heads(qkv: torch.Tensor, n_heads: int) -> list[torch.Tensor]:
+    """A fused projection ``(B, T, 3 d)`` as ``[q, k, v]``, each ``(B, n_heads, T, d /
+    n_heads)``."""
+    B, T, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    return [t.view(B, T, n_heads, d // n_heads).transpose(1, 2) for t in qkv.split(d, dim=2)]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: ``(B, T, d) -> (B, T, d)``.
 
@@ -70,8 +77,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, d) -> (B, T, d)``; position ``t`` attends to positions ``<= t``."""
         B, T, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = split_heads(self.qkv(x), self.n_heads)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, d)))

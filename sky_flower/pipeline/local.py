@@ -149,6 +149,8 @@ def run_local(  # noqa: PLR0913
     """
     import multiprocessing as mp
 
+    from sky_flower.pipeline.models import build_model
+
     ctx = mp_context or mp.get_context("spawn")
     S = ranks or len(bounds)
     if len(bounds) % S:
@@ -156,7 +158,7 @@ def run_local(  # noqa: PLR0913
     slowdowns = list(slowdowns or [0.0] * S)
     dtype = batches[0][0].dtype
     shapes = stage_input_shapes(
-        lambda: build_model_cfg(model_cfg), tuple(batches[0][0].shape[1:]), bounds, dtype
+        lambda: build_model(model_cfg), tuple(batches[0][0].shape[1:]), bounds, dtype
     )
     queue = ctx.Queue()
     procs = []
@@ -227,13 +229,6 @@ def _merge(got: dict[int, tuple], S: int) -> tuple[dict, list[StageResult]]:
     for k in range(S):
         merged.update({key: torch.from_numpy(v) for key, v in got[k][1].items()})
     return merged, [got[k][0] for k in range(S)]
-
-
-def build_model_cfg(model_cfg: dict) -> nn.Module:
-    """:func:`sky_flower.pipeline.models.build_model` (imported late: keeps this module light)."""
-    from sky_flower.pipeline.models import build_model
-
-    return build_model(model_cfg)
 
 
 def stage_input_shapes(

@@ -10,6 +10,7 @@ gets none (zeros in the packed gradient).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,9 +38,7 @@ class CutSpec:
         dtypes = tuple(t.dtype for t in tensors)
         floats = [d for d in dtypes if d.is_floating_point]
         if floats:
-            dtype = floats[0]
-            for d in floats[1:]:
-                dtype = torch.promote_types(dtype, d)
+            dtype = functools.reduce(torch.promote_types, floats)
             if len(floats) < len(dtypes):
                 dtype = torch.promote_types(dtype, torch.float32)
         else:

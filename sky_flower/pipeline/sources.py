@@ -501,10 +501,9 @@ def check_source(
         raise ValueError(f"{what}: reading {said}: {err}") from err
     _check_float_dtype(x, floats, what)
     for name, t in (("inputs", x), ("labels", y)):
-        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).sum())
+        if len(bad := nonfinite_rows(t)):
             raise ValueError(
-                f"{what} has non-finite {name} (NaN or inf) in {bad} of {said}; training "
+                f"{what} has non-finite {name} (NaN or inf) in {len(bad)} of {said}; training "
                 "on them makes every stage's output non-finite: clean or impute them in "
                 "the data set's transform"
             )
@@ -544,6 +543,14 @@ def check_labels(
             words = label_range_error(probe.y, int(out.shape[-1]), what, type(model).__name__)
             if words:  # another failure of the loss is the last stage's to report
                 raise ValueError(f"{words} ({err})") from err
+
+
+def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows (first dimension) of ``t`` that hold ``NaN`` or ``inf``
+    (none for an integer tensor)."""
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return (~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero().flatten()
 
 
 def _check_float_dtype(x: torch.Tensor, floats: list[torch.dtype], what: str) -> None:

@@ -50,7 +50,7 @@ from sky_flower.core.profile import as_layers, default_optimizer_factory
 from sky_flower.core.ties import tied_parameters
 from sky_flower.pipeline.data import Split, batch_indices
 from sky_flower.pipeline.objective import LossReduction, correct_count
-from sky_flower.pipeline.sources import DataSource, as_source
+from sky_flower.pipeline.sources import DataSource, as_source, nonfinite_rows
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricFn = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -256,8 +256,7 @@ def step_batch(
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
     x, y = as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
     for name, t in (("inputs", x), ("labels", y)):
-        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-            bad = (~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero().flatten()
+        if len(bad := nonfinite_rows(t)):
             raise ValueError(
                 f"the data owner's batch of round {server_round}, step {step} has non-finite "
                 f"{name} (NaN or inf) in {len(bad)} of its {len(t)} samples (rows "

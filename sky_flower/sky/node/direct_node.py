@@ -25,7 +25,7 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
-from sky_flower.pipeline.engine import Chunk, StageResult, run_steps
+from sky_flower.pipeline.engine import Chunk, StageResult
 from sky_flower.pipeline.rendezvous import join
 from sky_flower.pipeline.stage import (
     RngKey,
@@ -206,7 +206,7 @@ class _DirectStage:
     def arguments(
         self, cfg: P.DirectConfig, server_round: int, steps: int, emu: Emulation, node: NodeStage
     ) -> dict:
-        """:func:`run_stage` / :func:`run_steps`'s keywords for round ``server_round``
+        """:func:`run_stage`'s keywords for round ``server_round``
         (``fault`` aside)."""
         st = cfg.stage
         return {
@@ -271,8 +271,8 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
     ``begin`` frame (``round``, ``steps``, the entries of the round's global weights
     that differ from what it holds; ``rebuild``: the whole slice and (keep) the
     optimizer state), runs the round's steps peer to peer in that group
-    (:func:`sky_flower.pipeline.engine.run_steps`) and answers with an ``end`` frame:
-    its weights and buffers (:data:`~sky_flower.sky.protocol.ARRAYS`), its
+    (:func:`sky_flower.pipeline.engine.run_stage`, ``joined``) and answers with an
+    ``end`` frame: its weights and buffers (:data:`~sky_flower.sky.protocol.ARRAYS`), its
     :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) its optimizer state. A
     ``begin`` with ``release`` frees its layers after the round (the node serves
     another pipeline's stage too). Each round starts as a per-round
@@ -339,8 +339,11 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
                 stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
             args = stage.arguments(cfg, rnd, steps, emu, node)
             try:
-                res = run_steps(
-                    rdv, **args, fault=faults.round_hook(emu, P.DIRECT, rnd, session.silence_s)
+                res = run_stage(
+                    rdv,
+                    **args,
+                    fault=faults.round_hook(emu, P.DIRECT, rnd, session.silence_s),
+                    joined=True,
                 )
             except Exception as err:
                 own = own_error(err)
