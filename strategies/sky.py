@@ -400,6 +400,7 @@ class SkyStrategy(Strategy):
         st.num_examples, st.handler_rate = found.num_examples, found.handler_rate
         st.samples = dict(found.samples)
         st.names.update(found.names)
+        self.executor.bound_by_runtime(found.runtime_workers)
         self.hooks.on_benchmark(BenchmarkEnd(tuple(layers), tuple(found.nodes), found.emulation))
         return st.node_profiles
 

@@ -460,3 +460,35 @@ def test_a_silence_bound_below_the_predicted_step_is_refused(server_identity):
         StreamRunner(_settings(grid, "gpipe", 2, stream_timeout_s=step * 2)).check_plan(pipeline)
     finally:
         grid.join()
+
+
+def test_the_runtime_workers_the_nodes_report_bound_the_sessions(monkeypatch, server_identity):
+    """Under ``flwr run`` the ServerApp is not told how many ClientApps Flower's
+    simulation runtime runs at once; its nodes report it in the benchmark round
+    (``simulation_workers``: their Ray actor pool) and the fewest bounds the stage
+    sessions, as ``concurrent_clientapps`` does for the Hydra job (a plan with more
+    stages in all sets them up every round instead of waiting on stages that never get
+    a worker). Outside Ray (a SuperNode, this process) nodes report 0: no bound."""
+    from reference import ProcessPerMessageGrid, sky_app_on_grid
+    from test_federation import QUICK
+
+    import sky_flower.sky.node.client as client
+    from sky_flower.flower.runtime import simulation_workers
+
+    assert simulation_workers() == 0  # no Ray actor here
+    # direct: its benchmark round is plain Flower messages (stream's times the link on
+    # its data plane, which this synchronous grid cannot serve); sessions are the same
+    run = {**QUICK, "fleet": "edge3", "transport": "direct", "schedule-kind": "gpipe"}
+    strategy, grid, _ = sky_app_on_grid(ProcessPerMessageGrid, run)
+    sessions = strategy.executor.sessions
+    strategy.benchmark(grid, list(grid.get_node_ids()))
+    assert sessions.capacity is None and sessions.per_node == 1  # a deployment's
+
+    reported = iter([3, 2, 5])
+    monkeypatch.setattr(client, "simulation_workers", lambda: next(reported, 4))
+    strategy, grid, _ = sky_app_on_grid(ProcessPerMessageGrid, run)
+    sessions = strategy.executor.sessions
+    strategy.benchmark(grid, list(grid.get_node_ids()))
+    assert sessions.capacity == 2 and sessions.per_node is None  # the engine's rules
+    strategy.executor.bound_by_runtime(7)  # a bound already known is kept
+    assert sessions.capacity == 2

@@ -410,6 +410,9 @@ class ProfileReply(Record):
     # and memory above are this device's; an older node's reply lacks them (the CPU)
     device: str = "cpu"
     device_name: str = NO_HOST
+    # the ClientApps Flower's simulation runtime runs at once (its Ray actor pool,
+    # sky_flower.flower.runtime.simulation_workers); 0: not known (a SuperNode)
+    runtime_workers: int = 0
 
 
 @dataclass(frozen=True)

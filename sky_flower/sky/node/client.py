@@ -50,6 +50,7 @@ from sky_flower.core.profile import (
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation, message_round
 from sky_flower.flower.quiet import quiet_actor_exit
+from sky_flower.flower.runtime import simulation_workers
 from sky_flower.pipeline.calibrate import NodeCalibration, calibrate_node
 from sky_flower.pipeline.data import Split
 from sky_flower.pipeline.device import device_info
@@ -372,6 +373,7 @@ class SkyClient:
             state_save_s_per_byte=save_rate,
             device=info.device,
             device_name=info.name or P.NO_HOST,
+            runtime_workers=simulation_workers(),
             **{k: v for k, v in asdict(cal).items() if v != ""},
         )
         return RecordDict({P.PROFILE_KEY: reply.to_config_record()})

@@ -87,6 +87,10 @@ class BenchmarkResult:
     names : dict[int, str]
         Node id -> name of every node the run knows by name
         (:meth:`sky_flower.sky.rounds.joins.Benchmarker.run` fills it).
+    runtime_workers : int or None
+        How many ClientApps the runtime runs at once, as the nodes reported it (the
+        fewest; Flower's simulation runtime: its Ray actor pool); ``None``: no node
+        knows (a deployment).
     """
 
     nodes: list[NodeProfile]
@@ -97,6 +101,7 @@ class BenchmarkResult:
     emulation: dict[str, str] = field(default_factory=dict)
     left_out: dict[int, str] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)
+    runtime_workers: int | None = None
 
 
 class BenchmarkRound:
@@ -193,6 +198,9 @@ class BenchmarkRound:
             result.node_ids[node.name] = nid
             result.emulation[node.name] = prof.emulation
             examples[node.name] = prof.num_examples
+            if prof.runtime_workers > 0:  # the fewest any node reported
+                seen = result.runtime_workers or prof.runtime_workers
+                result.runtime_workers = min(seen, prof.runtime_workers)
         why = [
             f"{self.name_left_out(nid, left_out, result, node_order)}: {err}"
             for nid, err in left_out

@@ -129,6 +129,16 @@ class RoundExecutor:
         if self.sessions is not None:
             self.sessions.close_all()
 
+    def bound_by_runtime(self, workers: int | None) -> None:
+        """Bound the stage sessions by ``workers``, the ClientApps the runtime runs at
+        once as the benchmark round found them (:attr:`sky_flower.sky.planning.
+        benchmark.BenchmarkResult.runtime_workers`: Flower's simulation runtime under
+        ``flwr run``, whose size the ServerApp is not told), as ``capacity`` does where
+        it was not given; ``None`` or 0 (a deployment): nothing changes."""
+        if workers and self.sessions is not None and self.sessions.capacity is None:
+            self.sessions.capacity = workers
+            self.sessions.per_node = None  # the engine runs two messages to a node at once
+
     def check_plan(self, pipeline: Any, run: RunSettings) -> None:  # noqa: ANN401 - a Pipeline
         """Raise ``ValueError`` if the transport cannot run ``pipeline``: its own
         check, and (``stream`` in Flower's simulation engine) a pipeline with more
@@ -142,7 +152,8 @@ class RoundExecutor:
                 "but the plan's "
                 f"pipeline of {pipeline.plan.stages[0].node} has {pipeline.num_stages} "
                 f"stages and the simulation engine runs only {capacity} ClientApps at "
-                "once: lower simulation.num_cpus_per_node (CPUs / it is the engine's "
+                "once: lower simulation.num_cpus_per_node (flwr run: the federation's "
+                "options.backend.client-resources.num-cpus; CPUs / it is the engine's "
                 "workers), or use transport=relay"
             )
 
@@ -179,7 +190,8 @@ class RoundExecutor:
                     "stage sessions hold one ClientApp per stage of every pipeline "
                     "(%d here) for the whole run, but the simulation engine runs %s at once: "
                     "this plan sets its stages up every round instead (lower "
-                    "simulation.num_cpus_per_node, or run it deployed)",
+                    "simulation.num_cpus_per_node, under flwr run the federation's "
+                    "options.backend.client-resources.num-cpus, or run it deployed)",
                     stages,
                     self.sessions.capacity,
                 )
