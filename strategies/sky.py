@@ -539,6 +539,8 @@ class SkyStrategy(Strategy):
             mode = self.settings.replan.mode
             self._joined(self.benchmarker.note_returns(rnd, mode, self._fleet()))  # off only
             res = self.executor.run(grid, st.runs, st.global_arrays, rnd, self.run_settings())
+            if self.executor.stop.is_set():  # Ctrl-C, SIGTERM: what broke is no node's fault
+                raise SkyNodeError(f"run stopped by the caller in round {rnd} (not recorded)")
             row, new = res.record, res.arrays
             if res.failure is not None or new is None:
                 assert res.failure is not None

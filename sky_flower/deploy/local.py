@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
@@ -430,18 +430,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> contextlib.AbstractContextManager[None]:
     """SIGTERM raises KeyboardInterrupt (so the launcher cleans up on both)."""
+    from sky_flower.flower.shutdown import signals_interrupt
 
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return signals_interrupt(signals=(signal.SIGTERM,))

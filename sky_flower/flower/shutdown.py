@@ -17,8 +17,9 @@ are left to the engine's own shutdown. Nothing changes unless :meth:`abandon` is
 
 from __future__ import annotations
 
+import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from logging import WARNING
 from typing import Any
@@ -65,9 +66,13 @@ class AbandonableEngine:
 
     def abandon(self) -> int:
         """Kill the actors busy with a message (their messages are abandoned, never
-        answered); returns how many. Never raises."""
+        answered); returns how many. Never raises. After the engine shut Ray down
+        (an interrupt) nothing is in flight: Ray is left alone (a call would start a
+        fresh local Ray instance, and wait a minute for a GCS that is gone)."""
         import ray
 
+        if not ray.is_initialized():
+            return 0
         busy = self.busy_actors()
         for actor in busy:
             try:
@@ -77,3 +82,32 @@ class AbandonableEngine:
         if busy:
             log(WARNING, "Abandoned %d in-flight message(s): their nodes were stopped", len(busy))
         return len(busy)
+
+
+@contextmanager
+def signals_interrupt(
+    before: Callable[[], None] = lambda: None,
+    signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> Iterator[None]:
+    """Inside, each of ``signals`` (Ctrl-C's SIGINT, a ``kill``'s SIGTERM) first calls
+    ``before()`` (e.g. tell a strategy its run is stopped, so that it blames no node for
+    the messages the shutdown breaks), then raises ``KeyboardInterrupt`` in the main
+    thread, so that the ``finally`` blocks run (a job's ``results.json`` is written on
+    SIGTERM too, which would otherwise end the process at once). Outside the main
+    thread (where Python cannot set handlers) nothing changes; the previous handlers
+    come back on exit.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        before()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

@@ -136,7 +136,7 @@ def simulate(
     from flwr.simulation import run_simulation
 
     from sky_flower.flower.quiet import quiet_third_party
-    from sky_flower.flower.shutdown import AbandonableEngine
+    from sky_flower.flower.shutdown import AbandonableEngine, signals_interrupt
 
     server_app = ServerApp()
     nodes = AbandonableEngine()
@@ -151,8 +151,8 @@ def simulate(
 
     error: str | None = None
     quiet_third_party()  # sky_flower.flower.quiet
-    try:
-        with engine(), nodes.tracking():
+    try:  # Ctrl-C, SIGTERM: the strategy is told first (it blames no node), then the engine
+        with signals_interrupt(on_error), engine(), nodes.tracking():
             run_simulation(
                 server_app=server_app,
                 client_app=client_app,
@@ -220,9 +220,15 @@ def shown_error(err: BaseException) -> BaseException:
     return err if isinstance(err, ValueError) else (err.__cause__ or err)
 
 
+INTERRUPTED = "run interrupted (Ctrl-C or SIGTERM)"
+
+
 def describe_error(err: BaseException) -> str:
-    """``"Type: message"`` of :func:`shown_error` (what ``results.json`` records)."""
+    """``"Type: message"`` of :func:`shown_error` (what ``results.json`` records);
+    ``"KeyboardInterrupt: run interrupted (Ctrl-C or SIGTERM)"`` for an interrupt."""
     shown = shown_error(err)
+    if isinstance(shown, KeyboardInterrupt):
+        return f"KeyboardInterrupt: {INTERRUPTED}"
     return f"{type(shown).__name__}: {shown}"
 
 
@@ -259,10 +265,14 @@ def main_job(
     Raises
     ------
     SystemExit
-        With status 1 when the job failed outside a multirun.
+        With status 1 when the job failed outside a multirun; 130 when it was
+        interrupted (Ctrl-C, SIGTERM), in a multirun too.
     """
     try:
         results = run(cfg, out_dir)
+    except KeyboardInterrupt:  # results.json has the rounds so far (written on the way out)
+        log.error("%s: the rounds so far are in %s", INTERRUPTED, out_dir)
+        raise SystemExit(130) from None  # a multirun stops too: the user stopped it
     except Exception as err:  # noqa: BLE001
         log.error("run failed: %s (outputs in %s)", shown_error(err), out_dir)
         if not (out_dir / "results.json").exists():  # refused before it started
@@ -354,6 +364,9 @@ class SkyRecorder(SkyHooks):
         self.records = RunRecords()
         self.initial_test_accuracy: float | None = None
         self.completed = False
+        # the job's last word was written (:meth:`write` with ``final``): a strategy
+        # thread that ends after it (it was stopped) does not overwrite it
+        self.closed = False
 
     def attach(self, strategy: Any) -> Any:  # noqa: ANN401 - a SkyStrategy
         """Subscribe to ``strategy`` (:meth:`SkyStrategy.subscribe`) and return it."""
@@ -367,11 +380,15 @@ class SkyRecorder(SkyHooks):
 
     def on_round(self, event: RoundEnd) -> None:
         """Rewrite the file with the round."""
+        if self.closed:
+            return
         self.records = event.records
         self.write()
 
     def on_end(self, event: RunEnd) -> None:
         """Write the outcome: completed, or the error that ended the run."""
+        if self.closed:
+            return
         self.records = event.records
         if event.error is not None:
             self.write(describe_error(event.error))
@@ -379,8 +396,11 @@ class SkyRecorder(SkyHooks):
         self.completed = True
         self.write()
 
-    def write(self, error: str | None = None) -> dict[str, Any]:
-        """Write the results so far (with ``error`` if the run failed) and return them."""
+    def write(self, error: str | None = None, final: bool = False) -> dict[str, Any]:
+        """Write the results so far (with ``error`` if the run failed) and return them;
+        ``final``: the job's last word (what ended the run as the job saw it, e.g. the
+        simulation engine's crash), which later events do not overwrite."""
+        self.closed = self.closed or final
         r = self.records
         if error is None and self.completed:
             error = untrained(r.rounds)  # ran to its end but trained nothing

@@ -270,7 +270,7 @@ def write_outputs(
     an in-process run."""
     if strategy.global_arrays is not None:  # last good (finite) global model
         save_model(out_dir / "model.pt", strategy.global_arrays.to_torch_state_dict())
-    return recorder.write(error or untrained(strategy.rounds))
+    return recorder.write(error or untrained(strategy.rounds), final=True)
 
 
 def refused(cfg: DictConfig, out_dir: Path) -> Callable[[str], None]:
