@@ -44,6 +44,8 @@ def test_an_interrupted_job_says_so_in_one_line_and_exits_130(tmp_path, caplog):
         f"{INTERRUPTED}: the rounds so far are in {tmp_path}"
     ]
     assert describe_error(KeyboardInterrupt()) == f"KeyboardInterrupt: {INTERRUPTED}"
+    # Flower's simulation runtime turns SIGTERM into SystemExit(15)
+    assert describe_error(SystemExit(15)) == f"SystemExit: {INTERRUPTED}"
 
 
 class StoppedMidRound(ProcessPerMessageGrid):

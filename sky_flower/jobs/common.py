@@ -151,8 +151,16 @@ def simulate(
 
     error: str | None = None
     quiet_third_party()  # sky_flower.flower.quiet
-    try:  # Ctrl-C, SIGTERM: the strategy is told first (it blames no node), then the engine
-        with signals_interrupt(on_error), engine(), nodes.tracking():
+
+    def interrupted() -> None:
+        """Ctrl-C, SIGTERM: the strategy is told first (it blames no node), the messages
+        in flight are abandoned (a stage session holds its ClientApp for the whole run),
+        then KeyboardInterrupt stops the engine."""
+        on_error()
+        nodes.abandon()
+
+    try:
+        with signals_interrupt(interrupted), engine(), nodes.tracking():
             run_simulation(
                 server_app=server_app,
                 client_app=client_app,
@@ -225,10 +233,11 @@ INTERRUPTED = "run interrupted (Ctrl-C or SIGTERM)"
 
 def describe_error(err: BaseException) -> str:
     """``"Type: message"`` of :func:`shown_error` (what ``results.json`` records);
-    ``"KeyboardInterrupt: run interrupted (Ctrl-C or SIGTERM)"`` for an interrupt."""
+    ``"KeyboardInterrupt: run interrupted (Ctrl-C or SIGTERM)"`` for an interrupt (a
+    ``SystemExit`` too: Flower's simulation runtime turns SIGTERM into one)."""
     shown = shown_error(err)
-    if isinstance(shown, KeyboardInterrupt):
-        return f"KeyboardInterrupt: {INTERRUPTED}"
+    if isinstance(shown, KeyboardInterrupt | SystemExit):
+        return f"{type(shown).__name__}: {INTERRUPTED}"
     return f"{type(shown).__name__}: {shown}"
 
 
@@ -270,7 +279,7 @@ def main_job(
     """
     try:
         results = run(cfg, out_dir)
-    except KeyboardInterrupt:  # results.json has the rounds so far (written on the way out)
+    except (KeyboardInterrupt, SystemExit):  # results.json has the rounds so far
         log.error("%s: the rounds so far are in %s", INTERRUPTED, out_dir)
         raise SystemExit(130) from None  # a multirun stops too: the user stopped it
     except Exception as err:  # noqa: BLE001
