@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def simulation_workers() -> int:
     """How many ClientApps Flower's simulation runtime runs at once, seen from a
@@ -14,11 +16,8 @@ def simulation_workers() -> int:
     A Sky stage session holds one ClientApp for the whole run, so the server bounds
     its sessions by this (:meth:`sky_flower.sky.rounds.executor.RoundExecutor.bound_by_runtime`).
     """
-    try:
-        import ray
-    except ImportError:  # flwr without its simulation extra
-        return 0
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # a Ray actor has imported it (importing it costs seconds)
+    if ray is None or not ray.is_initialized():
         return 0
     context = ray.get_runtime_context()
     if context.get_actor_id() is None:  # the driver (the ServerApp's process), not an actor
