@@ -200,6 +200,29 @@ def _relay_app() -> ClientApp:
     return SkyClient(model_fn=stateful_net, load_data=_owner_data).register(ClientApp())
 
 
+def stateful_run_settings(
+    kind: str, microbatches: int, paths: dict | None = None, **run: object
+) -> RunSettings:
+    """A runner's settings for :func:`stateful_net` (its 9 layers, input 8) trained with
+    this module's batch, Adam, learning rate and seed, plus the Hydra ``paths`` and
+    ``RunSettings`` fields ``run`` (e.g. ``describe``) given."""
+    base = {
+        "schedule.batch_size": BATCH,
+        "schedule.microbatches": microbatches,
+        "schedule.kind": kind,
+        "train.optimizer": "adam",
+        "train.lr": LR,
+        "seed": SEED,
+    }
+    return RunSettings(
+        model_fn=stateful_net,
+        input_shape=(8,),
+        num_layers=9,
+        settings=runner_settings({**base, **(paths or {})}),
+        **run,
+    )
+
+
 def _relay_round(kind: str, microbatches: int, per_message: int) -> dict[str, torch.Tensor]:
     names = [f"n{k}" for k in range(len(BOUNDS))]
     stages = [
@@ -213,21 +236,7 @@ def _relay_round(kind: str, microbatches: int, per_message: int) -> dict[str, to
     pipeline = Pipeline(
         plan, tuple(grid.ids), per_message, tuple(pred), (0.0,) * 3, ((0.0, 0.0),) * 3
     )
-    settings_ = RunSettings(
-        model_fn=stateful_net,
-        input_shape=(8,),
-        num_layers=9,
-        settings=runner_settings(
-            {
-                "schedule.batch_size": BATCH,
-                "schedule.microbatches": microbatches,
-                "schedule.kind": kind,
-                "train.optimizer": "adam",
-                "train.lr": LR,
-                "seed": SEED,
-            }
-        ),
-    )
+    settings_ = stateful_run_settings(kind, microbatches)
     outcome = RelayRunner(settings_).run_round(
         grid, pipeline, ArrayRecord(_weights()), STEPS, ROUND
     )

@@ -20,21 +20,18 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pytest
 import torch
-from factories import runner_settings
 from flwr.app import ArrayRecord, Message
 from flwr.clientapp import ClientApp
 from test_exact_state import (
-    BATCH,
     BOUNDS,
-    LR,
     ROUND,
-    SEED,
     STEPS,
     _assert_same,
     _expected,
     _owner_data,
     _weights,
     stateful_net,
+    stateful_run_settings,
 )
 
 from sky_flower.core.partition.plan import Plan, StagePlan
@@ -117,25 +114,16 @@ def _round(
         (0.0,) * 3,
         ((0.0, 0.0),) * 3,
     )
-    settings_ = RunSettings(
-        model_fn=stateful_net,
-        input_shape=(8,),
-        num_layers=9,
-        settings=runner_settings(
-            {
-                "schedule.batch_size": BATCH,
-                "schedule.microbatches": microbatches,
-                "schedule.kind": kind,
-                "train.optimizer": "adam",
-                "train.lr": LR,
-                "seed": SEED,
-                # the round's deadline (a loaded 2-core machine)
-                "failure.message_timeout_s": 30.0,
-                # 20 s: a loaded 2-core machine's slow stage
-                "stream.timeout_s": stream_timeout_s,
-                "stream.tls": tls,
-            }
-        ),
+    settings_ = stateful_run_settings(
+        kind,
+        microbatches,
+        {
+            # the round's deadline (a loaded 2-core machine)
+            "failure.message_timeout_s": 30.0,
+            # 20 s: a loaded 2-core machine's slow stage
+            "stream.timeout_s": stream_timeout_s,
+            "stream.tls": tls,
+        },
         describe=grid.names.get,
     )
     try:

@@ -33,6 +33,7 @@ from test_exact_state import (
     _owner_data,
     _weights,
     stateful_net,
+    stateful_run_settings,
 )
 from test_stream import ThreadedGrid, _stream_threads
 
@@ -95,25 +96,11 @@ def _fleet(fault: dict | None = None) -> tuple[Counted, Pipeline]:
 
 
 def _settings(grid: Counted, kind: str, microbatches: int, **kw) -> RunSettings:  # noqa: ANN003
-    return RunSettings(
-        model_fn=stateful_net,
-        input_shape=(8,),
-        num_layers=9,
-        settings=runner_settings(
-            {
-                "schedule.batch_size": BATCH,
-                "schedule.microbatches": microbatches,
-                "schedule.kind": kind,
-                "train.optimizer": "adam",
-                "train.lr": LR,
-                "seed": SEED,
-                "failure.message_timeout_s": 30.0,
-                "stream.timeout_s": kw.pop("stream_timeout_s", 20.0),
-            }
-        ),
-        describe=grid.names.get,
-        **kw,
-    )
+    paths = {
+        "failure.message_timeout_s": 30.0,
+        "stream.timeout_s": kw.pop("stream_timeout_s", 20.0),
+    }
+    return stateful_run_settings(kind, microbatches, paths, describe=grid.names.get, **kw)
 
 
 def _rounds(kind: str, microbatches: int, sessions: bool, keep: bool = False) -> tuple:
