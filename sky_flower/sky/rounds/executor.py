@@ -92,15 +92,13 @@ class RoundExecutor:
         if schedule.transport in ("stream", "direct") and settings.stream.sessions:
             from sky_flower.sky.transport.session import StreamSessions
 
-            self.sessions = StreamSessions(
+            self.sessions = StreamSessions(  # a SuperNode runs one message at a time
                 settings.stream.session_max_s,
                 deadline(settings.deadlines, "collect", settings.failure.message_timeout_s)
                 + settings.stream.timeout_s,
-                capacity,
-                # the simulation engine runs two messages to one node on two workers; a
-                # SuperNode (no capacity given: a deployment) one at a time
-                per_node=None if capacity is not None else 1,
             )
+            if capacity is not None:  # the simulation engine's workers
+                self.sessions.in_engine(capacity)
 
     def run_settings(self, num_layers: int, names: Mapping[int, str]) -> RunSettings:
         """The settings every runner (and the benchmark's exchange) uses: the model's
@@ -136,8 +134,7 @@ class RoundExecutor:
         ``flwr run``, whose size the ServerApp is not told), as ``capacity`` does where
         it was not given; ``None`` or 0 (a deployment): nothing changes."""
         if workers and self.sessions is not None and self.sessions.capacity is None:
-            self.sessions.capacity = workers
-            self.sessions.per_node = None  # the engine runs two messages to a node at once
+            self.sessions.in_engine(workers)
 
     def check_plan(self, pipeline: Any, run: RunSettings) -> None:  # noqa: ANN401 - a Pipeline
         """Raise ``ValueError`` if the transport cannot run ``pipeline``: its own

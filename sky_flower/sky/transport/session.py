@@ -233,6 +233,12 @@ class StreamSessions:
         self.shared: set[int] = set()
         self.opened = 0  # sessions set up in the run
 
+    def in_engine(self, workers: int) -> None:
+        """The runtime is Flower's simulation engine, running ``workers`` ClientApps at
+        once: that is :attr:`capacity`, and a node runs several sessions (the engine
+        runs two messages to one node on two workers: ``per_node`` None)."""
+        self.capacity, self.per_node = workers, None
+
     def take(self, owner: str) -> StreamSession | None:
         """``owner``'s session, out of the pool while a round uses it (None: none)."""
         with self._lock:
