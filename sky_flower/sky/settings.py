@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS, Schedule
+
+log = logging.getLogger("sky_flower")
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 
@@ -86,6 +89,11 @@ NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
 DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
+def _shown(value: Any) -> Any:  # noqa: ANN401 - a config value
+    """``value`` as an error message shows it: a string quoted (``''``, not nothing)."""
+    return repr(value) if isinstance(value, str) else value
+
+
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _A = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
@@ -103,7 +111,7 @@ def _checked(
         try:
             return tuple(int(v) for v in raw)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{said}{name} must be a list of integers, got {raw}") from err
+            raise ValueError(f"{said}{name} must be a list of integers, got {_shown(raw)}") from err
     kind = _TYPES[str(f.type)]
     wrong = ValueError(f"{said}{name}={raw!r} must be {_A[kind]}")
     if kind is bool:  # true / false only (not 0 / 1, not "yes")
@@ -129,7 +137,7 @@ def _checked(
         raise ValueError(f"unknown {noun} {value!r} ({name}): choose one of {', '.join(choices)}")
     rule = f.metadata["rule"]
     if rule is not None and not rule[1](value):
-        raise ValueError(f"{said}{name} must be {rule[0]}, got {value}")
+        raise ValueError(f"{said}{name} must be {rule[0]}, got {_shown(value)}")
     return value
 
 
@@ -141,13 +149,15 @@ def _setting(
     rule: Rule | None = None,
     choices: tuple[str, ...] | None = None,
     *,
+    doc: str,
     key: str | None = _DERIVED,
     hydra: bool = True,
     run_default: Any = None,  # noqa: ANN401 - as default
 ) -> Any:  # noqa: ANN401 - a dataclasses.field
-    """A settings field: its default, check, run-config ``key`` where it is not the
-    rule's (``None``: Hydra only) and whether Hydra sets it."""
-    meta = {"key": key, "hydra": hydra, "rule": rule, "choices": choices}
+    """A settings field: its default, check, ``doc`` (the line docs/configuration.md
+    shows), run-config ``key`` where it is not the rule's (``None``: Hydra only) and
+    whether Hydra sets it."""
+    meta = {"key": key, "hydra": hydra, "rule": rule, "choices": choices, "doc": doc}
     if run_default is not None:  # the run config's default differs (documented there)
         meta["run_default"] = run_default
     return field(default=default, metadata=meta)
@@ -158,8 +168,16 @@ class AllocationSettings:
     """How the layers are cut: the ``allocation`` group (``allocation=optimal``) sets
     ``method``."""
 
-    method: str = _setting("heuristic", choices=ALLOCATIONS, key="allocation")
-    time_limit_s: float = _setting(MILP_TIME_LIMIT_S, POSITIVE, key="milp-time-limit-s")
+    method: str = _setting(
+        "heuristic", choices=ALLOCATIONS, key="allocation", doc="even | heuristic | optimal"
+    )
+    time_limit_s: float = _setting(
+        MILP_TIME_LIMIT_S,
+        POSITIVE,
+        key="milp-time-limit-s",
+        doc="allocation=optimal: the MILP's (HiGHS) time limit; past it: the better of its "
+        "incumbent and the heuristic's plan",
+    )
 
 
 @dataclass(frozen=True)
@@ -167,22 +185,36 @@ class FleetSettings:
     """The packaged fleet (``conf/fleet/``) by name: the ``fleet`` group (``fleet=edge3``)
     sets it and its nodes; ``""`` under ``flwr run``: no fleet file (a real federation)."""
 
-    name: str = _setting("edge4", key="fleet")
+    name: str = _setting(
+        "edge4",
+        key="fleet",
+        doc="conf/fleet: node i of the fleet is SuperNode i in simulation (run config "
+        '"": no fleet file, a real federation: native nodes)',
+    )
 
 
 @dataclass(frozen=True)
 class TrainSettings:
     """What every stage trains with."""
 
-    optimizer: str = _setting("adam", choices=OPTIMIZERS)
-    lr: float = _setting(1e-4, POSITIVE)
-    local_epochs: float = _setting(1.0, POSITIVE)
-    steps_per_round: int = _setting(0, (">= 0 (0: use local-epochs)", AT_LEAST_0[1]))
-    # BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
-    bn_policy: str = _setting("average", choices=BN_POLICIES)
-    # round: a fresh optimizer every round; keep: each pipeline's optimizer state kept
-    # across rounds, moved with its layers (sky_flower.sky.migration)
-    optimizer_state: str = _setting("round", choices=("round", "keep"))
+    optimizer: str = _setting("adam", choices=OPTIMIZERS, doc="every stage's optimizer")
+    lr: float = _setting(1e-4, POSITIVE, doc="learning rate (every stage)")
+    local_epochs: float = _setting(1.0, POSITIVE, doc="passes over the data owner's data per round")
+    steps_per_round: int = _setting(
+        0, (">= 0 (0: use local-epochs)", AT_LEAST_0[1]), doc="> 0 overrides local_epochs"
+    )
+    bn_policy: str = _setting(
+        "average",
+        choices=BN_POLICIES,
+        doc="BatchNorm across data owners: average (FedAvg, every entry) | local (FedBN: "
+        "each owner keeps its BatchNorm parameters and statistics; docs/models.md)",
+    )
+    optimizer_state: str = _setting(
+        "round",
+        choices=("round", "keep"),
+        doc="round: a fresh optimizer every round | keep: each pipeline's optimizer state "
+        "kept across rounds (moved with its layers, sky_flower.sky.migration)",
+    )
 
 
 # the schedule's defaults are those of the pure core's Schedule (sky_flower.core.schedule),
@@ -194,23 +226,63 @@ _SCHEDULE = Schedule()
 class ScheduleSettings:
     """One training step: batch, micro-batches, pipeline schedule and transport."""
 
-    batch_size: int = _setting(_SCHEDULE.batch_size, AT_LEAST_1)
-    microbatches: int = _setting(_SCHEDULE.microbatches, AT_LEAST_1)
-    kind: str = _setting(_SCHEDULE.kind, choices=SCHEDULE_KINDS, key="schedule-kind")
-    # run config: "auto" (stream when fleet is "", else relay; auto_transport)
-    transport: str = _setting(_SCHEDULE.transport, choices=TRANSPORTS, run_default="auto")
-    microbatches_per_message: int = _setting(_SCHEDULE.microbatches_per_message, AT_LEAST_0)
-    # model chunks per stage of interleaved / zero_bubble
-    chunks: int = _setting(_SCHEDULE.chunks, AT_LEAST_1, key="schedule-chunks")
+    batch_size: int = _setting(
+        _SCHEDULE.batch_size, AT_LEAST_1, doc="samples per training step (per data owner)"
+    )
+    microbatches: int = _setting(
+        _SCHEDULE.microbatches,
+        AT_LEAST_1,
+        doc="micro-batches per step (divides batch_size; Hydra: the transport group's)",
+    )
+    kind: str = _setting(
+        _SCHEDULE.kind,
+        choices=SCHEDULE_KINDS,
+        key="schedule-kind",
+        doc="sequential (relay, stream) | gpipe | 1f1b | interleaved, zero_bubble, auto "
+        "(direct only; auto: the planner predicts each and runs the fastest)",
+    )
+    transport: str = _setting(
+        _SCHEDULE.transport,
+        choices=TRANSPORTS,
+        run_default="auto",
+        doc="relay | direct | stream (Hydra: the transport group); run config: auto "
+        '(stream when fleet="", else relay)',
+    )
+    microbatches_per_message: int = _setting(
+        _SCHEDULE.microbatches_per_message,
+        AT_LEAST_0,
+        doc="gpipe/1f1b on relay: micro-batches per Flower message (a divisor of "
+        "microbatches); 0: the cost model picks it",
+    )
+    chunks: int = _setting(
+        _SCHEDULE.chunks,
+        AT_LEAST_1,
+        key="schedule-chunks",
+        doc="direct interleaved / zero_bubble (and auto's candidates): model chunks per "
+        "stage, chunk c on stage c mod S (>= S x chunks layers)",
+    )
 
 
 @dataclass(frozen=True)
 class DirectSettings:
     """``transport=direct``: the round's process group."""
 
-    timeout_s: float = _setting(30.0, POSITIVE)
-    join_timeout_s: float = _setting(60.0, POSITIVE)
-    host: str = _setting("127.0.0.1", NOT_BLANK)
+    timeout_s: float = _setting(
+        30.0,
+        POSITIVE,
+        doc="bound on every peer operation; a stage that fails or stalls mid-round ends the "
+        "round within about this time",
+    )
+    join_timeout_s: float = _setting(
+        60.0,
+        POSITIVE,
+        doc="bound on all stages joining a round (their messages may start seconds apart)",
+    )
+    host: str = _setting(
+        "127.0.0.1",
+        NOT_BLANK,
+        doc="address of the round's TCPStore (the server), reachable from every stage node",
+    )
 
 
 @dataclass(frozen=True)
@@ -218,41 +290,96 @@ class StreamSettings:
     """``transport=stream``: the round's endpoint on the ServerApp
     (:mod:`sky_flower.sky.transport.stream`)."""
 
-    host: str = _setting("127.0.0.1", NOT_BLANK)
-    bind: str = _setting("127.0.0.1", NOT_BLANK)
-    tls: bool = _setting(True)
-    max_frame_mb: float = _setting(256.0, POSITIVE)
-    timeout_s: float = _setting(30.0, POSITIVE)
-    # stage sessions (sky_flower.sky.transport.session) on stream and direct: one Flower
-    # message per stage node per plan, every round driven over the stream (direct: its
-    # control stream, the process group kept); False: one set-up message per round
-    sessions: bool = _setting(True)
-    # a session hands over to a fresh one (at a round's start) before it is this old:
-    # below Flower's message TTL (flwr.app.DEFAULT_TTL, 12 h)
-    session_max_s: float = _setting(36000.0, POSITIVE)
+    host: str = _setting(
+        "127.0.0.1",
+        NOT_BLANK,
+        doc="the address the stage nodes dial for the round's endpoint (the server as the "
+        "nodes reach it)",
+    )
+    bind: str = _setting(
+        "127.0.0.1", NOT_BLANK, doc="the interface the endpoint listens on (0.0.0.0: all)"
+    )
+    tls: bool = _setting(
+        True,
+        doc="TLS, a fresh certificate pinned through the set-up message (false only for an "
+        "insecure run)",
+    )
+    max_frame_mb: float = _setting(256.0, POSITIVE, doc="frame size cap (MiB), both ways")
+    timeout_s: float = _setting(
+        30.0,
+        POSITIVE,
+        doc="a stage silent this long while it owes a reply (or not connected this long "
+        "after its set-up) fails the round, by name",
+    )
+    sessions: bool = _setting(
+        True,
+        doc="stream, direct: stage sessions (sky_flower.sky.transport.session) live across "
+        "rounds: one Flower message per stage node per plan, every round driven over the "
+        "stream (direct: its control stream, which these stream.* settings configure; the "
+        "process group kept); false: a set-up message every round",
+    )
+    session_max_s: float = _setting(
+        36000.0,
+        POSITIVE,
+        doc="a session older than this hands over to a fresh one at a round's start "
+        "(below Flower's 12 h message TTL, flwr.app.DEFAULT_TTL)",
+    )
 
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
     """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64)."""
 
-    warmup: int = _setting(2, AT_LEAST_0, key="benchmark-warmup")
-    repeats: int = _setting(3, AT_LEAST_1, key="benchmark-repeats", run_default=7)
-    echo_bytes: tuple[int, ...] = _setting((1024, 4194304), key=None)
-    echo_repeats: int = _setting(3, AT_LEAST_1, run_default=7)
-    echo_jitter_s: float = _setting(0.1, AT_LEAST_0)
-    state_probe_mb: float = _setting(16.0, AT_LEAST_0, run_default=64.0)
+    warmup: int = _setting(2, AT_LEAST_0, key="benchmark-warmup", doc="untimed passes per layer")
+    repeats: int = _setting(
+        3, AT_LEAST_1, key="benchmark-repeats", run_default=7, doc="timed passes per layer (median)"
+    )
+    echo_bytes: tuple[int, ...] = _setting(
+        (1024, 4194304), key=None, doc="two payload sizes (bytes) for latency and bandwidth"
+    )
+    echo_repeats: int = _setting(
+        3, AT_LEAST_1, run_default=7, doc="echoes per payload size (median; link timing)"
+    )
+    echo_jitter_s: float = _setting(
+        0.1,
+        AT_LEAST_0,
+        doc="random pause before each echo: samples every phase of the nodes' polling tick "
+        "(0.1 s in Flower's simulation engine)",
+    )
+    state_probe_mb: float = _setting(
+        16.0,
+        AT_LEAST_0,
+        run_default=64.0,
+        doc="probe stored in context.state to time its per-message cost (0 = skip)",
+    )
 
 
 @dataclass(frozen=True)
 class FailurePolicy:
     """When a node fails a round, and how many failed rounds end the run."""
 
-    max_failed_rounds: int = _setting(2, AT_LEAST_1)
-    message_timeout_s: float = _setting(120.0, POSITIVE)
-    # finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this x the
-    # best so far fails like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
-    divergence_factor: float = _setting(0.0, DIVERGENCE)
+    max_failed_rounds: int = _setting(
+        2,
+        AT_LEAST_1,
+        doc="a failed round is recorded, the nodes whose own fault it was (silence, "
+        "error/malformed reply, crash) are dropped and the model re-planned (never the data "
+        "owner); non-finite output is a divergence (nobody dropped, train.lr named) or one "
+        "suspect helper set aside for a round (sky_flower/sky/rounds/blame.py); the next "
+        "round starts from the last good model; this many failures in a row end the run "
+        "(1: the first does)",
+    )
+    message_timeout_s: float = _setting(
+        120.0,
+        POSITIVE,
+        doc="a node silent for longer fails the round, by name: the floor of every deadline "
+        "(none is shorter)",
+    )
+    divergence_factor: float = _setting(
+        0.0,
+        DIVERGENCE,
+        doc="0 = off; >= 1: a round whose training loss exceeds this x the best so far fails "
+        "like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)",
+    )
 
 
 @dataclass(frozen=True)
@@ -261,23 +388,68 @@ class DeadlineSettings:
     ``failure.message_timeout_s``; a stage message's is ``failure.message_timeout_s +
     stage_multiple x`` its predicted time."""
 
-    first_contact_s: float = _setting(300.0, POSITIVE, key="first-contact-timeout-s")
-    benchmark_s: float = _setting(120.0, POSITIVE, key="benchmark-timeout-s")
-    setup_s: float = _setting(60.0, POSITIVE, key="setup-timeout-s")
-    stage_multiple: float = _setting(5.0, AT_LEAST_0, key="stage-timeout-multiple")
-    collect_s: float = _setting(60.0, POSITIVE, key="collect-timeout-s")
-    busy_wait_s: float = _setting(30.0, AT_LEAST_0)
+    first_contact_s: float = _setting(
+        300.0,
+        POSITIVE,
+        key="first-contact-timeout-s",
+        doc="a node's first message, its start-up included",
+    )
+    benchmark_s: float = _setting(
+        120.0,
+        POSITIVE,
+        key="benchmark-timeout-s",
+        doc="each benchmark message (profile, echo)",
+    )
+    setup_s: float = _setting(
+        60.0,
+        POSITIVE,
+        key="setup-timeout-s",
+        doc="each round's set-up message (the stage's weights)",
+    )
+    stage_multiple: float = _setting(
+        5.0,
+        AT_LEAST_0,
+        key="stage-timeout-multiple",
+        doc="a stage message: failure.message_timeout_s + this x its predicted time "
+        "(direct: x the round's predicted steps)",
+    )
+    collect_s: float = _setting(
+        60.0,
+        POSITIVE,
+        key="collect-timeout-s",
+        doc="each round's collect message (the stage's weights back)",
+    )
+    busy_wait_s: float = _setting(
+        30.0,
+        AT_LEAST_0,
+        doc="a node still running a message that timed out or was abandoned: wait this long "
+        "for it before failing the node (none is pushed to a node with one in flight)",
+    )
 
 
 @dataclass(frozen=True)
 class MessagingSettings:
     """How the ServerApp waits: reply polling period and the wait for nodes."""
 
-    poll_interval_s: float = _setting(0.002, POSITIVE, run_default=FLWR_RUN_POLL_INTERVAL_S)
-    node_wait_s: float = _setting(300.0, POSITIVE)
-    # flwr run: wait for this many SuperNodes (0: the fleet's size; no fleet: all that
-    # connect within node-wait-s)
-    min_nodes: int = _setting(0, AT_LEAST_0)
+    poll_interval_s: float = _setting(
+        0.002,
+        POSITIVE,
+        run_default=FLWR_RUN_POLL_INTERVAL_S,
+        doc="the ServerApp's reply polling period (under flwr run every poll is a call to "
+        "the SuperLink)",
+    )
+    node_wait_s: float = _setting(
+        300.0,
+        POSITIVE,
+        doc="wait this long for the fleet's nodes before the benchmark round, then plan with "
+        "those there (the simulation runtime: 5 s, its SuperNodes never join late)",
+    )
+    min_nodes: int = _setting(
+        0,
+        AT_LEAST_0,
+        doc='flwr run: SuperNodes to wait for (0: the fleet\'s size; with fleet="" (a real '
+        "federation, no fleet file): all that connect within node_wait_s)",
+    )
 
 
 UNIT_INTERVAL: Rule = ("in (0, 1]", lambda v: 0 < v <= 1)
@@ -289,9 +461,22 @@ class ReplanSettings:
     """Online re-planning (:mod:`sky_flower.sky.planning.replan`). ``mode`` off by default:
     the plan stays fixed unless a run asks for it; see docs/replanning.md."""
 
-    mode: str = _setting("off", choices=("off", "on", "force"), key="replan")
-    threshold: float = _setting(0.10, FRACTION)
-    smoothing: float = _setting(0.5, UNIT_INTERVAL)
+    mode: str = _setting(
+        "off",
+        choices=("off", "on", "force"),
+        key="replan",
+        doc="off | on | force (force: tests, other cuts every round); on/force also admit "
+        "nodes that join mid-run (profiled, then planned with)",
+    )
+    threshold: float = _setting(
+        0.10,
+        FRACTION,
+        doc="re-plan when the new plan's expected step (migration included) beats the "
+        "measured step by more than this",
+    )
+    smoothing: float = _setting(
+        0.5, UNIT_INTERVAL, doc="weight of the newest round in the profiles' smoothing"
+    )
 
 
 REFERENCE: Rule = ('"module:qualname"', lambda v: v.count(":") == 1 and all(v.split(":")))
@@ -308,11 +493,30 @@ class ObjectiveSettings:
     training scales each micro-batch's loss by it so that it equals unsplit training.
     Hydra: the ``task`` group."""
 
-    loss: str = _setting("torch.nn.functional:cross_entropy", REFERENCE)
-    metric: str = _setting("sky_flower.pipeline.objective:correct_count", REFERENCE)
-    # exact for any loss (docs/models.md)
-    reduction: str = _setting("mean", choices=REDUCTIONS, key="loss-reduction")
-    weight: str = _setting("", REFERENCE_OR_BLANK, key="loss-weight")
+    loss: str = _setting(
+        "torch.nn.functional:cross_entropy",
+        REFERENCE,
+        doc='the last stage\'s loss, "module:qualname"',
+    )
+    metric: str = _setting(
+        "sky_flower.pipeline.objective:correct_count",
+        REFERENCE,
+        doc="its metric (reported as accuracy)",
+    )
+    reduction: str = _setting(
+        "mean",
+        choices=REDUCTIONS,
+        key="loss-reduction",
+        doc="how the loss reduces over a micro-batch: mean | sum | weighted (exact for any "
+        "loss, docs/models.md)",
+    )
+    weight: str = _setting(
+        "",
+        REFERENCE_OR_BLANK,
+        key="loss-weight",
+        doc='weighted only: "module:qualname" of labels -> the count the loss averages over '
+        "(e.g. sky_flower.pipeline.lm:token_count)",
+    )
 
     def functions(self, run_config: bool = False) -> tuple[Callable, Callable]:
         """``(loss_fn, metric_fn)`` imported (the reduction checked too,
@@ -375,11 +579,22 @@ class SkySettings:
     the Hydra job writes its own).
     """
 
-    num_rounds: int = _setting(2, AT_LEAST_1, key="num-server-rounds")
+    num_rounds: int = _setting(
+        2,
+        AT_LEAST_1,
+        key="num-server-rounds",
+        doc="training rounds (2: ~0.94 test accuracy on the default fleet)",
+    )
     allocation: AllocationSettings = field(default_factory=AllocationSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
-    seed: int = _setting(0)
-    results_path: str = _setting("", hydra=False)
+    seed: int = _setting(
+        0, doc="random seed: the initial model, the data partition, the batches' order"
+    )
+    results_path: str = _setting(
+        "",
+        hydra=False,
+        doc='write the run\'s results.json here ("" = none; the launcher sets it)',
+    )
     train: TrainSettings = field(default_factory=TrainSettings)
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     direct: DirectSettings = field(default_factory=DirectSettings)
@@ -417,6 +632,7 @@ class SkySettings:
 
         settings = cls._build(_hydra_path, read)
         settings.check_combinations()
+        settings.warn_unread()
         return settings
 
     @classmethod
@@ -461,6 +677,7 @@ class SkySettings:
         settings = dataclasses.replace(settings, words="run_config")
         settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
+        settings.warn_unread()
         return settings
 
     def replace(self, overrides: Mapping[str, Any]) -> SkySettings:
@@ -583,6 +800,44 @@ class SkySettings:
                 f"0 < small < large, e.g. [1024, 4194304]; got {list(echo)}"
             )
 
+    def unread(self) -> list[str]:
+        """The ``stream.*`` and ``direct.*`` settings given a value other than their default
+        on a transport that does not read them, each as a sentence naming the setting (in
+        the caller's words, :meth:`name`) and the transport it applies to.
+
+        ``direct.*`` apply to ``transport=direct``; ``stream.sessions`` and
+        ``stream.session_max_s`` to stream and direct (stage sessions); the other
+        ``stream.*`` to stream, and to direct while ``stream.sessions`` is on (the
+        sessions' control stream). Not refused: a sweep sets them across transports.
+        """
+        transport, out = self.schedule.transport, []
+        for s in settings_fields():
+            group, _, leaf = s.path.partition(".")
+            value = s.value(self)
+            if group not in ("direct", "stream") or value == s.default:
+                continue
+            if group == "direct":
+                reads, where = ("direct",), "transport=direct"
+            elif leaf in ("sessions", "session_max_s"):
+                reads, where = ("stream", "direct"), "transport=stream and direct"
+            elif self.stream.sessions:
+                reads = ("stream", "direct")
+                where = "transport=stream (and direct's stage sessions)"
+            else:
+                reads = ("stream",)
+                where = f"transport=stream (and direct with {self.name('stream.sessions')}=true)"
+            if transport not in reads:
+                out.append(
+                    f"{self.name(s.path)}={_shown(value)} is ignored: it applies to {where}, "
+                    f"this run's {self.name('schedule.transport')} is {transport}"
+                )
+        return out
+
+    def warn_unread(self) -> None:
+        """Log a warning for each setting of :meth:`unread`."""
+        for line in self.unread():
+            log.warning(line)
+
     def schedule_object(self) -> Schedule:
         """The :class:`sky_flower.core.cost.Schedule` (which checks its own rules).
 
@@ -650,6 +905,22 @@ _SETTINGS = {s.path: s for s in _leaves(SkySettings)}
 def settings_fields() -> tuple[Setting, ...]:
     """Every leaf setting, in field order."""
     return tuple(_SETTINGS.values())
+
+
+def hydra_defaults() -> dict[str, Any]:
+    """Every Hydra setting's default as a nested dict in field order (``{"num_rounds": 2,
+    ..., "train": {"optimizer": "adam", "lr": 0.0001, ...}, ...}``; a tuple as a list):
+    the ``sky_base`` config that ``conf/config.yaml`` composes first
+    (:func:`sky_flower.jobs.common.conf_dir` registers it in Hydra's ConfigStore), so that
+    each default is written here only. Its values are untyped for OmegaConf: a bad
+    override reaches :meth:`SkySettings.from_hydra`, whose errors name the setting."""
+    tree: dict[str, Any] = {}
+    for s in settings_fields():
+        if s.hydra:
+            group, _, leaf = s.path.rpartition(".")
+            node = tree.setdefault(group, {}) if group else tree
+            node[leaf] = list(s.default) if isinstance(s.default, tuple) else s.default
+    return tree
 
 
 def _hydra_path(s: Setting) -> str | None:
