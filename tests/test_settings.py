@@ -1,6 +1,7 @@
 """One settings source: every default of ``sky_flower.sky.settings.SkySettings`` is the
-Hydra YAML's, the run config's (``sky_flower.app``) and ``examples/sky-app``'s; the
-settings reach ``SkyStrategy``; bad values are refused naming the rule (fast, no engine)."""
+composed Hydra config's (``conf/config.yaml`` restates none), the run config's
+(``sky_flower.app``) and ``examples/sky-app``'s; the settings reach ``SkyStrategy``; bad
+values are refused naming the rule (fast, no engine)."""
 
 import inspect
 import tomllib

@@ -27,9 +27,11 @@ setting with its path and key.
 
 :meth:`SkySettings.from_hydra` and :meth:`SkySettings.from_run_config` read and validate
 them, :meth:`SkySettings.replace` overrides values by path; ``SkyStrategy`` takes the
-settings object itself (``SkyStrategy(model, settings)``). A test
-(``tests/test_settings.py``) compares every default here with the Hydra YAML and
-``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
+settings object itself (``SkyStrategy(model, settings)``). The Hydra config does not
+restate the defaults: ``conf/config.yaml`` composes :func:`hydra_defaults` first (Hydra's
+``sky_base``), and ``docs/configuration.md`` shows each field's ``doc``. A test
+(``tests/test_settings.py``) compares every default here with the composed Hydra config
+and ``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
 line in the app's ``pyproject.toml``.
 
 No torch, scipy or Flower is imported here (a ClientApp imports this module on start).
