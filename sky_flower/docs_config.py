@@ -5,8 +5,9 @@ page; ``tests/test_docs.py`` fails when the file in the repository differs from 
 prints. Sources, all read here, none restated:
 
 - the Sky strategy's settings: :func:`sky_flower.sky.settings.settings_fields` (each
-  setting's path and run-config key, its field's default, ``rule``, ``choices``,
-  ``run_default`` and ``doc``, the description; its group's docstring);
+  setting's path and run-config key, its field's default, ``rule``, ``choices`` and
+  ``run_default``); its description is its entry in its class's ``Attributes``
+  (:func:`setting_docs`), the class's first paragraph its group's;
 - the Hydra config groups: the files under ``conf/`` (each choice's first comment line),
   the defaults list of ``conf/config.yaml``;
 - a fleet file's node keys: the ``Attributes`` of :class:`sky_flower.emulation.devices.
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sky_flower.emulation.devices import Emulation
-from sky_flower.sky.settings import GROUPS, KEY_PREFIXES, Setting, settings_fields
+from sky_flower.sky.settings import GROUPS, KEY_PREFIXES, Setting, SkySettings, settings_fields
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout (a repository tool)
 CONF = ROOT / "conf"
@@ -140,8 +141,19 @@ def _allowed(meta: dict[str, Any]) -> str:
     return ""
 
 
+def setting_docs() -> dict[str, str]:
+    """Hydra path -> description of every setting: its entry in the ``Attributes`` of
+    its settings class's docstring (``SkySettings`` for the top-level ones)."""
+    out = {}
+    for group, kind in [("", SkySettings), *GROUPS.items()]:
+        for name, _, text in _numpy_attributes(kind):
+            out[f"{group}.{name}" if group else name] = text
+    return out
+
+
 def settings_section() -> list[str]:
     """The Sky strategy's settings, one table per group, from ``settings_fields()``."""
+    docs = setting_docs()
     out = [
         "## Sky settings (`SkySettings`)",
         "",
@@ -170,7 +182,7 @@ def settings_section() -> list[str]:
             shown = _code(s.default)
             if "run_default" in meta:
                 shown += f" (run config: {_code(meta['run_default'])})"
-            what = meta["doc"]
+            what = docs[s.path]
             path = f"`{s.path}`" if s.hydra else "-"
             key = f"`{s.key}`" if s.key else "-"
             out.append(f"| {path} | {key} | {shown} | {_allowed(meta)} | {_cell(what)} |")

@@ -234,8 +234,8 @@ def test_an_unused_transport_setting_is_named_in_a_warning(caplog):
         s = SkySettings.from_hydra(_hydra(["transport=direct", "stream.sessions=false"]))
     assert caplog.records == []
     assert s.replace({"stream.timeout_s": 9.0}).unread() == [
-        "stream.timeout_s=9.0 is ignored: it applies to transport=stream (and direct with "
-        "stream.sessions=true), this run's schedule.transport is direct"
+        "stream.timeout_s=9.0 is ignored: it applies to transport=stream (and direct's stage "
+        "sessions), this run's schedule.transport is direct"
     ]
     run = SkySettings.from_run_config({"transport": "stream", "direct-host": "10.0.0.1"})
     assert run.unread() == [
