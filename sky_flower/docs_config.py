@@ -6,9 +6,8 @@ prints. Sources, all read here, none restated:
 
 - the Sky strategy's settings: :func:`sky_flower.sky.settings.settings_fields` (each
   setting's path and run-config key, its field's default, ``rule``, ``choices`` and
-  ``run_default``; its group's docstring); the one-line description is the setting's
-  comment in ``examples/sky-app/pyproject.toml`` (which ``tests/test_settings.py`` keeps
-  complete), else in ``conf/config.yaml``;
+  ``run_default``); its description is its entry in its class's ``Attributes``
+  (:func:`setting_docs`), the class's first paragraph its group's;
 - the Hydra config groups: the files under ``conf/`` (each choice's first comment line),
   the defaults list of ``conf/config.yaml``;
 - a fleet file's node keys: the ``Attributes`` of :class:`sky_flower.emulation.devices.
@@ -28,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from sky_flower.emulation.devices import Emulation
-from sky_flower.sky.settings import GROUPS, KEY_PREFIXES, Setting, settings_fields
+from sky_flower.sky.settings import GROUPS, KEY_PREFIXES, Setting, SkySettings, settings_fields
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout (a repository tool)
 CONF = ROOT / "conf"
-APP_PYPROJECT = ROOT / "examples" / "sky-app" / "pyproject.toml"
 
 HEADER = f"""\
 # Configuration reference
@@ -52,26 +50,6 @@ wrong type, outside its rule or not among its choices is refused before any node
 contacted, naming the key. How the pieces fit: [concepts.md](concepts.md); the Flower
 app: [flower-app.md](flower-app.md).
 """
-
-
-def _comments_toml(path: Path) -> dict[str, str]:
-    """``key -> comment`` of ``key = value  # comment`` lines (continuation comment lines
-    indented under the comment are appended)."""
-    out: dict[str, str] = {}
-    last = None
-    for line in path.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_-]+)\s*=\s*(.*?)\s*(?:#\s*(.*))?$", line)
-        if m and not line.lstrip().startswith("#"):
-            last = m.group(1)
-            if m.group(3):
-                out[last] = m.group(3).strip()
-            continue
-        m2 = re.match(r"^\s{8,}#\s*(.*)$", line)
-        if m2 and last in out:
-            out[last] += " " + m2.group(1).strip()
-        else:
-            last = None
-    return out
 
 
 def _yaml_entries(path: Path) -> list[tuple[str, str, str]]:
@@ -163,10 +141,19 @@ def _allowed(meta: dict[str, Any]) -> str:
     return ""
 
 
+def setting_docs() -> dict[str, str]:
+    """Hydra path -> description of every setting: its entry in the ``Attributes`` of
+    its settings class's docstring (``SkySettings`` for the top-level ones)."""
+    out = {}
+    for group, kind in [("", SkySettings), *GROUPS.items()]:
+        for name, _, text in _numpy_attributes(kind):
+            out[f"{group}.{name}" if group else name] = text
+    return out
+
+
 def settings_section() -> list[str]:
     """The Sky strategy's settings, one table per group, from ``settings_fields()``."""
-    app = _comments_toml(APP_PYPROJECT)
-    hydra = {k: c for k, _, c in _yaml_entries(CONF / "config.yaml")}
+    docs = setting_docs()
     out = [
         "## Sky settings (`SkySettings`)",
         "",
@@ -195,7 +182,7 @@ def settings_section() -> list[str]:
             shown = _code(s.default)
             if "run_default" in meta:
                 shown += f" (run config: {_code(meta['run_default'])})"
-            what = app.get(s.key or "", "") or hydra.get(s.path, "")
+            what = docs[s.path]
             path = f"`{s.path}`" if s.hydra else "-"
             key = f"`{s.key}`" if s.key else "-"
             out.append(f"| {path} | {key} | {shown} | {_allowed(meta)} | {_cell(what)} |")
@@ -291,15 +278,14 @@ def render() -> str:
     Raises
     ------
     FileNotFoundError
-        Outside a checkout of the repository (``conf/`` and ``examples/`` are read from
-        it), naming what is missing.
+        Outside a checkout of the repository (``conf/`` is read from it), naming what is
+        missing.
     """
-    for need in (CONF / "config.yaml", APP_PYPROJECT):
-        if not need.is_file():
-            raise FileNotFoundError(
-                f"{need} not found: run python -m sky_flower.docs_config from a checkout "
-                "of the repository (make docs), not from an installed wheel"
-            )
+    if not (CONF / "config.yaml").is_file():
+        raise FileNotFoundError(
+            f"{CONF / 'config.yaml'} not found: run python -m sky_flower.docs_config from a "
+            "checkout of the repository (make docs), not from an installed wheel"
+        )
     parts = [HEADER, *settings_section(), *groups_section(), *fleet_section()]
     parts += yaml_section(
         "Simulation (`simulation.*`, Hydra only)",

@@ -97,7 +97,7 @@ def test_invalid_fleet_file_is_one_line_naming_file_line_and_column(tmp_path):
 
 @pytest.mark.processes
 def test_invalid_fleet_file_on_the_command_line_prints_one_line(tmp_path):
-    """``python -m sky_flower.run --config-dir D fleet=bad``: exit status 2, one line on
+    """``python -m sky_flower.run --config-dir D fleet=bad``: exit status 1, one line on
     stderr, no traceback (it was a 95-line Hydra traceback), no output directory."""
     (tmp_path / "fleet").mkdir()
     (tmp_path / "fleet" / "bad.yaml").write_text(BAD_FLEET)
@@ -116,7 +116,7 @@ def test_invalid_fleet_file_on_the_command_line_prints_one_line(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "bad.yaml, line 4, column 5: invalid YAML" in lines[0]

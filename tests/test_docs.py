@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from sky_flower.docs_config import render
+from sky_flower.docs_config import render, setting_docs
 from sky_flower.plan_picture import picture
 from sky_flower.sky.settings import run_config_keys, settings_fields
 
@@ -94,3 +94,13 @@ def test_plan_picture_takes_a_run_directory(tmp_path, capsys):
     empty.mkdir()
     assert main([str(empty)]) == 1
     assert f"{empty / 'plan.json'}: no such file" in capsys.readouterr().err
+
+
+def test_every_setting_has_its_description():
+    """A setting's one description is its entry in its class's ``Attributes``, which the
+    page shows (``conf/config.yaml`` no longer carries them, issue 43): one entry for
+    every setting, none for a setting that is gone."""
+    docs, paths = setting_docs(), {s.path for s in settings_fields()}
+    assert set(docs) == paths, set(docs) ^ paths
+    for path, text in docs.items():
+        assert text.strip(), f"{path} has no description"

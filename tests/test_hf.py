@@ -11,10 +11,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from sky_flower.jobs.common import conf_dir
 from sky_flower.pipeline.hf import hf_module, hf_sequential, pretrained_state_dict
 from sky_flower.pipeline.models import build_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(conf_dir())  # registers the settings' defaults (sky_base) to compose
 QWEN = {
     "vocab_size": 64,
     "hidden_size": 32,

@@ -33,6 +33,7 @@ from torch import nn
 from sky_flower.app import load_fleet, register_sky_client, sky_strategy
 from sky_flower.core.profile import as_layers
 from sky_flower.deploy import node_config
+from sky_flower.jobs.common import conf_dir
 from sky_flower.pipeline.data import Split, owner_partition
 from sky_flower.pipeline.graph import as_sequential, original_state_dict, sequential_of
 from sky_flower.pipeline.llama import LlamaLM
@@ -41,7 +42,7 @@ from sky_flower.pipeline.local import run_local
 from sky_flower.pipeline.models import build_model
 from sky_flower.pipeline.text import load_python_source
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(conf_dir())  # registers the settings' defaults (sky_base) to compose
 T = 8
 SMALL = {"vocab_size": 256, "seq_len": T, "d_model": 16, "n_heads": 2, "n_layers": 3}
 UNITS = [["embed"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["norm"], ["head"]]

@@ -1,6 +1,7 @@
 """One settings source: every default of ``sky_flower.sky.settings.SkySettings`` is the
-Hydra YAML's, the run config's (``sky_flower.app``) and ``examples/sky-app``'s; the
-settings reach ``SkyStrategy``; bad values are refused naming the rule (fast, no engine)."""
+composed Hydra config's (``conf/config.yaml`` restates none), the run config's
+(``sky_flower.app``) and ``examples/sky-app``'s; the settings reach ``SkyStrategy``; bad
+values are refused naming the rule (fast, no engine)."""
 
 import inspect
 import tomllib
@@ -196,3 +197,60 @@ def test_a_renamed_hydra_path_is_refused_with_its_new_name():
         assert old not in paths and new in paths, (old, new)
     with pytest.raises(ValueError, match=r"schedule.stream_tls was renamed to stream.tls"):
         SkySettings().replace({"schedule.stream_tls": False})
+
+
+def test_conf_restates_no_default_of_the_settings():
+    """Each default is written once (issue 43): ``conf/config.yaml`` composes them from
+    ``SkySettings`` (``sky_base``) and sets none itself; every setting is in the composed
+    config, so a plain ``train.lr=...`` needs no ``+``."""
+    from sky_flower.sky.settings import hydra_defaults
+
+    own = OmegaConf.load(Path(conf_dir()) / "config.yaml")
+    assert list(own.defaults)[0] == "sky_base"
+    for s in settings_fields():
+        assert OmegaConf.select(own, s.path) is None, f"{s.path} restated in conf/config.yaml"
+    assert OmegaConf.to_container(_hydra(["transport=relay"]))["train"] == hydra_defaults()["train"]
+    cfg = _hydra(["train.lr=0.5", "benchmark.echo_bytes=[10,20]", "transport=direct"])
+    s = SkySettings.from_hydra(cfg)
+    assert (s.train.lr, s.benchmark.echo_bytes, s.schedule.kind) == (0.5, (10, 20), "gpipe")
+
+
+def test_an_unused_transport_setting_is_named_in_a_warning(caplog):
+    """``transport=relay stream.timeout_s=5``: accepted (a sweep sets it across transports)
+    and ignored, so a warning names the setting and the transport it applies to; none for
+    a default value or a setting the transport reads."""
+    with caplog.at_level("WARNING", logger="sky_flower"):
+        SkySettings.from_hydra(_hydra(["transport=relay", "stream.timeout_s=5"]))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "stream.timeout_s=5.0 is ignored: it applies to transport=stream (and direct's stage "
+        "sessions), this run's schedule.transport is relay"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sky_flower"):
+        SkySettings.from_hydra(_hydra(["transport=stream", "stream.timeout_s=5"]))
+        SkySettings.from_hydra(_hydra(["transport=relay", "stream.timeout_s=30"]))
+        SkySettings.from_hydra(_hydra(["transport=direct", "stream.tls=false"]))  # sessions
+        s = SkySettings.from_hydra(_hydra(["transport=direct", "stream.sessions=false"]))
+    assert caplog.records == []
+    assert s.replace({"stream.timeout_s": 9.0}).unread() == [
+        "stream.timeout_s=9.0 is ignored: it applies to transport=stream (and direct's stage "
+        "sessions), this run's schedule.transport is direct"
+    ]
+    run = SkySettings.from_run_config({"transport": "stream", "direct-host": "10.0.0.1"})
+    assert run.unread() == [
+        "direct-host='10.0.0.1' is ignored: it applies to transport=direct, this run's "
+        "transport is stream"
+    ]
+
+
+def test_a_string_in_an_error_is_quoted():
+    """``stream.host=''`` said ``got `` (nothing): a string value is shown with repr."""
+    with pytest.raises(ValueError, match=r"stream\.host must be a non-empty address, got ''$"):
+        SkySettings.from_hydra(_hydra(["stream.host=''"]))
+    with pytest.raises(ValueError, match=r"run config stream-bind must be .*, got ' '$"):
+        SkySettings.from_run_config({"stream-bind": " "})
+    with pytest.raises(ValueError, match=r"objective\.loss must be .*, got 'nocolon'$"):
+        SkySettings().replace({"objective.loss": "nocolon"})
+    with pytest.raises(ValueError, match=r"echo_bytes must be a list of integers, got 'ab'$"):
+        SkySettings().replace({"benchmark.echo_bytes": "ab"})

@@ -4,8 +4,9 @@ Hydra refuses ``trian.lr=0.1`` (the key is not in the config) and tells the user
 append it with ``+``; a ``+`` key is then taken silently and nothing reads it. Here a key
 is refused when it is a new top-level key, or a new key inside one of the primary
 config's own sections (``train``, ``schedule``, ``benchmark``, ...): those hold only the
-settings ``conf/config.yaml`` lists. Keys under the groups that take arbitrary arguments
-(``model``, ``dataset``, ``fleet``, ``strategy``, ...) are the user's own and pass.
+settings ``conf/config.yaml`` composes (``SkySettings``' through ``sky_base``, and its
+own). Keys under the groups that take arbitrary arguments (``model``, ``dataset``,
+``fleet``, ``strategy``, ...) are the user's own and pass.
 
 - :func:`check_overridden_keys`: each plain ``key=value`` of the command line, before
   Hydra starts, so a misspelling gets one answer with the close key instead of Hydra's
@@ -25,22 +26,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from sky_flower.sky.settings import RENAMED_PATHS
+from sky_flower.sky.settings import RENAMED_PATHS, hydra_defaults
 
 
 def known_keys(conf_dir: str | Path) -> tuple[set[str], dict[str, set[str]]]:
-    """The top-level keys of the primary config, its groups and the group options in
-    the global package (``transport`` sets ``schedule.*``), and, per own section (not a
-    group), every key they list."""
+    """The top-level keys of the primary config, the settings' defaults it composes
+    (``sky_base``: :func:`sky_flower.sky.settings.hydra_defaults`), its groups and the
+    group options in the global package (``transport`` sets ``schedule.*``), and, per
+    own section (not a group), every key they list."""
     primary = OmegaConf.load(Path(conf_dir) / "config.yaml")
     assert isinstance(primary, DictConfig)
     groups: set[str] = set()
-    for entry in primary.get("defaults", []):
-        if isinstance(entry, str) and entry != "_self_":
-            groups.add(entry.split("/")[0].split("@")[0])
-        elif isinstance(entry, DictConfig | dict):
+    for entry in primary.get("defaults", []):  # group: option (a plain name is a config)
+        if isinstance(entry, DictConfig | dict):
             groups.update(str(k).split("/")[0].split("@")[0] for k in entry)
-    files = [primary]  # and the group options that write into the global package
+    # and the group options that write into the global package
+    files = [primary, OmegaConf.create(hydra_defaults())]
     for path in sorted(Path(conf_dir).glob("*/*.yaml")):
         package = re.search(r"@package\s+(\S+)", path.read_text())
         if package and package.group(1) != "_global_":  # e.g. task -> objective
@@ -161,13 +162,15 @@ def _check_node_count(argv: Sequence[str], conf_dir: str | Path) -> None:
 
 def exit_on_unknown_keys(conf_dir: str | Path, argv: Sequence[str] | None = None) -> None:
     """:func:`check_overridden_keys` for this process's command line (default
-    ``sys.argv[1:]``); on an error print it as one line on stderr and exit with status 2
-    (a usage error), before Hydra starts."""
+    ``sys.argv[1:]``); on an error print it as one line on stderr and exit with status 1
+    before Hydra starts: Hydra exits 1 on a key it does not know (a config error, not a
+    usage error: argparse's 2 is for a bad flag), and so does every other refusal of bad
+    input (a bad value, a bad config file)."""
     try:
         check_overridden_keys(sys.argv[1:] if argv is None else argv, conf_dir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
 
 
 def check_added_keys(overrides: Sequence[str], conf_dir: str | Path) -> None:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from sky_flower.sky.rounds.hooks import RoundEnd, RunEnd, RunRecords, SkyHooks
 from sky_flower.sky.rounds.records import FailedRound, JoinRecord, RoundRecord
+from sky_flower.sky.settings import hydra_defaults
 
 if TYPE_CHECKING:
     from sky_flower.sky.planning.replan import ReplanRecord
@@ -55,7 +56,13 @@ ROUND_KEYS = (
 
 def conf_dir() -> str:
     """The Hydra config directory: the installed ``sky_flower/conf``, else the checkout's
-    ``conf/``."""
+    ``conf/``; ready to compose: the settings' defaults are registered in Hydra's
+    ConfigStore as ``sky_base`` (:func:`sky_flower.sky.settings.hydra_defaults`), the
+    first entry of ``conf/config.yaml``'s defaults list. Whatever composes
+    ``conf/config.yaml`` (an entry point, a test) takes the directory from here."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="sky_base", node=hydra_defaults())
     here = Path(__file__).resolve().parent.parent
     installed = here / "conf"  # pip install . puts conf/ here (see pyproject)
     return str(installed if (installed / "config.yaml").exists() else here.parent / "conf")

@@ -97,9 +97,10 @@ def check_command_line(argv: Sequence[str], conf_dir: str) -> None:
 
 def exit_on_bad_files(conf_dir: str, argv: Sequence[str] | None = None) -> None:
     """:func:`check_command_line` for this process's command line; on an error print it
-    as one line on stderr and exit with status 2 (a usage error), before Hydra starts."""
+    as one line on stderr and exit with status 1 before Hydra starts (as Hydra itself
+    exits on a config error, and as every other refusal of bad input does)."""
     try:
         check_command_line(sys.argv[1:] if argv is None else argv, conf_dir)
     except ConfigFileError as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None

@@ -27,10 +27,12 @@ setting with its path and key.
 
 :meth:`SkySettings.from_hydra` and :meth:`SkySettings.from_run_config` read and validate
 them, :meth:`SkySettings.replace` overrides values by path; ``SkyStrategy`` takes the
-settings object itself (``SkyStrategy(model, settings)``). A test
-(``tests/test_settings.py``) compares every default here with the Hydra YAML and
-``examples/sky-app/pyproject.toml``, so adding a run-config key is a field here and a
-line in the app's ``pyproject.toml``.
+settings object itself (``SkyStrategy(model, settings)``). The Hydra config does not
+restate the defaults: ``conf/config.yaml`` composes :func:`hydra_defaults` first (Hydra's
+``sky_base``); each setting's description is its entry in its class's ``Attributes``,
+which ``docs/configuration.md`` shows. A test (``tests/test_settings.py``) compares
+every default here with the composed Hydra config and ``examples/sky-app/pyproject.toml``,
+so adding a run-config key is a field here and a line in the app's ``pyproject.toml``.
 
 No torch, scipy or Flower is imported here (a ClientApp imports this module on start).
 """
@@ -39,11 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sky_flower.core.schedule import MILP_TIME_LIMIT_S, SCHEDULE_KINDS, TRANSPORTS, Schedule
+
+log = logging.getLogger("sky_flower")
 
 ALLOCATIONS = ("even", "heuristic", "optimal")  # as sky_flower.core.partition.METHODS
 
@@ -86,6 +91,11 @@ NOT_BLANK: Rule = ("a non-empty address", lambda v: bool(v.strip()))
 DIVERGENCE: Rule = ("0 (off) or >= 1", lambda v: v == 0 or 1 <= v < float("inf"))
 
 
+def _shown(value: Any) -> Any:  # noqa: ANN401 - a config value
+    """``value`` as an error message shows it: a string quoted (``''``, not nothing)."""
+    return repr(value) if isinstance(value, str) else value
+
+
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _A = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
@@ -103,7 +113,7 @@ def _checked(
         try:
             return tuple(int(v) for v in raw)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{said}{name} must be a list of integers, got {raw}") from err
+            raise ValueError(f"{said}{name} must be a list of integers, got {_shown(raw)}") from err
     kind = _TYPES[str(f.type)]
     wrong = ValueError(f"{said}{name}={raw!r} must be {_A[kind]}")
     if kind is bool:  # true / false only (not 0 / 1, not "yes")
@@ -129,7 +139,7 @@ def _checked(
         raise ValueError(f"unknown {noun} {value!r} ({name}): choose one of {', '.join(choices)}")
     rule = f.metadata["rule"]
     if rule is not None and not rule[1](value):
-        raise ValueError(f"{said}{name} must be {rule[0]}, got {value}")
+        raise ValueError(f"{said}{name} must be {rule[0]}, got {_shown(value)}")
     return value
 
 
@@ -146,7 +156,8 @@ def _setting(
     run_default: Any = None,  # noqa: ANN401 - as default
 ) -> Any:  # noqa: ANN401 - a dataclasses.field
     """A settings field: its default, check, run-config ``key`` where it is not the
-    rule's (``None``: Hydra only) and whether Hydra sets it."""
+    rule's (``None``: Hydra only) and whether Hydra sets it. Its description is an entry
+    of its class's ``Attributes`` (docs/configuration.md shows it)."""
     meta = {"key": key, "hydra": hydra, "rule": rule, "choices": choices}
     if run_default is not None:  # the run config's default differs (documented there)
         meta["run_default"] = run_default
@@ -156,7 +167,16 @@ def _setting(
 @dataclass(frozen=True)
 class AllocationSettings:
     """How the layers are cut: the ``allocation`` group (``allocation=optimal``) sets
-    ``method``."""
+    ``method``.
+
+    Attributes
+    ----------
+    method : str
+        even | heuristic | optimal
+    time_limit_s : float
+        allocation=optimal: the MILP's (HiGHS) time limit; past it: the better of its
+        incumbent and the heuristic's plan
+    """
 
     method: str = _setting("heuristic", choices=ALLOCATIONS, key="allocation")
     time_limit_s: float = _setting(MILP_TIME_LIMIT_S, POSITIVE, key="milp-time-limit-s")
@@ -165,23 +185,45 @@ class AllocationSettings:
 @dataclass(frozen=True)
 class FleetSettings:
     """The packaged fleet (``conf/fleet/``) by name: the ``fleet`` group (``fleet=edge3``)
-    sets it and its nodes; ``""`` under ``flwr run``: no fleet file (a real federation)."""
+    sets it and its nodes; ``""`` under ``flwr run``: no fleet file (a real federation).
+
+    Attributes
+    ----------
+    name : str
+        conf/fleet: node i of the fleet is SuperNode i in simulation (run config "": no
+        fleet file, a real federation: native nodes)
+    """
 
     name: str = _setting("edge4", key="fleet")
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """What every stage trains with."""
+    """What every stage trains with.
+
+    Attributes
+    ----------
+    optimizer : str
+        every stage's optimizer
+    lr : float
+        learning rate (every stage)
+    local_epochs : float
+        passes over the data owner's data per round
+    steps_per_round : int
+        > 0 overrides local_epochs
+    bn_policy : str
+        BatchNorm across data owners: average (FedAvg, every entry) | local (FedBN: each
+        owner keeps its BatchNorm parameters and statistics; docs/models.md)
+    optimizer_state : str
+        round: a fresh optimizer every round | keep: each pipeline's optimizer state kept
+        across rounds (moved with its layers, sky_flower.sky.migration)
+    """
 
     optimizer: str = _setting("adam", choices=OPTIMIZERS)
-    lr: float = _setting(1e-4, POSITIVE)
+    lr: float = _setting(0.0001, POSITIVE)
     local_epochs: float = _setting(1.0, POSITIVE)
     steps_per_round: int = _setting(0, (">= 0 (0: use local-epochs)", AT_LEAST_0[1]))
-    # BatchNorm across data owners: averaged (FedAvg) or kept local (FedBN)
     bn_policy: str = _setting("average", choices=BN_POLICIES)
-    # round: a fresh optimizer every round; keep: each pipeline's optimizer state kept
-    # across rounds, moved with its layers (sky_flower.sky.migration)
     optimizer_state: str = _setting("round", choices=("round", "keep"))
 
 
@@ -192,21 +234,50 @@ _SCHEDULE = Schedule()
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    """One training step: batch, micro-batches, pipeline schedule and transport."""
+    """One training step: batch, micro-batches, pipeline schedule and transport.
+
+    Attributes
+    ----------
+    batch_size : int
+        samples per training step (per data owner)
+    microbatches : int
+        micro-batches per step (divides batch_size; Hydra: the transport group's)
+    kind : str
+        sequential (relay, stream) | gpipe | 1f1b | interleaved, zero_bubble, auto (direct
+        only; auto: the planner predicts each and runs the fastest)
+    transport : str
+        relay | direct | stream (Hydra: the transport group); run config: auto (stream when
+        fleet="", else relay)
+    microbatches_per_message : int
+        gpipe/1f1b on relay: micro-batches per Flower message (a divisor of microbatches);
+        0: the cost model picks it
+    chunks : int
+        direct interleaved / zero_bubble (and auto's candidates): model chunks per stage,
+        chunk c on stage c mod S (>= S x chunks layers)
+    """
 
     batch_size: int = _setting(_SCHEDULE.batch_size, AT_LEAST_1)
     microbatches: int = _setting(_SCHEDULE.microbatches, AT_LEAST_1)
     kind: str = _setting(_SCHEDULE.kind, choices=SCHEDULE_KINDS, key="schedule-kind")
-    # run config: "auto" (stream when fleet is "", else relay; auto_transport)
     transport: str = _setting(_SCHEDULE.transport, choices=TRANSPORTS, run_default="auto")
     microbatches_per_message: int = _setting(_SCHEDULE.microbatches_per_message, AT_LEAST_0)
-    # model chunks per stage of interleaved / zero_bubble
     chunks: int = _setting(_SCHEDULE.chunks, AT_LEAST_1, key="schedule-chunks")
 
 
 @dataclass(frozen=True)
 class DirectSettings:
-    """``transport=direct``: the round's process group."""
+    """``transport=direct``: the round's process group.
+
+    Attributes
+    ----------
+    timeout_s : float
+        bound on every peer operation; a stage that fails or stalls mid-round ends the round
+        within about this time
+    join_timeout_s : float
+        bound on all stages joining a round (their messages may start seconds apart)
+    host : str
+        address of the round's TCPStore (the server), reachable from every stage node
+    """
 
     timeout_s: float = _setting(30.0, POSITIVE)
     join_timeout_s: float = _setting(60.0, POSITIVE)
@@ -216,25 +287,62 @@ class DirectSettings:
 @dataclass(frozen=True)
 class StreamSettings:
     """``transport=stream``: the round's endpoint on the ServerApp
-    (:mod:`sky_flower.sky.transport.stream`)."""
+    (:mod:`sky_flower.sky.transport.stream`).
+
+    Attributes
+    ----------
+    host : str
+        the address the stage nodes dial for the round's endpoint (the server as the nodes
+        reach it)
+    bind : str
+        the interface the endpoint listens on (0.0.0.0: all)
+    tls : bool
+        TLS, a fresh certificate pinned through the set-up message (false only for an
+        insecure run)
+    max_frame_mb : float
+        frame size cap (MiB), both ways
+    timeout_s : float
+        a stage silent this long while it owes a reply (or not connected this long after its
+        set-up) fails the round, by name
+    sessions : bool
+        stream, direct: stage sessions (sky_flower.sky.transport.session) live across
+        rounds: one Flower message per stage node per plan, every round driven over the
+        stream (direct: its control stream, which these stream.* settings configure; the
+        process group kept); false: a set-up message every round
+    session_max_s : float
+        a session older than this hands over to a fresh one at a round's start (below
+        Flower's 12 h message TTL, flwr.app.DEFAULT_TTL)
+    """
 
     host: str = _setting("127.0.0.1", NOT_BLANK)
     bind: str = _setting("127.0.0.1", NOT_BLANK)
     tls: bool = _setting(True)
     max_frame_mb: float = _setting(256.0, POSITIVE)
     timeout_s: float = _setting(30.0, POSITIVE)
-    # stage sessions (sky_flower.sky.transport.session) on stream and direct: one Flower
-    # message per stage node per plan, every round driven over the stream (direct: its
-    # control stream, the process group kept); False: one set-up message per round
     sessions: bool = _setting(True)
-    # a session hands over to a fresh one (at a round's start) before it is this old:
-    # below Flower's message TTL (flwr.app.DEFAULT_TTL, 12 h)
     session_max_s: float = _setting(36000.0, POSITIVE)
 
 
 @dataclass(frozen=True)
 class BenchmarkSettings:
-    """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64)."""
+    """The benchmark round: layer timing, link echoes, the state probe (flwr run: 7, 7, 64).
+
+    Attributes
+    ----------
+    warmup : int
+        untimed passes per layer
+    repeats : int
+        timed passes per layer (median)
+    echo_bytes : tuple of int
+        two payload sizes (bytes) for latency and bandwidth
+    echo_repeats : int
+        echoes per payload size (median; link timing)
+    echo_jitter_s : float
+        random pause before each echo: samples every phase of the nodes' polling tick (0.1 s
+        in Flower's simulation engine)
+    state_probe_mb : float
+        probe stored in context.state to time its per-message cost (0 = skip)
+    """
 
     warmup: int = _setting(2, AT_LEAST_0, key="benchmark-warmup")
     repeats: int = _setting(3, AT_LEAST_1, key="benchmark-repeats", run_default=7)
@@ -246,12 +354,27 @@ class BenchmarkSettings:
 
 @dataclass(frozen=True)
 class FailurePolicy:
-    """When a node fails a round, and how many failed rounds end the run."""
+    """When a node fails a round, and how many failed rounds end the run.
+
+    Attributes
+    ----------
+    max_failed_rounds : int
+        a failed round is recorded, the nodes whose own fault it was (silence,
+        error/malformed reply, crash) are dropped and the model re-planned (never the data
+        owner); non-finite output is a divergence (nobody dropped, train.lr named) or one
+        suspect helper set aside for a round (sky_flower/sky/rounds/blame.py); the next
+        round starts from the last good model; this many failures in a row end the run (1:
+        the first does)
+    message_timeout_s : float
+        a node silent for longer fails the round, by name: the floor of every deadline (none
+        is shorter)
+    divergence_factor : float
+        0 = off; >= 1: a round whose training loss exceeds this x the best so far fails like
+        a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
+    """
 
     max_failed_rounds: int = _setting(2, AT_LEAST_1)
     message_timeout_s: float = _setting(120.0, POSITIVE)
-    # finite or rejected: 0 = off; >= 1: a round whose training loss exceeds this x the
-    # best so far fails like a non-finite round (sky_flower.sky.transport.guard.RoundGuard)
     divergence_factor: float = _setting(0.0, DIVERGENCE)
 
 
@@ -259,7 +382,25 @@ class FailurePolicy:
 class DeadlineSettings:
     """Per-phase message deadlines (s; :mod:`sky_flower.sky.transport.deadlines`): none is below
     ``failure.message_timeout_s``; a stage message's is ``failure.message_timeout_s +
-    stage_multiple x`` its predicted time."""
+    stage_multiple x`` its predicted time.
+
+    Attributes
+    ----------
+    first_contact_s : float
+        a node's first message, its start-up included
+    benchmark_s : float
+        each benchmark message (profile, echo)
+    setup_s : float
+        each round's set-up message (the stage's weights)
+    stage_multiple : float
+        a stage message: failure.message_timeout_s + this x its predicted time (direct: x
+        the round's predicted steps)
+    collect_s : float
+        each round's collect message (the stage's weights back)
+    busy_wait_s : float
+        a node still running a message that timed out or was abandoned: wait this long for
+        it before failing the node (none is pushed to a node with one in flight)
+    """
 
     first_contact_s: float = _setting(300.0, POSITIVE, key="first-contact-timeout-s")
     benchmark_s: float = _setting(120.0, POSITIVE, key="benchmark-timeout-s")
@@ -271,12 +412,23 @@ class DeadlineSettings:
 
 @dataclass(frozen=True)
 class MessagingSettings:
-    """How the ServerApp waits: reply polling period and the wait for nodes."""
+    """How the ServerApp waits: reply polling period and the wait for nodes.
+
+    Attributes
+    ----------
+    poll_interval_s : float
+        the ServerApp's reply polling period (under flwr run every poll is a call to the
+        SuperLink)
+    node_wait_s : float
+        wait this long for the fleet's nodes before the benchmark round, then plan with
+        those there (the simulation runtime: 5 s, its SuperNodes never join late)
+    min_nodes : int
+        flwr run: SuperNodes to wait for (0: the fleet's size; with fleet="" (a real
+        federation, no fleet file): all that connect within node_wait_s)
+    """
 
     poll_interval_s: float = _setting(0.002, POSITIVE, run_default=FLWR_RUN_POLL_INTERVAL_S)
     node_wait_s: float = _setting(300.0, POSITIVE)
-    # flwr run: wait for this many SuperNodes (0: the fleet's size; no fleet: all that
-    # connect within node-wait-s)
     min_nodes: int = _setting(0, AT_LEAST_0)
 
 
@@ -287,10 +439,22 @@ FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
 @dataclass(frozen=True)
 class ReplanSettings:
     """Online re-planning (:mod:`sky_flower.sky.planning.replan`). ``mode`` off by default:
-    the plan stays fixed unless a run asks for it; see docs/replanning.md."""
+    the plan stays fixed unless a run asks for it; see docs/replanning.md.
+
+    Attributes
+    ----------
+    mode : str
+        off | on | force (force: tests, other cuts every round); on/force also admit nodes
+        that join mid-run (profiled, then planned with)
+    threshold : float
+        re-plan when the new plan's expected step (migration included) beats the measured
+        step by more than this
+    smoothing : float
+        weight of the newest round in the profiles' smoothing
+    """
 
     mode: str = _setting("off", choices=("off", "on", "force"), key="replan")
-    threshold: float = _setting(0.10, FRACTION)
+    threshold: float = _setting(0.1, FRACTION)
     smoothing: float = _setting(0.5, UNIT_INTERVAL)
 
 
@@ -306,11 +470,24 @@ class ObjectiveSettings:
     micro-batch (``reduction``: ``mean``, ``sum``, or ``weighted`` by ``weight(labels)``,
     e.g. tokens not ignored; :class:`sky_flower.pipeline.objective.LossReduction`): split
     training scales each micro-batch's loss by it so that it equals unsplit training.
-    Hydra: the ``task`` group."""
+    Hydra: the ``task`` group.
+
+    Attributes
+    ----------
+    loss : str
+        the last stage's loss, "module:qualname"
+    metric : str
+        its metric (reported as accuracy)
+    reduction : str
+        how the loss reduces over a micro-batch: mean | sum | weighted (exact for any loss,
+        docs/models.md)
+    weight : str
+        weighted only: "module:qualname" of labels -> the count the loss averages over (e.g.
+        sky_flower.pipeline.lm:token_count)
+    """
 
     loss: str = _setting("torch.nn.functional:cross_entropy", REFERENCE)
     metric: str = _setting("sky_flower.pipeline.objective:correct_count", REFERENCE)
-    # exact for any loss (docs/models.md)
     reduction: str = _setting("mean", choices=REDUCTIONS, key="loss-reduction")
     weight: str = _setting("", REFERENCE_OR_BLANK, key="loss-weight")
 
@@ -369,10 +546,18 @@ KEY_PREFIXES = {"direct": "direct-", "stream": "stream-", "replan": "replan-"}
 
 @dataclass(frozen=True)
 class SkySettings:
-    """Every setting of a Sky run (see the module docstring).
+    """Every setting of a Sky run (see the module docstring): the groups' (their classes
+    describe them) and these.
 
-    ``results_path`` is the file a ``flwr run`` writes ``results.json`` to (``""``: none;
-    the Hydra job writes its own).
+    Attributes
+    ----------
+    num_rounds : int
+        training rounds (2: ~0.94 test accuracy on the default fleet)
+    seed : int
+        random seed: the initial model, the data partition, the batches' order
+    results_path : str
+        the file a flwr run writes results.json to ("" = none; the launcher sets it; the
+        Hydra job writes its own)
     """
 
     num_rounds: int = _setting(2, AT_LEAST_1, key="num-server-rounds")
@@ -399,7 +584,9 @@ class SkySettings:
     def from_hydra(cls, cfg: Any) -> SkySettings:  # noqa: ANN401 - an omegaconf DictConfig
         """The settings of a composed Hydra config (``conf/config.yaml``).
 
-        A path the config does not have takes the default here.
+        A path the config does not have takes the default here. A ``stream.*`` or
+        ``direct.*`` value the transport does not read is named in a warning
+        (:meth:`unread`).
 
         Raises
         ------
@@ -417,6 +604,8 @@ class SkySettings:
 
         settings = cls._build(_hydra_path, read)
         settings.check_combinations()
+        for line in settings.unread():  # named once, at the start of a run
+            log.warning(line)
         return settings
 
     @classmethod
@@ -445,6 +634,8 @@ class SkySettings:
         -----
         ``transport='auto'`` (the run config's default) is resolved here by
         :func:`auto_transport`: ``stream`` for a real federation, ``relay`` on a fleet.
+        A ``stream-*`` or ``direct-*`` value the transport does not read is named in a
+        warning (:meth:`unread`).
         """
         keys = run_config_keys()
         unknown = sorted(set(run_config) - set(keys) - set(app_keys))
@@ -461,6 +652,8 @@ class SkySettings:
         settings = dataclasses.replace(settings, words="run_config")
         settings.check_combinations()
         settings.objective.functions(run_config=True)  # importable, or refused by key
+        for line in settings.unread():  # named once, at the start of a run
+            log.warning(line)
         return settings
 
     def replace(self, overrides: Mapping[str, Any]) -> SkySettings:
@@ -583,6 +776,35 @@ class SkySettings:
                 f"0 < small < large, e.g. [1024, 4194304]; got {list(echo)}"
             )
 
+    def unread(self) -> list[str]:
+        """The ``stream.*`` and ``direct.*`` settings given a value other than their default
+        on a transport that does not read them, each as a sentence naming the setting (in
+        the caller's words, :meth:`name`) and the transport it applies to.
+
+        ``direct.*`` apply to ``transport=direct``; ``stream.sessions`` and
+        ``stream.session_max_s`` to stream and direct (stage sessions); the other
+        ``stream.*`` to stream, and to direct while ``stream.sessions`` is on (the
+        sessions' control stream). Not refused: a sweep sets them across transports.
+        """
+        transport, out = self.schedule.transport, []
+        for s in settings_fields():
+            group, _, leaf = s.path.partition(".")
+            value = s.value(self)
+            if group not in ("direct", "stream") or value == s.default:
+                continue
+            if group == "direct":
+                reads, where = ("direct",), "transport=direct"
+            else:  # direct's stage sessions run over a stream too (their control stream)
+                sessions = leaf in ("sessions", "session_max_s") or self.stream.sessions
+                reads = ("stream", "direct") if sessions else ("stream",)
+                where = "transport=stream (and direct's stage sessions)"
+            if transport not in reads:
+                out.append(
+                    f"{self.name(s.path)}={_shown(value)} is ignored: it applies to {where}, "
+                    f"this run's {self.name('schedule.transport')} is {transport}"
+                )
+        return out
+
     def schedule_object(self) -> Schedule:
         """The :class:`sky_flower.core.cost.Schedule` (which checks its own rules).
 
@@ -650,6 +872,22 @@ _SETTINGS = {s.path: s for s in _leaves(SkySettings)}
 def settings_fields() -> tuple[Setting, ...]:
     """Every leaf setting, in field order."""
     return tuple(_SETTINGS.values())
+
+
+def hydra_defaults() -> dict[str, Any]:
+    """Every Hydra setting's default as a nested dict in field order (``{"num_rounds": 2,
+    ..., "train": {"optimizer": "adam", "lr": 0.0001, ...}, ...}``; a tuple as a list):
+    the ``sky_base`` config that ``conf/config.yaml`` composes first
+    (:func:`sky_flower.jobs.common.conf_dir` registers it in Hydra's ConfigStore), so that
+    each default is written here only. Its values are untyped for OmegaConf: a bad
+    override reaches :meth:`SkySettings.from_hydra`, whose errors name the setting."""
+    tree: dict[str, Any] = {}
+    for s in settings_fields():
+        if s.hydra:
+            group, _, leaf = s.path.rpartition(".")
+            node = tree.setdefault(group, {}) if group else tree
+            node[leaf] = list(s.default) if isinstance(s.default, tuple) else s.default
+    return tree
 
 
 def _hydra_path(s: Setting) -> str | None:
