@@ -11,12 +11,13 @@ A Flower app adopts Sky with two calls (see ``examples/sky-app``)::
 
 Run config (``[tool.flwr.app.config]`` in the app's ``pyproject.toml``, overridable with
 ``flwr run --run-config``): the keys of :class:`sky_flower.sky.settings.SkySettings`, with
-its defaults (those of the Hydra configs ``conf/config.yaml``, ``conf/allocation/*.yaml``,
-``conf/transport/relay.yaml``), e.g. ``allocation`` (``even`` | ``heuristic`` |
-``optimal``), ``fleet`` (a packaged fleet, ``sky_flower.conf.fleet``: the nodes' pipeline
-order and, in simulation, node ``i``'s device), ``transport`` (``relay`` | ``direct`` | ``stream``),
-``schedule-kind``, ``num-server-rounds``, ``lr``, ``max-failed-rounds``, ... and
-``results-path`` (write the run's ``results.json`` there; ``""``: none).
+its defaults (the Hydra job's too: ``conf/config.yaml`` composes them, its groups
+``conf/allocation/*.yaml`` and ``conf/transport/relay.yaml`` choose the same), e.g.
+``allocation`` (``even`` | ``heuristic`` | ``optimal``), ``fleet`` (a packaged fleet,
+``sky_flower.conf.fleet``: the nodes' pipeline order and, in simulation, node ``i``'s
+device), ``transport`` (``relay`` | ``direct`` | ``stream``), ``schedule-kind``,
+``num-server-rounds``, ``lr``, ``max-failed-rounds``, ... and ``results-path`` (write the
+run's ``results.json`` there; ``""``: none).
 
 :func:`validate_run_config` refuses an unknown key or value, listing the valid choices,
 before any node is contacted.
@@ -142,7 +143,7 @@ def validate_run_config(
     Returns
     -------
     SkyRunConfig
-        With :class:`SkySettings`' defaults (``conf/config.yaml``'s) for keys not set.
+        With :class:`SkySettings`' defaults for keys not set.
 
     Raises
     ------

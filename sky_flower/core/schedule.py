@@ -30,8 +30,8 @@ from sky_flower.core.virtual import (
 
 LABEL_BYTES_PER_SAMPLE = 8  # int64 class index
 # allocation=optimal's MILP time limit (HiGHS), by default: the one place it is written
-# (SkySettings.allocation.time_limit_s, conf/config.yaml's allocation.time_limit_s, the
-# planners' defaults)
+# (SkySettings.allocation.time_limit_s, and through it the Hydra job's, the planners'
+# defaults)
 MILP_TIME_LIMIT_S = 30.0
 
 ScheduleKind = Literal["sequential", "gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
