@@ -76,13 +76,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from sky_flower.core.virtual import Action, peak_stash, play
 
-PipelineKind = Literal["sequential", "gpipe", "1f1b"]
 KINDS: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
 
 

@@ -64,9 +64,6 @@ class Action(NamedTuple):
     microbatch: int
 
 
-ChunkOp = Action  # (op, chunk, micro-batch): a direct schedule's op
-
-
 def check_virtual(kind: str, stages: int, chunks: int, microbatches: int) -> None:
     """Raise ``ValueError`` unless torch 2.13 runs ``kind`` with these sizes.
 
@@ -88,7 +85,7 @@ def check_virtual(kind: str, stages: int, chunks: int, microbatches: int) -> Non
         )
 
 
-def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[ChunkOp]]:
+def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[Action]]:
     """Per-rank op order of ``kind`` as torch 2.13 runs it (idle slots dropped).
 
     Parameters
@@ -112,7 +109,7 @@ def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[
     return [_rank_ops(kind, stages, chunks, microbatches, r) for r in range(stages)]
 
 
-def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
+def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[Action]:
     """torch's ``_get_1f1b_rank_ops`` for one rank (see :func:`rank_orders`)."""
     zb = kind == "zero_bubble"
     per_round = M // max(1, M // S)
@@ -127,12 +124,12 @@ def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
 
     count = {"F": [0] * (S * v), "B": [0] * (S * v), "W": [0] * (S * v)}
 
-    def nxt(op: str, c: int) -> ChunkOp:
+    def nxt(op: str, c: int) -> Action:
         m = count[op][c]
         count[op][c] += 1
         return Action("I" if zb and op == "B" else op, c, m)
 
-    ops: list[ChunkOp] = []
+    ops: list[Action] = []
     backward_ops: list[int] = []
     weights = 0
     for op in range(warmup + steady + warmup):
@@ -176,7 +173,7 @@ class ChunkSim:
 
 
 def simulate_chunks(  # noqa: PLR0913
-    orders: Sequence[Sequence[ChunkOp]],
+    orders: Sequence[Sequence[Action]],
     fwd_s: Sequence[float],
     bwd_s: Sequence[float],
     fwd_link_s: Sequence[float],
@@ -230,7 +227,7 @@ def simulate_chunks(  # noqa: PLR0913
     return ChunkSim(step, busy, peak_stash(orders, stash or [1.0] * C), ops)
 
 
-def peak_stash(orders: Sequence[Sequence[ChunkOp]], stash: Sequence[float]) -> list[float]:
+def peak_stash(orders: Sequence[Sequence[Action]], stash: Sequence[float]) -> list[float]:
     """Per rank, the most stash weight its order holds at once: chunk ``c``'s
     ``stash[c]`` from its ``F`` to its ``B`` (or, the backward split, its ``W``, which
     still needs the stashed inputs)."""
@@ -248,7 +245,7 @@ def peak_stash(orders: Sequence[Sequence[ChunkOp]], stash: Sequence[float]) -> l
 
 
 def play(  # noqa: PLR0913, PLR0915
-    orders: Sequence[Sequence[ChunkOp]],
+    orders: Sequence[Sequence[Action]],
     fwd_s: Sequence[float],
     bwd_s: Sequence[float],
     fwd_link_s: Sequence[float],
