@@ -323,7 +323,7 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
                 link.send({**end, "error": str(err)[:500]})
                 raise
             if P.STAGE_ERROR in out:  # the stage's own error ends it too
-                link.send({**end, "error": str(out[P.STAGE_ERROR]["error"])}, out)
+                link.send({**end, "error": str(out[P.STAGE_ERROR]["error"])[:500]}, out)
                 return out
             rounds, compute = rounds + 1, compute + float(out[P.METRICS][P.COMPUTE_S])
             faults.spoil_reply(emu, P.DIRECT, rnd, out)
