@@ -90,3 +90,21 @@ def test_a_stage_that_crashes_mid_session_fails_its_round_by_name(server_identit
         "node2",
     ]
     assert third.flower_messages == 2 and third.session_round == 1
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_a_session_keeps_the_optimizer_state_as_set_ups_per_round_do(server_identity):
+    """``train.optimizer_state=keep``: each round of a session starts from the optimizer
+    state it ended the last one with, as set-up messages per round start from the state
+    the server kept; the global model after every round is the same, bit for bit."""
+    run = {**RUN, "schedule-kind": "1f1b", "num-server-rounds": 3, "optimizer-state": "keep"}
+    on, on_result, _ = run_sky_app(ConcurrentGrid, {**run, "stream-sessions": True})
+    off, off_result, _ = run_sky_app(ConcurrentGrid, {**run, "stream-sessions": False})
+    assert all(r.error is None for r in on.rounds + off.rounds), (on.rounds, off.rounds)
+    assert [r.flower_messages for r in on.rounds] == [3, 0, 0]
+    assert [r.train_loss for r in on.rounds] == [r.train_loss for r in off.rounds]
+    got, want = on_result.arrays.to_torch_state_dict(), off_result.arrays.to_torch_state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

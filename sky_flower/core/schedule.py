@@ -22,7 +22,7 @@ import numpy as np
 
 from sky_flower.core.virtual import (
     VIRTUAL_KINDS,
-    ChunkOp,
+    Action,
     rank_orders,
     simulate_chunks,
     split_chunks,
@@ -183,7 +183,7 @@ class SchedulePrediction:
     chunk_layers: list[tuple[int, int, int]]
 
 
-def orders_for(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[ChunkOp]]:
+def orders_for(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[Action]]:
     """Per-rank :class:`~sky_flower.core.virtual.Action` lists of any schedule kind:
     ``sequential`` / GPipe / 1F1B from :func:`sky_flower.core.simulate.stage_order` (one
     chunk per rank), the others from :func:`rank_orders`."""

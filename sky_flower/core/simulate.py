@@ -29,7 +29,9 @@ An op starts at the later of "its resource is free" and "its inputs have arrived
 Every schedule below runs each stage's forwards, and each stage's backwards, in
 micro-batch order, so transfers become ready on every link in micro-batch order and FIFO
 service is service in micro-batch order. With all orders fixed the step is a longest path
-through a DAG; :func:`simulate` walks it with a work list in ``O(S M)`` op visits.
+through a DAG; :func:`simulate` walks it with a work list in ``O(S M)`` op visits
+(:func:`sky_flower.core.virtual.play`, which plays the chunked schedules too: this is its
+case of one chunk per stage).
 
 Schedules (``kind``), as per-stage op orders:
 
@@ -72,16 +74,13 @@ step for op times).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-from sky_flower.core.virtual import Action
+from sky_flower.core.virtual import Action, peak_stash, play
 
-PipelineKind = Literal["sequential", "gpipe", "1f1b"]
 KINDS: tuple[str, ...] = ("sequential", "gpipe", "1f1b")
 
 
@@ -254,99 +253,13 @@ def simulate(
     if mb < 1:
         raise ValueError(f"microbatches must be >= 1, got {mb}")
     orders = stage_order(kind, s, mb, interleave_last)
-
-    nan = math.nan
-    # act_in[k][m]: activation of m available on stage k (after link k-1>k); stage 0 has
-    # its inputs at t = 0. grad_in[k][m]: gradient of m available on stage k (k < S-1).
-    act_in = [[0.0] * mb] + [[nan] * mb for _ in range(s - 1)]
-    grad_in = [[nan] * mb for _ in range(s)]
-    f_end = [[nan] * mb for _ in range(s)]
-    stage_free = [0.0] * s
-    fwd_link_free = [0.0] * max(s - 1, 0)
-    bwd_link_free = [0.0] * max(s - 1, 0)
-    ptr = [0] * s
-    # records: (start, end, resource code, kind code, microbatch); resource code encodes
-    # stage k as (0, k), forward link k>k+1 as (1, k), backward link k+1>k as (2, k).
-    rec: list[tuple[float, float, int, int, str, int]] = []
-
-    work = list(range(s - 1, -1, -1))  # pop() takes stage 0 first
-    while work:
-        k = work.pop()
-        order = orders[k]
-        while ptr[k] < len(order):
-            c, _, m = order[ptr[k]]
-            if c == "F":
-                ready = act_in[k][m]
-                if ready != ready:  # NaN: not arrived yet
-                    break
-                start = max(stage_free[k], ready)
-                end = start + f[k]
-                f_end[k][m] = end
-                rec.append((start, end, 0, k, "F", m))
-                stage_free[k] = end
-                if k < s - 1:
-                    t0 = max(fwd_link_free[k], end)
-                    t1 = t0 + fl[k]
-                    fwd_link_free[k] = t1
-                    act_in[k + 1][m] = t1
-                    rec.append((t0, t1, 1, k, "SF", m))
-                    work.append(k + 1)
-            else:
-                if k < s - 1:
-                    ready = grad_in[k][m]
-                    if ready != ready:
-                        break
-                else:
-                    ready = f_end[k][m]
-                start = max(stage_free[k], ready, f_end[k][m])
-                end = start + b[k]
-                rec.append((start, end, 0, k, "B", m))
-                stage_free[k] = end
-                if k > 0:
-                    t0 = max(bwd_link_free[k - 1], end)
-                    t1 = t0 + bl[k - 1]
-                    bwd_link_free[k - 1] = t1
-                    grad_in[k - 1][m] = t1
-                    rec.append((t0, t1, 2, k - 1, "SB", m))
-                    work.append(k - 1)
-            ptr[k] += 1
-    stuck = [k for k in range(s) if ptr[k] < len(orders[k])]
-    if stuck:  # cannot happen for the orders above; guards future kinds
-        k = stuck[0]
-        raise RuntimeError(f"schedule {kind!r} deadlocks at stage {k}, op {orders[k][ptr[k]]}")
-
-    return _result(rec, orders, stage_free)
-
-
-def _result(
-    rec: list[tuple[float, float, int, int, str, int]],
-    orders: list[list[tuple[str, int]]],
-    stage_free: list[float],
-) -> SimResult:
-    """The :class:`SimResult` of a played step: ops sorted by start, busy seconds per
-    resource, peak micro-batches in flight per stage, step time."""
-    s = len(orders)
-    stage_names = [f"stage{k}" for k in range(s)]
-    fwd_names = [f"link{k}>{k + 1}" for k in range(s - 1)]
-    bwd_names = [f"link{k + 1}>{k}" for k in range(s - 1)]
-    names = (stage_names, fwd_names, bwd_names)
-    busy = {n: 0.0 for n in stage_names}
-    for k in range(s - 1):
-        busy[fwd_names[k]] = 0.0
-        busy[bwd_names[k]] = 0.0
-    rec.sort()
+    rec, names, step = play(orders, f, b, fl, bl, int(mb))  # ties in time: stages, then links
+    busy = {n: 0.0 for n in names[:s]}
+    for k in range(s - 1):  # every link, both directions, idle or not
+        busy[names[s + k]] = busy[names[2 * s - 1 + k]] = 0.0
     ops = []
-    for start, end, code, k, c, m in rec:
-        name = names[code][k]
-        busy[name] += end - start
-        ops.append(Op(name, c, m, start, end))
-
-    peak = []
-    for order in orders:
-        live = top = 0
-        for c, _, _ in order:
-            live += 1 if c == "F" else -1
-            top = max(top, live)
-        peak.append(top)
-    step = max(stage_free)  # every schedule ends with a backward on a stage
+    for start, end, res, op, _, m in rec:
+        busy[names[res]] += end - start
+        ops.append(Op(names[res], op, m, start, end))
+    peak = [int(p) for p in peak_stash(orders, [1.0] * s)]
     return SimResult(step_time_s=step, busy_s=busy, peak_inflight=peak, ops=ops)

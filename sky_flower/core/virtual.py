@@ -22,16 +22,14 @@ and memory the cost model uses:
 / ``_get_1f1b_rank_ops`` with the idle slots (``None``) dropped; the tests compare it
 with torch's own ``pipeline_order``. :func:`simulate_chunks` plays the orders with
 every rank and every directed rank pair (link) a resource, links first in first out
-by readiness; with ``v = 1`` and the GPipe / 1F1B orders it equals
-:func:`sky_flower.core.simulate.simulate`. Units: seconds (per micro-batch for the
+by readiness (:func:`play`, which :func:`sky_flower.core.simulate.simulate` plays
+GPipe / 1F1B with too: ``v = 1``). Units: seconds (per micro-batch for the
 inputs), bytes for memory.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -66,9 +64,6 @@ class Action(NamedTuple):
     microbatch: int
 
 
-ChunkOp = Action  # (op, chunk, micro-batch): a direct schedule's op
-
-
 def check_virtual(kind: str, stages: int, chunks: int, microbatches: int) -> None:
     """Raise ``ValueError`` unless torch 2.13 runs ``kind`` with these sizes.
 
@@ -90,7 +85,7 @@ def check_virtual(kind: str, stages: int, chunks: int, microbatches: int) -> Non
         )
 
 
-def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[ChunkOp]]:
+def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[list[Action]]:
     """Per-rank op order of ``kind`` as torch 2.13 runs it (idle slots dropped).
 
     Parameters
@@ -114,7 +109,7 @@ def rank_orders(kind: str, stages: int, chunks: int, microbatches: int) -> list[
     return [_rank_ops(kind, stages, chunks, microbatches, r) for r in range(stages)]
 
 
-def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
+def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[Action]:
     """torch's ``_get_1f1b_rank_ops`` for one rank (see :func:`rank_orders`)."""
     zb = kind == "zero_bubble"
     per_round = M // max(1, M // S)
@@ -129,12 +124,12 @@ def _rank_ops(kind: str, S: int, v: int, M: int, rank: int) -> list[ChunkOp]:
 
     count = {"F": [0] * (S * v), "B": [0] * (S * v), "W": [0] * (S * v)}
 
-    def nxt(op: str, c: int) -> ChunkOp:
+    def nxt(op: str, c: int) -> Action:
         m = count[op][c]
         count[op][c] += 1
         return Action("I" if zb and op == "B" else op, c, m)
 
-    ops: list[ChunkOp] = []
+    ops: list[Action] = []
     backward_ops: list[int] = []
     weights = 0
     for op in range(warmup + steady + warmup):
@@ -178,7 +173,7 @@ class ChunkSim:
 
 
 def simulate_chunks(  # noqa: PLR0913
-    orders: Sequence[Sequence[ChunkOp]],
+    orders: Sequence[Sequence[Action]],
     fwd_s: Sequence[float],
     bwd_s: Sequence[float],
     fwd_link_s: Sequence[float],
@@ -219,120 +214,142 @@ def simulate_chunks(  # noqa: PLR0913
         Wrong lengths, or an order that deadlocks or misses an op.
     """
     S, C = len(orders), len(fwd_s)
-    rank_of = rank_of or (lambda c: c % S)
     if len(bwd_s) != C or len(fwd_link_s) != C - 1 or len(bwd_link_s) != C - 1:
         raise ValueError(f"need {C} chunk times and {C - 1} link times per direction")
-    dur = {"F": list(fwd_s), "B": list(bwd_s)}
-    dur["I"] = [(1.0 - weight_share) * b for b in bwd_s]
-    dur["W"] = [weight_share * b for b in bwd_s]
-    state = _Sim(S, C, microbatches, rank_of)
-    state.run(orders, dur, fwd_link_s, bwd_link_s)
-    weights = list(stash) if stash is not None else [1.0] * C
+    rec, names, step = play(
+        orders, fwd_s, bwd_s, fwd_link_s, bwd_link_s, microbatches, rank_of, weight_share
+    )
+    busy: dict[str, float] = {f"stage{r}": 0.0 for r in range(S)}
+    ops = []
+    for start, end, res, op, c, m in rec:
+        busy[names[res]] = busy.get(names[res], 0.0) + end - start
+        ops.append((names[res], op, c, m, start, end))
+    return ChunkSim(step, busy, peak_stash(orders, stash or [1.0] * C), ops)
+
+
+def peak_stash(orders: Sequence[Sequence[Action]], stash: Sequence[float]) -> list[float]:
+    """Per rank, the most stash weight its order holds at once: chunk ``c``'s
+    ``stash[c]`` from its ``F`` to its ``B`` (or, the backward split, its ``W``, which
+    still needs the stashed inputs)."""
     peak = []
     for order in orders:
         live = top = 0.0
-        split = any(op == "W" for op, _, _ in order)
         for op, c, _ in order:
             if op == "F":
-                live += weights[c]
-            elif op == ("W" if split else "B"):
-                live -= weights[c]
-            top = max(top, live)
+                live += stash[c]
+                top = max(top, live)
+            elif op == "B" or op == "W":
+                live -= stash[c]
         peak.append(top)
-    ops = sorted(state.rec, key=lambda r: (r[4], r[5]))
-    busy: dict[str, float] = {f"stage{r}": 0.0 for r in range(S)}
-    for res, *_, start, end in ops:
-        busy[res] = busy.get(res, 0.0) + end - start
-    step = max((r[5] for r in ops), default=0.0)
-    return ChunkSim(step, busy, peak, ops)
+    return peak
 
 
-class _Sim:
-    """State of :func:`simulate_chunks`: ranks run their orders, links serve FIFO."""
+def play(  # noqa: PLR0913, PLR0915
+    orders: Sequence[Sequence[Action]],
+    fwd_s: Sequence[float],
+    bwd_s: Sequence[float],
+    fwd_link_s: Sequence[float],
+    bwd_link_s: Sequence[float],
+    microbatches: int,
+    rank_of: Callable[[int], int] | None = None,
+    weight_share: float = WEIGHT_GRAD_SHARE,
+) -> tuple[list[tuple[float, float, int, str, int, int]], list[str], float]:
+    """The timeline of one step (:func:`simulate_chunks`; :func:`sky_flower.core.
+    simulate.simulate` is its one-chunk-per-rank case): every op as ``(start, end,
+    resource, op, chunk, micro-batch)``, sorted; the resources' names; the step's
+    makespan (seconds).
 
-    def __init__(self, S: int, C: int, M: int, rank_of: Callable[[int], int]) -> None:
-        self.S, self.C, self.M, self.rank_of = S, C, M, rank_of
-        nan = math.nan
-        self.act = [[0.0 if c == 0 else nan for _ in range(M)] for c in range(C)]
-        self.grad = [[nan] * M for _ in range(C)]
-        self.done: dict[tuple[str, int, int], float] = {}
-        self.rec: list[tuple[str, str, int, int, float, float]] = []
-        self.heap: list[tuple[float, int, str, tuple]] = []
-        self.seq = 0
+    Resources: rank ``r`` is resource ``r`` (``"stage{r}"``), the link from rank ``r``
+    to ``r + 1`` resource ``S + r``, from ``r + 1`` back to ``r`` ``2 S - 1 + r``, any
+    other pair (the wrap-around of chunked schedules) a number after those (each
+    ``"link{a}>{b}"``). A link op (``SF`` activations, ``SB`` gradients) names the
+    chunk it feeds.
 
-    def push(self, t: float, what: str, data: tuple) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, what, data))
+    An op starts at the later of "its rank is free" and "its inputs have arrived"
+    (``F`` the chunk's input; ``B`` / ``I`` its output's gradient, or its own ``F`` on
+    the last chunk; ``W`` its ``I``); a transfer starts at the later of "its link is
+    free" and the end of the op that sends it. Every link has one sender, whose sends
+    become ready in its order, so serving a link in the order its sends are played is
+    first in first out by readiness. The ranks are played with a work list: each runs
+    its order until an op's input has not arrived, and runs again once one does; each
+    op is visited once (``O(S M v)``).
 
-    def ready(self, op: str, c: int, m: int) -> float:
-        """When ``op`` of chunk ``c``, micro-batch ``m`` has its inputs (NaN: not yet)."""
-        if op == "F":
-            return self.act[c][m]
-        if op == "W":
-            return self.done.get(("I", c, m), math.nan)
-        t = self.done.get(("F", c, m), math.nan)
-        g = t if c == self.C - 1 else self.grad[c][m]
-        return math.nan if math.isnan(t) or math.isnan(g) else max(t, g)
+    Raises
+    ------
+    ValueError
+        If an order deadlocks (an op whose input never arrives) or misses an op.
+    """
+    S, C, M = len(orders), len(fwd_s), microbatches
+    dur = {"F": list(fwd_s), "B": list(bwd_s)}
+    dur["I"] = [(1.0 - weight_share) * b for b in bwd_s]
+    dur["W"] = [weight_share * b for b in bwd_s]
+    nan = math.nan
+    # act[c][m]: chunk c's input of micro-batch m has arrived (chunk 0 has it at t = 0);
+    # grad[c][m]: its output's gradient; f_end / i_end: its own F / I (or B) ended
+    act = [[0.0] * M] + [[nan] * M for _ in range(C - 1)]
+    grad = [[nan] * M for _ in range(C)]
+    f_end = [[nan] * M for _ in range(C)]
+    i_end = [[nan] * M for _ in range(C)]
+    rank = [rank_of(c) if rank_of else c % S for c in range(C)]
+    free = [0.0] * S
+    names = [f"stage{r}" for r in range(S)]
+    names += [f"link{r}>{r + 1}" for r in range(S - 1)] + [f"link{r + 1}>{r}" for r in range(S - 1)]
+    link_free = [0.0] * len(names)  # by resource (ranks' entries unused)
+    ids: dict[tuple[int, int], int] = {}
+    for r in range(S - 1):
+        ids[(r, r + 1)], ids[(r + 1, r)] = S + r, 2 * S - 1 + r
 
-    def run(self, orders, dur, fl, bl) -> None:  # noqa: ANN001 - see simulate_chunks
-        S = self.S
-        ptr, free = [0] * S, [True] * S
-        queues: dict[tuple[int, int], deque] = {}
-        link_free: dict[tuple[int, int], bool] = {}
+    def send(src: int, c: int, m: int, t: float, kind: str, seconds: float) -> float:
+        """When the transfer to chunk ``c`` sent at ``t`` arrives (at once on its rank)."""
+        dst = rank[c]
+        if dst == src:
+            return t
+        q = ids.get((src, dst))
+        if q is None:
+            q = ids[(src, dst)] = len(names)
+            names.append(f"link{src}>{dst}")
+            link_free.append(0.0)
+        t0 = link_free[q] if link_free[q] > t else t
+        t1 = link_free[q] = t0 + seconds
+        rec.append((t0, t1, q, kind, c, m))
+        work.append(dst)
+        return t1
 
-        def try_start(r: int, t: float) -> None:
-            if not free[r] or ptr[r] >= len(orders[r]):
-                return
-            op, c, m = orders[r][ptr[r]]
-            ready = self.ready(op, c, m)
-            if ready != ready or ready > t:
-                return
-            free[r] = False
-            self.push(t + dur[op][c], "end", (r, op, c, m, t))
-
-        def start_link(pair: tuple[int, int], t: float) -> None:
-            if link_free.get(pair, True) and queues.get(pair):
-                link_free[pair] = False
-                item = queues[pair].popleft()
-                self.push(t + item[3], "arrive", (pair, *item, t))
-
-        for r in range(S):
-            try_start(r, 0.0)
-        while self.heap:
-            t, _, what, data = heapq.heappop(self.heap)
-            if what == "end":
-                r, op, c, m, t0 = data
-                self.rec.append((f"stage{r}", op, c, m, t0, t))
-                self.done[(op, c, m)] = t
-                ptr[r] += 1
-                free[r] = True
-                if op == "F" and c < self.C - 1:
-                    self.send(queues, (r, self.rank_of(c + 1)), ("SF", c + 1, m, fl[c]), t)
-                elif op in ("B", "I") and c > 0:
-                    self.send(queues, (r, self.rank_of(c - 1)), ("SB", c - 1, m, bl[c - 1]), t)
-                for pair in list(queues):
-                    start_link(pair, t)
-                for k in range(S):
-                    try_start(k, t)
-            else:  # a transfer arrived
-                pair, kind, c, m, _, t0 = data
-                self.rec.append((f"link{pair[0]}>{pair[1]}", kind, c, m, t0, t))
-                (self.act if kind == "SF" else self.grad)[c][m] = t
-                link_free[pair] = True
-                start_link(pair, t)
-                try_start(pair[1], t)
-        stuck = [r for r in range(S) if ptr[r] < len(orders[r])]
-        if stuck:
-            r = stuck[0]
-            raise ValueError(f"the order deadlocks on rank {r} at {orders[r][ptr[r]]}")
-
-    def send(self, queues: dict, pair: tuple[int, int], item: tuple, t: float) -> None:
-        """Queue a transfer on link ``pair`` (or deliver at once within one rank)."""
-        kind, c, m, _ = item
-        if pair[0] == pair[1]:
-            (self.act if kind == "SF" else self.grad)[c][m] = t
-            return
-        queues.setdefault(pair, deque()).append(item)
+    rec: list[tuple[float, float, int, str, int, int]] = []
+    ptr = [0] * S
+    work = list(range(S - 1, -1, -1))  # pop() takes rank 0 first
+    while work:
+        r = work.pop()
+        order, i, t = orders[r], ptr[r], free[r]
+        while i < len(order):
+            op, c, m = order[i]
+            if op == "F":
+                ready = act[c][m]
+            elif op == "W":
+                ready = i_end[c][m]
+            else:  # its gradient comes after its own F (the last chunk's: its F)
+                ready = f_end[c][m] if c == C - 1 else grad[c][m]
+            if ready != ready:  # NaN: not arrived yet
+                break
+            start = ready if ready > t else t
+            t = start + dur[op][c]
+            rec.append((start, t, r, op, c, m))
+            i += 1
+            if op == "F":
+                f_end[c][m] = t
+                if c < C - 1:
+                    act[c + 1][m] = send(r, c + 1, m, t, "SF", fwd_link_s[c])
+            elif op != "W":
+                i_end[c][m] = t
+                if c > 0:
+                    grad[c - 1][m] = send(r, c - 1, m, t, "SB", bwd_link_s[c - 1])
+        ptr[r], free[r] = i, t
+    stuck = [r for r in range(S) if ptr[r] < len(orders[r])]
+    if stuck:
+        r = stuck[0]
+        raise ValueError(f"the order deadlocks on rank {r} at {orders[r][ptr[r]]}")
+    rec.sort()
+    return rec, names, max(free)  # every op ends on a rank, after what fed it
 
 
 def split_chunks(stages: Sequence[tuple[int, int, int]], chunks: int) -> list[tuple[int, int, int]]:

@@ -1,14 +1,16 @@
-"""The node's ``train.sky_direct`` handler body: one stage of a ``direct`` round.
+"""The node's ``train.sky_direct`` handler body: one stage of a ``direct`` round, or of
+every round of a ``direct`` stage session.
 
 Set-up from the message's :class:`sky_flower.sky.protocol.DirectConfig` (refuse a rank
 planned for another node, build the stage and a fresh optimizer, the emulated links to
-its peers), then :func:`sky_flower.pipeline.direct.run_stage`, then the reply.
+its peers), then per round :func:`sky_flower.pipeline.direct.run_stage` and the reply
+(:meth:`_DirectStage.train`, the one round both :func:`run_direct_stage` and
+:func:`run_direct_session` run).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation
+from sky_flower.emulation.faults import StepHook
 from sky_flower.pipeline.direct import (
     PEER_FAILURE,
     DirectStageError,
@@ -25,7 +28,7 @@ from sky_flower.pipeline.direct import (
     RankRefusedError,
     run_stage,
 )
-from sky_flower.pipeline.engine import Chunk, StageResult
+from sky_flower.pipeline.engine import Chunk
 from sky_flower.pipeline.rendezvous import join
 from sky_flower.pipeline.stage import (
     RngKey,
@@ -102,13 +105,12 @@ def run_direct_stage(cfg: P.DirectConfig, node: NodeStage) -> RecordDict:
     The node joins the round's process group, runs the ``torch.distributed.pipelining``
     schedule for ``cfg.steps`` steps with a fresh optimizer (none for a stage without
     parameters), the layers' randomness keyed by the run's seed and the round, leaves
-    the group and
-    returns its weights (:data:`~sky_flower.sky.protocol.ARRAYS`) and timings
-    (:class:`~sky_flower.sky.protocol.DirectMetrics`). Emulation: the fleet's slowdown
-    after each forward and backward of the stage module; link delay per peer message,
-    slept by the sender (:class:`sky_flower.pipeline.direct.Emulated`). The stage
-    computes on the node's device (``emu.device``); its weights and optimizer state
-    come back on the CPU.
+    the group and returns its weights (:data:`~sky_flower.sky.protocol.ARRAYS`) and
+    timings (:class:`~sky_flower.sky.protocol.DirectMetrics`). Emulation: the fleet's
+    slowdown after each forward and backward of the stage module; link delay per peer
+    message, slept by the sender (:class:`sky_flower.pipeline.direct.Emulated`). The
+    stage computes on the node's device (``emu.device``); its weights and optimizer
+    state come back on the CPU.
 
     Parameters
     ----------
@@ -132,111 +134,98 @@ def run_direct_stage(cfg: P.DirectConfig, node: NodeStage) -> RecordDict:
     DirectStageError
         If a peer fails or stalls (bounded by ``timeout_s``), or a fault is injected.
     """
-    rdv, st = cfg.rendezvous, cfg.stage
-    _check_node(cfg, node.node_id)
-    emu = node.emulation_at(st.round)
-    device = emu.torch_device()  # the node's device; gloo peers exchange CPU tensors
-    stage = _DirectStage.build(
-        cfg, node.model_fn, node.weights.to_torch_state_dict(), node.optim, device
-    )
-    try:
-        res = run_stage(
-            rdv,
-            **stage.arguments(cfg, st.round, cfg.steps, emu, node),
-            fault=faults.step_hook(),
-        )
-    except Exception as err:
-        own = own_error(err)
-        if own is None:
-            raise
-        return RecordDict({P.STAGE_ERROR: P.stage_error(own)})
-    return stage.result(res, emu, node.model_fn, st)
-
-
-def _check_node(cfg: P.DirectConfig, node_id: int) -> None:
-    if cfg.node_id != int(node_id):
-        raise RankRefusedError(
-            f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
-            f"not for this node ({node_id})"
-        )
+    stage = _DirectStage(cfg, node, node.weights, node.optim)
+    rnd = cfg.stage.round
+    return stage.train(rnd, cfg.steps, node.emulation_at(rnd), faults.step_hook(), joined=False)
 
 
 class _DirectStage:
-    """A rank's chunks, their optimizer and whether its optimizer state is kept
-    (``train.optimizer_state=keep``): what a direct round (or a session's rounds)
-    trains."""
+    """This node's rank of a ``direct`` pipeline: its chunks (built from the layers'
+    weights, keys of the full model, on the node's device), their optimizer (loaded
+    from the optimizer state by parameter name where given) and whether that state is
+    kept across rounds (``train.optimizer_state=keep``). It trains one round at a time:
+    a per-round message's one round, or each round of a stage session."""
 
     def __init__(
-        self, chunks: list[Chunk], opt: torch.optim.Optimizer | None, keep: bool, chunked: bool
+        self, cfg: P.DirectConfig, node: NodeStage, weights: ArrayRecord, optim: ArrayRecord | None
     ) -> None:
-        self.chunks, self.opt, self.keep, self.chunked = chunks, opt, keep, chunked
-        self.module = nn.Sequential(*(ch.module for ch in chunks))  # every chunk's layers
-
-    @classmethod
-    def build(
-        cls,
-        cfg: P.DirectConfig,
-        model_fn: Callable[[], nn.Module],
-        state: dict,
-        optim: ArrayRecord | None,
-        device: torch.device | str,
-    ) -> _DirectStage:
-        """The rank's chunks from ``state`` (keys of the full model), a fresh optimizer,
-        loaded from ``optim`` (by parameter name) where given."""
+        if cfg.node_id != int(node.node_id):
+            raise RankRefusedError(
+                f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
+                f"not for this node ({node.node_id})"
+            )
         st = cfg.stage
-        chunks = node_chunks(cfg, model_fn, state, device)
-        stage = cls(chunks, None, optim is not None, cfg.chunk_layers != "-")
-        stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
-        if optim is not None and stage.opt is not None:  # migrated (optimizer_state=keep)
-            if stage.chunked:  # refused by the settings (SkySettings.check_combinations)
+        self.cfg, self.node, self.keep = cfg, node, node.optim is not None
+        self.device = node.emulation_at(st.round).torch_device()  # peers: CPU tensors on gloo
+        self.chunks = node_chunks(cfg, node.model_fn, weights.to_torch_state_dict(), self.device)
+        self.module = nn.Sequential(*(ch.module for ch in self.chunks))  # every chunk's layers
+        self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
+        if optim is not None and self.opt is not None:  # migrated (optimizer_state=keep)
+            if cfg.chunk_layers != "-":  # refused by the settings (SkySettings.check_combinations)
                 raise ValueError("train.optimizer_state=keep needs one chunk per stage")
-            local = migration.local_optimizer_state(model_fn, st.first, st.last, optim)
-            optimizer_from_tensors(stage.opt, local.to_torch_state_dict())
-        return stage
+            local = migration.local_optimizer_state(node.model_fn, st.first, st.last, optim)
+            optimizer_from_tensors(self.opt, local.to_torch_state_dict())
 
-    def load(self, entries: dict[str, torch.Tensor]) -> None:
-        """Load ``entries`` (keys of the full model) into the chunks holding them."""
+    def begin(self, changed: ArrayRecord) -> None:
+        """A session's next round starts as a per-round message's would (as a freshly
+        built stage): the global weights that ``changed`` (keys of the full model)
+        loaded into the chunks holding them, no gradients, a fresh optimizer unless
+        kept."""
+        entries = changed.to_torch_state_dict()
         for ch in self.chunks:
             own = ch.module.state_dict()
             mine = {k: v for k, v in entries.items() if k in own}
             if mine:
                 device = next(iter(own.values())).device
                 ch.module.load_state_dict({k: v.to(device) for k, v in mine.items()}, strict=False)
+        for p in self.module.parameters():
+            p.grad = None
+        if not self.keep:
+            st = self.cfg.stage
+            self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
 
-    def arguments(
-        self, cfg: P.DirectConfig, server_round: int, steps: int, emu: Emulation, node: NodeStage
-    ) -> dict:
-        """:func:`run_stage`'s keywords for round ``server_round``
-        (``fault`` aside)."""
-        st = cfg.stage
-        return {
-            "module": self.chunks if self.chunked else self.chunks[0].module,
-            "optimizer": self.opt,
-            "kind": cfg.kind,
-            "microbatches": st.microbatches,
-            "steps": steps,
-            "batch_size": st.batch_size,
-            "input_shape": list(cfg.input_shape),
-            "input_dtype": cfg.input_dtype,
-            "batch_fn": partial(node.batch_fn, server_round) if cfg.rendezvous.rank == 0 else None,
-            "emulated": emulated(emu, cfg.links),
-            "loss_fn": node.loss_fn,
-            "metric_fn": node.metric_fn,
-            "rng": RngKey(st.seed, server_round),
-            "device": emu.torch_device(),
-            "reduction": stage_reduction(st),  # the loss scaling on the last stage
-        }
-
-    def result(
-        self,
-        res: StageResult,
-        emu: Emulation,
-        model_fn: Callable[[], nn.Module],
-        st: P.StageConfig,
+    def train(
+        self, rnd: int, steps: int, emu: Emulation, fault: StepHook | None, joined: bool
     ) -> RecordDict:
-        """The round's reply: weights, :class:`DirectMetrics` and (keep) the optimizer
-        state by parameter name."""
-        opt = self.opt
+        """Round ``rnd``: ``steps`` steps of the schedule
+        (:func:`~sky_flower.pipeline.engine.run_stage`; ``joined``: in the session's
+        group, else joining the round's and leaving it), ``fault`` called before each
+        step, emulated as ``emu``. Returns the reply: the weights and buffers, the
+        :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) the optimizer state
+        by parameter name; or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the
+        stage's own error (:func:`own_error`), whose group is then gone.
+
+        Raises
+        ------
+        RankRefusedError, DirectStageError
+            As :func:`run_direct_stage` (a peer's failure or stall, a fault).
+        """
+        cfg, st, node = self.cfg, self.cfg.stage, self.node
+        try:
+            res = run_stage(
+                cfg.rendezvous,
+                module=self.chunks,  # with their input shapes and dtypes
+                optimizer=self.opt,
+                kind=cfg.kind,
+                microbatches=st.microbatches,
+                steps=steps,
+                batch_size=st.batch_size,
+                input_shape=list(cfg.input_shape),
+                batch_fn=partial(node.batch_fn, rnd) if cfg.rendezvous.rank == 0 else None,
+                emulated=emulated(emu, cfg.links),
+                fault=fault,
+                loss_fn=node.loss_fn,
+                metric_fn=node.metric_fn,
+                rng=RngKey(st.seed, rnd),
+                device=emu.torch_device(),
+                reduction=stage_reduction(st),  # the loss scaling on the last stage
+                joined=joined,
+            )
+        except Exception as err:
+            own = own_error(err)
+            if own is None:
+                raise
+            return RecordDict({P.STAGE_ERROR: P.stage_error(own)})
         metrics = P.DirectMetrics(
             losses=tuple(float(v) for v in res.losses),
             correct=int(res.correct),
@@ -247,14 +236,14 @@ class _DirectStage:
         )
         record = metrics.to_record()
         record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's
-        weights_out: dict[str, torch.Tensor] = {}
+        weights: dict[str, torch.Tensor] = {}
         for ch in self.chunks:  # back on the CPU, without the frozen parameters
-            weights_out.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
-        out = RecordDict({P.ARRAYS: ArrayRecord(weights_out), P.METRICS: record})
+            weights.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
+        out = RecordDict({P.ARRAYS: ArrayRecord(weights), P.METRICS: record})
         if self.keep:  # the state after the round, by parameter name
-            local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
+            local = ArrayRecord(optimizer_to_tensors(self.opt) if self.opt is not None else {})
             out[migration.OPTIM_KEY] = migration.global_optimizer_state(
-                model_fn, st.first, st.last, local
+                node.model_fn, st.first, st.last, local
             )
         return out
 
@@ -304,18 +293,14 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
     """
     from sky_flower.sky.transport.channel import StreamError, connect
 
-    rdv, st = cfg.rendezvous, cfg.stage
-    _check_node(cfg, node.node_id)
-    device = node.emulation_at(st.round).torch_device()
-    stage: _DirectStage | None = _DirectStage.build(
-        cfg, node.model_fn, node.weights.to_torch_state_dict(), node.optim, device
-    )
+    rdv = cfg.rendezvous
+    stage: _DirectStage | None = _DirectStage(cfg, node, node.weights, node.optim)
     if rdv.rank == 0:  # the data owner's first draw loads its data: in the set-up
-        node.batch_fn(st.round, 0)
+        node.batch_fn(cfg.stage.round, 0)
     link = connect(session.link, rdv.rank)
-    rounds, compute, keep = 0, 0.0, node.optim is not None
+    rounds, compute = 0, 0.0
     try:
-        join(rdv, device)
+        join(rdv, stage.device)
         for header, records in link.frames():
             op = header.get("op")
             if op == "close":
@@ -325,39 +310,24 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
             rnd, steps = int(header["round"]), int(header["steps"])
             emu = node.emulation_at(rnd)
             arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
-            if header.get("rebuild") or stage is None:  # released after the last round
-                state = records.array_records.get(migration.OPTIM_KEY)
-                stage = _DirectStage.build(
-                    cfg, node.model_fn, arrays.to_torch_state_dict(), state, device
-                )
-                stage.keep = keep
-            elif len(arrays):
-                stage.load(arrays.to_torch_state_dict())
-            for p in stage.module.parameters():
-                p.grad = None
-            if not stage.keep:  # a fresh optimizer every round
-                stage.opt = stage_optimizer(stage.module, st.optimizer, st.lr)
-            args = stage.arguments(cfg, rnd, steps, emu, node)
+            if header.get("rebuild") or stage is None:  # the whole slice: released before
+                optim = records.array_records.get(migration.OPTIM_KEY)
+                stage = _DirectStage(cfg, node, arrays, optim)
+            else:
+                stage.begin(arrays)
+            end = {"op": "end", "round": rnd}
+            hook = faults.round_hook(emu, P.DIRECT, rnd, session.silence_s)
             try:
-                res = run_stage(
-                    rdv,
-                    **args,
-                    fault=faults.round_hook(emu, P.DIRECT, rnd, session.silence_s),
-                    joined=True,
-                )
-            except Exception as err:
-                own = own_error(err)
-                end = {"op": "end", "round": rnd, "error": str(err)[:500]}
-                if own is None:  # the group is unusable: the session ends
-                    link.send(end)
-                    raise
-                error = RecordDict({P.STAGE_ERROR: P.stage_error(own)})
-                link.send(end, error)
-                return error
-            out = stage.result(res, emu, node.model_fn, replace(st, round=rnd))
+                out = stage.train(rnd, steps, emu, hook, joined=True)
+            except Exception as err:  # the group is unusable: the session ends
+                link.send({**end, "error": str(err)[:500]})
+                raise
+            if P.STAGE_ERROR in out:  # the stage's own error ends it too
+                link.send({**end, "error": str(out[P.STAGE_ERROR]["error"])[:500]}, out)
+                return out
+            rounds, compute = rounds + 1, compute + float(out[P.METRICS][P.COMPUTE_S])
             faults.spoil_reply(emu, P.DIRECT, rnd, out)
-            link.send({"op": "end", "round": rnd}, out)
-            rounds, compute = rounds + 1, compute + res.compute_s
+            link.send(end, out)
             if header.get("release"):  # hold this stage's memory only during its rounds
                 stage = None
         else:
