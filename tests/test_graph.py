@@ -41,6 +41,35 @@ class DictNet(nn.Module):
         return self.head(h)
 
 
+class GatherBlock(nn.Module):
+    """A block whose indices are made from the batch size (``arange(B * 8)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        idx = torch.arange(x.shape[0] * 8).reshape(x.shape[0], 8) % 7
+        return torch.relu(torch.gather(self.lin(x), 1, idx))
+
+
+class SizedBlocks(nn.Module):
+    """The root reads the batch size first, so every block's ``B * 8`` is one traced
+    value: made in block 0 from block 0's copy of the size, read by blocks 1 and 2
+    (Mixtral's and Bloom's blocks do the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([GatherBlock() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.inp(x).view(x.shape[0], 8)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class TiedLM(nn.Module):
     """A head tied to the embedding: one parameter at both ends."""
 
@@ -72,6 +101,9 @@ def _assert_same_function(model, seq, x):
     [
         (ResidualMLP, 4, [["a"], ["b"], ["c"], ["d"]]),  # the skip crosses two cuts
         (DictNet, 4, [["enc"], ["blocks.p"], ["blocks.q"], ["head"]]),
+        # a size computed again in every block reads that block's own copy, crossing
+        # no cut (it read block 0's, and blocks 1 and 2 were merged away)
+        (SizedBlocks, 5, [["inp"]] + [[f"blocks.{i}.lin"] for i in range(3)] + [["head"]]),
     ],
 )
 def test_converted_model_equals_the_original(make, units, names):
