@@ -70,6 +70,44 @@ class SizedBlocks(nn.Module):
         return self.head(x)
 
 
+class StackEncoder(nn.Module):
+    """An embedding and a stack of blocks in an ``nn.ModuleList`` (DistilBERT's and
+    ELECTRA's layout: their ``transformers`` classes declare no ``_no_split_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+class StackClassifier(nn.Module):
+    """The encoder wrapped beside a head, as ``*ForSequenceClassification`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = StackEncoder(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def test_a_stack_of_blocks_is_cut_where_the_model_declares_none():
+    """The default cuts go down to an ``nn.ModuleList``'s blocks (one class, each called
+    once), as to a declared ``_no_split_modules`` class: before, the encoder was one
+    unit and only the head could be cut off."""
+    torch.manual_seed(0)
+    model, x = StackClassifier(), torch.randn(4, 8)
+    seq = as_sequential(model, x)
+    assert seq.split_points == [f"encoder.layers.{i}" for i in range(3)] + ["head"]
+    _assert_same_function(model, seq, x)
+
+
 class TiedLM(nn.Module):
     """A head tied to the embedding: one parameter at both ends."""
 

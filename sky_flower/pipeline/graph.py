@@ -63,6 +63,7 @@ __all__ = [
     "as_sequential",
     "bad_boundaries",
     "default_split_points",
+    "block_classes",
     "no_split_classes",
     "original_state_dict",
     "pack",
@@ -307,6 +308,26 @@ def no_split_classes(module: nn.Module) -> set[str]:
     return names
 
 
+def block_classes(module: nn.Module, calls: Mapping[str, int]) -> set[str]:
+    """Class names of the blocks the default cuts fall before: those the model declares
+    whole (:func:`no_split_classes`), else, where it declares none (DistilBERT, ELECTRA,
+    a plain PyTorch model), the class of a stack of blocks: an ``nn.ModuleList`` of at
+    least two modules of one class, each called once by the forward (``calls``)."""
+    declared = no_split_classes(module)
+    if declared:
+        return declared
+    stacks: set[str] = set()
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList):
+            continue
+        entries = list(sub.named_children())
+        classes = {type(m).__name__ for _, m in entries}
+        once = all(calls.get(f"{prefix}.{n}" if prefix else n, 0) == 1 for n, _ in entries)
+        if len(entries) >= 2 and len(classes) == 1 and once:
+            stacks |= classes
+    return stacks
+
+
 def default_split_points(
     module: nn.Module, calls: Mapping[str, int], in_place: Iterable[str] = ()
 ) -> list[str]:
@@ -317,13 +338,14 @@ def default_split_points(
     The frontier of the module tree: a child the forward calls once is a point, except
     that the walk goes down into a child that is never called (a container such as an
     ``nn.ModuleList``), into the only called child of its parent (a wrapper such as
-    ``self.m = AutoModelForCausalLM...``) and into a child that holds a class the model
-    declares whole (``_no_split_modules``: the walk stops at ``LlamaDecoderLayer``, not
-    above it). A child called more than once (a ``pool`` module reused, a shared
-    activation) is no point: a cut before it would fall at each call. Nor is one that
-    changes its input in place (torchvision's top-level ``ReLU(inplace=True)``): it
-    stays with the unit before it."""
-    whole = no_split_classes(module)
+    ``self.m = AutoModelForCausalLM...``) and into a child that holds a block class
+    (:func:`block_classes`: ``_no_split_modules``, else a stack of blocks in an
+    ``nn.ModuleList``; the walk stops at ``LlamaDecoderLayer``, not above it). A child
+    called more than once (a ``pool`` module reused, a shared activation) is no point:
+    a cut before it would fall at each call. Nor is one that changes its input in place
+    (torchvision's top-level ``ReLU(inplace=True)``): it stays with the unit before
+    it."""
+    whole = block_classes(module, calls)
     in_place = set(in_place)
     holds_whole = {
         name
@@ -369,9 +391,9 @@ def _ordered_points(
     if split_points is None:
         points = set(default_split_points(module, calls, in_place))
         ordered = [n for n in calls if n in points]
-        whole = no_split_classes(module)
+        whole = block_classes(module, calls)
         first = next((i for i, n in enumerate(ordered) if type(subs[n]).__name__ in whole), 0)
-        # what runs before the first declared block (embeddings, rotary tables, their
+        # what runs before the first block (embeddings, rotary tables, their
         # dropout) is the model's prologue: one unit with the input, not a cut each
         return ordered[first:] if first else ordered[1:]
     unknown = [n for n in split_points if n not in subs or not n]
