@@ -108,6 +108,31 @@ def test_a_stack_of_blocks_is_cut_where_the_model_declares_none():
     _assert_same_function(model, seq, x)
 
 
+class ViewHead(nn.Module):
+    """Takes two ``(B, 2, 4)`` tensors and views each as ``(2B, 4)``: a view that merges
+    the batch dimension (T5's attention does the same to its hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, y, h):
+        return self.lin(y.view(-1, 4) + h.view(-1, 4)).view(y.shape[0], -1)
+
+
+class SkipIntoView(nn.Module):
+    """A skip connection into :class:`ViewHead`: the cut before ``c`` carries two
+    tensors, packed side by side, and ``c`` views them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), ViewHead()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.view(x.shape[0], 2, 4)))
+        return self.c(self.b(h), h)
+
+
 class TiedLM(nn.Module):
     """A head tied to the embedding: one parameter at both ends."""
 
@@ -141,6 +166,9 @@ def _assert_same_function(model, seq, x):
         (DictNet, 4, [["enc"], ["blocks.p"], ["blocks.q"], ["head"]]),
         # a size computed again in every block reads that block's own copy, crossing
         # no cut (it read block 0's, and blocks 1 and 2 were merged away)
+        # the unpacked tensors are contiguous, as traced: a view across the batch
+        # dimension of a slice of the packed tensor failed ("view size is not compatible")
+        (SkipIntoView, 3, [["a"], ["b"], ["c.lin"]]),
         (SizedBlocks, 5, [["inp"]] + [[f"blocks.{i}.lin"] for i in range(3)] + [["head"]]),
     ],
 )
