@@ -759,13 +759,20 @@ def _warn_merged(
         tied.update(range(first, last))
         lost = [points[b] for b in range(first, last) if b in bad]
         if lost:
+            fix = (  # several names: tied modules; one: a module several blocks call
+                "Untie the weights (give the head its own parameter; a transformers "
+                "model: tie_word_embeddings=False in its config) to cut there"
+                if len(names) > 1
+                else "To cut there, give each block its own copy of it (a layer shared "
+                "by every block, as ALBERT's, or a table every block reads, as "
+                "DeBERTa's relative positions, cannot be split)"
+            )
+            what = "are one trainable parameter" if len(names) > 1 else "is a trainable parameter"
             warnings.warn(
-                f"{type(module).__name__}: {' and '.join(names)} are one trainable parameter "
+                f"{type(module).__name__}: {' and '.join(names)} {what} "
                 f"read by stages {first} and {last}; split training cannot keep copies "
                 "of a trainable parameter equal across stages, so everything between "
-                f"them is one unit (no cut before {', '.join(lost)}). Untie the weights "
-                "(give the head its own parameter; a transformers model: "
-                "tie_word_embeddings=False in its config) to cut there",
+                f"them is one unit (no cut before {', '.join(lost)}). {fix}",
                 stacklevel=4,
             )
     lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
