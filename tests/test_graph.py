@@ -270,6 +270,11 @@ def test_refusals_are_clear():
         as_sequential(ResidualMLP(), torch.randn(2, 8), ["nope"])
     with pytest.raises(ValueError, match="never called"):
         as_sequential(DictNet(), torch.randn(2, 8), ["blocks"])
+    # a cumulative BatchNorm reads num_batches_tracked as a number: named, with the fix
+    # (it was blamed on control flow on a tensor's values)
+    cumulative = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(ValueError, match=r"BatchNorm \['0\.1'\] has momentum=None.*e\.g\. 0\.1"):
+        as_sequential(nn.Sequential(cumulative, nn.Linear(4, 2)), x)
 
 
 def test_sequential_of_builds_its_own_example():

@@ -546,7 +546,22 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
                 raise
             text = str(err)
             hint = ""
-            if "nonexistent attribute" in text and "submod_" in text:
+            cumulative = [
+                name
+                for name, sub in model.named_modules()
+                if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+                and sub.momentum is None
+                and sub.track_running_stats
+            ]
+            if training and cumulative:
+                hint = (
+                    f" (BatchNorm {cumulative} has momentum=None, a cumulative average "
+                    "whose factor 1 / num_batches_tracked the layer reads as a Python "
+                    "number, which torch.export cannot trace: give it a momentum, e.g. "
+                    "0.1, PyTorch's default, or give Sky an nn.Sequential of your own, "
+                    "which is not traced)"
+                )
+            elif "nonexistent attribute" in text and "submod_" in text:
                 hint = (
                     " (its forward switches autograd, e.g. torch.no_grad() or "
                     "torch.set_grad_enabled inside it, which torch.distributed.pipelining "
