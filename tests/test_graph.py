@@ -196,6 +196,32 @@ def test_state_dict_maps_back_to_the_users_module():
     torch.testing.assert_close(user(x), seq(x), rtol=0, atol=1e-6)
 
 
+class InstanceNormNet(nn.Module):
+    """An InstanceNorm with running statistics: its ``num_batches_tracked`` is a key of
+    the state dict that its forward never reads (so no unit holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x).view(x.shape[0], 4, 4)).flatten(1))
+
+
+def test_an_entry_the_forward_never_reads_comes_back_from_the_module():
+    torch.manual_seed(0)
+    model, x = InstanceNormNet(), torch.randn(4, 8)
+    seq = as_sequential(model, x)
+    seq(x)  # a training forward: the running statistics move
+    state = original_state_dict(seq.state_dict(), like=model)
+    assert list(state) == list(model.state_dict())
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.norm.running_mean, seq[1].state_dict()["norm.running_mean"])
+    with pytest.raises(ValueError, match=r"lacks \['b.weight'\]"):  # a trained one never
+        original_state_dict({k: v for k, v in seq.state_dict().items() if "b.w" not in k}, model)
+
+
 def test_chosen_split_points_and_merging():
     x = torch.randn(4, 8)
     seq = as_sequential(DictNet(), x, ["blocks.q"])

@@ -849,7 +849,9 @@ def original_state_dict(
         The user's module (or its ``state_dict`` keys): the result then has exactly its
         keys, in its order (non-persistent buffers dropped), and
         ``module.load_state_dict(..., strict=True)`` loads it. A tensor the module
-        holds under several keys (an alias) fills each of them.
+        holds under several keys (an alias) fills each of them. A buffer or frozen
+        parameter the forward never reads (so no unit holds it: an InstanceNorm's
+        ``num_batches_tracked``) is the module's own value (a module given).
 
     Returns
     -------
@@ -861,7 +863,7 @@ def original_state_dict(
     ValueError
         If two units hold different values under one original name (a buffer the
         forward changes in place in several stages: the copies drifted apart), or a key
-        of ``like`` is in no unit (naming the keys).
+        of ``like`` is in no unit (naming the keys; a trainable parameter always is).
     """
     out: dict[str, Any] = {}
     held: dict[str, str] = {}
@@ -887,6 +889,11 @@ def original_state_dict(
             for k in names:
                 if present is not None and k not in out:
                     out[k] = out[present]
+    if isinstance(like, nn.Module):  # what the forward never reads is in no unit (an
+        # InstanceNorm's num_batches_tracked, peft's original_module): the module's own
+        trained = {k for k, p in like.named_parameters() if p.requires_grad}
+        unread = {k: v for k, v in like.state_dict().items() if k not in out and k not in trained}
+        out.update(unread)
     missing = [k for k in keys if k not in out]
     if missing:
         raise ValueError(f"the converted state dict lacks {missing} of the original's keys")
