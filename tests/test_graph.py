@@ -288,6 +288,26 @@ class WithDropout(nn.Module):
         return self.drop(self.a(x))
 
 
+class Scale(nn.Module):
+    """Scales what the module handed to it computes (as peft's DoRA magnitude does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = nn.Parameter(torch.ones(4))
+
+    def forward(self, x, lin):
+        return lin(x) * self.m
+
+
+class CallsSibling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale, self.head = nn.Linear(4, 4), Scale(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.scale(x, self.lin))
+
+
 def test_refusals_are_clear():
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="TwoOut returns tuple, not one tensor"):
@@ -296,6 +316,9 @@ def test_refusals_are_clear():
         as_sequential(ResidualMLP(), torch.randn(2, 8), ["nope"])
     with pytest.raises(ValueError, match="never called"):
         as_sequential(DictNet(), torch.randn(2, 8), ["blocks"])
+    # a module that calls a module it does not hold (peft's DoRA): both named
+    with pytest.raises(ValueError, match=r"scale calls lin, a module it does not hold"):
+        as_sequential(CallsSibling(), x)
     # a cumulative BatchNorm reads num_batches_tracked as a number: named, with the fix
     # (it was blamed on control flow on a tensor's values)
     cumulative = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))

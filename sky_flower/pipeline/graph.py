@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -560,6 +561,15 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
                     "number, which torch.export cannot trace: give it a momentum, e.g. "
                     "0.1, PyTorch's default, or give Sky an nn.Sequential of your own, "
                     "which is not traced)"
+                )
+            elif called := re.search(
+                r"Child module '([^']+)' is not a descendant of parent module '([^']+)'", text
+            ):
+                hint = (
+                    f" ({called[2]} calls {called[1]}, a module it does not hold (handed "
+                    "to its forward as an argument, as peft's DoRA, use_dora=True, does), "
+                    "which torch.distributed.pipelining cannot trace: call it from a module "
+                    "that holds it, or make it a submodule of the caller)"
                 )
             elif "nonexistent attribute" in text and "submod_" in text:
                 hint = (
