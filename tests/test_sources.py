@@ -363,6 +363,21 @@ def test_float64_features_against_a_float32_model_are_refused_up_front():
     check_source(split, "partition 0 of 1", model=model)  # float32: fine
 
 
+def test_integer_pixels_against_a_float_model_are_refused_up_front_with_the_fix():
+    """uint8 images (a data set without ToTensor) into a float32 model: named with the
+    conversion to write, on the data owner before any step (it was torch's raw "mat1
+    and mat2 must have the same dtype")."""
+    from sky_flower.pipeline.sources import check_labels
+
+    split = _split()
+    pixels = Split((split.x * 255).clip(0, 255).astype(np.uint8), split.y)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    ce = torch.nn.functional.cross_entropy
+    probe = check_source(as_source(Pairs(pixels)), "p", model=model)
+    with pytest.raises(ValueError, match=r"partition 0 of 1's samples .*uint8.*x\.float\(\) / 255"):
+        check_labels(probe, model, ce, "partition 0 of 1")
+
+
 def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
     from sky_flower.pipeline.sources import check_labels
 

@@ -529,20 +529,44 @@ def check_labels(
     Raises
     ------
     ValueError
-        When the loss fails and integer labels lie outside the model's output width:
-        naming ``what``, the labels' range, the width and the loss's error.
+        When the model cannot run on the samples (naming ``what``, their shape and
+        dtype, and for integer inputs to a float model the conversion to write), or when
+        the loss fails and integer labels lie outside the model's output width: naming
+        ``what``, the labels' range, the width and the loss's error.
     """
     from sky_flower.pipeline.inputs import label_range_error, probe_rows
 
     x, y = probe.batch(np.asarray(probe_rows(probe)))
     with torch.no_grad():
-        out = model.eval()(x)
+        try:
+            out = model.eval()(x)
+        except (IndexError, RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(_input_error(x, model, what, err)) from err
         try:
             loss_fn(out, y)
         except (IndexError, RuntimeError, ValueError) as err:
             words = label_range_error(probe.y, int(out.shape[-1]), what, type(model).__name__)
             if words:  # another failure of the loss is the last stage's to report
                 raise ValueError(f"{words} ({err})") from err
+
+
+def _input_error(x: torch.Tensor, model: torch.nn.Module, what: str, err: Exception) -> str:
+    """Why ``model`` failed on ``what``'s inputs ``x``, and what to change."""
+    dtype = str(x.dtype).removeprefix("torch.")
+    text = (
+        f"{what}'s samples (each {list(x.shape[1:])}, {dtype}) do not run through the "
+        f"model {type(model).__name__} ({err})"
+    )
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if floats and not x.dtype.is_floating_point:
+        text += (
+            f": its parameters are {str(floats[0]).removeprefix('torch.')} and the inputs "
+            f"{dtype} (pixels as integers?): convert them in the data set's transform or "
+            "load_data (x.float() / 255, torchvision's ToTensor)"
+        )
+    else:
+        text += ": check the model's input shape against the data's"
+    return text
 
 
 def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:
