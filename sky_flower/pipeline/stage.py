@@ -251,7 +251,11 @@ def step_batch(
     """
     per_epoch = len(data) // batch_size
     if per_epoch < 1:
-        raise ValueError(f"the data owner holds {len(data)} examples, fewer than a batch")
+        raise ValueError(
+            f"the data owner holds {len(data)} examples, fewer than a batch of "
+            f"{batch_size}: lower schedule.batch_size (run config batch-size) to at most "
+            f"{len(data)}, or give this owner more data"
+        )
     epoch = server_round * 1000 + step // per_epoch
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
     x, y = as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
