@@ -389,3 +389,11 @@ def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
     shifted.y[5] = 10
     with pytest.raises(ValueError, match=r"labels in \[1, 10\].*outputs 10 values"):
         check_labels(check_source(as_source(Pairs(shifted)), "p"), model, ce, "partition 0 of 1")
+
+
+def test_an_owner_with_fewer_samples_than_a_batch_is_told_the_batch_size_to_give():
+    from sky_flower.pipeline.stage import step_batch
+
+    small = Split(_split().x[:5], _split().y[:5])
+    with pytest.raises(ValueError, match=r"holds 5 examples, fewer than a batch of 8.*at most 5"):
+        step_batch(small, 8, 1, 0, 0)
