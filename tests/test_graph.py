@@ -410,6 +410,26 @@ class TwoInputs(nn.Module):
         return self.b(self.a(x) + y)
 
 
+class FoldsChoices(nn.Module):
+    """``(B, 3, 4)`` choices scored as ``(3B, 4)`` rows, as ``*ForMultipleChoice`` does:
+    what crosses the cuts between ``a``, ``b`` and ``c`` has ``3B`` rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x.view(-1, 4)))))).view(-1, 3)
+
+
+def test_a_batch_folded_with_another_dimension_is_named_in_the_merge_warning():
+    with pytest.warns(
+        UserWarning, match=r"no cut before b .*3 x the batch of 2: the forward folds"
+    ):
+        seq = as_sequential(FoldsChoices(), torch.randn(2, 3, 4))
+    assert seq.split_points == []
+
+
 def test_what_cannot_be_split_is_named_with_its_fix():
     with pytest.raises(ValueError, match=r"switches autograd, e.g. torch.no_grad\(\)"):
         as_sequential(NoGradInside(), torch.randn(4, 4))

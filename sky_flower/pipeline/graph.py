@@ -495,6 +495,11 @@ def bad_boundaries(
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
                 what = type(v).__name__ if not isinstance(v, torch.Tensor) else tuple(v.shape)
                 bad[b] = f"{n.name} ({what}) crosses it without a batch dimension"
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % batch == 0:
+                    bad[b] += (  # (B, C, T) viewed as (B * C, T): *ForMultipleChoice
+                        f" (its first dimension is {v.shape[0] // batch} x the batch of "
+                        f"{batch}: the forward folds another dimension into the batch's)"
+                    )
                 break
     for names, first, last in _tied_spans(pipe):
         for b in range(first, last):
