@@ -436,6 +436,17 @@ def run_config_arguments(
     return out
 
 
+def _reduction(context: Context) -> Any:  # noqa: ANN401 - a LossReduction
+    """The run's loss reduction (run config ``loss-reduction``, ``loss-weight``)."""
+    from sky_flower.sky.settings import ObjectiveSettings
+
+    cfg = context.run_config
+    objective = ObjectiveSettings(
+        reduction=str(cfg.get("loss-reduction", "mean")), weight=str(cfg.get("loss-weight", ""))
+    )
+    return objective.reduction_object(run_config=True)
+
+
 def register_sky_client(
     app: ClientApp,
     model_fn: Callable[[], nn.Module],
@@ -489,8 +500,9 @@ def register_sky_client(
     ValueError
         On a data owner, from the first message that reads its data: a partition of
         another kind, batches without the named keys, non-finite values in the sample
-        checked (:func:`sky_flower.pipeline.sources.check_source`), or labels the loss
-        cannot take (:func:`sky_flower.pipeline.sources.check_labels`).
+        checked (:func:`sky_flower.pipeline.sources.check_source`), labels the loss
+        cannot take, or a loss that does not reduce as run config ``loss-reduction``
+        declares (:func:`sky_flower.pipeline.sources.check_labels`).
     """
     from sky_flower.pipeline.objective import resolve
     from sky_flower.pipeline.sources import ModelInputs, as_source, check_labels, check_source
@@ -512,7 +524,7 @@ def register_sky_client(
             what = f"partition {key[0]} of {key[1]}"
             probe = check_source(source, what, model=model)
             loss = str(context.run_config.get("loss", RUN_CONFIG_KEYS["loss"][1]))
-            check_labels(probe, model, loss_fn or resolve(loss), what)
+            check_labels(probe, model, loss_fn or resolve(loss), what, _reduction(context))
             cached[key] = source
         return cached[key]
 

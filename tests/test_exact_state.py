@@ -191,6 +191,44 @@ def test_parameter_free_stage_has_no_optimizer_and_passes_gradients():
     assert torch.equal(g, (y != 0).float() / 0.7)  # ReLU then dropout's mask and scale
 
 
+def recurrent_net() -> nn.Sequential:
+    """An LSTM in the first stage (layers 0-3) and a head (4-5): on the CPU, ``nn.LSTM``
+    runs oneDNN's inference kernel when no gradient is needed, whose output differs from
+    the training kernel's in the last bits (at these sizes)."""
+    from sky_flower.pipeline.models import FirstOutput
+
+    return nn.Sequential(
+        nn.Linear(8, 64),
+        nn.Unflatten(1, (4, 16)),
+        nn.LSTM(16, 16, batch_first=True),
+        FirstOutput(),
+        nn.Flatten(),
+        nn.Linear(64, 4),
+    )
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_graph_free_forward_sends_what_the_recomputation_computes(microbatches):
+    """A non-last stage's forward runs its kernels as its recomputation (and the whole
+    model) does, so the activation it sends is the one the backward differentiates:
+    under ``torch.no_grad`` an LSTM sent other bits and training drifted from unsplit."""
+    torch.manual_seed(0)
+    weights = recurrent_net().state_dict()
+    stages = []
+    for a, b in [(0, 3), (4, 5)]:
+        module = build_stage(recurrent_net, a, b, slice_state(weights, a, b))
+        stages.append(StageExecutor(module, stage_optimizer(module, "adam", LR), microbatches))
+    for step in range(STEPS):
+        x, y = step_batch(DATA, BATCH, ROUND, SEED, step)
+        run_split_step(stages, x, y, RngKey(SEED, ROUND, step))
+    ((want, _),) = reference_rounds(
+        recurrent_net, DATA, 1, STEPS, LR, BATCH, microbatches, SEED, weights=weights
+    )
+    got = _merged(stages)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), (key, float((got[key] - value).abs().max()))
+
+
 # -- relay ------------------------------------------------------------------------------
 def _owner_data(context) -> Split | None:  # noqa: ANN001
     return DATA if int(context.node_config["partition-id"]) == 0 else None

@@ -41,6 +41,98 @@ class DictNet(nn.Module):
         return self.head(h)
 
 
+class GatherBlock(nn.Module):
+    """A block whose indices are made from the batch size (``arange(B * 8)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        idx = torch.arange(x.shape[0] * 8).reshape(x.shape[0], 8) % 7
+        return torch.relu(torch.gather(self.lin(x), 1, idx))
+
+
+class SizedBlocks(nn.Module):
+    """The root reads the batch size first, so every block's ``B * 8`` is one traced
+    value: made in block 0 from block 0's copy of the size, read by blocks 1 and 2
+    (Mixtral's and Bloom's blocks do the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([GatherBlock() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.inp(x).view(x.shape[0], 8)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class StackEncoder(nn.Module):
+    """An embedding and a stack of blocks in an ``nn.ModuleList`` (DistilBERT's and
+    ELECTRA's layout: their ``transformers`` classes declare no ``_no_split_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+class StackClassifier(nn.Module):
+    """The encoder wrapped beside a head, as ``*ForSequenceClassification`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = StackEncoder(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def test_a_stack_of_blocks_is_cut_where_the_model_declares_none():
+    """The default cuts go down to an ``nn.ModuleList``'s blocks (one class, each called
+    once), as to a declared ``_no_split_modules`` class: before, the encoder was one
+    unit and only the head could be cut off."""
+    torch.manual_seed(0)
+    model, x = StackClassifier(), torch.randn(4, 8)
+    seq = as_sequential(model, x)
+    assert seq.split_points == [f"encoder.layers.{i}" for i in range(3)] + ["head"]
+    _assert_same_function(model, seq, x)
+
+
+class ViewHead(nn.Module):
+    """Takes two ``(B, 2, 4)`` tensors and views each as ``(2B, 4)``: a view that merges
+    the batch dimension (T5's attention does the same to its hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, y, h):
+        return self.lin(y.view(-1, 4) + h.view(-1, 4)).view(y.shape[0], -1)
+
+
+class SkipIntoView(nn.Module):
+    """A skip connection into :class:`ViewHead`: the cut before ``c`` carries two
+    tensors, packed side by side, and ``c`` views them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), ViewHead()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.view(x.shape[0], 2, 4)))
+        return self.c(self.b(h), h)
+
+
 class TiedLM(nn.Module):
     """A head tied to the embedding: one parameter at both ends."""
 
@@ -72,6 +164,12 @@ def _assert_same_function(model, seq, x):
     [
         (ResidualMLP, 4, [["a"], ["b"], ["c"], ["d"]]),  # the skip crosses two cuts
         (DictNet, 4, [["enc"], ["blocks.p"], ["blocks.q"], ["head"]]),
+        # a size computed again in every block reads that block's own copy, crossing
+        # no cut (it read block 0's, and blocks 1 and 2 were merged away)
+        # the unpacked tensors are contiguous, as traced: a view across the batch
+        # dimension of a slice of the packed tensor failed ("view size is not compatible")
+        (SkipIntoView, 3, [["a"], ["b"], ["c.lin"]]),
+        (SizedBlocks, 5, [["inp"]] + [[f"blocks.{i}.lin"] for i in range(3)] + [["head"]]),
     ],
 )
 def test_converted_model_equals_the_original(make, units, names):
@@ -96,6 +194,32 @@ def test_state_dict_maps_back_to_the_users_module():
     user = ResidualMLP()
     user.load_state_dict(original_state_dict(seq.state_dict()), strict=True)
     torch.testing.assert_close(user(x), seq(x), rtol=0, atol=1e-6)
+
+
+class InstanceNormNet(nn.Module):
+    """An InstanceNorm with running statistics: its ``num_batches_tracked`` is a key of
+    the state dict that its forward never reads (so no unit holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x).view(x.shape[0], 4, 4)).flatten(1))
+
+
+def test_an_entry_the_forward_never_reads_comes_back_from_the_module():
+    torch.manual_seed(0)
+    model, x = InstanceNormNet(), torch.randn(4, 8)
+    seq = as_sequential(model, x)
+    seq(x)  # a training forward: the running statistics move
+    state = original_state_dict(seq.state_dict(), like=model)
+    assert list(state) == list(model.state_dict())
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.norm.running_mean, seq[1].state_dict()["norm.running_mean"])
+    with pytest.raises(ValueError, match=r"lacks \['b.weight'\]"):  # a trained one never
+        original_state_dict({k: v for k, v in seq.state_dict().items() if "b.w" not in k}, model)
 
 
 def test_chosen_split_points_and_merging():
@@ -164,6 +288,26 @@ class WithDropout(nn.Module):
         return self.drop(self.a(x))
 
 
+class Scale(nn.Module):
+    """Scales what the module handed to it computes (as peft's DoRA magnitude does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = nn.Parameter(torch.ones(4))
+
+    def forward(self, x, lin):
+        return lin(x) * self.m
+
+
+class CallsSibling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale, self.head = nn.Linear(4, 4), Scale(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.scale(x, self.lin))
+
+
 def test_refusals_are_clear():
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="TwoOut returns tuple, not one tensor"):
@@ -172,6 +316,14 @@ def test_refusals_are_clear():
         as_sequential(ResidualMLP(), torch.randn(2, 8), ["nope"])
     with pytest.raises(ValueError, match="never called"):
         as_sequential(DictNet(), torch.randn(2, 8), ["blocks"])
+    # a module that calls a module it does not hold (peft's DoRA): both named
+    with pytest.raises(ValueError, match=r"scale calls lin, a module it does not hold"):
+        as_sequential(CallsSibling(), x)
+    # a cumulative BatchNorm reads num_batches_tracked as a number: named, with the fix
+    # (it was blamed on control flow on a tensor's values)
+    cumulative = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(ValueError, match=r"BatchNorm \['0\.1'\] has momentum=None.*e\.g\. 0\.1"):
+        as_sequential(nn.Sequential(cumulative, nn.Linear(4, 2)), x)
 
 
 def test_sequential_of_builds_its_own_example():
@@ -256,6 +408,26 @@ class TwoInputs(nn.Module):
 
     def forward(self, x, y):
         return self.b(self.a(x) + y)
+
+
+class FoldsChoices(nn.Module):
+    """``(B, 3, 4)`` choices scored as ``(3B, 4)`` rows, as ``*ForMultipleChoice`` does:
+    what crosses the cuts between ``a``, ``b`` and ``c`` has ``3B`` rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x.view(-1, 4)))))).view(-1, 3)
+
+
+def test_a_batch_folded_with_another_dimension_is_named_in_the_merge_warning():
+    with pytest.warns(
+        UserWarning, match=r"no cut before b .*3 x the batch of 2: the forward folds"
+    ):
+        seq = as_sequential(FoldsChoices(), torch.randn(2, 3, 4))
+    assert seq.split_points == []
 
 
 def test_what_cannot_be_split_is_named_with_its_fix():

@@ -363,6 +363,21 @@ def test_float64_features_against_a_float32_model_are_refused_up_front():
     check_source(split, "partition 0 of 1", model=model)  # float32: fine
 
 
+def test_integer_pixels_against_a_float_model_are_refused_up_front_with_the_fix():
+    """uint8 images (a data set without ToTensor) into a float32 model: named with the
+    conversion to write, on the data owner before any step (it was torch's raw "mat1
+    and mat2 must have the same dtype")."""
+    from sky_flower.pipeline.sources import check_labels
+
+    split = _split()
+    pixels = Split((split.x * 255).clip(0, 255).astype(np.uint8), split.y)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    ce = torch.nn.functional.cross_entropy
+    probe = check_source(as_source(Pairs(pixels)), "p", model=model)
+    with pytest.raises(ValueError, match=r"partition 0 of 1's samples .*uint8.*x\.float\(\) / 255"):
+        check_labels(probe, model, ce, "partition 0 of 1")
+
+
 def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
     from sky_flower.pipeline.sources import check_labels
 
@@ -374,3 +389,33 @@ def test_labels_outside_the_models_outputs_are_refused_on_the_data_owner():
     shifted.y[5] = 10
     with pytest.raises(ValueError, match=r"labels in \[1, 10\].*outputs 10 values"):
         check_labels(check_source(as_source(Pairs(shifted)), "p"), model, ce, "partition 0 of 1")
+
+
+def test_an_owner_with_fewer_samples_than_a_batch_is_told_the_batch_size_to_give():
+    from sky_flower.pipeline.stage import step_batch
+
+    small = Split(_split().x[:5], _split().y[:5])
+    with pytest.raises(ValueError, match=r"holds 5 examples, fewer than a batch of 8.*at most 5"):
+        step_batch(small, 8, 1, 0, 0)
+
+
+def test_a_loss_that_does_not_reduce_as_declared_is_refused_on_the_data_owner():
+    """Labels padded with -100 make cross-entropy a mean over the labelled samples: under
+    the default loss-reduction=mean each micro-batch would be scaled by 1 / M, not by its
+    labelled count, and split training would silently differ from unsplit. A Flower
+    app's owner checks the declared reduction on its sample (the Hydra job did, the app
+    path did not)."""
+    from sky_flower.pipeline.lm import token_count
+    from sky_flower.pipeline.objective import LossReduction
+    from sky_flower.pipeline.sources import check_labels
+
+    split = _split()
+    padded = Split(split.x, split.y.copy())
+    padded.y[0] = -100  # the first sample's label is padding
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    ce = torch.nn.functional.cross_entropy
+    probe = check_source(as_source(Pairs(padded)), "p")
+    with pytest.raises(ValueError, match=r"partition 0 of 1: .*loss-reduction=mean.*weighted"):
+        check_labels(probe, model, ce, "partition 0 of 1", LossReduction())
+    check_labels(probe, model, ce, "partition 0 of 1", LossReduction("weighted", token_count))
+    check_labels(check_source(split, "p"), model, ce, "partition 0 of 1", LossReduction())

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -63,6 +64,7 @@ __all__ = [
     "as_sequential",
     "bad_boundaries",
     "default_split_points",
+    "block_classes",
     "no_split_classes",
     "original_state_dict",
     "pack",
@@ -307,6 +309,26 @@ def no_split_classes(module: nn.Module) -> set[str]:
     return names
 
 
+def block_classes(module: nn.Module, calls: Mapping[str, int]) -> set[str]:
+    """Class names of the blocks the default cuts fall before: those the model declares
+    whole (:func:`no_split_classes`), else, where it declares none (DistilBERT, ELECTRA,
+    a plain PyTorch model), the class of a stack of blocks: an ``nn.ModuleList`` of at
+    least two modules of one class, each called once by the forward (``calls``)."""
+    declared = no_split_classes(module)
+    if declared:
+        return declared
+    stacks: set[str] = set()
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList):
+            continue
+        entries = list(sub.named_children())
+        classes = {type(m).__name__ for _, m in entries}
+        once = all(calls.get(f"{prefix}.{n}" if prefix else n, 0) == 1 for n, _ in entries)
+        if len(entries) >= 2 and len(classes) == 1 and once:
+            stacks |= classes
+    return stacks
+
+
 def default_split_points(
     module: nn.Module, calls: Mapping[str, int], in_place: Iterable[str] = ()
 ) -> list[str]:
@@ -317,13 +339,14 @@ def default_split_points(
     The frontier of the module tree: a child the forward calls once is a point, except
     that the walk goes down into a child that is never called (a container such as an
     ``nn.ModuleList``), into the only called child of its parent (a wrapper such as
-    ``self.m = AutoModelForCausalLM...``) and into a child that holds a class the model
-    declares whole (``_no_split_modules``: the walk stops at ``LlamaDecoderLayer``, not
-    above it). A child called more than once (a ``pool`` module reused, a shared
-    activation) is no point: a cut before it would fall at each call. Nor is one that
-    changes its input in place (torchvision's top-level ``ReLU(inplace=True)``): it
-    stays with the unit before it."""
-    whole = no_split_classes(module)
+    ``self.m = AutoModelForCausalLM...``) and into a child that holds a block class
+    (:func:`block_classes`: ``_no_split_modules``, else a stack of blocks in an
+    ``nn.ModuleList``; the walk stops at ``LlamaDecoderLayer``, not above it). A child
+    called more than once (a ``pool`` module reused, a shared activation) is no point:
+    a cut before it would fall at each call. Nor is one that changes its input in place
+    (torchvision's top-level ``ReLU(inplace=True)``): it stays with the unit before
+    it."""
+    whole = block_classes(module, calls)
     in_place = set(in_place)
     holds_whole = {
         name
@@ -369,9 +392,9 @@ def _ordered_points(
     if split_points is None:
         points = set(default_split_points(module, calls, in_place))
         ordered = [n for n in calls if n in points]
-        whole = no_split_classes(module)
+        whole = block_classes(module, calls)
         first = next((i for i, n in enumerate(ordered) if type(subs[n]).__name__ in whole), 0)
-        # what runs before the first declared block (embeddings, rotary tables, their
+        # what runs before the first block (embeddings, rotary tables, their
         # dropout) is the model's prologue: one unit with the input, not a cut each
         return ordered[first:] if first else ordered[1:]
     unknown = [n for n in split_points if n not in subs or not n]
@@ -472,6 +495,11 @@ def bad_boundaries(
             if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != batch:
                 what = type(v).__name__ if not isinstance(v, torch.Tensor) else tuple(v.shape)
                 bad[b] = f"{n.name} ({what}) crosses it without a batch dimension"
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] % batch == 0:
+                    bad[b] += (  # (B, C, T) viewed as (B * C, T): *ForMultipleChoice
+                        f" (its first dimension is {v.shape[0] // batch} x the batch of "
+                        f"{batch}: the forward folds another dimension into the batch's)"
+                    )
                 break
     for names, first, last in _tied_spans(pipe):
         for b in range(first, last):
@@ -524,7 +552,31 @@ def _trace(  # noqa: ANN401 - a pipelining Pipe
                 raise
             text = str(err)
             hint = ""
-            if "nonexistent attribute" in text and "submod_" in text:
+            cumulative = [
+                name
+                for name, sub in model.named_modules()
+                if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+                and sub.momentum is None
+                and sub.track_running_stats
+            ]
+            if training and cumulative:
+                hint = (
+                    f" (BatchNorm {cumulative} has momentum=None, a cumulative average "
+                    "whose factor 1 / num_batches_tracked the layer reads as a Python "
+                    "number, which torch.export cannot trace: give it a momentum, e.g. "
+                    "0.1, PyTorch's default, or give Sky an nn.Sequential of your own, "
+                    "which is not traced)"
+                )
+            elif called := re.search(
+                r"Child module '([^']+)' is not a descendant of parent module '([^']+)'", text
+            ):
+                hint = (
+                    f" ({called[2]} calls {called[1]}, a module it does not hold (handed "
+                    "to its forward as an argument, as peft's DoRA, use_dora=True, does), "
+                    "which torch.distributed.pipelining cannot trace: call it from a module "
+                    "that holds it, or make it a submodule of the caller)"
+                )
+            elif "nonexistent attribute" in text and "submod_" in text:
                 hint = (
                     " (its forward switches autograd, e.g. torch.no_grad() or "
                     "torch.set_grad_enabled inside it, which torch.distributed.pipelining "
@@ -737,13 +789,20 @@ def _warn_merged(
         tied.update(range(first, last))
         lost = [points[b] for b in range(first, last) if b in bad]
         if lost:
+            fix = (  # several names: tied modules; one: a module several blocks call
+                "Untie the weights (give the head its own parameter; a transformers "
+                "model: tie_word_embeddings=False in its config) to cut there"
+                if len(names) > 1
+                else "To cut there, give each block its own copy of it (a layer shared "
+                "by every block, as ALBERT's, or a table every block reads, as "
+                "DeBERTa's relative positions, cannot be split)"
+            )
+            what = "are one trainable parameter" if len(names) > 1 else "is a trainable parameter"
             warnings.warn(
-                f"{type(module).__name__}: {' and '.join(names)} are one trainable parameter "
+                f"{type(module).__name__}: {' and '.join(names)} {what} "
                 f"read by stages {first} and {last}; split training cannot keep copies "
                 "of a trainable parameter equal across stages, so everything between "
-                f"them is one unit (no cut before {', '.join(lost)}). Untie the weights "
-                "(give the head its own parameter; a transformers model: "
-                "tie_word_embeddings=False in its config) to cut there",
+                f"them is one unit (no cut before {', '.join(lost)}). {fix}",
                 stacklevel=4,
             )
     lost = [f"{points[b]} ({why})" for b, why in bad.items() if b not in tied]
@@ -805,7 +864,9 @@ def original_state_dict(
         The user's module (or its ``state_dict`` keys): the result then has exactly its
         keys, in its order (non-persistent buffers dropped), and
         ``module.load_state_dict(..., strict=True)`` loads it. A tensor the module
-        holds under several keys (an alias) fills each of them.
+        holds under several keys (an alias) fills each of them. A buffer or frozen
+        parameter the forward never reads (so no unit holds it: an InstanceNorm's
+        ``num_batches_tracked``) is the module's own value (a module given).
 
     Returns
     -------
@@ -817,7 +878,7 @@ def original_state_dict(
     ValueError
         If two units hold different values under one original name (a buffer the
         forward changes in place in several stages: the copies drifted apart), or a key
-        of ``like`` is in no unit (naming the keys).
+        of ``like`` is in no unit (naming the keys; a trainable parameter always is).
     """
     out: dict[str, Any] = {}
     held: dict[str, str] = {}
@@ -843,6 +904,11 @@ def original_state_dict(
             for k in names:
                 if present is not None and k not in out:
                     out[k] = out[present]
+    if isinstance(like, nn.Module):  # what the forward never reads is in no unit (an
+        # InstanceNorm's num_batches_tracked, peft's original_module): the module's own
+        trained = {k for k, p in like.named_parameters() if p.requires_grad}
+        unread = {k: v for k, v in like.state_dict().items() if k not in out and k not in trained}
+        out.update(unread)
     missing = [k for k in keys if k not in out]
     if missing:
         raise ValueError(f"the converted state dict lacks {missing} of the original's keys")

@@ -341,9 +341,11 @@ def _check_reduction(  # noqa: PLR0913
     reduction: LossReduction,
     whole: float,
     name: str,
+    setting: str = "objective.reduction",
 ) -> None:
     """Raise ValueError unless the loss of two halves, combined as ``reduction``
-    declares, is the loss of the whole (``whole``), to rtol 1e-4."""
+    declares, is the loss of the whole (``whole``), to rtol 1e-4 (naming ``setting``,
+    the reduction's key in the caller's words, with ``objective.weight`` beside it)."""
     n = out.shape[0]
     if n < 2:
         return
@@ -362,13 +364,16 @@ def _check_reduction(  # noqa: PLR0913
         parts = [c * float(loss_fn(o, y)) for (o, y), c in zip(halves, scale, strict=True)]
     combined = sum(parts)
     if not math.isclose(combined, whole, rel_tol=1e-4, abs_tol=1e-6):
+        weight = "objective.weight" if setting == "objective.reduction" else "loss-weight"
         hint = {
-            "mean": "a sum over the samples? set objective.reduction=sum",
-            "sum": "a mean over the samples? set objective.reduction=mean",
-            "weighted": "objective.weight must count what the loss averages over",
+            "mean": f"a sum over the samples? set {setting}=sum; a mean over a count "
+            "that depends on the labels (tokens not -100, class weights)? set "
+            f"{setting}=weighted and {weight} (e.g. sky_flower.pipeline.lm:token_count)",
+            "sum": f"a mean over the samples? set {setting}=mean",
+            "weighted": f"{weight} must count what the loss averages over",
         }[reduction.kind]
         raise ValueError(
-            f"{name}={_shown(loss_fn)} does not reduce as objective.reduction="
+            f"{name}={_shown(loss_fn)} does not reduce as {setting}="
             f"{reduction.kind} declares: on {n} samples it is {whole:.6g}, but its two "
             f"halves combined as {reduction.kind!r} give {combined:.6g} ({hint}; a loss that "
             "couples the samples of a batch cannot be split into micro-batches)"

@@ -81,11 +81,12 @@ def pack(tensors: Sequence[torch.Tensor], spec: CutSpec) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, spec: CutSpec) -> list[torch.Tensor]:
-    """The tensors :func:`pack` packed, in their own shapes and dtypes."""
+    """The tensors :func:`pack` packed, in their own shapes and dtypes, each contiguous
+    (as traced: a unit's graph may view one across its batch dimension)."""
     batch = packed.shape[0]
     out, start = [], 0
     for shape, dtype, size in zip(spec.shapes, spec.dtypes, spec.sizes, strict=True):
-        part = packed[:, start : start + size].reshape(batch, *shape)
+        part = packed[:, start : start + size].reshape(batch, *shape).contiguous()
         out.append(part if dtype == packed.dtype else part.to(dtype))
         start += size
     return out

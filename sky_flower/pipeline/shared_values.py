@@ -105,20 +105,25 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     }
     recomputable = free | source.keys()
     clones: dict[tuple[fx.Node, int], fx.Node] = {}
+    origin: dict[fx.Node, fx.Node] = {}  # a copy -> the value it computes again
 
-    def crossing_inputs(q: int, before: fx.Node) -> list[fx.Node]:
-        """Values defined before stage ``q`` and read in it up to ``before`` (included)."""
+    def crossing_inputs(q: int) -> list[fx.Node]:
+        """Values defined before stage ``q`` and read in it (each defined before any
+        node of stage ``q``: a size read from one may go anywhere in the stage, also
+        before the stage first reads the tensor, as a block's ``arange(B * 8)`` before
+        its first layer)."""
         seen: list[fx.Node] = []
         for n in graph.nodes:
             if part[n] == q:
                 seen += [i for i in n.all_input_nodes if part[i] < q and i not in free]
-            if n is before:
-                break
         return list(dict.fromkeys(seen))
 
     def clone(node: fx.Node, q: int, before: fx.Node) -> fx.Node | None:
         """``node`` computed again in stage ``q``, inserted before ``before`` (a
-        derived value's integer source is read as it is: it crosses instead)."""
+        derived value's integer source is read as it is: it crosses instead). A
+        value that already reads another stage's copy (``B * 16`` made in block 0
+        from block 0's copy of the batch size) is computed again from the original."""
+        node = origin.get(node, node)
         if node.op == "get_attr" or part[node] == q or node not in recomputable:
             return node
         if (node, q) in clones:
@@ -126,7 +131,7 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         symbol = _size_symbol(node)
         if symbol is not None:
             copy_ = None
-            for t in crossing_inputs(q, before):
+            for t in crossing_inputs(q):
                 val = t.meta.get("val")
                 dims = [
                     d
@@ -151,6 +156,7 @@ def replicate_shared_inputs(gm: fx.GraphModule) -> fx.GraphModule:
         copy_.meta = {**node.meta, "nn_module_stack": before.meta.get("nn_module_stack", {})}
         part[copy_] = q
         clones[(node, q)] = copy_
+        origin[copy_] = node
         return copy_
 
     moved = free | cheaper

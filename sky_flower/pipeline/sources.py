@@ -515,6 +515,7 @@ def check_labels(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     what: str,
+    reduction: Any = None,  # noqa: ANN401 - a LossReduction
 ) -> None:
     """Refuse labels the loss cannot take, on the data owner before any step: ``loss_fn``
     on ``model``'s output (eval mode, no gradient) for the samples
@@ -526,23 +527,63 @@ def check_labels(
     A loss that fails for another reason is left to fail where it runs in training (the
     last stage, which names itself).
 
+    Given the run's ``reduction`` (:class:`sky_flower.pipeline.objective.LossReduction`,
+    run config ``loss-reduction`` and ``loss-weight``), the loss of these samples must
+    also equal its two halves' combined as declared: a mean over the tokens not ``-100``
+    declared ``mean`` would scale every micro-batch by ``1 / M`` instead of by its
+    tokens, and split training would silently differ from unsplit.
+
     Raises
     ------
     ValueError
-        When the loss fails and integer labels lie outside the model's output width:
-        naming ``what``, the labels' range, the width and the loss's error.
+        When the model cannot run on the samples (naming ``what``, their shape and
+        dtype, and for integer inputs to a float model the conversion to write); when
+        the loss fails and integer labels lie outside the model's output width (naming
+        ``what``, the labels' range, the width and the loss's error); or when the loss
+        does not reduce as ``reduction`` declares (naming ``loss-reduction`` and what to
+        set).
     """
     from sky_flower.pipeline.inputs import label_range_error, probe_rows
 
     x, y = probe.batch(np.asarray(probe_rows(probe)))
     with torch.no_grad():
-        out = model.eval()(x)
         try:
-            loss_fn(out, y)
+            out = model.eval()(x)
+        except (IndexError, RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(_input_error(x, model, what, err)) from err
+        try:
+            loss = loss_fn(out, y)
         except (IndexError, RuntimeError, ValueError) as err:
             words = label_range_error(probe.y, int(out.shape[-1]), what, type(model).__name__)
             if words:  # another failure of the loss is the last stage's to report
                 raise ValueError(f"{words} ({err})") from err
+            return
+    if reduction is not None and torch.is_tensor(loss) and loss.numel() == 1:
+        from sky_flower.pipeline.objective import _check_reduction
+
+        try:
+            _check_reduction(out, y, loss_fn, reduction, float(loss), "loss", "loss-reduction")
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from err
+
+
+def _input_error(x: torch.Tensor, model: torch.nn.Module, what: str, err: Exception) -> str:
+    """Why ``model`` failed on ``what``'s inputs ``x``, and what to change."""
+    dtype = str(x.dtype).removeprefix("torch.")
+    text = (
+        f"{what}'s samples (each {list(x.shape[1:])}, {dtype}) do not run through the "
+        f"model {type(model).__name__} ({err})"
+    )
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if floats and not x.dtype.is_floating_point:
+        text += (
+            f": its parameters are {str(floats[0]).removeprefix('torch.')} and the inputs "
+            f"{dtype} (pixels as integers?): convert them in the data set's transform or "
+            "load_data (x.float() / 255, torchvision's ToTensor)"
+        )
+    else:
+        text += ": check the model's input shape against the data's"
+    return text
 
 
 def nonfinite_rows(t: torch.Tensor) -> torch.Tensor:

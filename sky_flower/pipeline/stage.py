@@ -251,7 +251,11 @@ def step_batch(
     """
     per_epoch = len(data) // batch_size
     if per_epoch < 1:
-        raise ValueError(f"the data owner holds {len(data)} examples, fewer than a batch")
+        raise ValueError(
+            f"the data owner holds {len(data)} examples, fewer than a batch of "
+            f"{batch_size}: lower schedule.batch_size (run config batch-size) to at most "
+            f"{len(data)}, or give this owner more data"
+        )
     epoch = server_round * 1000 + step // per_epoch
     idx = batch_indices(len(data), batch_size, epoch, seed)[step % per_epoch]
     x, y = as_source(data).batch(idx)  # an app's own (x, y) holder read as a Split
@@ -429,13 +433,26 @@ class StageExecutor:
         key = self.rng or RngKey(step=self.steps)
         return forward_layers(self.module, xm, key, self.first_microbatch + i)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward of every micro-batch without a graph; ``(B, ...) -> (B, ...)`` (on the
-        CPU). Leaves the buffers as they were: the recomputation in :meth:`backward`
-        updates them."""
+    def forward(self, x: torch.Tensor, input_grad: bool = True) -> torch.Tensor:
+        """Forward of every micro-batch, keeping no graph; ``(B, ...) -> (B, ...)`` (on
+        the CPU). Leaves the buffers as they were: the recomputation in :meth:`backward`
+        updates them.
+
+        In training mode each micro-batch runs as its recomputation will (autograd on,
+        the input requiring a gradient as ``backward(..., input_grad)`` asks), and the
+        graph is dropped at once: some kernels take another path without autograd
+        (``nn.LSTM`` on the CPU: oneDNN's inference kernel) and would send an activation
+        that differs in its last bits from the one the backward differentiates. In
+        eval mode it runs under ``torch.no_grad``."""
         x = x.to(self.device)
-        with torch.no_grad(), buffers_kept(self.module):
-            return torch.cat([self._run(xm, i) for i, xm in enumerate(self._chunks(x))]).cpu()
+        outs = []
+        with torch.set_grad_enabled(self.module.training), buffers_kept(self.module):
+            for i, xm in enumerate(self._chunks(x)):
+                xm = xm.detach().requires_grad_(
+                    self.module.training and input_grad and xm.is_floating_point()
+                )
+                outs.append(self._run(xm, i).detach())
+        return torch.cat(outs).cpu()
 
     def backward(
         self, x: torch.Tensor, grad_out: torch.Tensor, input_grad: bool, step: bool = True
@@ -553,9 +570,9 @@ def run_split_step(
         stages[-1].reduction = reduction
     inputs = []
     h = x
-    for st in stages[:-1]:
+    for k, st in enumerate(stages[:-1]):
         inputs.append(h)
-        h = st.forward(h)
+        h = st.forward(h, input_grad=k > 0)
     g, loss, _ = stages[-1].forward_backward_loss(
         h, labels, len(stages) > 1, loss_fn=loss_fn, metric_fn=metric_fn
     )
