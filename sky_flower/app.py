@@ -138,7 +138,7 @@ def validate_run_config(
     run_config : mapping
         The app's run config (``[tool.flwr.app.config]`` plus ``--run-config``).
     app_keys : tuple of str
-        Keys the app itself uses besides Sky's (allowed, not checked).
+        Keys the app itself uses besides Sky's (allowed, not checked, not warned of).
 
     Returns
     -------
@@ -148,8 +148,10 @@ def validate_run_config(
     Raises
     ------
     ValueError
-        As :meth:`SkySettings.from_run_config` (unknown key, wrong type, unknown choice,
-        a value outside its rule), or on an unknown ``fleet`` (lists the packaged ones).
+        As :meth:`SkySettings.from_run_config` (a key close to a Sky key, wrong type,
+        unknown choice, a value outside its rule), or on an unknown ``fleet`` (lists the
+        packaged ones). A key of the app's own that is not in ``app_keys`` is named in a
+        warning.
     """
     settings = SkySettings.from_run_config(run_config, app_keys)
     fleets = fleet_names()
@@ -163,6 +165,25 @@ def validate_run_config(
     cfg = SkyRunConfig(settings)
     cfg.nodes  # noqa: B018 - loads and checks the fleet file now
     return cfg
+
+
+def _check_model_fn(model_fn: Any, who: str) -> None:  # noqa: ANN401 - what a caller gave
+    """Refuse a ``model_fn`` that is a built model (``Net()``) or no callable, before any
+    node is contacted.
+
+    Raises
+    ------
+    TypeError
+        Naming ``who`` and the fix (``sequential_fn(Net, input_shape)``).
+    """
+    built = isinstance(model_fn, nn.Module)
+    if built or not callable(model_fn):
+        got = f"a built {type(model_fn).__name__}" if built else repr(model_fn)
+        raise TypeError(
+            f"{who} takes model_fn, a function that builds the model, got {got}: pass "
+            "sequential_fn(Net, input_shape) (sky_flower.pipeline.graph), or a function "
+            "returning a fresh nn.Sequential"
+        )
 
 
 def sky_strategy(
@@ -205,7 +226,8 @@ def sky_strategy(
         (the settings' own checks, :class:`sky_flower.sky.settings.SkySettings`); from
         the memory pre-check against the fleet's memory caps.
     TypeError
-        On another keyword (every setting is a run-config key: the error names it).
+        On another keyword (every setting is a run-config key: the error names it), or
+        a ``model_fn`` that is a built model (:func:`_check_model_fn`).
     """
     if removed:
         keys = run_config_keys()
@@ -227,6 +249,7 @@ def sky_strategy(
     from sky_flower.jobs.common import SkyRecorder
     from sky_flower.strategies.sky import SkyModel, SkyStrategy
 
+    _check_model_fn(model_fn, "sky_strategy")
     cfg = validate_run_config(run_config, app_keys)
     settings, nodes = cfg.settings, cfg.nodes
     if input_shape is None or input_dtype is None:
@@ -503,11 +526,14 @@ def register_sky_client(
         checked (:func:`sky_flower.pipeline.sources.check_source`), labels the loss
         cannot take, or a loss that does not reduce as run config ``loss-reduction``
         declares (:func:`sky_flower.pipeline.sources.check_labels`).
+    TypeError
+        At once, on a ``model_fn`` that is a built model (``Net()``) or no callable.
     """
     from sky_flower.pipeline.objective import resolve
     from sky_flower.pipeline.sources import ModelInputs, as_source, check_labels, check_source
     from sky_flower.sky.node.client import SkyClient
 
+    _check_model_fn(model_fn, "register_sky_client")
     cached: dict[tuple[int, int], Any] = {}
 
     def owner_data(context: Context) -> Any:  # noqa: ANN401 - a data source

@@ -57,7 +57,8 @@ def test_auto_transport_is_the_stream_in_a_real_federation_and_the_relay_on_a_fl
         ({"allocation": "best"}, ["allocation", "even, heuristic, optimal"]),
         ({"fleet": "edge99"}, ["fleet", "edge3", "edge4"]),
         ({"transport": "udp"}, ["transport", "relay, direct"]),
-        ({"bogus-key": 1}, ["bogus-key", "valid keys", "allocation"]),
+        ({"alocation": "even"}, ["'alocation' is no Sky key: did you mean 'allocation'?"]),
+        ({"batch_size": 8}, ["did you mean 'batch-size'?", "app_keys"]),
         ({"num-server-rounds": 0}, ["num-server-rounds", ">= 1"]),
         ({"num-server-rounds": 1.5}, ["num-server-rounds", "integer"]),
         ({"allocation": 3}, ["allocation", "str"]),
@@ -73,6 +74,21 @@ def test_bad_run_config_is_refused_listing_choices(run_config, words):
         validate_run_config(run_config)
     for word in words:
         assert word in str(err.value)
+
+
+def test_a_flower_apps_own_keys_are_named_in_a_warning_not_refused(caplog):
+    """Flower's quickstart declares fraction-train and model-path for itself: they pass
+    (Flower refuses undeclared keys, so they are the app's), named once; app_keys
+    silences it; a key close to a Sky key is a typo, refused above."""
+    own = {"fraction-train": 0.5, "model-path": "final_model.pt", "fleet": "edge3"}
+    with caplog.at_level("WARNING", logger="sky_flower"):
+        validate_run_config(own)
+    said = [r.getMessage() for r in caplog.records if "not Sky's" in r.getMessage()]
+    assert len(said) == 1 and "fraction-train, model-path" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sky_flower"):
+        validate_run_config(own, app_keys=("fraction-train", "model-path"))
+    assert not [r for r in caplog.records if "not Sky's" in r.getMessage()]
 
 
 def test_sky_strategy_from_run_config_and_transport_passthrough():
@@ -293,3 +309,32 @@ def test_simulation_runtime_with_too_few_supernodes_names_num_supernodes(caplog,
     assert time.monotonic() - t0 < 30.0  # the settle time, not node-wait-s
     assert 'num-supernodes=4"' in caplog.text and "missing 2 are left out" in caplog.text
     assert "Waiting for nodes: 2 of 4 connected" in caplog.text
+
+
+def test_api_mistakes_are_refused_at_once_naming_the_fix():
+    """Mistakes a Flower user makes switching an app (a built model for its builder, a
+    shape as a number) are refused where they are made, not as torch's errors later."""
+    import torch
+    from flwr.clientapp import ClientApp
+
+    from sky_flower.app import register_sky_client
+    from sky_flower.pipeline.graph import sequential_fn, sequential_of
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(4, 2))
+
+    for call, words in [
+        (lambda: sequential_fn(net, 3072), ["input_shape", "[3, 32, 32]", "3072"]),
+        (lambda: sequential_fn(net, [3, 0]), ["positive ints"]),
+        (lambda: sequential_fn(net(), [4]), ["pass Net, not Net()"]),
+        (lambda: sequential_of(net, [4]), ["built nn.Module", "sequential_fn"]),
+        (lambda: sky_strategy({}, net()), ["sky_strategy", "a built Sequential"]),
+        (
+            lambda: register_sky_client(ClientApp(), net(), lambda p, n: None),
+            ["register_sky_client", "sequential_fn(Net, input_shape)"],
+        ),
+    ]:
+        with pytest.raises(TypeError) as err:
+            call()
+        for word in words:
+            assert word in str(err.value), (word, str(err.value))

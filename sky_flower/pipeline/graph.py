@@ -1030,6 +1030,20 @@ def _name(key: str, prefix: str) -> str:
     return key.split(".", 1)[1].removeprefix(prefix)
 
 
+def _check_shape(input_shape: Any) -> None:  # noqa: ANN401 - what a caller gave
+    """Refuse an ``input_shape`` that is no list of positive ints (``3072`` for
+    ``[3072]``), naming the fix."""
+    try:
+        ok = not isinstance(input_shape, str) and all(operator.index(d) > 0 for d in input_shape)
+    except TypeError:  # no iterable, or an entry that is no integer
+        ok = False
+    if not ok:
+        raise TypeError(
+            f"input_shape is one sample's shape as a list of positive ints, without the "
+            f"batch dimension (e.g. [64] or [3, 32, 32]), got {input_shape!r}"
+        )
+
+
 def sequential_of(
     module: nn.Module,
     input_shape: Sequence[int],
@@ -1054,9 +1068,17 @@ def sequential_of(
     ValueError
         As :func:`as_sequential`; or when ``input_shape`` / ``input_dtype`` do not
         describe the packed ``inputs`` (the message gives the values to write).
+    TypeError
+        When ``module`` is no ``nn.Module`` or ``input_shape`` no list of positive ints.
     """
     from sky_flower.core.example import as_dtype, example_input
 
+    _check_shape(input_shape)
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"sequential_of takes a built nn.Module (Net()), got {module!r}: for a class "
+            "or a builder, use sequential_fn(Net, input_shape)"
+        )
     if not inputs:
         return as_sequential(module, example_input(2, input_shape, input_dtype), split_points)
     examples = tuple(example_input(2, i["shape"], i.get("dtype", "float32")) for i in inputs)
@@ -1092,7 +1114,17 @@ def sequential_fn(
     ------
     ValueError
         As :func:`sequential_of` (on the first call).
+    TypeError
+        At once, when ``factory`` is a built module (``Net()``) or no callable, or
+        ``input_shape`` no list of positive ints.
     """
+    _check_shape(input_shape)
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise TypeError(
+            f"sequential_fn takes what builds the model (the class Net, or a function "
+            f"returning a module), got {type(factory).__name__!r} {factory!r:.60}: pass Net, "
+            "not Net(); for a module already built use sequential_of(module, input_shape)"
+        )
     template: list[nn.Sequential] = []
 
     def model_fn() -> nn.Sequential:

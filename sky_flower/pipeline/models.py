@@ -263,8 +263,8 @@ def not_sequential_message(what: str, model: nn.Module) -> str:
         "`_target_: sky_flower.pipeline.graph.sequential_of`, "
         f"`module: {{_target_: {where}, <its arguments>}}`, `input_shape: [<one sample's "
         "shape>]`, `input_dtype: int64` for token ids (optional `split_points: [<submodule "
-        "names>]`); in Python, model_fn=lambda: sequential_of(" + name + "(...), "
-        "input_shape, input_dtype); conf/model/llama_lm.yaml is an example"
+        "names>]`); in Python (a Flower app), model_fn=sequential_fn(" + name + ", "
+        "input_shape) from sky_flower.pipeline.graph; conf/model/llama_lm.yaml is an example"
     )
 
 

@@ -219,7 +219,9 @@ class DatasetSource:
             if label_key not in batch:
                 raise ValueError(
                     f"label_key={label_key!r} is not in the data set's batches, whose keys "
-                    f"are {sorted(batch)}: give the labels' key as label_key"
+                    f"are {sorted(batch)}: give the labels' key as label_key "
+                    "(register_sky_client(app, model_fn, load_data, label_key=...), or "
+                    "as_source(data, label_key=...))"
                 )
             model_names = list(self._model.names or []) if self._model else []
             if self.input_keys and model_names and list(self.input_keys) != model_names:

@@ -40,9 +40,10 @@ No torch, scipy or Flower is imported here (a ClientApp imports this module on s
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -625,13 +626,17 @@ class SkySettings:
         Raises
         ------
         ValueError
-            On an unknown key (lists the valid keys), a value of the wrong type, an
-            unknown choice (lists the valid ones), a value outside its rule (names the
-            rule), or settings that do not go together (:meth:`check_combinations`),
-            every one named by its run-config key.
+            On an unknown key close to a Sky key (a typo: names the close key), a value
+            of the wrong type, an unknown choice (lists the valid ones), a value outside
+            its rule (names the rule), or settings that do not go together
+            (:meth:`check_combinations`), every one named by its run-config key.
 
         Notes
         -----
+        A key that is neither Sky's nor in ``app_keys`` nor close to a Sky key is the
+        app's own (Flower refuses a key the app does not declare): it is named in a
+        warning, not refused, so a Flower app's keys (``fraction-train``,
+        ``model-path``) stay as written.
         ``transport='auto'`` (the run config's default) is resolved here by
         :func:`auto_transport`: ``stream`` for a real federation, ``relay`` on a fleet.
         A ``stream-*`` or ``direct-*`` value the transport does not read is named in a
@@ -639,10 +644,22 @@ class SkySettings:
         """
         keys = run_config_keys()
         unknown = sorted(set(run_config) - set(keys) - set(app_keys))
-        if unknown:
+        close = {k: _close_key(k, keys) for k in unknown}
+        if typos := {k: c for k, c in close.items() if c}:
             raise ValueError(
-                f"unknown run config key(s) {unknown}: valid keys are "
-                f"{', '.join(list(keys) + list(app_keys))}"
+                "run config "
+                + ", ".join(
+                    f"key {k!r} is no Sky key: did you mean {c!r}?" for k, c in typos.items()
+                )
+                + " (rename it in the app's [tool.flwr.app.config]; if it is the app's own "
+                "key, name it in sky_strategy(..., app_keys=(...)))"
+            )
+        if unknown:  # Flower let them through: the app declares them, for itself
+            log.warning(
+                "run config key(s) %s are not Sky's: Sky does not read them (FedAvg's "
+                "fraction-train, say, has no effect), the app may; name the app's own in "
+                "sky_strategy(..., app_keys=(...)) to silence this",
+                ", ".join(unknown),
             )
 
         if run_config.get("transport", "auto") == "auto":  # the run config's default
@@ -732,7 +749,8 @@ class SkySettings:
         run = self.words == "run_config"
         said = "run config " if run else ""
         example = (
-            " (e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\")"
+            " (e.g. --run-config \"transport='direct' schedule-kind='gpipe' microbatches=4\","
+            " each key declared in the app's [tool.flwr.app.config]: Flower refuses others)"
             if run
             else ""
         )
@@ -822,6 +840,14 @@ class SkySettings:
             microbatches_per_message=s.microbatches_per_message,
             chunks=s.chunks,
         )
+
+
+def _close_key(key: str, keys: Sequence[str]) -> str:
+    """The Sky run-config key that ``key`` is a likely typo of (``alocation``,
+    ``batch_size``, ``num-server-round``), else ``""``: :func:`difflib.get_close_matches`
+    at 0.75, over the key in lower case with ``-`` for ``_``."""
+    close = difflib.get_close_matches(key.lower().replace("_", "-"), list(keys), n=1, cutoff=0.75)
+    return close[0] if close else ""
 
 
 # the groups, field name -> settings class: every field of SkySettings that is not a leaf
