@@ -158,8 +158,8 @@ class _DirectStage(SessionStage):
                 f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
                 f"not for this node ({node.node_id})"
             )
-        self.cfg, self.node, self.index = cfg, node, cfg.rendezvous.rank
-        self.keep = node.optim is not None
+        self.cfg, self.node, self.st, self.index = cfg, node, cfg.stage, cfg.rendezvous.rank
+        self.keeps_optimizer = node.optim is not None
         self.device = node.emulation_at(cfg.stage.round).torch_device()  # peers: CPU on gloo
         self.build(node.weights, node.optim)
 
@@ -169,35 +169,16 @@ class _DirectStage(SessionStage):
         cfg, st = self.cfg, self.cfg.stage
         state = weights.to_torch_state_dict()
         self.chunks = node_chunks(cfg, self.node.model_fn, state, self.device)
-        self.module = nn.Sequential(*(ch.module for ch in self.chunks))  # every chunk's layers
+        self.module = nn.Sequential(*self.parts())  # every chunk's layers
         self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
         if optim is not None and self.opt is not None and cfg.chunk_layers != "-":
             # refused by the settings (SkySettings.check_combinations)
             raise ValueError("train.optimizer_state=keep needs one chunk per stage")
         migration.load_optimizer_state(self.opt, self.node.model_fn, st.first, st.last, optim)
 
-    def begin(self, header: Header, records: RecordDict) -> None:
-        """A session's next round starts as a per-round message's would (as a freshly
-        built stage): the global weights that changed (keys of the full model) loaded
-        into the chunks holding them, or (``rebuild``, released) every chunk rebuilt; no
-        gradients, a fresh optimizer unless kept."""
-        arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
-        if header.get("rebuild") or self.chunks is None:  # the whole slice
-            self.build(arrays, records.array_records.get(migration.OPTIM_KEY))
-        else:
-            entries = arrays.to_torch_state_dict()
-            for ch in self.chunks:
-                own = ch.module.state_dict()
-                mine = {k: v for k, v in entries.items() if k in own}
-                if mine:
-                    device = next(iter(own.values())).device
-                    mine = {k: v.to(device) for k, v in mine.items()}
-                    ch.module.load_state_dict(mine, strict=False)
-        for p in self.module.parameters():
-            p.grad = None
-        if not self.keep:
-            st = self.cfg.stage
-            self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
+    def parts(self) -> list[nn.Module]:
+        """The chunks' modules."""
+        return [ch.module for ch in self.chunks]
 
     def play(
         self,
@@ -225,7 +206,8 @@ class _DirectStage(SessionStage):
 
     def release(self) -> None:
         """Free the chunks and their optimizer."""
-        self.chunks = self.module = self.opt = None
+        super().release()
+        self.chunks = []
 
     def train(
         self, rnd: int, steps: int, emu: Emulation, fault: StepHook | None, joined: bool
@@ -279,26 +261,20 @@ class _DirectStage(SessionStage):
         )
         record = metrics.to_record()
         record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's
-        modules = [ch.module for ch in self.chunks]  # their weights back on the CPU
-        return migration.live_stage_reply(modules, record, self.opt, node.model_fn, st, self.keep)
+        return migration.live_stage_reply(  # the weights back on the CPU
+            self.parts(), record, self.opt, node.model_fn, st, self.keeps_optimizer
+        )
 
 
 def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeStage) -> RecordDict:
-    """Serve this node's stage for every round of a ``direct`` stage session
-    (:func:`~sky_flower.sky.node.stage_session.serve_session`), until the server's
-    ``close``.
+    """Serve this node's stage for every round of a ``direct`` stage session until the
+    server's ``close`` (:func:`~sky_flower.sky.node.stage_session.serve_session`).
 
-    The set-up message carried the stage's layers (``node.weights``), its rendezvous
-    and, with ``train.optimizer_state=keep``, its optimizer state (``node.optim``). The
-    stage connects its control stream (``session.link``: TLS, the certificate pinned,
-    its ticket; :func:`sky_flower.sky.transport.channel.connect`), joins the session's
-    process group once (:func:`sky_flower.pipeline.rendezvous.join`) and, per ``begin``
-    frame, runs the round's ``steps`` peer to peer in that group
-    (:func:`sky_flower.pipeline.engine.run_stage`, ``joined``) and answers with an
-    ``end`` frame: its weights and buffers (:data:`~sky_flower.sky.protocol.ARRAYS`), its
-    :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) its optimizer state. A
-    ``begin`` with ``release`` frees its layers after the round. A round that fails
-    ends the session (:meth:`_DirectStage.play`).
+    The stage connects its control stream (``session.link``: TLS, the certificate
+    pinned, its ticket), joins the session's process group once
+    (:func:`sky_flower.pipeline.rendezvous.join`) and plays each round in it
+    (:meth:`_DirectStage.play`); its ``end`` frames carry its weights and buffers,
+    :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) optimizer state.
 
     Returns
     -------

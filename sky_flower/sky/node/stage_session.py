@@ -28,11 +28,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from flwr.app import MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from torch import nn
 
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import Emulation
 from sky_flower.emulation.faults import StepHook
+from sky_flower.pipeline.stage import stage_optimizer
+from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import Header, StageChannel
 from sky_flower.sky.node.stage_ops import NodeStage
@@ -45,29 +49,46 @@ Frames = Iterator[tuple[Header, RecordDict]]
 
 
 class SessionStage(ABC):
-    """A stage kept live across the rounds of a session.
+    """A stage kept live across the rounds of a session: its layers (``module``; None
+    once released) and their optimizer (``opt``; None: no trainable parameters)."""
 
-    Attributes
-    ----------
-    transport : str
-        Its message type (:data:`~sky_flower.sky.protocol.STREAM`,
-        :data:`~sky_flower.sky.protocol.DIRECT`), which the fleet's faults name.
-    node : NodeStage
-        What the node gives the stage (its emulation by round among it).
-    index : int
-        The stage's index in its pipeline (named in errors).
-    """
-
-    transport: str
-    node: NodeStage
-    index: int
+    transport: str  # its message type (P.STREAM, P.DIRECT), which the fleet's faults name
+    node: NodeStage  # what the node gives the stage (its emulation by round among it)
+    st: P.StageConfig  # the stage (its optimizer's name and learning rate)
+    index: int  # the stage's index in its pipeline (named in errors)
+    keeps_optimizer: bool  # train.optimizer_state=keep: the optimizer lives across rounds
+    module: nn.Module | None
+    opt: torch.optim.Optimizer | None
 
     @abstractmethod
+    def build(self, weights: ArrayRecord, optim: ArrayRecord | None) -> None:
+        """The layers from ``weights`` (keys of the full model) and their optimizer,
+        loaded from ``optim`` (the state by parameter name, keep) where given."""
+
+    def parts(self) -> list[nn.Module]:
+        """The modules that hold the layers (keys of the full model)."""
+        return [self.module]
+
     def begin(self, header: Header, records: RecordDict) -> None:
-        """Start the round that the ``begin`` frame ``header`` opens: rebuilt from
-        ``records`` (the whole slice and, keep, the optimizer state) where ``rebuild``
-        (or released), else the changed entries in ``records`` loaded; no gradients; a
-        fresh optimizer unless kept."""
+        """Start the round that the ``begin`` frame ``header`` opens as a per-round
+        set-up would (a freshly built stage): rebuilt from ``records`` (the whole slice
+        and, keep, the optimizer state) where ``rebuild`` (released), else the weights
+        in ``records`` (those that changed) loaded; no gradients; a fresh optimizer
+        unless kept."""
+        arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
+        if header.get("rebuild") or self.module is None:
+            self.build(arrays, records.array_records.get(migration.OPTIM_KEY))
+        else:
+            entries = arrays.to_torch_state_dict()
+            for part in self.parts():
+                own = part.state_dict()
+                mine = {k: v.to(own[k].device) for k, v in entries.items() if k in own}
+                if mine:
+                    part.load_state_dict(mine, strict=False)
+        for p in self.module.parameters():
+            p.grad = None
+        if not self.keeps_optimizer:
+            self.opt = stage_optimizer(self.module, self.st.optimizer, self.st.lr)
 
     @abstractmethod
     def play(
@@ -79,19 +100,14 @@ class SessionStage(ABC):
         fault: StepHook | None,
     ) -> tuple[RecordDict, bool]:
         """Play the round that ``header`` began, emulated as ``emu``, ``fault`` called
-        before each step, ``frames`` (what else the stream brings) and ``link`` at hand.
+        before each step, with what else the stream brings (``frames``) and ``link`` at
+        hand. Returns the round's reply (or the
+        :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own error, already
+        sent on ``link``) and whether to release the layers after it."""
 
-        Returns
-        -------
-        (RecordDict, bool)
-            The round's reply (or the :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the
-            stage's own error, already sent on ``link``) and whether to release the
-            layers after it.
-        """
-
-    @abstractmethod
     def release(self) -> None:
         """Free the layers and optimizer (the next ``begin`` has ``rebuild``)."""
+        self.module = self.opt = None
 
     def figures(self) -> dict[str, float]:
         """Figures of the whole session beside ``rounds`` and ``compute_s``."""

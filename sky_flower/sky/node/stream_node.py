@@ -22,17 +22,15 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from torch import nn
 
-from sky_flower.core.profile import default_optimizer_factory
 from sky_flower.emulation import faults
 from sky_flower.emulation.devices import EMULATED_S, Emulation
 from sky_flower.emulation.faults import StepHook
-from sky_flower.pipeline.stage import LossFn, MetricFn, make_stage_optimizer
+from sky_flower.pipeline.stage import LossFn, MetricFn, build_stage, stage_optimizer
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
 from sky_flower.sky.node.channels import Header, StageChannel, StreamChannel
 from sky_flower.sky.node.stage_ops import NodeStage, OpStage, answer_op
 from sky_flower.sky.node.stage_session import Frames, SessionStage, serve_session
-from sky_flower.sky.node.stage_state import load_stage
 from sky_flower.sky.transport.channel import StreamError, connect
 
 FRAMES = "frames"  # metric keys of the reply: op frames handled, bytes both ways
@@ -68,7 +66,6 @@ class LiveStage(OpStage, SessionStage):
                 f"this node ({node.node_id})"
             )
         self.st, self.node, self.index = st, node, st.stage
-        self.factory = default_optimizer_factory(st.optimizer, st.lr)
         self.device = node.emulation_at(st.round).torch_device()  # frames carry CPU bytes
         self.keeps_optimizer = node.optim is not None
         self.build(node.weights, node.optim)
@@ -77,31 +74,20 @@ class LiveStage(OpStage, SessionStage):
         self.compute_s = 0.0
         self.frames = self.nbytes = 0  # op frames handled, bytes both ways: all rounds
 
-    def build(self, whole: ArrayRecord, optim: ArrayRecord | None) -> None:
-        """The layers from the slice ``whole`` and their optimizer, loaded from the
-        state by parameter name ``optim`` (keep)."""
-        st = self.st
-        self.module, self.optimizer = load_stage(
-            self.node.model_fn, st.first, st.last, (whole, None), self.factory, self.device
+    def build(self, weights: ArrayRecord, optim: ArrayRecord | None) -> None:
+        """The layers from the slice ``weights`` and their optimizer, loaded from the
+        state by parameter name ``optim`` (keep) where given."""
+        st, model_fn = self.st, self.node.model_fn
+        self.module = build_stage(
+            model_fn, st.first, st.last, weights.to_torch_state_dict(), self.device
         )
-        if self.keeps_optimizer:
-            migration.load_optimizer_state(
-                self.optimizer, self.node.model_fn, st.first, st.last, optim
-            )
+        self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
+        migration.load_optimizer_state(self.opt, model_fn, st.first, st.last, optim)
 
     def begin(self, header: Header, records: RecordDict) -> None:
-        """Start round ``header["round"]`` as a per-round set-up starts its round."""
-        if header.get("rebuild"):  # released after the last round: from the slice
-            arrays = records.array_records
-            self.build(arrays.get(P.ARRAYS, ArrayRecord()), arrays.get(migration.OPTIM_KEY))
-        elif loaded := _changed_entries(records):
-            self.module.load_state_dict(
-                {k: v.to(self.device) for k, v in loaded.items()}, strict=False
-            )
-        for p in self.module.parameters():
-            p.grad = None
-        if not self.keeps_optimizer:  # a fresh optimizer every round
-            self.optimizer = make_stage_optimizer(self.module, self.factory)
+        """Start round ``header["round"]`` as a per-round set-up starts its round
+        (:meth:`SessionStage.begin`), with an empty stash and accumulation."""
+        super().begin(header, records)
         self.st = replace(self.st, round=int(header["round"]))
         self.stash, self.acc_step, self.acc_done, self.compute_s = {}, -1, 0, 0.0
 
@@ -136,7 +122,7 @@ class LiveStage(OpStage, SessionStage):
                 out = migration.live_stage_reply(
                     [self.module],
                     MetricRecord(figures),
-                    self.optimizer,
+                    self.opt,
                     self.node.model_fn,
                     self.st,
                     self.keeps_optimizer,
@@ -154,17 +140,13 @@ class LiveStage(OpStage, SessionStage):
             f"stage {self.index}: the endpoint ended the stream before the round's end"
         )
 
-    def release(self) -> None:
-        """Free the layers and optimizer."""
-        self.module = self.optimizer = None
-
     def figures(self) -> dict[str, float]:
         """The session's op frames and bytes."""
         return {FRAMES: self.frames, BYTES: self.nbytes}
 
     def layers(self) -> tuple[nn.Module, torch.optim.Optimizer | None, torch.device]:
         """The live layers and optimizer."""
-        return self.module, self.optimizer, self.device
+        return self.module, self.opt, self.device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The data owner's batch of step ``step`` of this round."""
@@ -193,13 +175,6 @@ class LiveStage(OpStage, SessionStage):
         return done
 
 
-def _changed_entries(records: RecordDict) -> dict[str, torch.Tensor]:
-    """The weights a ``begin`` frame carries (those that changed since the stage last
-    had them), by model key; none if it carries none."""
-    rec = records.array_records.get(P.ARRAYS)
-    return {} if rec is None else rec.to_torch_state_dict()
-
-
 def run_stream_session(cfg: P.StreamConfig, node: NodeStage) -> RecordDict:
     """Serve this node's stage on the ``stream`` transport: the one round a per-round
     set-up begins (``cfg.across_rounds`` false), or every round of a stage session
@@ -209,11 +184,7 @@ def run_stream_session(cfg: P.StreamConfig, node: NodeStage) -> RecordDict:
     The stage (a :class:`LiveStage`) connects outbound to the endpoint and answers its
     op frames. Emulation: the node's slowdown after each op's compute, its link delay
     per op (bytes in and out). A per-round set-up's ``end`` is answered by the Flower
-    reply: the weights (:data:`~sky_flower.sky.protocol.ARRAYS`), figures
-    (:data:`METRICS`: ``compute_s``, ``frames``, ``bytes``, the emulated sleep) and
-    (keep) the optimizer state by parameter name. A session's ``end`` (its ``release``:
-    the stage frees its layers after the reply) is answered by an ``end`` frame with
-    the same (``round`` in place of ``frames`` and ``bytes``).
+    reply, a session's by an ``end`` frame (:meth:`LiveStage.play`).
 
     Returns
     -------
