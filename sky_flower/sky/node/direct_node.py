@@ -153,11 +153,7 @@ class _DirectStage(SessionStage):
     transport = P.DIRECT
 
     def __init__(self, cfg: P.DirectConfig, node: NodeStage) -> None:
-        if cfg.node_id != int(node.node_id):
-            raise RankRefusedError(
-                f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
-                f"not for this node ({node.node_id})"
-            )
+        node.refuse_unless_planned(cfg.node_id, f"rank {cfg.rendezvous.rank}", RankRefusedError)
         self.cfg, self.node, self.st, self.index = cfg, node, cfg.stage, cfg.rendezvous.rank
         self.keeps_optimizer = node.optim is not None
         self.device = node.emulation_at(cfg.stage.round).torch_device()  # peers: CPU on gloo

@@ -60,11 +60,7 @@ class LiveStage(OpStage, SessionStage):
 
     def __init__(self, cfg: P.StreamConfig, node: NodeStage) -> None:
         st = cfg.stage
-        if cfg.node_id != int(node.node_id):
-            raise StageRefusedError(
-                f"stage {st.stage} refused: it is planned for node {cfg.node_id}, not for "
-                f"this node ({node.node_id})"
-            )
+        node.refuse_unless_planned(cfg.node_id, f"stage {st.stage}", StageRefusedError)
         self.st, self.node, self.index = st, node, st.stage
         self.device = node.emulation_at(st.round).torch_device()  # frames carry CPU bytes
         self.keeps_optimizer = node.optim is not None
