@@ -11,15 +11,16 @@ emulation), so a session computes what per-round messages compute, bit for bit. 
 plays the round (:meth:`SessionStage.play`: ``stream``, the op frames that follow on the
 same stream until the server's ``end``; ``direct``, torch's schedule in the session's
 process group) and answers with an ``end`` frame (``round``; its weights and buffers,
-figures and, keep, its optimizer state). Where the round says ``release`` (the node
-runs stages of other pipelines too, which the plan runs one after another) the stage
-frees its layers after the reply and the next ``begin`` rebuilds them, so the node holds
-one pipeline's stage at a time, as the planner's memory budget assumes. The fleet's
-faults strike round by round (:func:`~sky_flower.emulation.faults.round_hook`,
+figures and, keep, its optimizer state). Where the round says ``release`` (``direct``:
+its ``begin``; ``stream``: the server's ``end``; the node runs stages of other pipelines
+too, which the plan runs one after another), the stage frees its layers after the reply
+and the next ``begin`` rebuilds them, so the node holds one pipeline's stage at a time,
+as the planner's memory budget assumes. The fleet's faults strike round by round
+(:func:`~sky_flower.emulation.faults.round_hook`,
 :func:`~sky_flower.emulation.faults.spoil_reply`). The session ends at the server's
-``close``, or at the stage's own error (its
-:data:`~sky_flower.sky.protocol.STAGE_ERROR`, already reported on the stream, becomes
-the Flower reply).
+``close``; at the stage's own error (its :data:`~sky_flower.sky.protocol.STAGE_ERROR`,
+already reported on the stream, becomes the Flower reply); or with an error raised (the
+stream broke or ended, a peer failed, a fault struck).
 """
 
 from __future__ import annotations
