@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from sky_flower.pipeline.stage import meta_layers, slice_state
+from sky_flower.pipeline.stage import (
+    frozen_keys,
+    meta_layers,
+    optimizer_from_tensors,
+    optimizer_to_tensors,
+    slice_state,
+    trained_state,
+)
+from sky_flower.sky import protocol as P
 
 OPTIM_KEY = "sky.optim-state"  # array record: optimizer state by parameter name
 WANT_KEY = "sky.optim-wanted"  # config record of a collect: reply with the state
@@ -85,6 +93,51 @@ def local_optimizer_state(
             raise ValueError(f"optimizer state {key!r} is not of layers {first}..{last}")
         out[f"{index[param]}.{name}"] = value
     return ArrayRecord(out)
+
+
+def load_optimizer_state(
+    opt: torch.optim.Optimizer | None,
+    model_fn: Callable[[], nn.Module],
+    first: int,
+    last: int,
+    by_name: ArrayRecord | None,
+) -> None:
+    """Load ``by_name``, the optimizer state of layers ``first..last`` by parameter name
+    (``train.optimizer_state=keep``), into the stage's optimizer ``opt``; nothing when
+    either is None (a fresh optimizer, a stage without parameters).
+
+    Raises
+    ------
+    ValueError
+        If an entry names a parameter the stage does not hold.
+    """
+    if opt is not None and by_name is not None:
+        local = local_optimizer_state(model_fn, first, last, by_name)
+        optimizer_from_tensors(opt, local.to_torch_state_dict())
+
+
+def live_stage_reply(  # noqa: PLR0913
+    modules: Iterable[nn.Module],
+    metrics: MetricRecord,
+    opt: torch.optim.Optimizer | None,
+    model_fn: Callable[[], nn.Module],
+    st: P.StageConfig,
+    keep: bool,
+) -> RecordDict:
+    """A live stage's reply after a round (``stream``, ``direct``): the trainable
+    weights and buffers of its ``modules`` without the frozen parameters, by model key
+    (:data:`~sky_flower.sky.protocol.ARRAYS`), ``metrics``
+    (:data:`~sky_flower.sky.protocol.METRICS`) and, with ``keep``
+    (``train.optimizer_state=keep``), ``opt``'s state by parameter name
+    (:data:`OPTIM_KEY`; empty without an optimizer)."""
+    weights: dict[str, torch.Tensor] = {}
+    for module in modules:
+        weights.update(trained_state(module.state_dict(), frozen_keys(module)))
+    out = RecordDict({P.ARRAYS: ArrayRecord(weights), P.METRICS: metrics})
+    if keep:
+        local = ArrayRecord(optimizer_to_tensors(opt) if opt is not None else {})
+        out[OPTIM_KEY] = global_optimizer_state(model_fn, st.first, st.last, local)
+    return out
 
 
 def wants_optimizer(content: RecordDict) -> bool:

@@ -5,17 +5,19 @@ Set-up from the message's :class:`sky_flower.sky.protocol.DirectConfig` (refuse 
 planned for another node, build the stage and a fresh optimizer, the emulated links to
 its peers), then per round :func:`sky_flower.pipeline.direct.run_stage` and the reply
 (:meth:`_DirectStage.train`, the one round both :func:`run_direct_stage` and
-:func:`run_direct_session` run).
+:func:`run_direct_session` run; a session's loop over its control stream:
+:func:`sky_flower.sky.node.stage_session.serve_session`, the stream's too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from sky_flower.emulation import faults
@@ -30,20 +32,16 @@ from sky_flower.pipeline.direct import (
 )
 from sky_flower.pipeline.engine import Chunk
 from sky_flower.pipeline.rendezvous import join
-from sky_flower.pipeline.stage import (
-    RngKey,
-    build_stage,
-    frozen_keys,
-    optimizer_from_tensors,
-    optimizer_to_tensors,
-    slice_state,
-    stage_optimizer,
-    trained_state,
-)
+from sky_flower.pipeline.stage import RngKey, build_stage, slice_state, stage_optimizer
 from sky_flower.sky import migration
 from sky_flower.sky import protocol as P
+from sky_flower.sky.node.channels import Header
 from sky_flower.sky.node.stage_ops import NodeStage
+from sky_flower.sky.node.stage_session import Frames, SessionStage, serve_session
 from sky_flower.sky.node.stage_state import stage_reduction
+
+if TYPE_CHECKING:
+    from sky_flower.sky.transport.channel import StageLink
 
 
 def link_delay(lat_a: float, bw_a: float, lat_b: float, bw_b: float) -> Callable[[int], float]:
@@ -134,55 +132,78 @@ def run_direct_stage(cfg: P.DirectConfig, node: NodeStage) -> RecordDict:
     DirectStageError
         If a peer fails or stalls (bounded by ``timeout_s``), or a fault is injected.
     """
-    stage = _DirectStage(cfg, node, node.weights, node.optim)
+    stage = _DirectStage(cfg, node)
     rnd = cfg.stage.round
     return stage.train(rnd, cfg.steps, node.emulation_at(rnd), faults.step_hook(), joined=False)
 
 
-class _DirectStage:
+class _DirectStage(SessionStage):
     """This node's rank of a ``direct`` pipeline: its chunks (built from the layers'
     weights, keys of the full model, on the node's device), their optimizer (loaded
     from the optimizer state by parameter name where given) and whether that state is
     kept across rounds (``train.optimizer_state=keep``). It trains one round at a time:
-    a per-round message's one round, or each round of a stage session."""
+    a per-round message's one round, or each round of a stage session.
 
-    def __init__(
-        self, cfg: P.DirectConfig, node: NodeStage, weights: ArrayRecord, optim: ArrayRecord | None
-    ) -> None:
-        if cfg.node_id != int(node.node_id):
-            raise RankRefusedError(
-                f"rank {cfg.rendezvous.rank} refused: it is planned for node {cfg.node_id}, "
-                f"not for this node ({node.node_id})"
-            )
-        st = cfg.stage
-        self.cfg, self.node, self.keep = cfg, node, node.optim is not None
-        self.device = node.emulation_at(st.round).torch_device()  # peers: CPU tensors on gloo
-        self.chunks = node_chunks(cfg, node.model_fn, weights.to_torch_state_dict(), self.device)
-        self.module = nn.Sequential(*(ch.module for ch in self.chunks))  # every chunk's layers
+    Raises
+    ------
+    RankRefusedError
+        If the message was planned for another node.
+    """
+
+    transport = P.DIRECT
+
+    def __init__(self, cfg: P.DirectConfig, node: NodeStage) -> None:
+        node.refuse_unless_planned(cfg.node_id, f"rank {cfg.rendezvous.rank}", RankRefusedError)
+        self.cfg, self.node, self.st, self.index = cfg, node, cfg.stage, cfg.rendezvous.rank
+        self.keeps_optimizer = node.optim is not None
+        self.device = node.emulation_at(cfg.stage.round).torch_device()  # peers: CPU on gloo
+        self.build(node.weights, node.optim)
+
+    def build(self, weights: ArrayRecord, optim: ArrayRecord | None) -> None:
+        """The chunks from ``weights`` and their optimizer, loaded from ``optim`` (the
+        state by parameter name, keep) where given."""
+        cfg, st = self.cfg, self.cfg.stage
+        state = weights.to_torch_state_dict()
+        self.chunks = node_chunks(cfg, self.node.model_fn, state, self.device)
+        self.module = nn.Sequential(*self.parts())  # every chunk's layers
         self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
-        if optim is not None and self.opt is not None:  # migrated (optimizer_state=keep)
-            if cfg.chunk_layers != "-":  # refused by the settings (SkySettings.check_combinations)
-                raise ValueError("train.optimizer_state=keep needs one chunk per stage")
-            local = migration.local_optimizer_state(node.model_fn, st.first, st.last, optim)
-            optimizer_from_tensors(self.opt, local.to_torch_state_dict())
+        if optim is not None and self.opt is not None and cfg.chunk_layers != "-":
+            # refused by the settings (SkySettings.check_combinations)
+            raise ValueError("train.optimizer_state=keep needs one chunk per stage")
+        migration.load_optimizer_state(self.opt, self.node.model_fn, st.first, st.last, optim)
 
-    def begin(self, changed: ArrayRecord) -> None:
-        """A session's next round starts as a per-round message's would (as a freshly
-        built stage): the global weights that ``changed`` (keys of the full model)
-        loaded into the chunks holding them, no gradients, a fresh optimizer unless
-        kept."""
-        entries = changed.to_torch_state_dict()
-        for ch in self.chunks:
-            own = ch.module.state_dict()
-            mine = {k: v for k, v in entries.items() if k in own}
-            if mine:
-                device = next(iter(own.values())).device
-                ch.module.load_state_dict({k: v.to(device) for k, v in mine.items()}, strict=False)
-        for p in self.module.parameters():
-            p.grad = None
-        if not self.keep:
-            st = self.cfg.stage
-            self.opt = stage_optimizer(self.module, st.optimizer, st.lr)
+    def parts(self) -> list[nn.Module]:
+        """The chunks' modules."""
+        return [ch.module for ch in self.chunks]
+
+    def play(
+        self,
+        header: Header,
+        frames: Frames,
+        link: StageLink,
+        emu: Emulation,
+        fault: StepHook | None,
+    ) -> tuple[RecordDict, bool]:
+        """The round's ``steps`` in the session's process group (:meth:`train`,
+        ``joined``) and the ``begin``'s ``release``. A failed round ends the session:
+        an ``end`` frame with ``error`` (the stage's own error: with its
+        :data:`~sky_flower.sky.protocol.STAGE_ERROR`, returned), or the error raised
+        after it (a peer's failure, an injected fault: the group is unusable)."""
+        rnd = int(header["round"])
+        end = {"op": "end", "round": rnd}
+        try:
+            out = self.train(rnd, int(header["steps"]), emu, fault, joined=True)
+        except Exception as err:
+            link.send({**end, "error": str(err)[:500]})
+            raise
+        if P.STAGE_ERROR in out:
+            link.send({**end, "error": str(out[P.STAGE_ERROR]["error"])[:500]}, out)
+        return out, bool(header.get("release"))
+
+    def release(self) -> None:
+        """Free the chunks and their optimizer."""
+        super().release()
+        self.chunks = []
 
     def train(
         self, rnd: int, steps: int, emu: Emulation, fault: StepHook | None, joined: bool
@@ -236,43 +257,20 @@ class _DirectStage:
         )
         record = metrics.to_record()
         record[EMULATED_S] = float(res.compute_s) * float(emu.slowdown)  # this round's
-        weights: dict[str, torch.Tensor] = {}
-        for ch in self.chunks:  # back on the CPU, without the frozen parameters
-            weights.update(trained_state(ch.module.state_dict(), frozen_keys(ch.module)))
-        out = RecordDict({P.ARRAYS: ArrayRecord(weights), P.METRICS: record})
-        if self.keep:  # the state after the round, by parameter name
-            local = ArrayRecord(optimizer_to_tensors(self.opt) if self.opt is not None else {})
-            out[migration.OPTIM_KEY] = migration.global_optimizer_state(
-                node.model_fn, st.first, st.last, local
-            )
-        return out
+        return migration.live_stage_reply(  # the weights back on the CPU
+            self.parts(), record, self.opt, node.model_fn, st, self.keeps_optimizer
+        )
 
 
 def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeStage) -> RecordDict:
-    """Serve this node's stage for every round of a ``direct`` stage session
-    (:mod:`sky_flower.sky.transport.session`), until the server's ``close``.
+    """Serve this node's stage for every round of a ``direct`` stage session until the
+    server's ``close`` (:func:`~sky_flower.sky.node.stage_session.serve_session`).
 
-    The set-up message carried the stage's layers (``weights``), its rendezvous and,
-    with ``train.optimizer_state=keep``, its optimizer state (``optim``). The stage
-    connects its control stream (``session.link``: TLS, the certificate pinned, its
-    ticket; :func:`sky_flower.sky.transport.channel.connect`), joins the session's
-    process group once (:func:`sky_flower.pipeline.rendezvous.join`) and, per
-    ``begin`` frame (``round``, ``steps``, the entries of the round's global weights
-    that differ from what it holds; ``rebuild``: the whole slice and (keep) the
-    optimizer state), runs the round's steps peer to peer in that group
-    (:func:`sky_flower.pipeline.engine.run_stage`, ``joined``) and answers with an
-    ``end`` frame: its weights and buffers (:data:`~sky_flower.sky.protocol.ARRAYS`), its
-    :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) its optimizer state. A
-    ``begin`` with ``release`` frees its layers after the round (the node serves
-    another pipeline's stage too). Each round starts as a per-round
-    ``train.sky_direct`` would (the global weights, no gradients, a fresh optimizer
-    unless kept, the round's randomness key, data order and emulation), so a session
-    computes what per-round messages compute, bit for bit.
-
-    A round that fails ends the session: an ``end`` frame with ``error`` (and the
-    :data:`~sky_flower.sky.protocol.STAGE_ERROR` of the stage's own error, which is
-    then also the Flower reply), or the error raised after it (a peer's failure, an
-    injected fault: the group is unusable).
+    The stage connects its control stream (``session.link``: TLS, the certificate
+    pinned, its ticket), joins the session's process group once
+    (:func:`sky_flower.pipeline.rendezvous.join`) and plays each round in it
+    (:meth:`_DirectStage.play`); its ``end`` frames carry its weights and buffers,
+    :class:`~sky_flower.sky.protocol.DirectMetrics` and (keep) optimizer state.
 
     Returns
     -------
@@ -291,51 +289,17 @@ def run_direct_session(cfg: P.DirectConfig, session: P.SessionLink, node: NodeSt
     DirectStageError
         A peer failed or stalled (bounded by the group's timeout), or a fault struck.
     """
-    from sky_flower.sky.transport.channel import StreamError, connect
+    from sky_flower.sky.transport.channel import connect
 
     rdv = cfg.rendezvous
-    stage: _DirectStage | None = _DirectStage(cfg, node, node.weights, node.optim)
+    stage = _DirectStage(cfg, node)
     if rdv.rank == 0:  # the data owner's first draw loads its data: in the set-up
         node.batch_fn(cfg.stage.round, 0)
     link = connect(session.link, rdv.rank)
-    rounds, compute = 0, 0.0
     try:
         join(rdv, stage.device)
-        for header, records in link.frames():
-            op = header.get("op")
-            if op == "close":
-                break
-            if op != "begin":
-                raise StreamError(f"a {op!r} frame in a direct stage session (begin or close)")
-            rnd, steps = int(header["round"]), int(header["steps"])
-            emu = node.emulation_at(rnd)
-            arrays = records.array_records.get(P.ARRAYS, ArrayRecord())
-            if header.get("rebuild") or stage is None:  # the whole slice: released before
-                optim = records.array_records.get(migration.OPTIM_KEY)
-                stage = _DirectStage(cfg, node, arrays, optim)
-            else:
-                stage.begin(arrays)
-            end = {"op": "end", "round": rnd}
-            hook = faults.round_hook(emu, P.DIRECT, rnd, session.silence_s)
-            try:
-                out = stage.train(rnd, steps, emu, hook, joined=True)
-            except Exception as err:  # the group is unusable: the session ends
-                link.send({**end, "error": str(err)[:500]})
-                raise
-            if P.STAGE_ERROR in out:  # the stage's own error ends it too
-                link.send({**end, "error": str(out[P.STAGE_ERROR]["error"])[:500]}, out)
-                return out
-            rounds, compute = rounds + 1, compute + float(out[P.METRICS][P.COMPUTE_S])
-            faults.spoil_reply(emu, P.DIRECT, rnd, out)
-            link.send(end, out)
-            if header.get("release"):  # hold this stage's memory only during its rounds
-                stage = None
-        else:
-            raise StreamError(
-                f"stage {rdv.rank}: the endpoint ended the stream before the session's close"
-            )
+        return serve_session(stage, link, session.silence_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         link.close(drain_s=2.0)  # a last end frame (an error) reaches the server
-    return RecordDict({P.METRICS: MetricRecord({"rounds": rounds, P.COMPUTE_S: compute})})

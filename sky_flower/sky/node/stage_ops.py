@@ -72,6 +72,15 @@ class NodeStage:
     metric_fn: MetricFn
     optim: ArrayRecord | None = None
 
+    def refuse_unless_planned(self, node_id: int, stage: str, error: type[Exception]) -> None:
+        """Raise ``error`` if ``stage`` (``"stage 1"``, ``"rank 1"``) is planned for node
+        ``node_id``, not for this one."""
+        if node_id != int(self.node_id):
+            raise error(
+                f"{stage} refused: it is planned for node {node_id}, not for this node "
+                f"({self.node_id})"
+            )
+
 
 class MalformedOpError(P.ProtocolError, StreamError):
     """An op the server framed wrongly (a group outside the step's micro-batches, a
