@@ -111,8 +111,8 @@ def round_hook(
     emu: Emulation, message_type: str, server_round: int, timeout_s: float
 ) -> StepHook | None:
     """The per-step hook of round ``server_round`` inside a message that serves several
-    rounds (a ``stream`` stage session, :func:`sky_flower.sky.node.stream_node.
-    run_stream_session`), or None: ``crash`` / ``stall`` as :func:`step_hook`'s (a
+    rounds (a ``stream`` or ``direct`` stage session,
+    :func:`sky_flower.sky.node.stage_session.serve_session`), or None: ``crash`` / ``stall`` as :func:`step_hook`'s (a
     stall lasts 1.5 x ``timeout_s``, the server's silence bound, or ``fail_delay_s``),
     ``raise`` strikes before step ``fail_step`` too. The other modes spoil the round's
     reply instead (:func:`spoil_reply`)."""
