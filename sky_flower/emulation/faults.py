@@ -112,10 +112,10 @@ def round_hook(
 ) -> StepHook | None:
     """The per-step hook of round ``server_round`` inside a message that serves several
     rounds (a ``stream`` or ``direct`` stage session,
-    :func:`sky_flower.sky.node.stage_session.serve_session`), or None: ``crash`` / ``stall`` as :func:`step_hook`'s (a
-    stall lasts 1.5 x ``timeout_s``, the server's silence bound, or ``fail_delay_s``),
-    ``raise`` strikes before step ``fail_step`` too. The other modes spoil the round's
-    reply instead (:func:`spoil_reply`)."""
+    :func:`sky_flower.sky.node.stage_session.serve_session`), or None: ``crash`` /
+    ``stall`` as :func:`step_hook`'s (a stall lasts 1.5 x ``timeout_s``, the server's
+    silence bound, or ``fail_delay_s``), ``raise`` strikes before step ``fail_step`` too.
+    The other modes spoil the round's reply instead (:func:`spoil_reply`)."""
     if not fails_in(emu, message_type, server_round):
         return None
     if emu.fail_mode in MID_ROUND:
