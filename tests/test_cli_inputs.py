@@ -361,3 +361,37 @@ def test_the_run_entry_point_refuses_a_misspelt_plus_key_before_flower_starts(tm
     assert proc.returncode == 1
     assert "did you mean train?" in proc.stderr + proc.stdout
     assert "did you mean train?" in (tmp_path / "results.json").read_text()
+
+
+# ------------------------------------------------------------------------------------
+# each run's own output folder
+
+
+@pytest.mark.parametrize("primary", ["config", "plan"])
+def test_runs_started_in_the_same_second_get_their_own_folders(primary, monkeypatch):
+    """Two jobs started in the same second (``make run ... & make run ... &``) wrote into
+    one ``outputs/<date>/<time>`` folder and clobbered each other's files: each
+    primary config's run and sweep folders must tell them apart."""
+    import datetime as dt
+
+    import hydra.core.utils
+    from hydra import compose, initialize_config_dir
+
+    from sky_flower.jobs.common import conf_dir
+
+    starts = iter([dt.datetime(2026, 12, 6, 22, 35, 30, us) for us in (1000, 2000)])
+    clock = type("Clock", (), {"now": staticmethod(lambda: started)})
+    monkeypatch.setattr(hydra.core.utils, "datetime", clock)  # Hydra's ${now:...}
+
+    def dirs() -> tuple[str, str]:
+        nonlocal started
+        started = next(starts)  # one run's start: Hydra resolves ${now:...} once per run
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            cfg = compose(primary, return_hydra_config=True)
+        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+
+    started = None
+    first, second = dirs(), dirs()
+    assert first[0] != second[0], f"one run folder for both runs: {first[0]}"
+    assert first[1] != second[1], f"one sweep folder for both sweeps: {first[1]}"
+    assert first[0].startswith("outputs/2026-12-06/22-35-30"), first
