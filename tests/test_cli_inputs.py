@@ -262,6 +262,32 @@ def test_deploy_workdir_that_is_a_file_is_refused_before_anything_starts(tmp_pat
         run_local(app, "edge3", workdir=afile, echo=False)
 
 
+def test_deploy_summary_of_an_app_without_results_path_says_what_happened(
+    tmp_path, monkeypatch, capsys
+):
+    """An app that declares no ``results-path`` (Flower's quickstart-pytorch) writes no
+    results.json: the launcher printed ``{"test_accuracy": {}, "rounds": null}`` as if the
+    run had trained nothing. It says the app wrote none and how to add the key, and keeps
+    the exit status of a run that finished (0)."""
+    from sky_flower.deploy import __main__ as launcher
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"
+    calls = []
+
+    def finished(*args, **kwargs):  # flwr run finished; the app wrote no results.json
+        calls.append(args)
+        return "flwr run's log", [11, 12, 13], None
+
+    monkeypatch.setattr(launcher, "run_local", finished)
+    assert launcher.main([str(app), "--simulation"]) == 0
+    assert calls, "run_local not called"
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "test_accuracy" not in summary and summary["results"] is None, summary
+    assert summary["processes_started_and_stopped"] == 3
+    assert "wrote no results.json" in summary["note"], summary
+    assert "results-path" in summary["note"] and "pyproject.toml" in summary["note"], summary
+
+
 # ------------------------------------------------------------------------------------
 # python -m sky_flower.run with a misspelt key added by "+"
 
