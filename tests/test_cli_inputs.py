@@ -262,6 +262,32 @@ def test_deploy_workdir_that_is_a_file_is_refused_before_anything_starts(tmp_pat
         run_local(app, "edge3", workdir=afile, echo=False)
 
 
+def test_deploy_summary_of_an_app_without_results_path_says_what_happened(
+    tmp_path, monkeypatch, capsys
+):
+    """An app that declares no ``results-path`` (Flower's quickstart-pytorch) writes no
+    results.json: the launcher printed ``{"test_accuracy": {}, "rounds": null}`` as if the
+    run had trained nothing. It says the app wrote none and how to add the key, and keeps
+    the exit status of a run that finished (0)."""
+    from sky_flower.deploy import __main__ as launcher
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "quickstart-pytorch"
+    calls = []
+
+    def finished(*args, **kwargs):  # flwr run finished; the app wrote no results.json
+        calls.append(args)
+        return "flwr run's log", [11, 12, 13], None
+
+    monkeypatch.setattr(launcher, "run_local", finished)
+    assert launcher.main([str(app), "--simulation"]) == 0
+    assert calls, "run_local not called"
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "test_accuracy" not in summary and summary["results"] is None, summary
+    assert summary["processes_started_and_stopped"] == 3
+    assert "wrote no results.json" in summary["note"], summary
+    assert "results-path" in summary["note"] and "pyproject.toml" in summary["note"], summary
+
+
 # ------------------------------------------------------------------------------------
 # python -m sky_flower.run with a misspelt key added by "+"
 
@@ -361,3 +387,37 @@ def test_the_run_entry_point_refuses_a_misspelt_plus_key_before_flower_starts(tm
     assert proc.returncode == 1
     assert "did you mean train?" in proc.stderr + proc.stdout
     assert "did you mean train?" in (tmp_path / "results.json").read_text()
+
+
+# ------------------------------------------------------------------------------------
+# each run's own output folder
+
+
+@pytest.mark.parametrize("primary", ["config", "plan"])
+def test_runs_started_in_the_same_second_get_their_own_folders(primary, monkeypatch):
+    """Two jobs started in the same second (``make run ... & make run ... &``) wrote into
+    one ``outputs/<date>/<time>`` folder and clobbered each other's files: each
+    primary config's run and sweep folders must tell them apart."""
+    import datetime as dt
+
+    import hydra.core.utils
+    from hydra import compose, initialize_config_dir
+
+    from sky_flower.jobs.common import conf_dir
+
+    starts = iter([dt.datetime(2026, 12, 6, 22, 35, 30, us) for us in (1000, 2000)])
+    clock = type("Clock", (), {"now": staticmethod(lambda: started)})
+    monkeypatch.setattr(hydra.core.utils, "datetime", clock)  # Hydra's ${now:...}
+
+    def dirs() -> tuple[str, str]:
+        nonlocal started
+        started = next(starts)  # one run's start: Hydra resolves ${now:...} once per run
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+            cfg = compose(primary, return_hydra_config=True)
+        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+
+    started = None
+    first, second = dirs(), dirs()
+    assert first[0] != second[0], f"one run folder for both runs: {first[0]}"
+    assert first[1] != second[1], f"one sweep folder for both sweeps: {first[1]}"
+    assert first[0].startswith("outputs/2026-12-06/22-35-30"), first

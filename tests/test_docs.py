@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from sky_flower.docs_config import render, setting_docs
 from sky_flower.plan_picture import picture
 from sky_flower.sky.settings import run_config_keys, settings_fields
@@ -104,3 +106,21 @@ def test_every_setting_has_its_description():
     assert set(docs) == paths, set(docs) ^ paths
     for path, text in docs.items():
         assert text.strip(), f"{path} has no description"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # typer, importing Flower's CLI
+def test_the_docs_say_how_to_stop_a_flwr_run():
+    """Ctrl-C on ``flwr run --stream`` stops only Flower's log stream; the run goes on.
+    docs/failures.md and flower-app.md name the command that stops it, one the installed
+    Flower CLI has (``flwr stop RUN_ID``, ``flwr ls`` for the ids)."""
+    import inspect
+
+    from flwr.cli.app import app
+
+    commands = {c.name or c.callback.__name__: c.callback for c in app.registered_commands}
+    assert "stop" in commands and "ls" in commands, sorted(commands)
+    assert "run_id" in inspect.signature(commands["stop"]).parameters
+    for page in ("failures.md", "flower-app.md"):
+        text = (ROOT / "docs" / page).read_text()
+        assert "`flwr stop <run-id>`" in text and "`flwr ls`" in text, page
+        assert "Ctrl-C" in text and "log stream" in text, page

@@ -461,6 +461,10 @@ def test_the_round_reports_bytes_sent_against_full_fine_tuning():
         "weights sent 24.6 KiB per round (full fine-tuning: 2.4 MiB, 1.0 %)"
     )
     assert weights_sent_line(RoundRecord(1, 1.0)) is None
+    # nothing frozen: the run is full fine-tuning, no comparison (it read "(full
+    # fine-tuning: 2.4 MiB, 100.0 %)" on a run that fine-tunes nothing)
+    row = round_row(1, [result(1_258_291, 1_258_291), result(1_258_291, 1_258_291)], 1.0)
+    assert weights_sent_line(row) == "weights sent 2.4 MiB per round"
 
 
 # -- the planner's memory --------------------------------------------------------------------

@@ -207,6 +207,14 @@ def _batchnorm_check(index: int, layer: nn.Module, microbatch_size: int) -> None
             )
 
 
+def layer_label(layer: nn.Module) -> str:
+    """What a layer is called in layer tables and errors: a converted model's unit by
+    the modules of the user's model it holds (``"fc2+bn2"``, set by
+    :func:`sky_flower.pipeline.graph.as_sequential`), any other layer by its class
+    (``"Linear"``)."""
+    return str(getattr(layer, "sky_name", None) or type(layer).__name__)
+
+
 def _run_layer(index: int, layer: nn.Module, x_in: torch.Tensor) -> torch.Tensor:
     """``layer(x_in)``, its errors turned into messages naming the layer and the fix.
 
@@ -217,7 +225,7 @@ def _run_layer(index: int, layer: nn.Module, x_in: torch.Tensor) -> torch.Tensor
         of its own), fails on the input's shape, or returns something other than one
         tensor (a tuple: ``nn.LSTM``, a two-output layer).
     """
-    kind = type(layer).__name__
+    kind = layer_label(layer)
     try:
         y = layer(x_in)
     except RuntimeError as err:
@@ -332,7 +340,7 @@ def profile_layers(
         profiles.append(
             LayerProfile(
                 index=index,
-                name=f"{index}:{type(layer).__name__}",
+                name=f"{index}:{layer_label(layer)}",
                 fwd_flops=fwd_counter.get_total_flops() / microbatch_size,
                 bwd_flops=bwd_flops / microbatch_size,
                 param_bytes=int(param_bytes),

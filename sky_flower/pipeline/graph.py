@@ -700,6 +700,8 @@ def _as_sequential(
     seq.batchnorm_state_keys = _batchnorm_keys(module, seq)
     seq.split_points = list(points)
     seq.module_prefix = getattr(module, "module_prefix", "")  # a wrapper's (hf.Logits)
+    for unit, name in zip(seq, unit_names(module, seq, points), strict=True):
+        unit.sky_name = name  # layer tables and errors: "2:fc2+bn2", not "2:TracedUnit"
     seq.module_aliases = _alias_groups(module)
     seq.input_names = getattr(module, "input_names", None)  # hf.Logits: the batch's keys
     said = (type(module).__name__, tuple(points))
@@ -707,6 +709,45 @@ def _as_sequential(
         _SAID.add(said)
         log.info("%s cut before %s: %d units", type(module).__name__, points, len(seq))
     return seq
+
+
+def unit_names(module: nn.Module, seq: nn.Sequential, points: Sequence[str]) -> list[str]:
+    """Each unit of ``seq`` (``module`` converted, cut before ``points``) named by the
+    user's modules it holds whole, by their paths in ``module``: ``"fc2"``, two as
+    ``"fc2+bn2"``, more as first and last, ``"layers.0..layers.3"``. A module is held
+    whole by a unit when every parameter and buffer under it is that unit's alone (a
+    buffer copied into several units names none). A unit holding none is named by the
+    split point it starts at, or ``"input"`` (the first)."""
+    prefix = getattr(module, "module_prefix", "")
+    owner: dict[str, int] = {}  # tensor name -> its unit, -1 where several hold it
+    for i, unit in enumerate(seq):
+        held = [n for n, _ in unit.named_parameters(remove_duplicate=False)]
+        held += [n for n, _ in unit.named_buffers(remove_duplicate=False)]
+        for name in set(held):
+            owner[name] = i if owner.get(name, i) == i else -1
+    whole: list[list[str]] = [[] for _ in seq]
+    for path, sub in module.named_modules():
+        if not path:
+            continue
+        tensors = [n for n, _ in sub.named_parameters(remove_duplicate=False)]
+        tensors += [n for n, _ in sub.named_buffers(remove_duplicate=False)]
+        units = {owner.get(f"{path}.{n}", -1) for n in tensors}
+        if len(units) != 1 or -1 in units:
+            continue
+        (i,) = units
+        parent = path.rpartition(".")[0]
+        if not any(parent == p or parent.startswith(f"{p}.") for p in whole[i]):
+            whole[i].append(path)  # the outermost only (named_modules: parents first)
+    names = []
+    for i, paths in enumerate(whole):
+        paths = [p.removeprefix(prefix) for p in paths]
+        if not paths:
+            names.append(points[i - 1] if i else "input")
+        elif len(paths) <= 2:
+            names.append("+".join(paths))
+        else:
+            names.append(f"{paths[0]}..{paths[-1]}")
+    return names
 
 
 def _alias_groups(module: nn.Module) -> list[list[str]]:

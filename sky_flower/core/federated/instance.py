@@ -46,6 +46,17 @@ def _kinds(nodes: Sequence[NodeProfile]) -> list[int]:
     return [labels.setdefault(_kind_key(n), len(labels)) for n in nodes]
 
 
+NO_HELPERS = (
+    " No node helps it: every node holds data, so each data owner must hold the whole "
+    "model. Add helpers, nodes that hold no data and take the layers an owner cannot: "
+    "deployed, a SuperNode started with --node-config 'sky-holds-data=false' "
+    "(docs/deployment.md; python -m sky_flower.deploy <app> --fleet edge4 starts a "
+    "fleet's helpers so, while flwr run's simulation makes every SuperNode a data "
+    "owner); in the Hydra job (python -m sky_flower.run), fleet nodes with "
+    "holds_data: false (conf/fleet/edge4.yaml)."
+)
+
+
 class _SearchCost(CostModel):
     """A cost model whose step-time bound skips the memory LP (the planner solves
     hundreds of pipelines; their own ``lower_bound_s`` is then the LP-free bound)."""
@@ -144,7 +155,7 @@ class Instance:
             except InfeasibleMemoryError as e:
                 raise InfeasibleMemoryError(
                     f"data owner {o.name!r} cannot train the model even with every helper "
-                    f"({self.H}): {e}"
+                    f"({self.H}): {e}{NO_HELPERS if self.H == 0 else ''}"
                 ) from None
 
     def plan(self, k: int, helpers: Iterable[int], method: str) -> Plan | None:

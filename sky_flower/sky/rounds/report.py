@@ -120,12 +120,16 @@ def human_bytes(n: float) -> str:
 
 
 def weights_sent_line(row: RoundRecord) -> str | None:
-    """The bytes of weights a round's replies carried against full fine-tuning's, e.g.
-    ``"weights sent 12.3 KiB per round (full fine-tuning: 1.2 MiB, 1.0 %)"``; None for a
-    round without them (a failed round)."""
+    """The bytes of weights a round's replies carried, against full fine-tuning's where
+    frozen parameters stayed home, e.g. ``"weights sent 12.3 KiB per round (full
+    fine-tuning: 1.2 MiB, 1.0 %)"``; without the comparison where nothing is frozen (the
+    run is full fine-tuning), ``"weights sent 1.2 MiB per round"``; None for a round
+    without them (a failed round)."""
     sent, full = row.weights_sent_bytes, row.full_weights_bytes
     if sent is None or not full:
         return None
+    if sent >= full:  # every entry sent: no frozen parameter, nothing to compare
+        return f"weights sent {human_bytes(sent)} per round"
     return (
         f"weights sent {human_bytes(sent)} per round "
         f"(full fine-tuning: {human_bytes(full)}, {100 * sent / full:.1f} %)"
