@@ -174,3 +174,41 @@ def test_results_and_models_are_written_finite(tmp_path):
     assert save_model(tmp_path / "model.pt", good)
     assert not save_model(tmp_path / "model.pt", {"w": torch.tensor([float("nan")])})
     assert torch.equal(torch.load(tmp_path / "model.pt")["w"], good["w"])
+
+
+class _BadProfile(ProcessPerMessageGrid):
+    """Node ``target``'s benchmark reply carries ``bad`` (profile keys -> values)."""
+
+    target, bad = 0, {}
+
+    def deliver(self, node_id: int, message: Message) -> Message:
+        reply = super().deliver(node_id, message)
+        if node_id == self.target and message.metadata.message_type == P.PROFILE:
+            rec = reply.content.config_records[P.PROFILE_KEY]
+            for key, value in self.bad.items():
+                rec[key] = [value] * len(rec[key]) if isinstance(rec[key], list) else value
+        return reply
+
+
+@pytest.mark.e2e  # two benchmark rounds of edge3 and one training round: ~2 s
+def test_a_nodes_unusable_benchmark_figures_leave_it_out_not_crash_the_server(
+    caplog, server_identity
+):
+    """A helper whose profile reply holds NaN layer times (or negative memory) is left out
+    of the plan by name and the others train; a data owner's such reply leaves no owner:
+    the run stops naming it and the figure, not with the planner's bare ValueError."""
+    import logging
+
+    run = {**QUICK, "fleet": "edge3", "num-server-rounds": 1, "steps-per-round": 1}
+    helper = type("Bad", (_BadProfile,), {"target": 102, "bad": {"layer_fwd_s": math.nan}})
+    strategy, grid, start = sky_app_on_grid(helper, run)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(**start)
+    assert "leaving cloud (node 102): its benchmark reply is unusable" in caplog.text
+    assert "layer_fwd_s[0] must be a finite number >= 0, got nan" in caplog.text
+    assert [r.error for r in strategy.rounds] == [None]
+    assert "cloud" not in {s.node for r in strategy.rounds for s in r.stages}
+    owner = type("Bad", (_BadProfile,), {"target": 101, "bad": {"memory_bytes": -5}})
+    strategy, grid, start = sky_app_on_grid(owner, run)
+    with pytest.raises(SkyNodeError, match=r"no data owner answered.*phone.*memory_bytes must be"):
+        strategy.start(**start)

@@ -23,7 +23,7 @@ from flwr.supercore import log
 
 from sky_flower import tables
 from sky_flower.core.calibration import CALIBRATION_FIELDS
-from sky_flower.core.cost import Schedule
+from sky_flower.core.cost import Schedule, check_profiles
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
@@ -252,7 +252,9 @@ class BenchmarkRound:
         return self.ex.name(nid)
 
     def profile(self, nid: int, result: BenchmarkResult) -> tuple[NodeProfile, P.ProfileReply]:
-        """One node's profile (and link). Raises on a failed or malformed answer."""
+        """One node's profile (and link). Raises on a failed or malformed answer, or
+        one whose figures the cost model cannot use (NaN, inf or negative times or
+        memory: :func:`sky_flower.core.cost.check_profiles`)."""
         req = P.ProfileRequest(
             input_shape=tuple(self.input_shape),
             microbatch_size=self.schedule.microbatch_size,
@@ -316,6 +318,12 @@ class BenchmarkRound:
             setup_s=setup_s,
             **calibration(prof),
         )
+        try:  # a node's bad figures leave it out here, not fail the plan of every node
+            check_profiles((), [node])
+            if prof.num_examples < 0:
+                raise ValueError(f"num_examples must be >= 0, got {prof.num_examples}")
+        except ValueError as err:
+            raise SkyNodeError(f"its benchmark reply is unusable: {err}") from err
         return node, prof
 
     def echo(self, nid: int, size: int, store_bytes: int = 0) -> float:
