@@ -201,11 +201,11 @@ class BenchmarkRound:
             if prof.runtime_workers > 0:  # the fewest any node reported
                 seen = result.runtime_workers or prof.runtime_workers
                 result.runtime_workers = min(seen, prof.runtime_workers)
-        why = [
-            f"{self.name_left_out(nid, left_out, result, node_order)}: {err}"
-            for nid, err in left_out
+        named = [
+            (self.name_left_out(nid, left_out, result, node_order), err) for nid, err in left_out
         ]
-        for line in why:
+        why = [f"{who}: {err}" for who, err in named]
+        for (who, err), line in zip(named, why, strict=True):
             if "is not in the federation" in line:  # an emulated join_round: not yet
                 log(
                     INFO,
@@ -214,7 +214,7 @@ class BenchmarkRound:
                     line,
                 )
             else:
-                log(WARNING, "Benchmark: leaving %s out of the plan", line)
+                log(WARNING, "Benchmark: leaving %s out of the plan: %s", who, err)
         if not any(n.holds_data for n in result.nodes):
             left = f" (left out: {'; '.join(why)})" if why else ""
             raise SkyNodeError(f"no data owner answered the benchmark round: cannot train{left}")
