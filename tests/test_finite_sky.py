@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 from reference import ProcessPerMessageGrid, sky_app_on_grid, sky_app_task
 from sky_flower.strategies.sky import SkyNodeError
 
@@ -174,3 +176,106 @@ def test_results_and_models_are_written_finite(tmp_path):
     assert save_model(tmp_path / "model.pt", good)
     assert not save_model(tmp_path / "model.pt", {"w": torch.tensor([float("nan")])})
     assert torch.equal(torch.load(tmp_path / "model.pt")["w"], good["w"])
+
+
+class _BadProfile(ProcessPerMessageGrid):
+    """Node ``target``'s benchmark reply carries ``bad`` (profile keys -> values)."""
+
+    target, bad = 0, {}
+
+    def deliver(self, node_id: int, message: Message) -> Message:
+        reply = super().deliver(node_id, message)
+        if node_id == self.target and message.metadata.message_type == P.PROFILE:
+            rec = reply.content.config_records[P.PROFILE_KEY]
+            for key, value in self.bad.items():
+                rec[key] = [value] * len(rec[key]) if isinstance(rec[key], list) else value
+        return reply
+
+
+@pytest.mark.e2e  # two benchmark rounds of edge3 and one training round: ~2 s
+def test_a_nodes_unusable_benchmark_figures_leave_it_out_not_crash_the_server(
+    caplog, server_identity
+):
+    """A helper whose profile reply holds NaN layer times (or negative memory) is left out
+    of the plan by name and the others train; a data owner's such reply leaves no owner:
+    the run stops naming it and the figure, not with the planner's bare ValueError."""
+    import logging
+
+    run = {**QUICK, "fleet": "edge3", "num-server-rounds": 1, "steps-per-round": 1}
+    helper = type("Bad", (_BadProfile,), {"target": 102, "bad": {"layer_fwd_s": math.nan}})
+    strategy, grid, start = sky_app_on_grid(helper, run)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(**start)
+    left = "leaving cloud (node 102) out of the plan: its benchmark reply is unusable"
+    assert left in caplog.text
+    assert "layer_fwd_s[0] must be a finite number >= 0, got nan" in caplog.text
+    assert [r.error for r in strategy.rounds] == [None]
+    assert "cloud" not in {s.node for r in strategy.rounds for s in r.stages}
+    owner = type("Bad", (_BadProfile,), {"target": 101, "bad": {"memory_bytes": -5}})
+    strategy, grid, start = sky_app_on_grid(owner, run)
+    with pytest.raises(SkyNodeError, match=r"no data owner answered.*phone.*memory_bytes must be"):
+        strategy.start(**start)
+
+
+class _BadReply(ProcessPerMessageGrid):
+    """The first reply of node ``target`` to ``mtype`` changed by ``change(content)``."""
+
+    target, mtype, done = 0, "", False
+
+    @staticmethod
+    def change(content: RecordDict) -> None: ...
+
+    def deliver(self, node_id: int, message: Message) -> Message:
+        reply = super().deliver(node_id, message)
+        hit = (node_id, message.metadata.message_type) == (self.target, self.mtype)
+        if hit and not self.done and not reply.has_error():
+            self.done = True
+            self.change(reply.content)
+        return reply
+
+
+def _collect_as(dtype: str | None = None, grow: int = 0):  # noqa: ANN202
+    def change(content: RecordDict) -> None:
+        rec = content.array_records[P.ARRAYS]
+        for name in list(rec):
+            a = rec[name].numpy()
+            a = a.astype(dtype) if dtype else a
+            rec[name] = Array(np.resize(a, a.size + grow) if grow else a)
+
+    return change
+
+
+def _last_stage_counts(content: RecordDict) -> None:
+    content.metric_records[P.METRICS]["n"] = -64  # its step's other group makes it sum 0
+
+
+@pytest.mark.e2e  # three in-process runs of uniform3, two rounds each: ~5 s
+@pytest.mark.parametrize(
+    ("target", "mtype", "change", "said"),
+    [
+        (102, P.COLLECT, _collect_as(grow=3), r"returned 2\.0\.weight as float32 \(65539,\), "),
+        (102, P.COLLECT, _collect_as("float64"), r"returned 2\.0\.weight as float64 \(256, 256\)"),
+        (103, P.FORWARD, _last_stage_counts, r"n=-64 labels and correct=\d+ are no count"),
+    ],
+    ids=["weights-shape", "weights-dtype", "negative-count"],
+)
+def test_a_malformed_weight_or_count_fails_its_round_by_node_not_the_model_or_server(
+    target, mtype, change, said, server_identity
+):
+    """A stage's weights of another shape or dtype than the model's used to enter the
+    global model (the next round failed on a node that had done nothing, or model.pt
+    held float64); a last stage's negative sample count crashed the ServerApp with
+    numpy's ZeroDivisionError. Each now fails its round naming the sender, which is
+    dropped, and the next round trains on the last good model."""
+    grid_cls = type(
+        "Bad", (_BadReply,), {"target": target, "mtype": mtype, "change": staticmethod(change)}
+    )
+    run = {**QUICK, "fleet": "uniform3", "num-server-rounds": 2, "steps-per-round": 2}
+    strategy, grid, start = sky_app_on_grid(grid_cls, run)
+    result = strategy.start(**start)
+    first, second = strategy.rounds
+    assert first.error is not None and first.error.startswith("round 1 failed: node")
+    assert f"(node {target})" in first.error and re.search(said, first.error)
+    assert second.error is None and math.isfinite(second.train_loss)
+    model = result.arrays.to_torch_state_dict()
+    assert all(v.dtype in (torch.float32, torch.int64) for v in model.values())

@@ -86,6 +86,8 @@ def test_bad_layer_field_is_named():
         ({"bandwidth_mb_s": math.nan}, "node 'a': bandwidth_mb_s must be > 0 or null"),
         ({"holds_data": "yes"}, "node 'a': holds_data must be true or false"),
         ({"fail_round": -1}, "node 'a': fail_round must be an integer >= 0"),
+        # a typo'd message type used to inject nothing, silently (a fault-free run)
+        ({"fail_on": "train.sky_forwrd"}, "node 'a': fail_on must be '' or a Sky message type"),
     ],
 )
 def test_bad_fleet_fields_are_named(spec, shown):

@@ -24,6 +24,7 @@ import torch
 from sky_flower.core.fleets import SKYCOMPUTING_SEED, skycomputing_slowdowns
 from sky_flower.emulation.faults import FAIL_MODES, FaultInjected
 from sky_flower.pipeline.device import check_device, resolve_device
+from sky_flower.sky.protocol import MESSAGE_TYPES
 
 MIB = 1024 * 1024
 EMULATED_S = "emulated_s"  # a stage reply's metric: seconds its emulated slowdown slept
@@ -71,7 +72,8 @@ class Emulation:
         Link bandwidth in MB/s (10^6 bytes/s); None = no bandwidth emulation.
     fail_on : str
         Fault injection for tests (:mod:`sky_flower.emulation.faults`): misbehave when a
-        message of this type arrives (e.g. ``"train.sky_forward"``); empty = never.
+        message of this type arrives (one of ``sky_flower.sky.protocol.MESSAGE_TYPES``,
+        e.g. ``"train.sky_forward"``; another is refused); empty = never.
     fail_mode : {"raise", "malformed", "nan", "late", "crash", "stall"}
         How (:mod:`sky_flower.emulation.faults`): raise (Flower turns it into an error
         reply), reply with arrays of the wrong shape, with NaN values, ``fail_delay_s``
@@ -142,6 +144,12 @@ class Emulation:
             _real(where, "bandwidth_mb_s", self.bandwidth_mb_s, "> 0", or_null=True)
         if not isinstance(self.fail_on, str):
             raise ValueError(f"{where}: fail_on must be a string, got {self.fail_on!r}")
+        if self.fail_on and self.fail_on not in MESSAGE_TYPES:  # a typo injects nothing
+            raise ValueError(
+                f"{where}: fail_on must be '' or a Sky message type "
+                f"({', '.join(MESSAGE_TYPES)}), got {self.fail_on!r}: a fault on a message "
+                "that never comes is never injected"
+            )
         for f in ("fail_round", "fail_step", "leave_round", "join_round"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -530,6 +530,14 @@ class StepMetrics(Record):
     n: int
     compute_s: float
 
+    def __post_init__(self) -> None:
+        # n: the micro-batch's labels counted (at least one); correct: those hit
+        if self.n < 1 or not 0 <= self.correct <= self.n:
+            raise ProtocolError(
+                f"StepMetrics: n={self.n} labels and correct={self.correct} are no count "
+                "(need n >= 1 and 0 <= correct <= n)"
+            )
+
 
 @dataclass(frozen=True)
 class DirectMetrics(Record):
@@ -542,6 +550,13 @@ class DirectMetrics(Record):
     step_times_s: tuple[float, ...]
     setup_s: float
     compute_s: float
+
+    def __post_init__(self) -> None:
+        if self.n < 0 or not 0 <= self.correct <= self.n:  # n: 0 on all but the last stage
+            raise ProtocolError(
+                f"DirectMetrics: n={self.n} samples and correct={self.correct} are no count "
+                "(need n >= 0 and 0 <= correct <= n)"
+            )
 
 
 RECORDS = (

@@ -23,7 +23,7 @@ from flwr.supercore import log
 
 from sky_flower import tables
 from sky_flower.core.calibration import CALIBRATION_FIELDS
-from sky_flower.core.cost import Schedule
+from sky_flower.core.cost import Schedule, check_profiles
 from sky_flower.core.profile import LayerProfile, NodeProfile
 from sky_flower.flower.exchange import Exchange
 from sky_flower.sky import protocol as P
@@ -201,11 +201,11 @@ class BenchmarkRound:
             if prof.runtime_workers > 0:  # the fewest any node reported
                 seen = result.runtime_workers or prof.runtime_workers
                 result.runtime_workers = min(seen, prof.runtime_workers)
-        why = [
-            f"{self.name_left_out(nid, left_out, result, node_order)}: {err}"
-            for nid, err in left_out
+        named = [
+            (self.name_left_out(nid, left_out, result, node_order), err) for nid, err in left_out
         ]
-        for line in why:
+        why = [f"{who}: {err}" for who, err in named]
+        for (who, err), line in zip(named, why, strict=True):
             if "is not in the federation" in line:  # an emulated join_round: not yet
                 log(
                     INFO,
@@ -214,7 +214,7 @@ class BenchmarkRound:
                     line,
                 )
             else:
-                log(WARNING, "Benchmark: leaving %s out of the plan", line)
+                log(WARNING, "Benchmark: leaving %s out of the plan: %s", who, err)
         if not any(n.holds_data for n in result.nodes):
             left = f" (left out: {'; '.join(why)})" if why else ""
             raise SkyNodeError(f"no data owner answered the benchmark round: cannot train{left}")
@@ -252,7 +252,9 @@ class BenchmarkRound:
         return self.ex.name(nid)
 
     def profile(self, nid: int, result: BenchmarkResult) -> tuple[NodeProfile, P.ProfileReply]:
-        """One node's profile (and link). Raises on a failed or malformed answer."""
+        """One node's profile (and link). Raises on a failed or malformed answer, or
+        one whose figures the cost model cannot use (NaN, inf or negative times or
+        memory: :func:`sky_flower.core.cost.check_profiles`)."""
         req = P.ProfileRequest(
             input_shape=tuple(self.input_shape),
             microbatch_size=self.schedule.microbatch_size,
@@ -316,6 +318,12 @@ class BenchmarkRound:
             setup_s=setup_s,
             **calibration(prof),
         )
+        try:  # a node's bad figures leave it out here, not fail the plan of every node
+            check_profiles((), [node])
+            if prof.num_examples < 0:
+                raise ValueError(f"num_examples must be >= 0, got {prof.num_examples}")
+        except ValueError as err:
+            raise SkyNodeError(f"its benchmark reply is unusable: {err}") from err
         return node, prof
 
     def echo(self, nid: int, size: int, store_bytes: int = 0) -> float:

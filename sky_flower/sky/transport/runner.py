@@ -301,8 +301,9 @@ def merge_weights(  # noqa: PLR0913
     ------
     SkyNodeError
         If a reply is an error or lacks its weights (naming its node), a layer tensor
-        comes back twice or not at all, or a reply carries a parameter the server's
-        model freezes (the nodes' and the server's ``model_fn`` disagree on what trains).
+        comes back twice or not at all, or of another shape or dtype than ``start``'s
+        (naming its node), or a reply carries a parameter the server's model freezes
+        (the nodes' and the server's ``model_fn`` disagree on what trains).
     ValueError
         If ``frozen`` is not empty and ``start`` is not given.
     """
@@ -317,6 +318,18 @@ def merge_weights(  # noqa: PLR0913
         if rec is None:
             raise ex.fail(f"{ex.name(src)}: reply lacks its weights", [src])
         sent += rec.count_bytes()
+        for name in rec:  # a stage's tensor must fit the model's (start: the round's)
+            want = start.get(name) if start is not None else None
+            got = rec[name]
+            if want is not None and (tuple(got.shape), got.dtype) != (
+                tuple(want.shape),
+                want.dtype,
+            ):
+                raise ex.fail(
+                    f"{ex.name(src)}: returned {name} as {got.dtype} {tuple(got.shape)}, "
+                    f"the model's is {want.dtype} {tuple(want.shape)}",
+                    [src],
+                )
         for name, value in rec.to_torch_state_dict().items():
             if name in merged:
                 raise ex.fail(f"layer tensor {name} returned twice")
