@@ -212,9 +212,9 @@ def run_stream_session(cfg: P.StreamConfig, node: NodeStage) -> RecordDict:
     try:
         if channel.across_rounds:
             return serve_session(stage, channel, cfg.silence_s)
-        header = {"round": st.round}
-        stage.begin(header, RecordDict())
-        emu = node.emulation_at(st.round)
-        return stage.play(header, iter(channel.frames()), channel, emu, faults.step_hook())[0]
+        emu = node.emulation_at(st.round)  # a freshly built stage: no begin
+        return stage.play(
+            {"round": st.round}, iter(channel.frames()), channel, emu, faults.step_hook()
+        )[0]
     finally:
         channel.close()
