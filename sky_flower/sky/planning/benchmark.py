@@ -205,13 +205,14 @@ class BenchmarkRound:
             (self.name_left_out(nid, left_out, result, node_order), err) for nid, err in left_out
         ]
         why = [f"{who}: {err}" for who, err in named]
-        for (who, err), line in zip(named, why, strict=True):
-            if "is not in the federation" in line:  # an emulated join_round: not yet
+        for who, err in named:
+            if "is not in the federation" in str(err):  # an emulated join_round: not yet
                 log(
                     INFO,
-                    "Benchmark: %s. It is profiled and planned with when it joins if "
+                    "Benchmark: %s: %s. It is profiled and planned with when it joins if "
                     "replan.mode is on (sky_flower.sky.rounds.joins), else left out",
-                    line,
+                    who,
+                    err,
                 )
             else:
                 log(WARNING, "Benchmark: leaving %s out of the plan: %s", who, err)
