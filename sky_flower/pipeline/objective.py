@@ -327,14 +327,14 @@ def check_objective(  # noqa: PLR0913
         loss.backward()
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise ValueError(f"{names[0]}={_shown(loss_fn)} fails on {seen}: {err}") from err
-    _check_reduction(out.detach(), labels, loss_fn, reduction, float(loss.detach()), names[0])
+    check_reduction(out.detach(), labels, loss_fn, reduction, float(loss.detach()), names[0])
     try:
         float(metric_fn(out.detach(), labels))
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise ValueError(f"{names[1]}={_shown(metric_fn)} fails on {seen}: {err}") from err
 
 
-def _check_reduction(  # noqa: PLR0913
+def check_reduction(  # noqa: PLR0913
     out: torch.Tensor,
     labels: torch.Tensor,
     loss_fn: Callable[..., torch.Tensor],
@@ -343,9 +343,15 @@ def _check_reduction(  # noqa: PLR0913
     name: str,
     setting: str = "objective.reduction",
 ) -> None:
-    """Raise ValueError unless the loss of two halves, combined as ``reduction``
-    declares, is the loss of the whole (``whole``), to rtol 1e-4 (naming ``setting``,
-    the reduction's key in the caller's words, with ``objective.weight`` beside it)."""
+    """Check that the loss of the two halves of ``out`` / ``labels`` (``(n, ...)``),
+    combined as ``reduction`` declares, is the loss of the whole (``whole``), to rtol
+    1e-4; ``n < 2`` is not checked.
+
+    Raises
+    ------
+    ValueError
+        When it is not, naming ``name`` (the loss), ``setting`` (the reduction's key in
+        the caller's words, with its weight's key beside it) and what to set."""
     n = out.shape[0]
     if n < 2:
         return

@@ -561,10 +561,10 @@ def check_labels(
                 raise ValueError(f"{words} ({err})") from err
             return
     if reduction is not None and torch.is_tensor(loss) and loss.numel() == 1:
-        from sky_flower.pipeline.objective import _check_reduction
+        from sky_flower.pipeline.objective import check_reduction
 
         try:
-            _check_reduction(out, y, loss_fn, reduction, float(loss), "loss", "loss-reduction")
+            check_reduction(out, y, loss_fn, reduction, float(loss), "loss", "loss-reduction")
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from err
 
